@@ -1,0 +1,468 @@
+"""The server runtime every service stands on: the protocol servicer, health, reflection and shutdown.
+
+A servicer is thin: it hands each RPC to a `DataPlane` (a stage service's or the router's) and maps the
+`PipelineError`s the plane raises to gRPC status codes, in one place.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+import pipeline
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.convert import (
+    Tensor,
+    infer_response,
+    metadata_response,
+    model_config,
+    request_tensors,
+    requested_outputs,
+    select_version,
+    validate_inputs,
+)
+from pipeline.datatypes import DATATYPES, datatype_of
+from pipeline.errors import ModelNotFound, PipelineError, Unavailable
+from pipeline.stage import Stage, TensorSpec
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The service whose health status says whether models can be served.
+INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+
+#: Metadata keys that belong to one hop and are not passed on to the next.
+_HOP_HEADERS = frozenset({"user-agent", "content-type", "te", "grpc-timeout", "grpc-encoding", "host"})
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What the data plane needs of the incoming call: its time left and the client's metadata."""
+
+    timeout: float | None
+    metadata: tuple[tuple[str, str | bytes], ...]
+
+    @classmethod
+    def of(cls, context: grpc.aio.ServicerContext) -> CallContext:
+        metadata = tuple(
+            (key, value)
+            for key, value in (context.invocation_metadata() or ())
+            if not key.startswith(":") and key not in _HOP_HEADERS
+        )
+        return cls(context.time_remaining(), metadata)
+
+
+class DataPlane(abc.ABC):
+    """What a server does, free of gRPC types: model lookup, metadata, configuration and inference."""
+
+    #: `ServerMetadata.extensions`: the protocol extensions this server supports.
+    extensions: tuple[str, ...] = ("model_configuration",)
+
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """Whether every model is ready to serve."""
+
+    @abc.abstractmethod
+    async def model_ready(self, name: str, version: str) -> bool:
+        """Whether a model (at a version, or its default one) is ready."""
+
+    @abc.abstractmethod
+    async def model_metadata(self, name: str, version: str, call: CallContext) -> pb.ModelMetadataResponse:
+        """`ModelMetadata` of a model; raises `ModelNotFound`."""
+
+    @abc.abstractmethod
+    async def model_config(self, name: str, version: str, call: CallContext) -> mc.ModelConfig:
+        """Triton's `ModelConfig` of a model; raises `ModelNotFound`."""
+
+    @abc.abstractmethod
+    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+        """Run one inference request."""
+
+
+async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+    """Await `work`, turning a `PipelineError` into its status and anything else into INTERNAL."""
+    try:
+        return await work
+    except PipelineError as err:
+        await context.abort(err.code, err.message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        incident = uuid.uuid4().hex[:12]
+        log.exception("internal error, incident %s", incident)
+        await context.abort(
+            grpc.StatusCode.INTERNAL, f"internal error (incident {incident} in the server log)"
+        )
+    raise AssertionError("unreachable: abort raises")
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """`inference.GRPCInferenceService` over a `DataPlane`."""
+
+    def __init__(self, plane: DataPlane, name: str) -> None:
+        self.plane = plane
+        self.name = name
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext):
+        return pb.ServerReadyResponse(ready=self.plane.ready())
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext):
+        ready = await _guarded(context, self.plane.model_ready(request.name, request.version))
+        return pb.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext):
+        return pb.ServerMetadataResponse(
+            name=self.name, version=pipeline.__version__, extensions=self.plane.extensions
+        )
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext):
+        call = CallContext.of(context)
+        return await _guarded(context, self.plane.model_metadata(request.name, request.version, call))
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext):
+        call = CallContext.of(context)
+        config = await _guarded(context, self.plane.model_config(request.name, request.version, call))
+        return pb.ModelConfigResponse(config=config)
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
+        return await _guarded(context, self.plane.infer(request, CallContext.of(context)))
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests on a stream run concurrently; each response (or error) is sent as it completes."""
+        call = CallContext.of(context)
+        done: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            try:
+                response = await self.plane.infer(request, call)
+                await done.put(pb.ModelStreamInferResponse(infer_response=response))
+            except PipelineError as err:
+                failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+                await done.put(pb.ModelStreamInferResponse(error_message=err.message, infer_response=failed))
+            except Exception:
+                log.exception("internal error in a streamed request")
+                await done.put(pb.ModelStreamInferResponse(error_message="internal error"))
+
+        async def read() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(one(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*list(tasks))
+            await done.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await done.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+
+class StagePlane(DataPlane):
+    """The data plane of a stage service: runs `Stage` models, each in its own executor thread."""
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        names = [stage.name for stage in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage model names must be unique, got {names}")
+        self.stages = {stage.name: stage for stage in stages}
+        # NOTE: one thread per model: inference never blocks the event loop, and a model's own calls
+        # never run concurrently (torch and most decoders are not re-entrant per instance).
+        self._executors = {
+            name: ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}") for name in self.stages
+        }
+        self._loaded: set[str] = set()
+
+    async def load(self) -> None:
+        """Load every model, each in its own thread."""
+        loop = asyncio.get_running_loop()
+        for name, stage in self.stages.items():
+            await loop.run_in_executor(self._executors[name], stage.load)
+            self._loaded.add(name)
+            log.info("loaded model '%s' (platform %s)", name, stage.platform)
+
+    async def unload(self) -> None:
+        loop = asyncio.get_running_loop()
+        for name, stage in self.stages.items():
+            if name in self._loaded:
+                self._loaded.discard(name)
+                await loop.run_in_executor(self._executors[name], stage.unload)
+            self._executors[name].shutdown(wait=False)
+
+    def ready(self) -> bool:
+        return len(self._loaded) == len(self.stages)
+
+    def _get(self, name: str, version: str) -> tuple[Stage, str]:
+        stage = self.stages.get(name)
+        if stage is None:
+            raise ModelNotFound(f"unknown model '{name}' (served here: {', '.join(self.stages)})")
+        return stage, select_version(name, stage.versions, version)
+
+    async def model_ready(self, name: str, version: str) -> bool:
+        try:
+            self._get(name, version)
+        except ModelNotFound:
+            return False
+        return name in self._loaded
+
+    async def model_metadata(self, name: str, version: str, call: CallContext) -> pb.ModelMetadataResponse:
+        stage, _ = self._get(name, version)
+        return metadata_response(stage.name, stage.versions, stage.platform, stage.inputs, stage.outputs)
+
+    async def model_config(self, name: str, version: str, call: CallContext) -> mc.ModelConfig:
+        stage, _ = self._get(name, version)
+        config = model_config(
+            stage.name,
+            platform=stage.platform,
+            backend=stage.backend,
+            max_batch_size=stage.max_batch_size,
+            inputs=stage.inputs,
+            outputs=stage.outputs,
+        )
+        config.instance_group.add(name=f"{stage.name}_0", count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+        return config
+
+    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+        stage, version = self._get(request.model_name, request.model_version)
+        if stage.name not in self._loaded:
+            raise Unavailable(f"model '{stage.name}' is not loaded yet")
+        tensors = validate_inputs(stage.name, request_tensors(request), stage.inputs, stage.max_batch_size)
+        wanted = requested_outputs(request, stage.outputs, stage.name)
+        arrays = {name: tensor.to_array() for name, tensor in tensors.items()}
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._executors[stage.name], stage.infer, arrays)
+        batch = next(iter(arrays.values())).shape[0] if stage.max_batch_size > 0 and arrays else None
+        specs = {spec.name: spec for spec in stage.outputs}
+        return stage_response(stage.name, version, request.id, wanted, result, specs, batch)
+
+
+def stage_response(
+    model: str,
+    version: str,
+    request_id: str,
+    wanted: Sequence[str],
+    result: dict[str, np.ndarray],
+    specs: Mapping[str, TensorSpec],
+    batch: int | None,
+) -> pb.ModelInferResponse:
+    """Check a stage's result against its declared outputs and build the response."""
+    tensors = []
+    for name in wanted:
+        if name not in result:
+            raise RuntimeError(f"model '{model}' returned no output '{name}'")
+        array = np.asarray(result[name])
+        spec = specs[name]
+        if datatype_of(array) != spec.datatype and spec.datatype != "BYTES":
+            array = array.astype(DATATYPES[spec.datatype])
+        if batch is not None and (array.ndim == 0 or array.shape[0] != batch):
+            raise RuntimeError(
+                f"model '{model}' output '{name}' has shape {list(array.shape)}, expected batch {batch}"
+            )
+        tensors.append(Tensor.from_array(name, array))
+    return infer_response(model, version, request_id, tensors)
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Channel options for servers and clients: bounded message sizes above gRPC's 4 MiB default."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+async def create_server(
+    address: str,
+    servicer: InferenceServicer,
+    health_servicer: health.aio.HealthServicer,
+    *,
+    max_message_bytes: int = 64 * 1024 * 1024,
+) -> tuple[grpc.aio.Server, int]:
+    """An aio server (not started) with inference, health and reflection; returns it and its bound port."""
+    server = grpc.aio.server(options=server_options(max_message_bytes))
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            INFERENCE_SERVICE,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    return server, port
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    """Report the server (and its inference service) SERVING or NOT_SERVING."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", INFERENCE_SERVICE):
+        await health_servicer.set(service, status)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, *, service: str, default_port: int) -> None:
+    """Flags every service takes; each defaults from a `PIPELINE_...` environment variable."""
+    env = service.upper()
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("PIPELINE_HOST", "127.0.0.1"),
+        help="address to listen on (env PIPELINE_HOST; 0.0.0.0 in containers)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get(f"PIPELINE_{env}_PORT", default_port)),
+        help=f"port to listen on, 0 for one the OS picks (env PIPELINE_{env}_PORT)",
+    )
+    parser.add_argument(
+        "--port-file", type=Path, default=None, help="write the bound port to this file once listening"
+    )
+    parser.add_argument(
+        "--max-message-mb",
+        type=int,
+        default=int(os.environ.get("PIPELINE_MAX_MESSAGE_MB", 64)),
+        help="largest gRPC message accepted or sent, in MiB (env PIPELINE_MAX_MESSAGE_MB)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=float(os.environ.get("PIPELINE_GRACE_PERIOD", 10.0)),
+        help="seconds in-flight requests get to finish on SIGTERM (env PIPELINE_GRACE_PERIOD)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
+        help="logging level (env PIPELINE_LOG_LEVEL)",
+    )
+
+
+def configure_logging(level: str, service: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def serve(
+    server: grpc.aio.Server,
+    health_servicer: health.aio.HealthServicer,
+    *,
+    grace: float,
+    start: Callable[[], Awaitable[None]] | None = None,
+    stop: Callable[[], Awaitable[None]] | None = None,
+    stopping: asyncio.Event | None = None,
+) -> None:
+    """Run a server until `stopping` is set (by default: SIGTERM or SIGINT), then drain.
+
+    Draining reports NOT_SERVING first, refuses new RPCs and gives in-flight ones `grace` seconds.
+    """
+    loop = asyncio.get_running_loop()
+    signals: tuple[signal.Signals, ...] = ()
+    if stopping is None:
+        stopping = asyncio.Event()
+        signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stopping.set)
+    await server.start()
+    try:
+        if start is not None:
+            starting = asyncio.create_task(start())
+            waiting = asyncio.create_task(stopping.wait())
+            await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+            else:
+                waiting.cancel()
+                starting.result()
+        await stopping.wait()
+    finally:
+        log.info("shutting down: draining in-flight requests (grace %.1fs)", grace)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace)
+        if stop is not None:
+            await stop()
+        for sig in signals:
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+
+
+def write_port(path: Path | None, port: int) -> None:
+    """Write the bound port atomically, for launchers and tests that asked for port 0."""
+    if path is None:
+        return
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+async def serve_stages(
+    stages: Sequence[Stage],
+    args: argparse.Namespace,
+    *,
+    service: str,
+    stopping: asyncio.Event | None = None,
+    bound: Callable[[int], None] | None = None,
+) -> None:
+    """Serve stage models until a signal (or `stopping`): listen first, load the models, then SERVING.
+
+    `bound` is called with the port once the server listens (tests and launchers ask for port 0).
+    """
+    plane = StagePlane(stages)
+    health_servicer = health.aio.HealthServicer()
+    await set_serving(health_servicer, False)
+    server, port = await create_server(
+        f"{args.host}:{args.port}",
+        InferenceServicer(plane, service),
+        health_servicer,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+    )
+
+    async def start() -> None:
+        write_port(args.port_file, port)
+        if bound is not None:
+            bound(port)
+        log.info("%s listening on %s:%d, loading %s", service, args.host, port, ", ".join(plane.stages))
+        await plane.load()
+        await set_serving(health_servicer, True)
+        log.info("%s serving %s on %s:%d", service, ", ".join(plane.stages), args.host, port)
+
+    await serve(
+        server, health_servicer, grace=args.grace_period, start=start, stop=plane.unload, stopping=stopping
+    )
+
+
+def run_stage_service(stages: Sequence[Stage], args: argparse.Namespace, *, service: str) -> None:
+    """Entry point of a stage service process: serve `stages` until SIGTERM or SIGINT."""
+    configure_logging(args.log_level, service)
+    asyncio.run(serve_stages(stages, args, service=service))

@@ -1,0 +1,73 @@
+"""What a stage model is: named, typed tensors in and out, and batch inference on numpy arrays.
+
+A stage service (preprocess, model, postprocess, or one of your own) subclasses `Stage` and hands its
+instances to `pipeline.server.serve_stages`; the runtime does the protocol, validation, health and errors.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.datatypes import DATATYPES
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A tensor a model takes or gives.
+
+    `shape` is the whole shape as clients see it in `ModelMetadata`: -1 marks a variable dimension, and for a
+    model that batches (`max_batch_size > 0`) dimension 0 is the batch dimension and is -1.
+    """
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.datatype not in DATATYPES:
+            raise ValueError(f"tensor {self.name!r}: unknown datatype {self.datatype!r}")
+        if any(d < -1 for d in self.shape):
+            raise ValueError(f"tensor {self.name!r}: dimensions must be -1 or >= 0, got {list(self.shape)}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+
+class Stage(abc.ABC):
+    """A model served by a stage service.
+
+    Subclasses set the class attributes (or instance attributes in `__init__`) and implement `infer`.
+    `load` and `infer` are blocking and run in the model's own executor thread, never on the event loop.
+    """
+
+    #: The model name clients and ensemble steps use.
+    name: str
+    #: Inputs and outputs, in the order `ModelMetadata` lists them.
+    inputs: Sequence[TensorSpec]
+    outputs: Sequence[TensorSpec]
+    #: Largest batch (dimension 0) one `infer` call accepts; 0 means the model does not batch.
+    max_batch_size: int = 0
+    #: What `ModelMetadata.platform` and `ModelConfig.platform` report.
+    platform: str = "python"
+    #: What `ModelConfig.backend` reports.
+    backend: str = "python"
+    #: The versions served; the last is the default.
+    versions: Sequence[str] = ("1",)
+
+    def load(self) -> None:  # noqa: B027 - loading is optional
+        """Prepare the model (read weights, warm up). Health turns SERVING only after every load returns."""
+
+    def unload(self) -> None:  # noqa: B027 - unloading is optional
+        """Release what `load` acquired."""
+
+    @abc.abstractmethod
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch.
+
+        `inputs` maps every declared input name to an array of the declared datatype (BYTES arrive as an
+        object array of `bytes`), already checked against the declared shape. Return an array for every
+        declared output, with the same dimension-0 size as the inputs when the model batches. Raise
+        `pipeline.errors.InvalidInput` naming the input and the batch index for content that cannot be used.
+        """

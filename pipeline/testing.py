@@ -1,0 +1,86 @@
+"""Run stage services and the router in-process on ports the OS picks: for tests, ours and yours.
+
+    async with serving_stages([MyStage()]) as stage:
+        ...  # call stage.address with any OIP client
+
+Both go through the same code paths as the service processes (`serve_stages`, `serve_router`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeline.server import serve_stages
+from pipeline.stage import Stage
+
+if TYPE_CHECKING:
+    from pipeline.plan import Catalog
+
+
+@dataclass
+class Running:
+    """A server running in this event loop: its address, and `stop()` to drain and stop it."""
+
+    address: str
+    stopping: asyncio.Event
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        """Drain and stop the server (what SIGTERM does to a service process)."""
+        self.stopping.set()
+        await self.task
+
+
+def _args(max_message_mb: int, grace: float) -> argparse.Namespace:
+    return argparse.Namespace(
+        host="127.0.0.1", port=0, port_file=None, max_message_mb=max_message_mb, grace_period=grace
+    )
+
+
+@contextlib.asynccontextmanager
+async def _running(
+    serve: Callable[[asyncio.Event, Callable[[int], None]], Awaitable[None]],
+) -> AsyncIterator[Running]:
+    stopping = asyncio.Event()
+    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(stopping, port.set_result))
+    done, _ = await asyncio.wait({task, port}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        task.result()  # it failed before listening: raise its error
+    running = Running(f"127.0.0.1:{port.result()}", stopping, task)
+    try:
+        yield running
+    finally:
+        if not task.done():
+            await running.stop()
+
+
+@contextlib.asynccontextmanager
+async def serving_stages(
+    stages: Sequence[Stage], *, max_message_mb: int = 64, grace: float = 5.0
+) -> AsyncIterator[Running]:
+    """Serve stage models on 127.0.0.1 and a port the OS picks (models load in the background)."""
+    args = _args(max_message_mb, grace)
+    async with _running(
+        lambda stopping, bound: serve_stages(stages, args, service="stage", stopping=stopping, bound=bound)
+    ) as running:
+        yield running
+
+
+@contextlib.asynccontextmanager
+async def serving_router(
+    catalog: Catalog, *, max_message_mb: int = 64, grace: float = 5.0
+) -> AsyncIterator[Running]:
+    """Serve a catalog's ensembles on 127.0.0.1 and a port the OS picks."""
+    from pipeline.router import serve_router
+
+    args = _args(max_message_mb, grace)
+    async with _running(
+        lambda stopping, bound: serve_router(args, catalog=catalog, stopping=stopping, bound=bound)
+    ) as running:
+        yield running

@@ -1,0 +1,51 @@
+"""Shared test helpers: async OIP clients for in-process servers, and waiting for health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline.server import server_options
+
+
+@contextlib.asynccontextmanager
+async def inference_stub(
+    address: str, *, max_message_bytes: int = 256 * 1024 * 1024
+) -> AsyncIterator[pb_grpc.GRPCInferenceServiceStub]:
+    """An aio stub for `inference.GRPCInferenceService` at `address`."""
+    async with grpc.aio.insecure_channel(address, options=server_options(max_message_bytes)) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+async def health_status(address: str, service: str = "") -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2
+        )
+        return reply.status
+
+
+async def wait_serving(address: str, timeout: float = 30.0) -> None:
+    """Wait until the server at `address` reports SERVING."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            if await health_status(address) == health_pb2.HealthCheckResponse.SERVING:
+                return
+        if loop.time() > deadline:
+            raise TimeoutError(f"{address} did not become SERVING within {timeout}s")
+        await asyncio.sleep(0.05)
+
+
+async def rpc_error(call) -> grpc.aio.AioRpcError:
+    """Await a call that must fail; return its error."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value
