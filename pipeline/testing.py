@@ -36,9 +36,9 @@ class Running:
         await self.task
 
 
-def _args(max_message_mb: int, grace: float) -> argparse.Namespace:
+def _args(max_message_mb: int, grace: float, port: int = 0) -> argparse.Namespace:
     return argparse.Namespace(
-        host="127.0.0.1", port=0, port_file=None, max_message_mb=max_message_mb, grace_period=grace
+        host="127.0.0.1", port=port, port_file=None, max_message_mb=max_message_mb, grace_period=grace
     )
 
 
@@ -62,10 +62,13 @@ async def _running(
 
 @contextlib.asynccontextmanager
 async def serving_stages(
-    stages: Sequence[Stage], *, max_message_mb: int = 64, grace: float = 5.0
+    stages: Sequence[Stage], *, max_message_mb: int = 64, grace: float = 5.0, port: int = 0
 ) -> AsyncIterator[Running]:
-    """Serve stage models on 127.0.0.1 and a port the OS picks (models load in the background)."""
-    args = _args(max_message_mb, grace)
+    """Serve stage models on 127.0.0.1 and a port the OS picks (models load in the background).
+
+    `port` asks for a given port instead, e.g. to bring a stopped stage back where it was.
+    """
+    args = _args(max_message_mb, grace, port)
     async with _running(
         lambda stopping, bound: serve_stages(stages, args, service="stage", stopping=stopping, bound=bound)
     ) as running:

@@ -218,7 +218,9 @@ GOOD = {"A": np.ones((2, 3), np.float32), "B": np.ones((2, 3), np.float32)}
         "item-error",
     ],
 )
-async def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(stage_address, request_, code, words):
+async def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(
+    stage_address, request_, code, words
+):
     async with inference_stub(stage_address) as stub:
         err = await rpc_error(stub.ModelInfer(request_))
         assert err.code() == code
@@ -307,7 +309,9 @@ async def test_health_turns_serving_only_after_load_and_shutdown_drains():
             gated.may_load.set()
             await wait_serving(running.address)
 
-            in_flight = asyncio.ensure_future(stub.ModelInfer(request_for("gated", X=np.ones((1, 1), np.float32))))
+            in_flight = asyncio.ensure_future(
+                stub.ModelInfer(request_for("gated", X=np.ones((1, 1), np.float32)))
+            )
             assert await asyncio.to_thread(gated.entered.wait, 10)
             stopping = asyncio.create_task(running.stop())  # what SIGTERM does
             await asyncio.sleep(0.2)

@@ -1,0 +1,637 @@
+"""Ensemble YAML files: load, validate, and compile into the immutable plan of `pipeline.plan`.
+
+An ensemble file uses Triton's vocabulary: `inputs`, `outputs` and `steps`, each step calling a stage model
+and mapping its tensors with `input_map` / `output_map` (stage tensor name: ensemble tensor name). Stage
+endpoints are declared once under `stages` and referred to by key. Data dependencies define the DAG.
+
+Validation happens in three layers, each raising `ConfigError` with the file, the step and the tensor:
+
+1. the schema (pydantic, unknown keys rejected, values typed) - `load_ensemble`;
+2. the graph (one producer per tensor, everything consumed is produced, no cycle) - `load_ensemble`;
+3. the stages' real signatures, learnt from `ModelMetadata` at start-up - `check_signatures` (defined in
+   `pipeline.plan`, re-exported here).
+"""
+
+from __future__ import annotations
+
+import difflib
+import heapq
+import itertools
+import logging
+import os
+import re
+import types
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from pipeline.datatypes import DATATYPES
+from pipeline.plan import Catalog, EnsemblePlan, ModelSignature, PlanStep, StageEndpoint, check_signatures
+from pipeline.stage import TensorSpec
+
+__all__ = [
+    "ConfigError",
+    "ModelSignature",
+    "check_signatures",
+    "compile_ensemble",
+    "load_ensemble",
+    "load_ensembles",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """An ensemble file (or a set of them) is invalid; the message names the file, step and tensor."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Schema
+
+Name = Annotated[str, StringConstraints(strict=True, min_length=1)]
+
+# `${VAR}` or `${VAR:-default}`; anything else starting with `${` is reported as malformed.
+_ENV_REFERENCE = re.compile(r"\$\{([^}]*)\}?")
+_ENV_BODY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?", re.DOTALL)
+_HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+(?:%[\w.-]+)?\]|[A-Za-z0-9_.-]+):(\d{1,5})")
+# gRPC target schemes that have no `host:port` form, passed through as they are.
+_GRPC_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorConfig(_Schema):
+    """An ensemble input or output as written in YAML."""
+
+    name: Name
+    datatype: Name
+    shape: tuple[Annotated[int, Field(strict=True)], ...]
+
+    @field_validator("datatype")
+    @classmethod
+    def _known_datatype(cls, value: str) -> str:
+        if value not in DATATYPES:
+            hint = f"; write '{value[5:]}', not '{value}'" if value.startswith("TYPE_") else ""
+            raise ValueError(f"unknown datatype '{value}' (expected one of {', '.join(DATATYPES)}){hint}")
+        return value
+
+    @field_validator("shape")
+    @classmethod
+    def _valid_dims(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        for i, dim in enumerate(value):
+            if dim < -1:
+                raise ValueError(f"dimension {i} is {dim}; dimensions must be -1 (variable) or >= 0")
+        return value
+
+
+class StageConfig(_Schema):
+    """A stage endpoint as written in YAML; `address` may use `${VAR}` and `${VAR:-default}`."""
+
+    address: Name
+
+    @field_validator("address")
+    @classmethod
+    def _expand_address(cls, value: str, info: ValidationInfo) -> str:
+        environ: Mapping[str, str] = (info.context or {}).get("environ", os.environ)
+        address = _expand(value, environ).strip()
+        if not address:
+            raise ValueError(f"address {value!r} is empty after expanding environment variables")
+        if address.startswith(_GRPC_SCHEMES):
+            return address
+        match = _HOST_PORT.fullmatch(address)
+        if match is None or not 1 <= int(match.group(1)) <= 65535:
+            expanded = f" (from {value!r})" if address != value else ""
+            raise ValueError(
+                f"address {address!r}{expanded} is not of the form host:port, [ipv6]:port or unix:path"
+            )
+        return address
+
+
+class StepConfig(_Schema):
+    """An ensemble step as written in YAML."""
+
+    model_name: Name
+    #: -1 = the stage's default version; OIP versions are strings, so a string is accepted too.
+    model_version: int | str = -1
+    stage: Name
+    input_map: dict[Name, Name]
+    output_map: dict[Name, Name]
+
+    @field_validator("model_version", mode="plain")
+    @classmethod
+    def _valid_version(cls, value: Any) -> int | str:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError(f"model_version must be an integer or a string, not {value!r}")
+        if isinstance(value, int) and value != -1 and value < 1:
+            raise ValueError(f"model_version must be -1 (the default version) or >= 1, not {value}")
+        if isinstance(value, str) and not value:
+            raise ValueError("model_version must not be an empty string (omit it for the default version)")
+        return value
+
+
+class EnsembleConfig(_Schema):
+    """A whole ensemble file as written in YAML."""
+
+    #: Defaults to the file's stem.
+    name: Name | None = None
+    max_batch_size: Annotated[int, Field(strict=True, ge=0)] = 64
+    stages: dict[Name, StageConfig]
+    inputs: tuple[TensorConfig, ...]
+    outputs: tuple[TensorConfig, ...]
+    steps: tuple[StepConfig, ...]
+
+
+def _expand(value: str, environ: Mapping[str, str]) -> str:
+    def replace(match: re.Match[str]) -> str:
+        body = _ENV_BODY.fullmatch(match.group(1))
+        if body is None or not match.group(0).endswith("}"):
+            raise ValueError(
+                f"malformed environment reference {match.group(0)!r}: use ${{VAR}} or ${{VAR:-default}}"
+            )
+        name, default = body.group(1), body.group(2)
+        found = environ.get(name)
+        # Like the shell's `:-`, an empty variable counts as unset when there is a default.
+        if found is None or (found == "" and default is not None):
+            if default is None:
+                raise ValueError(
+                    f"environment variable '{name}' is not set and has no default "
+                    f"(set it, or write ${{{name}:-host:port}})"
+                )
+            return default
+        return found
+
+    return _ENV_REFERENCE.sub(replace, value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# YAML and pydantic errors, in words
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys instead of silently keeping the last one."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        if isinstance(key, str | int | float | bool) and key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"duplicate key {key!r} (first at line {seen[key].start_mark.line + 1})",
+                key_node.start_mark,
+            )
+        if isinstance(key, str | int | float | bool):
+            seen[key] = key_node
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+_ALLOWED_KEYS: dict[str, type[_Schema]] = {
+    "inputs": TensorConfig,
+    "outputs": TensorConfig,
+    "steps": StepConfig,
+    "stages": StageConfig,
+}
+
+
+def _read_yaml(path: Path, source: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read the file: {exc.strerror or exc}") from exc
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        context = getattr(exc, "context", None)
+        detail = f"{problem} ({context})" if context else problem
+        raise ConfigError(f"{source}: {where}invalid YAML: {detail}") from exc
+
+
+def _context(loc: tuple[Any, ...], raw: Mapping[str, Any]) -> str:
+    """`step N (model_name): ` or `input 'X': ` for a location inside a list item, else ''."""
+    if len(loc) < 2 or loc[0] not in ("steps", "inputs", "outputs") or not isinstance(loc[1], int):
+        return ""
+    items = raw.get(loc[0])
+    if not isinstance(items, list) or loc[1] >= len(items) or not isinstance(items[loc[1]], dict):
+        return ""
+    item = items[loc[1]]
+    if loc[0] == "steps":
+        return f"step {loc[1]} ({item.get('model_name', '?')}): "
+    name = item.get("name")
+    return f"{'input' if loc[0] == 'inputs' else 'output'} '{name}': " if name is not None else ""
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part == "[key]":
+            text += " (key)"
+        else:
+            text += f".{part}" if text else str(part)
+    return text or "top level"
+
+
+# pydantic's words for Python types, in YAML's words.
+_TYPE_WORDS = {
+    "tuple_type": "a list",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "string_type": "a string",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+}
+
+
+def _explain(error: Any, raw: Mapping[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        parent = loc[:-1]
+        model = EnsembleConfig if not parent else _ALLOWED_KEYS.get(parent[0]) if len(parent) == 2 else None
+        allowed = f" (allowed: {', '.join(model.model_fields)})" if model is not None else ""
+        return f"{_context(loc, raw)}{_path(parent)}: unknown key '{loc[-1]}'{allowed}"
+    if kind == "missing":
+        return f"{_context(loc, raw)}{_path(loc[:-1])}: missing required key '{loc[-1]}'"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if kind in _TYPE_WORDS:
+        message = f"must be {_TYPE_WORDS[kind]}, found {_kind(error['input'])}"
+    elif kind == "string_too_short":
+        message = "must not be empty"
+    return f"{_context(loc, raw)}{_path(loc)}: {message}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Compilation
+
+
+def compile_ensemble(
+    data: Any, source: str, *, default_name: str | None = None, environ: Mapping[str, str] | None = None
+) -> EnsemblePlan:
+    """Validate an ensemble already parsed from YAML (a mapping) and compile it into a plan.
+
+    `source` names the origin in messages; `default_name` is the name when the data has none (the file's
+    stem for `load_ensemble`). `environ` (default `os.environ`) expands `${VAR}` in stage addresses.
+    """
+    if data is None:
+        raise ConfigError(
+            f"{source}: the file is empty; expected a mapping with stages, inputs, outputs, steps"
+        )
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}: the top level must be a mapping (name, stages, inputs, outputs, steps), "
+            f"found {_kind(data)}"
+        )
+    try:
+        config = EnsembleConfig.model_validate(
+            data, context={"environ": os.environ if environ is None else environ}
+        )
+    except ValidationError as exc:
+        lines = [f"{source}: {_explain(error, data)}" for error in exc.errors()]
+        raise ConfigError("\n".join(lines)) from None
+    name = config.name or default_name
+    if not name:
+        raise ConfigError(f"{source}: missing required key 'name' (there is no file name to default to)")
+    return _Compiler(config, name, source).compile()
+
+
+def _kind(value: Any) -> str:
+    """What a YAML value is, in YAML's words."""
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, str):
+        return f"a string ({value[:40]!r})"
+    if isinstance(value, bool):
+        return f"a boolean ({value})"
+    return f"a {type(value).__name__} ({value!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class _Producer:
+    """Who produces an ensemble tensor: a step's output, or the ensemble's input when `step` is None."""
+
+    step: int | None
+    stage_tensor: str
+
+
+class _Compiler:
+    """Checks the graph of one validated ensemble and builds its plan; collects every error it finds."""
+
+    def __init__(self, config: EnsembleConfig, name: str, source: str) -> None:
+        self.config = config
+        self.name = name
+        self.source = source
+        self.errors: list[str] = []
+
+    def fail(self, message: str) -> None:
+        self.errors.append(f"{self.source}: {message}")
+
+    def compile(self) -> EnsemblePlan:
+        config = self.config
+        inputs = self._tensors(config.inputs, "input")
+        outputs = self._tensors(config.outputs, "output")
+        for tensor in inputs.keys() & outputs.keys():
+            self.fail(
+                f"tensor '{tensor}' is both an ensemble input and an ensemble output; "
+                f"give the output another name (a step must produce it)"
+            )
+        if not config.steps:
+            self.fail("steps: there are no steps; an ensemble needs at least one")
+        labels = [f"step {i} ({step.model_name})" for i, step in enumerate(config.steps)]
+
+        producers: dict[str, _Producer] = {tensor: _Producer(None, tensor) for tensor in inputs}
+        for i, step in enumerate(config.steps):
+            if step.stage not in config.stages:
+                declared = ", ".join(sorted(config.stages)) or "none"
+                self.fail(
+                    f"{labels[i]}: stage '{step.stage}' is not declared under 'stages' (declared: {declared})"
+                )
+            if step.model_name == self.name:
+                self.fail(
+                    f"{labels[i]}: model_name '{step.model_name}' is the ensemble's own name; the router "
+                    f"serves ensembles and stage models in one namespace"
+                )
+            if not step.input_map:
+                self.fail(
+                    f"{labels[i]}: input_map is empty; map at least one stage input to an ensemble tensor"
+                )
+            if not step.output_map:
+                self.fail(
+                    f"{labels[i]}: output_map is empty; map at least one stage output to an ensemble tensor"
+                )
+            for stage_tensor, tensor in step.output_map.items():
+                previous = producers.get(tensor)
+                if previous is None:
+                    producers[tensor] = _Producer(i, stage_tensor)
+                elif previous.step is None:
+                    self.fail(
+                        f"{labels[i]}: output '{stage_tensor}' → tensor '{tensor}': "
+                        f"'{tensor}' is an ensemble input, and a tensor can have only one producer"
+                    )
+                else:
+                    self.fail(
+                        f"{labels[i]}: output '{stage_tensor}' → tensor '{tensor}': '{tensor}' is already "
+                        f"produced by {labels[previous.step]} output '{previous.stage_tensor}'; "
+                        f"a tensor can have only one producer"
+                    )
+
+        depends_on: list[tuple[int, ...]] = []
+        consumed: set[str] = set()
+        for i, step in enumerate(config.steps):
+            deps: set[int] = set()
+            for stage_tensor, tensor in step.input_map.items():
+                consumed.add(tensor)
+                producer = producers.get(tensor)
+                if producer is None:
+                    close = difflib.get_close_matches(tensor, list(producers), n=1)
+                    hint = f"; did you mean '{close[0]}'?" if close else ""
+                    self.fail(
+                        f"{labels[i]}: input '{stage_tensor}' ← tensor '{tensor}': "
+                        f"nothing produces '{tensor}' (it is neither an ensemble input nor any step's output)"
+                        f"{hint}"
+                    )
+                elif producer.step is not None:
+                    deps.add(producer.step)
+            depends_on.append(tuple(sorted(deps)))
+
+        for tensor in outputs:
+            if tensor in inputs:
+                continue
+            producer = producers.get(tensor)
+            if producer is None:
+                close = difflib.get_close_matches(
+                    tensor, [t for t, p in producers.items() if p.step is not None], n=1
+                )
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                self.fail(
+                    f"ensemble output '{tensor}': no step produces it "
+                    f"(no output_map maps to '{tensor}'){hint}"
+                )
+
+        if self.errors:
+            raise ConfigError("\n".join(self.errors))
+
+        order = self._topological_order(depends_on, labels)
+        if self.errors:
+            raise ConfigError("\n".join(self.errors))
+
+        for tensor in inputs.keys() - consumed - outputs.keys():
+            logger.warning("%s: ensemble input '%s' is not used by any step", self.source, tensor)
+        for tensor, producer in producers.items():
+            if producer.step is not None and tensor not in consumed and tensor not in outputs:
+                logger.info(
+                    "%s: %s output '%s' → tensor '%s' is not used",
+                    self.source,
+                    labels[producer.step],
+                    producer.stage_tensor,
+                    tensor,
+                )
+
+        steps = tuple(
+            PlanStep(
+                index=i,
+                model_name=config.steps[i].model_name,
+                model_version=_version(config.steps[i].model_version),
+                stage=config.steps[i].stage,
+                inputs=tuple(config.steps[i].input_map.items()),
+                outputs=tuple(config.steps[i].output_map.items()),
+                depends_on=depends_on[i],
+            )
+            for i in order
+        )
+        stages = {key: StageEndpoint(key, stage.address) for key, stage in config.stages.items()}
+        return EnsemblePlan(
+            name=self.name,
+            source=self.source,
+            max_batch_size=config.max_batch_size,
+            inputs=tuple(inputs.values()),
+            outputs=tuple(outputs.values()),
+            steps=steps,
+            stages=types.MappingProxyType(stages),
+        )
+
+    def _tensors(self, configs: tuple[TensorConfig, ...], kind: str) -> dict[str, TensorSpec]:
+        specs: dict[str, TensorSpec] = {}
+        if not configs:
+            self.fail(f"{kind}s: the ensemble declares no {kind}s; it needs at least one")
+        for position, tensor in enumerate(configs):
+            where = f"ensemble {kind} '{tensor.name}' ({kind}s[{position}])"
+            if tensor.name in specs:
+                self.fail(f"{where}: the name '{tensor.name}' is declared twice among the ensemble {kind}s")
+                continue
+            if self.config.max_batch_size > 0 and (not tensor.shape or tensor.shape[0] != -1):
+                self.fail(
+                    f"{where}: shape {list(tensor.shape)} must start with -1, the batch dimension, because "
+                    f"the ensemble batches (max_batch_size {self.config.max_batch_size}); "
+                    f"set max_batch_size: 0 for an ensemble that does not batch"
+                )
+            specs[tensor.name] = TensorSpec(tensor.name, tensor.datatype, tensor.shape)
+        return specs
+
+    def _topological_order(self, depends_on: list[tuple[int, ...]], labels: list[str]) -> list[int]:
+        """Kahn's algorithm taking the lowest YAML index among ready steps, so ties keep the YAML order."""
+        waiting = [len(deps) for deps in depends_on]
+        dependents: list[list[int]] = [[] for _ in depends_on]
+        for i, deps in enumerate(depends_on):
+            for dep in deps:
+                dependents[dep].append(i)
+        ready = [i for i, count in enumerate(waiting) if count == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(i)
+            for dependent in dependents[i]:
+                waiting[dependent] -= 1
+                if waiting[dependent] == 0:
+                    heapq.heappush(ready, dependent)
+        if len(order) < len(depends_on):
+            self.fail(self._describe_cycle(set(range(len(depends_on))) - set(order), depends_on, labels))
+        return order
+
+    def _describe_cycle(
+        self, remaining: set[int], depends_on: list[tuple[int, ...]], labels: list[str]
+    ) -> str:
+        # Every step left over by Kahn's algorithm waits on another left-over step, so walking back along
+        # producers from any of them must come round to a step already seen: that loop is a cycle.
+        path: list[int] = []
+        seen: dict[int, int] = {}
+        current = min(remaining)
+        while current not in seen:
+            seen[current] = len(path)
+            path.append(current)
+            current = min(dep for dep in depends_on[current] if dep in remaining)
+        cycle = path[seen[current] :]
+        cycle.reverse()  # now producer before consumer
+        start = cycle.index(min(cycle))  # start from the earliest step in the file, for a stable message
+        cycle = cycle[start:] + cycle[:start]
+        cycle.append(cycle[0])
+        hops = [labels[cycle[0]]]
+        for producer, consumer in itertools.pairwise(cycle):
+            tensor = next(
+                t
+                for t in self.config.steps[consumer].input_map.values()
+                if t in self.config.steps[producer].output_map.values()
+            )
+            hops.append(f"'{tensor}' → {labels[consumer]}")
+        if len(cycle) == 2:
+            return f"{labels[cycle[0]]} consumes its own output: {' → '.join(hops)}; this is a cycle"
+        return f"the steps form a cycle: {' → '.join(hops)}"
+
+
+def _version(value: int | str) -> str:
+    return "" if value == -1 else str(value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Files
+
+
+def load_ensemble(path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None) -> EnsemblePlan:
+    """Load, validate and compile one ensemble file; its name defaults to the file's stem.
+
+    `environ` (default `os.environ`) expands `${VAR}` and `${VAR:-default}` in stage addresses.
+    """
+    source = os.fspath(path)
+    file = Path(source)
+    return compile_ensemble(_read_yaml(file, source), source, default_name=file.stem, environ=environ)
+
+
+def load_ensembles(
+    paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> Catalog:
+    """Load every ensemble of a directory (its `*.yaml` and `*.yml`, sorted) or of a list of files and dirs.
+
+    Checks what no single file can: unique ensemble names, one address per stage key, one stage per model
+    name, and no ensemble named like a stage model (the router serves both in one namespace).
+    """
+    if isinstance(paths_or_dir, str | os.PathLike):
+        paths_or_dir = [paths_or_dir]
+    files: list[str] = []
+    for entry in paths_or_dir:
+        entry_path = Path(entry)
+        if entry_path.is_dir():
+            found = sorted(p for p in entry_path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+            if not found:
+                raise ConfigError(f"{os.fspath(entry)}: the directory has no *.yaml or *.yml ensemble files")
+            files.extend(os.fspath(p) for p in found)
+        else:
+            files.append(os.fspath(entry))
+    if not files:
+        raise ConfigError("no ensemble files given")
+
+    plans = [load_ensemble(file, environ=environ) for file in files]
+    ensembles: dict[str, EnsemblePlan] = {}
+    stages: dict[str, tuple[StageEndpoint, str]] = {}
+    models: dict[str, tuple[str, str, str]] = {}  # model name -> (stage, file, step label)
+    errors: list[str] = []
+    for plan in plans:
+        if plan.name in ensembles:
+            errors.append(
+                f"{plan.source}: ensemble '{plan.name}' is also defined in {ensembles[plan.name].source}; "
+                f"ensemble names must be unique"
+            )
+        else:
+            ensembles[plan.name] = plan
+        for key, endpoint in plan.stages.items():
+            if key not in stages:
+                stages[key] = (endpoint, plan.source)
+            elif stages[key][0].address != endpoint.address:
+                first, first_file = stages[key]
+                errors.append(
+                    f"{plan.source}: stage '{key}' has address '{endpoint.address}', "
+                    f"but {first_file} declares it with address '{first.address}'; "
+                    "a stage key must name one endpoint"
+                )
+        for step in sorted(plan.steps, key=lambda s: s.index):
+            if step.model_name not in models:
+                models[step.model_name] = (step.stage, plan.source, step.label)
+            elif models[step.model_name][0] != step.stage:
+                stage, file, label = models[step.model_name]
+                errors.append(
+                    f"{plan.source}: {step.label}: model '{step.model_name}' "
+                    f"is served by stage '{step.stage}' here but by stage '{stage}' in {file} ({label}); "
+                    "a model name must have one stage"
+                )
+    for plan in plans:
+        if plan.name in models and models[plan.name][1] != plan.source:
+            _, file, label = models[plan.name]
+            errors.append(
+                f"{plan.source}: ensemble name '{plan.name}' is also a stage model name ({file}, {label}); "
+                f"the router serves ensembles and stage models in one namespace"
+            )
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return Catalog(
+        ensembles=types.MappingProxyType(ensembles),
+        stages=types.MappingProxyType({key: endpoint for key, (endpoint, _) in stages.items()}),
+    )

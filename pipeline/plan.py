@@ -1,0 +1,211 @@
+"""The compiled, immutable form of an ensemble: what the router's executor runs.
+
+`pipeline.config` turns ensemble YAML files into these after validating them; nothing here knows about YAML
+or pydantic, so the executor never depends on the file schema. `check_signatures` checks a plan against the
+stage models' real signatures, which the router learns from `ModelMetadata` at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pipeline.stage import TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class StageEndpoint:
+    """A stage service the router calls: its key in the ensemble files and its gRPC target."""
+
+    name: str
+    #: `host:port`, `[ipv6]:port` or a target with a gRPC scheme (`unix:`, `dns:` ...), env already expanded.
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStep:
+    """One step of an ensemble: a call of one stage model with tensors mapped in and out.
+
+    `index` is the step's position in the YAML file (what error messages and logs show), not its position
+    in `EnsemblePlan.steps`, which is topological.
+    """
+
+    index: int
+    model_name: str
+    #: "" means the stage's default version (YAML `model_version: -1` or absent).
+    model_version: str
+    #: Key of the `StageEndpoint` that serves `model_name`.
+    stage: str
+    #: (stage tensor, ensemble tensor) pairs, in YAML order: what Triton calls `input_map`.
+    inputs: tuple[tuple[str, str], ...]
+    #: (stage tensor, ensemble tensor) pairs, in YAML order: what Triton calls `output_map`.
+    outputs: tuple[tuple[str, str], ...]
+    #: YAML indices of the steps whose outputs this step consumes, sorted and unique; empty when the step
+    #: reads ensemble inputs only.
+    depends_on: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        """How messages name the step: `step N (model_name)`, N being the YAML position."""
+        return f"step {self.index} ({self.model_name})"
+
+
+@dataclass(frozen=True, slots=True)
+class EnsemblePlan:
+    """A validated ensemble, ready to execute.
+
+    `steps` is in a topological order (every step comes after all the steps it depends on; ties keep the
+    YAML order), so running them in sequence is always valid, and a step may start as soon as every step
+    in its `depends_on` has finished. Look steps up by `PlanStep.index`, not by position in `steps`.
+    """
+
+    name: str
+    #: The ensemble file's path as it was given to the loader.
+    source: str
+    #: 0 means the ensemble does not batch and its shapes have no batch dimension.
+    max_batch_size: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    steps: tuple[PlanStep, ...]
+    #: Every stage the file declares, by key (read-only).
+    stages: Mapping[str, StageEndpoint]
+
+
+@dataclass(frozen=True, slots=True)
+class Catalog:
+    """Every ensemble the router serves and every stage endpoint they use (both read-only)."""
+
+    ensembles: Mapping[str, EnsemblePlan]
+    stages: Mapping[str, StageEndpoint]
+
+    def stage_models(self) -> dict[str, str]:
+        """Stage model name -> key of the stage that serves it, across all ensembles.
+
+        The loader rejects a model name used with two different stage keys, so this is well defined.
+        """
+        return {step.model_name: step.stage for plan in self.ensembles.values() for step in plan.steps}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSignature:
+    """A stage model's interface as its `ModelMetadata` reports it (shapes include the batch dimension)."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    #: From `ModelConfig`; 0 means the model does not batch.
+    max_batch_size: int
+
+
+def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature]) -> None:
+    """Check an ensemble's steps against the stage models' real signatures, keyed by model name.
+
+    Every mapped tensor must exist on the stage model, every stage input must be mapped, and each ensemble
+    tensor must have the same datatype and a compatible shape (same rank; each dimension equal or -1 on
+    either side) at both ends: ensemble input → step input, step output → step input, step output →
+    ensemble output. A batching ensemble needs batching stage models. Raises `pipeline.config.ConfigError`
+    listing every mismatch.
+    """
+    # Imported here because pipeline.config imports this module to build plans.
+    from pipeline.config import ConfigError
+
+    errors: list[str] = []
+    by_index = {step.index: step for step in plan.steps}
+    ensemble_inputs = {spec.name: spec for spec in plan.inputs}
+    # ensemble tensor -> (spec at the producing end, how to name that end)
+    produced: dict[str, tuple[TensorSpec, str]] = {
+        name: (spec, "an ensemble input") for name, spec in ensemble_inputs.items()
+    }
+    known: dict[int, ModelSignature] = {}
+    for step in sorted(plan.steps, key=lambda s: s.index):
+        where = f"{plan.source}: {step.label}"
+        signature = signatures.get(step.model_name)
+        if signature is None:
+            errors.append(
+                f"{where}: model '{step.model_name}' is unknown to stage '{step.stage}' "
+                f"({_address(plan, step.stage)}); it does not serve a model of that name"
+            )
+            continue
+        known[step.index] = signature
+        if plan.max_batch_size > 0 and signature.max_batch_size == 0:
+            errors.append(
+                f"{where}: the ensemble batches (max_batch_size {plan.max_batch_size}) but stage model "
+                f"'{step.model_name}' does not (max_batch_size 0); set the ensemble's max_batch_size to 0"
+            )
+        stage_inputs = {spec.name for spec in signature.inputs}
+        stage_outputs = {spec.name: spec for spec in signature.outputs}
+        for stage_tensor, tensor in step.inputs:
+            if stage_tensor not in stage_inputs:
+                errors.append(
+                    f"{where}: input_map maps '{stage_tensor}' ← tensor '{tensor}', "
+                    f"but the stage model has no input '{stage_tensor}' "
+                    f"(its inputs: {_names(signature.inputs)})"
+                )
+        mapped = {stage_tensor for stage_tensor, _ in step.inputs}
+        for spec in signature.inputs:
+            if spec.name not in mapped:
+                errors.append(
+                    f"{where}: stage input '{spec.name}' ({spec.datatype} {list(spec.shape)}) is not mapped; "
+                    f"add it to input_map (mapped now: {', '.join(sorted(mapped))})"
+                )
+        for stage_tensor, tensor in step.outputs:
+            if stage_tensor not in stage_outputs:
+                errors.append(
+                    f"{where}: output_map maps '{stage_tensor}' → tensor '{tensor}', but the stage model has "
+                    f"no output '{stage_tensor}' (its outputs: {_names(signature.outputs)})"
+                )
+            else:
+                produced[tensor] = (
+                    stage_outputs[stage_tensor],
+                    f"produced by {step.label} output '{stage_tensor}'",
+                )
+
+    for index, signature in known.items():
+        step = by_index[index]
+        stage_inputs = {spec.name: spec for spec in signature.inputs}
+        for stage_tensor, tensor in step.inputs:
+            if stage_tensor not in stage_inputs or tensor not in produced:
+                # Reported above: an unknown input, or a producer that is unknown or lacks the output.
+                continue
+            source_spec, origin = produced[tensor]
+            mismatch = _mismatch(stage_inputs[stage_tensor], "expected by the stage", source_spec, tensor)
+            if mismatch:
+                errors.append(
+                    f"{plan.source}: {step.label}: input '{stage_tensor}' ← tensor '{tensor}': "
+                    f"{mismatch} ({origin})"
+                )
+    for spec in plan.outputs:
+        if spec.name not in produced or spec.name in ensemble_inputs:
+            continue
+        source_spec, origin = produced[spec.name]
+        mismatch = _mismatch(spec, "declared by the ensemble", source_spec, spec.name)
+        if mismatch:
+            errors.append(f"{plan.source}: ensemble output '{spec.name}': {mismatch} ({origin})")
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+
+def _mismatch(expected: TensorSpec, expected_by: str, found: TensorSpec, tensor: str) -> str:
+    if expected.datatype != found.datatype:
+        return f"datatype {expected.datatype} {expected_by}, but '{tensor}' is {found.datatype}"
+    if len(expected.shape) != len(found.shape):
+        return (
+            f"shape {list(expected.shape)} (rank {len(expected.shape)}) {expected_by}, but '{tensor}' has "
+            f"shape {list(found.shape)} (rank {len(found.shape)})"
+        )
+    for i, (want, got) in enumerate(zip(expected.shape, found.shape, strict=True)):
+        if want != got and -1 not in (want, got):
+            return (
+                f"shape {list(expected.shape)} {expected_by}, but '{tensor}' has shape {list(found.shape)} "
+                f"(dimension {i}: {want} vs {got})"
+            )
+    return ""
+
+
+def _names(specs: tuple[TensorSpec, ...]) -> str:
+    return ", ".join(spec.name for spec in specs) or "none"
+
+
+def _address(plan: EnsemblePlan, stage: str) -> str:
+    endpoint = plan.stages.get(stage)
+    return endpoint.address if endpoint is not None else "undeclared"

@@ -1,0 +1,400 @@
+"""The router: serves every ensemble as a model and runs its steps on the stage services.
+
+Each step runs as soon as the tensors it consumes exist, so independent steps run concurrently (fan-out)
+and a step that consumes several steps' outputs waits for all of them (fan-in). Tensors move between
+stages as raw bytes; the router never decodes elements. The client's deadline and metadata go with every
+stage call. As Triton does for an ensemble's composing models, the stage models named in steps are served
+here too, by forwarding to their stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.config import ConfigError, load_ensembles
+from pipeline.convert import (
+    Tensor,
+    infer_response,
+    metadata_response,
+    model_config,
+    request_tensors,
+    requested_outputs,
+    response_tensors,
+    select_version,
+    specs_from_metadata,
+    validate_inputs,
+)
+from pipeline.errors import DeadlineExceeded, ModelNotFound, PipelineError, StageError, Unavailable
+from pipeline.plan import Catalog, EnsemblePlan, ModelSignature, PlanStep, StageEndpoint, check_signatures
+from pipeline.server import (
+    CallContext,
+    DataPlane,
+    InferenceServicer,
+    add_server_arguments,
+    configure_logging,
+    create_server,
+    serve,
+    server_options,
+    set_serving,
+    write_port,
+)
+
+log = logging.getLogger(__name__)
+
+ENSEMBLE_VERSION = "1"
+
+
+class StageClient:
+    """One stage endpoint: a channel, its stubs, and the mapping of its failures to router errors."""
+
+    def __init__(self, endpoint: StageEndpoint, *, max_message_bytes: int) -> None:
+        self.endpoint = endpoint
+        self.channel = grpc.aio.insecure_channel(endpoint.address, options=server_options(max_message_bytes))
+        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.healthy = False
+
+    async def call(
+        self,
+        method: str,
+        request: object,
+        *,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
+        what: str,
+    ):
+        """Call an RPC of the stage; `what` names the step or model in errors."""
+        name, address = self.endpoint.name, self.endpoint.address
+        try:
+            return await getattr(self.stub, method)(request, timeout=timeout, metadata=tuple(metadata))
+        except grpc.aio.AioRpcError as err:
+            code, details = err.code(), err.details() or ""
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self.healthy = False
+                raise Unavailable(
+                    f"stage '{name}' ({address}) is unavailable for {what}: {details}"
+                ) from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
+            raise StageError(f"{what} on stage '{name}': {details}", code) from None
+
+    async def check_health(self, timeout: float) -> bool:
+        """Ask the stage's health service; remember and return whether it is SERVING."""
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            self.healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            self.healthy = False
+        return self.healthy
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class RouterPlane(DataPlane):
+    """The router's data plane: ensembles run as DAGs of stage calls; stage models are forwarded."""
+
+    def __init__(self, catalog: Catalog, *, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+        self.catalog = catalog
+        self.clients = {
+            key: StageClient(endpoint, max_message_bytes=max_message_bytes)
+            for key, endpoint in catalog.stages.items()
+        }
+        self.stage_of_model: dict[str, str] = catalog.stage_models()
+        self.signatures: dict[str, ModelSignature] = {}
+
+    # --- start-up and health -------------------------------------------------------------------------
+
+    async def discover(self, *, retry_interval: float = 0.5) -> None:
+        """Learn every stage model's signature from its stage, waiting for stages that are not up yet,
+        then check every ensemble against them (a mismatch raises `ConfigError`)."""
+        waiting_since = time.monotonic()
+        reported: set[str] = set()
+        while len(self.signatures) < len(self.stage_of_model):
+            for model, key in self.stage_of_model.items():
+                if model in self.signatures:
+                    continue
+                try:
+                    self.signatures[model] = await self._signature(model, self.clients[key])
+                except PipelineError as err:
+                    if model not in reported or time.monotonic() - waiting_since > 30:
+                        log.info("waiting for model '%s' on stage '%s': %s", model, key, err.message)
+                        reported.add(model)
+            if len(self.signatures) < len(self.stage_of_model):
+                await asyncio.sleep(retry_interval)
+        for plan in self.catalog.ensembles.values():
+            check_signatures(plan, self.signatures)
+        for client in self.clients.values():
+            await client.check_health(timeout=2.0)
+
+    async def _signature(self, model: str, client: StageClient) -> ModelSignature:
+        what = f"model '{model}'"
+        meta = await client.call("ModelMetadata", pb.ModelMetadataRequest(name=model), timeout=2.0, what=what)
+        inputs, outputs = specs_from_metadata(meta.inputs), specs_from_metadata(meta.outputs)
+        try:
+            reply = await client.call(
+                "ModelConfig", pb.ModelConfigRequest(name=model), timeout=2.0, what=what
+            )
+            max_batch_size = reply.config.max_batch_size
+        except StageError as err:
+            if err.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            # A plain OIP server without Triton's ModelConfig: a leading -1 everywhere means it batches.
+            batching = all(spec.shape[:1] == (-1,) for spec in (*inputs, *outputs))
+            max_batch_size = sys.maxsize if batching else 0
+        return ModelSignature(model, inputs, outputs, max_batch_size)
+
+    async def monitor(self, interval: float = 1.0) -> None:
+        """Keep each stage's health current, so readiness reflects stages that stop or return."""
+        while True:
+            await asyncio.gather(*(c.check_health(timeout=interval) for c in self.clients.values()))
+            await asyncio.sleep(interval)
+
+    def ready(self) -> bool:
+        return len(self.signatures) == len(self.stage_of_model) and all(
+            c.healthy for c in self.clients.values()
+        )
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients.values()))
+
+    # --- model lookup --------------------------------------------------------------------------------
+
+    def _ensemble(self, name: str, version: str) -> EnsemblePlan | None:
+        plan = self.catalog.ensembles.get(name)
+        if plan is not None:
+            select_version(name, (ENSEMBLE_VERSION,), version)
+        return plan
+
+    def _stage_client(self, name: str) -> StageClient:
+        key = self.stage_of_model.get(name)
+        if key is None:
+            served = sorted([*self.catalog.ensembles, *self.stage_of_model])
+            raise ModelNotFound(f"unknown model '{name}' (served here: {', '.join(served)})")
+        return self.clients[key]
+
+    async def model_ready(self, name: str, version: str) -> bool:
+        try:
+            plan = self._ensemble(name, version)
+        except ModelNotFound:
+            return False
+        if plan is not None:
+            return self.ready() and all(self.clients[step.stage].healthy for step in plan.steps)
+        if name not in self.stage_of_model:
+            return False
+        try:
+            reply = await self._stage_client(name).call(
+                "ModelReady",
+                pb.ModelReadyRequest(name=name, version=version),
+                timeout=2.0,
+                what=f"model '{name}'",
+            )
+        except PipelineError:
+            return False
+        return reply.ready
+
+    async def model_metadata(self, name: str, version: str, call: CallContext) -> pb.ModelMetadataResponse:
+        plan = self._ensemble(name, version)
+        if plan is not None:
+            return metadata_response(plan.name, (ENSEMBLE_VERSION,), "ensemble", plan.inputs, plan.outputs)
+        request = pb.ModelMetadataRequest(name=name, version=version)
+        return await self._stage_client(name).call(
+            "ModelMetadata", request, timeout=call.timeout, metadata=call.metadata, what=f"model '{name}'"
+        )
+
+    async def model_config(self, name: str, version: str, call: CallContext) -> mc.ModelConfig:
+        plan = self._ensemble(name, version)
+        if plan is not None:
+            return ensemble_config(plan)
+        request = pb.ModelConfigRequest(name=name, version=version)
+        reply = await self._stage_client(name).call(
+            "ModelConfig", request, timeout=call.timeout, metadata=call.metadata, what=f"model '{name}'"
+        )
+        return reply.config
+
+    # --- inference -----------------------------------------------------------------------------------
+
+    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+        plan = self._ensemble(request.model_name, request.model_version)
+        if plan is None:
+            return await self._stage_client(request.model_name).call(
+                "ModelInfer",
+                request,
+                timeout=call.timeout,
+                metadata=call.metadata,
+                what=f"model '{request.model_name}'",
+            )
+        return await self._run(plan, request, call)
+
+    async def _run(
+        self, plan: EnsemblePlan, request: pb.ModelInferRequest, call: CallContext
+    ) -> pb.ModelInferResponse:
+        inputs = validate_inputs(plan.name, request_tensors(request), plan.inputs, plan.max_batch_size)
+        wanted = requested_outputs(request, plan.outputs, plan.name)
+        deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        values: dict[str, Tensor] = dict(inputs)
+        finished = {step.index: asyncio.Event() for step in plan.steps}
+
+        async def run_step(step: PlanStep) -> None:
+            for producer in step.depends_on:
+                await finished[producer].wait()
+            outputs = await self._call_step(step, values, request.id, deadline, call.metadata)
+            values.update(outputs)
+            finished[step.index].set()
+
+        try:
+            # NOTE: a failing step makes the TaskGroup cancel every other step of this request, so no
+            # stage call outlives the request it belongs to.
+            async with asyncio.TaskGroup() as group:
+                for step in plan.steps:
+                    group.create_task(run_step(step))
+        except BaseExceptionGroup as failure:
+            raise _first_error(failure) from None
+        return infer_response(plan.name, ENSEMBLE_VERSION, request.id, (values[name] for name in wanted))
+
+    async def _call_step(
+        self,
+        step: PlanStep,
+        values: Mapping[str, Tensor],
+        request_id: str,
+        deadline: float | None,
+        metadata: Sequence[tuple[str, str | bytes]],
+    ) -> dict[str, Tensor]:
+        stage_request = pb.ModelInferRequest(
+            model_name=step.model_name, model_version=step.model_version, id=request_id
+        )
+        for stage_tensor, tensor_name in step.inputs:
+            tensor = values[tensor_name]
+            stage_request.inputs.add(name=stage_tensor, datatype=tensor.datatype, shape=tensor.shape)
+            stage_request.raw_input_contents.append(tensor.raw)
+        for stage_tensor, _ in step.outputs:
+            stage_request.outputs.add(name=stage_tensor)
+        timeout = None
+        if deadline is not None:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                raise DeadlineExceeded(f"deadline exceeded before {step.label}")
+        response = await self.clients[step.stage].call(
+            "ModelInfer", stage_request, timeout=timeout, metadata=metadata, what=step.label
+        )
+        produced = response_tensors(response)
+        outputs = {}
+        for stage_tensor, tensor_name in step.outputs:
+            tensor = produced.get(stage_tensor)
+            if tensor is None:
+                raise StageError(
+                    f"{step.label} on stage '{step.stage}' returned no output '{stage_tensor}'",
+                    grpc.StatusCode.INTERNAL,
+                )
+            outputs[tensor_name] = Tensor(tensor_name, tensor.datatype, tensor.shape, tensor.raw)
+        return outputs
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error to report for a failed ensemble: the first `PipelineError` a step raised."""
+    for err in group.exceptions:
+        if isinstance(err, BaseExceptionGroup):
+            return _first_error(err)
+        return err
+    return group
+
+
+def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
+    """Triton's `ModelConfig` of an ensemble: platform "ensemble" and its steps."""
+    config = model_config(
+        plan.name,
+        platform="ensemble",
+        max_batch_size=plan.max_batch_size,
+        inputs=plan.inputs,
+        outputs=plan.outputs,
+    )
+    for step in sorted(plan.steps, key=lambda s: s.index):
+        entry = config.ensemble_scheduling.step.add(
+            model_name=step.model_name, model_version=int(step.model_version or -1)
+        )
+        for stage_tensor, tensor_name in step.inputs:
+            entry.input_map[stage_tensor] = tensor_name
+        for stage_tensor, tensor_name in step.outputs:
+            entry.output_map[stage_tensor] = tensor_name
+    return config
+
+
+# --- process entry point -----------------------------------------------------------------------------
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser, service="router", default_port=8001)
+    parser.add_argument(
+        "--ensembles",
+        type=Path,
+        nargs="+",
+        default=[Path(os.environ.get("PIPELINE_ENSEMBLES", "ensembles"))],
+        help="ensemble YAML files or folders of them (env PIPELINE_ENSEMBLES)",
+    )
+
+
+async def serve_router(
+    args: argparse.Namespace,
+    *,
+    catalog: Catalog | None = None,
+    stopping: asyncio.Event | None = None,
+    bound: Callable[[int], None] | None = None,
+) -> None:
+    """Serve the ensembles until a signal (or `stopping`): listen, wait for the stages and check the plans,
+    then SERVING. `bound` is called with the port once the server listens."""
+    if catalog is None:
+        catalog = load_ensembles(args.ensembles)
+    plane = RouterPlane(catalog, max_message_bytes=args.max_message_mb * 1024 * 1024)
+    health_servicer = health.aio.HealthServicer()
+    await set_serving(health_servicer, False)
+    server, port = await create_server(
+        f"{args.host}:{args.port}",
+        InferenceServicer(plane, "pipeline-router"),
+        health_servicer,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+    )
+    monitor: asyncio.Task[None] | None = None
+
+    async def start() -> None:
+        nonlocal monitor
+        write_port(args.port_file, port)
+        if bound is not None:
+            bound(port)
+        log.info(
+            "router listening on %s:%d; waiting for stages %s", args.host, port, ", ".join(plane.clients)
+        )
+        await plane.discover()
+        monitor = asyncio.create_task(plane.monitor())
+        await set_serving(health_servicer, True)
+        log.info("router serving ensembles %s on %s:%d", ", ".join(catalog.ensembles), args.host, port)
+
+    async def stop() -> None:
+        if monitor is not None:
+            monitor.cancel()
+        await plane.close()
+
+    await serve(server, health_servicer, grace=args.grace_period, start=start, stop=stop, stopping=stopping)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Entry point of the router process."""
+    configure_logging(args.log_level, "router")
+    try:
+        asyncio.run(serve_router(args))
+    except ConfigError as err:
+        log.error("%s", err)
+        return 2
+    return 0

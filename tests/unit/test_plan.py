@@ -1,0 +1,53 @@
+"""The compiled plan's own behaviour, independent of YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+
+from pipeline.plan import Catalog, EnsemblePlan, PlanStep, StageEndpoint
+from pipeline.stage import TensorSpec
+
+
+def _plan(name: str, models: dict[str, str]) -> EnsemblePlan:
+    steps = tuple(
+        PlanStep(i, model, "", stage, (("X", "IN"),), (("Y", f"t{i}"),), ())
+        for i, (model, stage) in enumerate(models.items())
+    )
+    stages = {
+        stage: StageEndpoint(stage, f"127.0.0.1:{8100 + n}")
+        for n, stage in enumerate(sorted(set(models.values())))
+    }
+    return EnsemblePlan(
+        name=name,
+        source=f"{name}.yaml",
+        max_batch_size=8,
+        inputs=(TensorSpec("IN", "FP32", (-1,)),),
+        outputs=(TensorSpec("t0", "FP32", (-1,)),),
+        steps=steps,
+        stages=types.MappingProxyType(stages),
+    )
+
+
+def test_label_uses_the_yaml_index() -> None:
+    step = PlanStep(3, "cnn", "2", "model", (("INPUT", "pixels"),), (("LOGITS", "logits"),), (0, 1))
+    assert step.label == "step 3 (cnn)"
+
+
+def test_plan_objects_are_frozen_and_slotted() -> None:
+    step = PlanStep(0, "cnn", "", "model", (), (), ())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.index = 1  # type: ignore[misc]
+    assert not hasattr(step, "__dict__")
+
+
+def test_stage_models_across_ensembles() -> None:
+    a = _plan("a", {"pre": "cpu", "cnn": "gpu"})
+    b = _plan("b", {"cnn": "gpu", "post": "cpu"})
+    catalog = Catalog(
+        ensembles=types.MappingProxyType({"a": a, "b": b}),
+        stages=types.MappingProxyType({**a.stages, **b.stages}),
+    )
+    assert catalog.stage_models() == {"pre": "cpu", "cnn": "gpu", "post": "cpu"}
