@@ -1,0 +1,44 @@
+# Everything runs from a virtual environment in .venv, created and filled on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL_DIR ?= models
+
+.PHONY: install run model test lint format protos clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## run: serve every ensemble in ensembles/ (router on 127.0.0.1:8001); ARGS="--port 9001" to override
+run: $(STAMP)
+	$(BIN)/pipeline run --model-dir $(MODEL_DIR) $(ARGS)
+
+## model: train the digits CNN into $(MODEL_DIR) (the first `make run` does it too)
+model: $(STAMP)
+	$(BIN)/python -m services.model.train --model-dir $(MODEL_DIR)
+
+## test: lint, then every test (unit, integration, end to end with real processes)
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+## protos: regenerate pipeline/_gen from protos/ (a test fails when they are stale)
+protos: $(STAMP)
+	$(BIN)/python -m pipeline.codegen
+
+clean:
+	rm -rf $(VENV) $(MODEL_DIR) .pytest_cache .ruff_cache

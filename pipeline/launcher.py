@@ -1,0 +1,221 @@
+"""`pipeline run`: the whole pipeline on this machine as processes, no containers.
+
+Builds the model if it is missing, starts the three stage services and the router, waits until each is
+healthy, and supervises them: a process that dies is reported by name and the rest are stopped. Ctrl-C or
+SIGTERM stops the router first (it drains in-flight requests while the stages still serve), then the stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger("pipeline.launcher")
+
+
+@dataclass
+class Service:
+    """One process of the pipeline."""
+
+    name: str
+    command: list[str]
+    port: int
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self, host: str, port_file: Path) -> None:
+        command = [sys.executable, *self.command, "--host", host, "--port", str(self.port), *self.args]
+        command += ["--port-file", str(port_file)]
+        # NOTE: a session of its own, so Ctrl-C in the terminal reaches only the launcher, which then stops
+        # the services in order instead of all at once.
+        self.process = subprocess.Popen(command, env={**os.environ, **self.env}, start_new_session=True)
+
+    def wait_port(self, port_file: Path, timeout: float) -> int:
+        """The port the service bound (the one asked for, or the OS's pick for port 0)."""
+        deadline = time.monotonic() + timeout
+        while not port_file.exists():
+            code = self.exit_code()
+            if code is not None:
+                raise RuntimeError(f"{self.name} exited with code {code} while starting (see its log above)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not start listening within {timeout:.0f}s")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+        return self.port
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+
+def wait_healthy(service: Service, address: str, timeout: float) -> None:
+    """Wait until a service's health check says SERVING; fail if it exits or takes too long."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            code = service.exit_code()
+            if code is not None:
+                raise RuntimeError(
+                    f"{service.name} exited with code {code} while starting (see its log above)"
+                )
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{service.name} did not become healthy at {address} within {timeout:.0f}s"
+                )
+            time.sleep(0.2)
+
+
+def stop(services: list[Service], grace: float) -> None:
+    """SIGTERM each running service in order and wait for it; SIGKILL what outlives the grace period."""
+    for service in services:
+        process = service.process
+        if process is None or process.poll() is not None:
+            continue
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=grace + 5)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0fs; killing it", service.name, grace + 5)
+            process.kill()
+            process.wait()
+
+
+def ensure_model(model_dir: Path) -> None:
+    """Train the digits CNN if its weights are missing (seconds on a CPU)."""
+    from services.model.digits import model_dir_weights, train
+
+    if model_dir_weights(model_dir).exists():
+        return
+    print(f"pipeline: no digits model in {model_dir}; training it (seconds on a CPU)", flush=True)
+    report = train(model_dir)
+    print(f"pipeline: trained digits_cnn, held-out accuracy {report.test_accuracy:.2%}", flush=True)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument(
+        "--host", default=env("PIPELINE_HOST", "127.0.0.1"), help="address every service binds"
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(env("PIPELINE_ROUTER_PORT", 8001)),
+        help="router port (env PIPELINE_ROUTER_PORT)",
+    )
+    for name, port in (("preprocess", 8101), ("model", 8102), ("postprocess", 8103)):
+        parser.add_argument(
+            f"--{name}-port",
+            type=int,
+            default=int(env(f"PIPELINE_{name.upper()}_PORT", port)),
+            help=f"{name} service port (env PIPELINE_{name.upper()}_PORT)",
+        )
+    parser.add_argument(
+        "--ensembles",
+        type=Path,
+        default=Path(env("PIPELINE_ENSEMBLES", "ensembles")),
+        help="folder of ensemble YAML files (env PIPELINE_ENSEMBLES)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path(env("PIPELINE_MODEL_DIR", "models")),
+        help="model repository; the digits model is trained into it if missing (env PIPELINE_MODEL_DIR)",
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=180.0, help="seconds each service may take to start"
+    )
+    parser.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain on shutdown")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the pipeline and supervise it until a signal or a death; returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
+    ensure_model(args.model_dir)
+    host = args.host
+    connect = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+    grace = ["--grace-period", str(args.grace_period)]
+    stages = [
+        Service("preprocess", ["-m", "services.preprocess"], args.preprocess_port, grace),
+        Service(
+            "model", ["-m", "services.model"], args.model_port, ["--model-dir", str(args.model_dir), *grace]
+        ),
+        Service("postprocess", ["-m", "services.postprocess"], args.postprocess_port, grace),
+    ]
+    addresses = {f"{s.name.upper()}_ADDRESS": f"{connect}:{s.port}" for s in stages}
+    router = Service(
+        "router",
+        ["-m", "pipeline", "router"],
+        args.port,
+        ["--ensembles", str(args.ensembles), *grace],
+        addresses,
+    )
+    everything = [router, *stages]  # stop order: the router drains while the stages still serve
+
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
+    try:
+        for service in stages:
+            service.start(host, ports / service.name)
+        for service in stages:
+            service.wait_port(ports / service.name, args.startup_timeout)
+        # The ensembles name their stages' addresses through these variables.
+        router.env = {f"{s.name.upper()}_ADDRESS": f"{connect}:{s.port}" for s in stages}
+        router.start(host, ports / router.name)
+        router.wait_port(ports / router.name, args.startup_timeout)
+        for service in [*stages, router]:
+            wait_healthy(service, f"{connect}:{service.port}", args.startup_timeout)
+            if stopping:
+                return 0
+        print(
+            f"pipeline: serving {', '.join(sorted(p.stem for p in args.ensembles.glob('*.y*ml')))} on "
+            f"{connect}:{router.port} (gRPC, Open Inference Protocol); stages: "
+            + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.process.pid})" for s in stages)  # type: ignore[union-attr]
+            + ". Ctrl-C stops it.",
+            flush=True,
+        )
+        while not stopping:
+            for service in everything:
+                code = service.exit_code()
+                if code is not None:
+                    log.error(
+                        "%s (pid %d) exited with code %d; stopping the pipeline",
+                        service.name,
+                        service.process.pid,
+                        code,
+                    )  # type: ignore[union-attr]
+                    return 1
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as err:
+        log.error("%s; stopping the pipeline", err)
+        return 1
+    finally:
+        log.info("stopping: router first, then the stages")
+        stop(everything, args.grace_period)
+        shutil.rmtree(ports, ignore_errors=True)
