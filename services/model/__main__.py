@@ -1,0 +1,72 @@
+"""`python -m services.model`: serve the model stage models over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from services.model.backends import BACKEND_KINDS
+
+SERVICE = "model"
+DEFAULT_PORT = 8102
+
+
+def _threads(value: str) -> int:
+    threads = int(value)
+    if threads < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {threads}")
+    return threads
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the shared server flags plus this service's own."""
+    from pipeline.server import add_server_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m services.model", description=__doc__)
+    add_server_arguments(parser, service=SERVICE, default_port=DEFAULT_PORT)
+    parser.add_argument(
+        "--model-dir",
+        default=os.environ.get("PIPELINE_MODEL_DIR", "models"),
+        help="model repository holding digits_cnn/1/model.pt (env PIPELINE_MODEL_DIR; default %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        default=os.environ.get("PIPELINE_DEVICE", "auto"),
+        help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N (env PIPELINE_DEVICE; "
+        "default %(default)s)",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=_threads,
+        default=os.environ.get("PIPELINE_TORCH_THREADS", "1"),
+        help="torch intra-op threads; raise only after measuring (env PIPELINE_TORCH_THREADS; "
+        "default %(default)s)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKEND_KINDS,
+        default=os.environ.get("PIPELINE_BACKEND", "auto"),
+        help="auto, torch or tensorrt (env PIPELINE_BACKEND; default %(default)s)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse the command line and serve until SIGTERM/SIGINT."""
+    from pipeline.server import run_stage_service
+    from services.model.backends import BackendUnavailable
+    from services.model.stage import DigitsCNNStage
+
+    args = build_parser().parse_args(argv)
+    try:
+        stage = DigitsCNNStage(
+            args.model_dir, backend=args.backend, device=args.device, torch_threads=args.torch_threads
+        )
+    except (BackendUnavailable, ValueError) as exc:
+        raise SystemExit(f"services.model: {exc}") from None
+    run_stage_service([stage], args, service=SERVICE)
+
+
+if __name__ == "__main__":
+    main()

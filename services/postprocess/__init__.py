@@ -1,0 +1,1 @@
+"""Postprocess stage service: turns model outputs (logits) into labels and probabilities."""

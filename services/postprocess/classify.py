@@ -1,0 +1,57 @@
+"""`digits_postprocess`: logits → the most likely class and the probability of every class."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from pipeline.errors import InvalidInput
+from pipeline.stage import Stage, TensorSpec
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of a float [N, C] array, in float32.
+
+    Subtracting each row's maximum first keeps `exp` from overflowing; the result is the same.
+    """
+    shifted = logits.astype(np.float32, copy=True)
+    # A logit so far below the row's maximum that the difference overflows to -inf has probability 0,
+    # which is what exp(-inf) gives: the overflow is harmless.
+    with np.errstate(over="ignore"):
+        shifted -= shifted.max(axis=1, keepdims=True)
+    np.exp(shifted, out=shifted)
+    shifted /= shifted.sum(axis=1, keepdims=True)
+    return shifted
+
+
+class ClassifyStage(Stage):
+    """Turns `LOGITS` [N, C] into `LABEL` [N, 1] (argmax, INT64) and `SCORES` [N, C] (softmax, FP32).
+
+    Args:
+        name: the model name clients and ensemble steps use.
+        num_classes: C, the number of classes the logits cover.
+    """
+
+    max_batch_size = 256
+
+    def __init__(self, name: str = "digits_postprocess", *, num_classes: int = 10) -> None:
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        self.name = name
+        self.num_classes = num_classes
+        self.inputs = (TensorSpec("LOGITS", "FP32", (-1, num_classes)),)
+        self.outputs = (
+            TensorSpec("LABEL", "INT64", (-1, 1)),
+            TensorSpec("SCORES", "FP32", (-1, num_classes)),
+        )
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Classify a batch; a row with NaN or infinite logits is refused, naming its index."""
+        logits = inputs["LOGITS"]
+        finite = np.isfinite(logits).all(axis=1)
+        if not finite.all():
+            index = int(np.flatnonzero(~finite)[0])
+            raise InvalidInput(f"LOGITS[{index}]: logits must be finite, got {logits[index].tolist()}")
+        labels = logits.argmax(axis=1).astype(np.int64).reshape(-1, 1)
+        return {"LABEL": labels, "SCORES": softmax(logits)}

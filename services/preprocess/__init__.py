@@ -1,0 +1,1 @@
+"""Preprocess stage service: decodes and normalises raw inputs (images) into model tensors."""

@@ -1,0 +1,48 @@
+"""`python -m services.preprocess`: serve the preprocess stage models over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from services.preprocess.digits import DEFAULT_MAX_IMAGE_PIXELS, DigitsPreprocess
+
+SERVICE = "preprocess"
+DEFAULT_PORT = 8101
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the shared server flags plus this service's own."""
+    from pipeline.server import add_server_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m services.preprocess", description=__doc__)
+    add_server_arguments(parser, service=SERVICE, default_port=DEFAULT_PORT)
+    parser.add_argument(
+        "--max-image-pixels",
+        type=_positive,
+        default=os.environ.get("PIPELINE_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_IMAGE_PIXELS)),
+        help="refuse images with more pixels (width × height) than this, read from the header before "
+        "decoding (env PIPELINE_MAX_IMAGE_PIXELS; default %(default)s)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse the command line and serve until SIGTERM/SIGINT."""
+    from pipeline.server import run_stage_service
+
+    args = build_parser().parse_args(argv)
+    stages = [DigitsPreprocess(max_image_pixels=args.max_image_pixels)]
+    run_stage_service(stages, args, service=SERVICE)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""`digits_preprocess`: encoded images of handwritten digits → 8×8 ink maps like scikit-learn's digits.
+
+scikit-learn's digits are 32×32 binary bitmaps reduced to 8×8 by counting the ink pixels in each 4×4 block,
+so every value is an ink count from 0 to 16 and ink is the high value. This stage makes any PNG or JPEG look
+like that: it decodes the image, turns it grey, finds which side of the grey scale is paper (from the border),
+maps the paper to 0 and the darkest ink (or brightest, on dark paper) to 16, and reduces the picture to 8×8
+with a box (area) filter, which is what counting ink per block is.
+
+Contrast mapping is affine and the box filter is linear, so they commute: each image is reduced to 8×8 in its
+own grey levels while decoding, and the mapping runs afterwards on the whole batch at once.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from PIL import Image
+
+from pipeline.errors import InvalidInput
+from pipeline.stage import Stage, TensorSpec
+
+log = logging.getLogger(__name__)
+
+#: Side of the output images, as in scikit-learn's digits.
+SIZE = 8
+#: Value of full ink in the output (a 4×4 block of the original 32×32 bitmap, all ink).
+INK = 16.0
+#: Default cap on decoded pixels per image: far above any digit photo, far below a decompression bomb.
+DEFAULT_MAX_IMAGE_PIXELS = 16_000_000
+
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_JPEG_MAGIC = b"\xff\xd8\xff"
+# JPEG can decode at 1/2, 1/4 or 1/8 scale in the DCT (an area average, much cheaper than full decoding);
+# ask for no less than this so the paper and ink levels are still measured on real strokes.
+_JPEG_DRAFT_SIZE = (64, 64)
+# Below this grey-level distance between paper and ink (on a 0..255 scale) the image is blank.
+_MIN_CONTRAST = 8.0 / 255.0
+_HIGH_DEPTH_MODES = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N", "F"})
+
+
+class DigitsPreprocess(Stage):
+    """Decodes a batch of PNG/JPEG digit images into `PIXELS` [N, 1, 8, 8], ink counts 0..16 as float32.
+
+    Args:
+        max_image_pixels: largest width × height accepted per image, checked from the header before any
+            pixel is decoded; a larger image is refused as `InvalidInput` (decompression bombs).
+    """
+
+    name = "digits_preprocess"
+    inputs = (TensorSpec("IMAGE", "BYTES", (-1, 1)),)
+    outputs = (TensorSpec("PIXELS", "FP32", (-1, 1, SIZE, SIZE)),)
+    max_batch_size = 256
+
+    def __init__(self, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        if max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be >= 1, got {max_image_pixels}")
+        self.max_image_pixels = max_image_pixels
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Decode every image of the batch; the first one that cannot be used fails the batch."""
+        images = inputs["IMAGE"]
+        pixels = images_to_pixels(images.reshape(-1), max_image_pixels=self.max_image_pixels, name="IMAGE")
+        return {"PIXELS": pixels.reshape(images.shape[0], 1, SIZE, SIZE)}
+
+
+def images_to_pixels(
+    images: Sequence[object] | np.ndarray,
+    *,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    name: str = "IMAGE",
+) -> np.ndarray:
+    """Encoded images → float32 [N, 8, 8] ink maps, 0 for paper and 16 for full ink.
+
+    `name` is the tensor name that error messages cite, with the index of the offending image.
+    """
+    count = len(images)
+    reduced = np.empty((count, SIZE, SIZE), dtype=np.float32)
+    paper = np.empty(count, dtype=np.float32)
+    ink = np.empty(count, dtype=np.float32)
+    for i, data in enumerate(images):
+        reduced[i], paper[i], ink[i] = _decode_one(data, max_image_pixels, f"{name}[{i}]")
+
+    # Paper → 0, ink → 1; the sign of `span` carries the polarity, so light ink on dark paper and dark ink
+    # on light paper take the same path.
+    span = ink - paper
+    blank = np.abs(span) < _MIN_CONTRAST
+    span[blank] = 1.0
+    out = reduced
+    out -= paper[:, None, None]
+    out /= span[:, None, None]
+    np.clip(out, 0.0, 1.0, out=out)
+    out *= INK
+    out[blank] = 0.0
+    return out
+
+
+def _decode_one(data: object, max_pixels: int, where: str) -> tuple[np.ndarray, float, float]:
+    """One image → (8×8 grey levels in 0..1, paper level, ink level), or `InvalidInput` naming `where`."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise InvalidInput(f"{where}: expected encoded image bytes, got {type(data).__name__}")
+    if len(data) == 0:
+        raise InvalidInput(f"{where}: cannot decode image: empty")
+    head = bytes(data[:8])
+    if not (head.startswith(_PNG_MAGIC) or head.startswith(_JPEG_MAGIC)):
+        raise InvalidInput(f"{where}: cannot decode image: not a PNG or JPEG (only those are accepted)")
+    try:
+        # BytesIO shares an immutable `bytes` object rather than copying it.
+        image = Image.open(io.BytesIO(data), formats=("PNG", "JPEG"))
+    except Image.DecompressionBombError as exc:
+        raise InvalidInput(f"{where}: image too large: {exc}") from None
+    except Exception as exc:  # Pillow reports malformed headers with many exception types
+        raise InvalidInput(f"{where}: cannot decode image: {exc}") from None
+    with image:
+        width, height = image.size
+        if width * height > max_pixels:
+            raise InvalidInput(
+                f"{where}: image too large: {width}×{height} = {width * height} pixels, "
+                f"the limit is {max_pixels}"
+            )
+        if width < 1 or height < 1:
+            raise InvalidInput(f"{where}: cannot decode image: empty ({width}×{height})")
+        try:
+            grey = _grey(image)
+            small, paper, ink = _measure_and_reduce(grey)
+        except InvalidInput:
+            raise
+        except Exception as exc:  # truncated or corrupt pixel data surfaces only while decoding
+            raise InvalidInput(f"{where}: cannot decode image: {exc}") from None
+    return small, paper, ink
+
+
+def _grey(image: Image.Image) -> Image.Image:
+    """Decode into one grey channel: mode "L", or "F" for 16-bit images (their depth is kept)."""
+    if image.format == "JPEG":
+        image.draft("L", _JPEG_DRAFT_SIZE)
+    if image.mode in _HIGH_DEPTH_MODES:
+        return image.convert("F")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        return _flatten_alpha(image.convert("LA"))
+    return image if image.mode == "L" else image.convert("L")
+
+
+def _flatten_alpha(image: Image.Image) -> Image.Image:
+    """Put a partly transparent drawing on paper that contrasts with its ink.
+
+    What lies under transparent pixels is arbitrary (often black), so the colour channels alone can hide the
+    digit. The opaque part is taken to be the ink: it goes on white paper when it is dark, on black when light.
+    """
+    grey, alpha = image.split()
+    if alpha.getextrema()[0] == 255:
+        return grey
+    g = np.asarray(grey, dtype=np.float32)
+    a = np.asarray(alpha, dtype=np.float32) / 255.0
+    weight = float(a.sum())
+    ink_level = float((g * a).sum()) / weight if weight > 0 else 0.0
+    paper = 255.0 if ink_level < 128.0 else 0.0
+    flat = g * a + paper * (1.0 - a)
+    return Image.fromarray(np.rint(flat).astype(np.uint8), mode="L")
+
+
+def _measure_and_reduce(grey: Image.Image) -> tuple[np.ndarray, float, float]:
+    """Paper level (median of a border ring), ink level (the grey extreme away from the paper), 8×8 box mean.
+
+    Levels are scaled to 0..1 for "L" images; "F" images keep their own scale, which only the ratio sees.
+    """
+    width, height = grey.size
+    ring = max(1, min(width, height) // 16)
+    border = np.concatenate(
+        [
+            np.asarray(grey.crop((0, 0, width, ring))).ravel(),
+            np.asarray(grey.crop((0, height - ring, width, height))).ravel(),
+            np.asarray(grey.crop((0, ring, ring, height - ring))).ravel(),
+            np.asarray(grey.crop((width - ring, ring, width, height - ring))).ravel(),
+        ]
+    )
+    paper = float(np.median(border))
+    extrema = grey.getextrema()  # one (low, high) pair: the image has one band
+    low, high = float(extrema[0]), float(extrema[1])  # type: ignore[arg-type]
+    # Paper nearer the dark end means light ink, and the reverse.
+    ink = high if paper - low <= high - paper else low
+    small = np.asarray(grey.resize((SIZE, SIZE), Image.Resampling.BOX), dtype=np.float32)
+    scale = 255.0 if grey.mode == "L" else max(abs(high), abs(low), 1.0)
+    return small / scale, paper / scale, ink / scale
