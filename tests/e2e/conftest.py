@@ -1,0 +1,164 @@
+"""Real processes: the stage services and the router started as a user would, on ports the OS picks."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    address: str
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+        return self.popen.wait(timeout)
+
+
+def start_service(
+    name: str, command: list[str], tmp: Path, env: dict[str, str] | None = None, timeout: float = 60
+) -> Process:
+    """Start `python <command> --port 0`; return once it listens (not yet necessarily SERVING)."""
+    port_file = tmp / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115 - the process owns it while it runs
+    popen = subprocess.Popen(
+        [sys.executable, *command, "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        if popen.poll() is not None:
+            raise RuntimeError(f"{name} exited with {popen.returncode}: {(tmp / f'{name}.log').read_text()}")
+        if time.monotonic() > deadline:
+            popen.kill()
+            raise TimeoutError(f"{name} did not listen within {timeout}s")
+        time.sleep(0.05)
+    return Process(name, popen, f"127.0.0.1:{int(port_file.read_text())}")
+
+
+def wait_serving(process: Process, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(process.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            assert process.popen.poll() is None, f"{process.name} exited with {process.popen.returncode}"
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, f"{process.name} not SERVING within {timeout}s"
+            time.sleep(0.1)
+
+
+@dataclass
+class Pipeline:
+    stages: dict[str, Process]
+    router: Process
+    tmp: Path
+
+    def start_stage(self, name: str, port: int | None = None) -> Process:
+        command = ["-m", f"services.{name}"]
+        if name == "model":
+            command += ["--model-dir", str(self.tmp / "models")]
+        process = start_service(name, command, self.tmp)
+        if port is not None:  # bring it back where the router expects it
+            process.stop()
+            process = _start_on_port(name, command, self.tmp, port)
+        self.stages[name] = process
+        return process
+
+    def stop(self) -> None:
+        for process in [self.router, *self.stages.values()]:
+            if process.popen.poll() is None:
+                process.stop()
+
+
+def _start_on_port(name: str, command: list[str], tmp: Path, port: int) -> Process:
+    popen = subprocess.Popen(
+        [sys.executable, *command, "--host", "127.0.0.1", "--port", str(port)],
+        cwd=REPO,
+        stdout=open(tmp / f"{name}.log", "ab"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+    )
+    return Process(name, popen, f"127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    from services.model.digits import train
+
+    folder = tmp_path_factory.mktemp("models")
+    train(folder, progress=False)
+    return folder
+
+
+def start_pipeline(tmp: Path, model_dir: Path, *, max_message_mb: int = 16) -> Pipeline:
+    (tmp / "models").symlink_to(model_dir, target_is_directory=True)
+    pipeline = Pipeline({}, None, tmp)  # type: ignore[arg-type]
+    for name in ("preprocess", "model", "postprocess"):
+        pipeline.start_stage(name)
+    env = {f"{name.upper()}_ADDRESS": p.address for name, p in pipeline.stages.items()}
+    pipeline.router = start_service(
+        "router",
+        [
+            "-m",
+            "pipeline",
+            "router",
+            "--ensembles",
+            str(REPO / "ensembles"),
+            "--max-message-mb",
+            str(max_message_mb),
+        ],
+        tmp,
+        env,
+    )
+    wait_serving(pipeline.router)
+    return pipeline
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, model_dir) -> Iterator[Pipeline]:
+    """The four processes of the digits pipeline, shared by a module's tests."""
+    running = start_pipeline(tmp_path_factory.mktemp("pipeline"), model_dir)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def encode(
+    image: np.ndarray, *, scale: int = 4, fmt: str = "PNG", mode: str = "L", invert: bool = False
+) -> bytes:
+    """An 8x8 sklearn digit (0..16, ink high) as an image file a user might send."""
+    grey = np.clip(image.reshape(8, 8) * (255 / 16), 0, 255).astype(np.uint8)
+    if invert:
+        grey = 255 - grey  # dark ink on white paper
+    picture = (
+        Image.fromarray(grey, "L").resize((8 * scale, 8 * scale), Image.Resampling.NEAREST).convert(mode)
+    )
+    out = io.BytesIO()
+    picture.save(out, format=fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    return out.getvalue()

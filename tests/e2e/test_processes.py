@@ -1,0 +1,138 @@
+"""Process-level behaviour: a stage killed and brought back, and `pipeline run` as the README runs it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.client import InferenceClient, bytes_batch
+from services.model.digits import load_split
+from tests.e2e.conftest import REPO, encode, start_pipeline
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_killed_stage_is_named_and_the_pipeline_recovers_when_it_returns(tmp_path, model_dir):
+    pipeline = start_pipeline(tmp_path, model_dir)
+    try:
+        _, _, x_test, y_test = load_split()
+        image = bytes_batch([encode(x_test[0])], (-1, 1))
+        with InferenceClient(pipeline.router.address) as client:
+            assert client.infer("digits", {"IMAGE": image}, timeout=30)["LABEL"][0, 0] == y_test[0]
+            model = pipeline.stages["model"]
+            os.kill(model.popen.pid, signal.SIGKILL)
+            model.popen.wait(10)
+            with pytest.raises(grpc.RpcError) as info:
+                client.infer("digits", {"IMAGE": image}, timeout=30)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "stage 'model'" in info.value.details() and model.address in info.value.details()
+            # the router itself keeps serving
+            assert client.stub.ServerLive(pb.ServerLiveRequest(), timeout=5).live
+            port = int(model.address.rsplit(":", 1)[1])
+            pipeline.start_stage("model", port=port)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    label = client.infer("digits", {"IMAGE": image}, timeout=30)["LABEL"][0, 0]
+                    break
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+                    time.sleep(0.2)
+            assert label == y_test[0]
+    finally:
+        pipeline.stop()
+
+
+def launch(tmp_path, model_dir) -> tuple[subprocess.Popen[str], str, dict[str, int]]:
+    """`pipeline run` on ports the OS picks; returns the process, the router address and the stage pids."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "run",
+            "--port",
+            "0",
+            "--preprocess-port",
+            "0",
+            "--model-port",
+            "0",
+            "--postprocess-port",
+            "0",
+            "--model-dir",
+            str(model_dir),
+            "--grace-period",
+            "2",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    deadline = time.monotonic() + 180
+    for line in process.stdout:  # type: ignore[union-attr]
+        lines.append(line)
+        if line.startswith("pipeline: serving"):
+            break
+        assert time.monotonic() < deadline, "".join(lines)
+    else:
+        raise AssertionError(f"pipeline run exited early:\n{''.join(lines)}")
+    address = re.search(r" on (\S+) \(gRPC", line).group(1)
+    pids = {name: int(pid) for name, pid in re.findall(r"(\w+) \S+ \(pid (\d+)\)", line)}
+    assert set(pids) == {"preprocess", "model", "postprocess"}, line
+    return process, address, pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_gone(pids, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if alive(p)]}"
+        time.sleep(0.1)
+
+
+def test_pipeline_run_trains_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    models = tmp_path / "models"  # empty: the first run must train the model
+    process, address, pids = launch(tmp_path, models)
+    try:
+        assert (models / "digits_cnn" / "1" / "model.pt").exists()
+        _, _, x_test, y_test = load_split()
+        with InferenceClient(address) as client:
+            out = client.infer("digits", {"IMAGE": bytes_batch([encode(x_test[1])], (-1, 1))}, timeout=30)
+        assert out["LABEL"][0, 0] == y_test[1]
+        process.send_signal(signal.SIGTERM)
+        rest, _ = process.communicate(timeout=60)
+        assert process.returncode == 0, rest
+        wait_gone(pids.values())
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_pipeline_run_reports_a_dead_stage_by_name(tmp_path, model_dir):
+    process, _, pids = launch(tmp_path, model_dir)
+    try:
+        os.kill(pids["model"], signal.SIGKILL)
+        rest, _ = process.communicate(timeout=60)
+        assert process.returncode == 1
+        assert re.search(rf"model \(pid {pids['model']}\) exited with code -9", rest), rest
+        wait_gone(pids.values())
+    finally:
+        if process.poll() is None:
+            process.kill()
