@@ -320,3 +320,21 @@ async def test_health_turns_serving_only_after_load_and_shutdown_drains():
             response = await in_flight
             np.testing.assert_array_equal(response_tensors(response)["Y"].to_array(), [[2.0]])
             await stopping
+
+
+async def test_a_reflection_client_resolves_the_whole_protocol(stage_address):
+    """What grpcurl does: build descriptors from reflection alone (dependencies resolved by file name)."""
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    def resolve() -> tuple[str, list[str]]:
+        with grpc.insecure_channel(stage_address) as channel:
+            pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+            service = pool.FindServiceByName("inference.GRPCInferenceService")
+            infer = service.methods_by_name["ModelInfer"]
+            config = pool.FindMessageTypeByName("inference.ModelConfigResponse")
+            return infer.input_type.full_name, [f.name for f in config.fields_by_name["config"].message_type.fields]
+
+    request_type, config_fields = await asyncio.to_thread(resolve)
+    assert request_type == "inference.ModelInferRequest"
+    assert {"name", "platform", "max_batch_size", "input", "output", "ensemble_scheduling"} <= set(config_fields)
