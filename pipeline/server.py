@@ -331,6 +331,14 @@ async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool)
         await health_servicer.set(service, status)
 
 
+def positive_int(value: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
 def add_server_arguments(parser: argparse.ArgumentParser, *, service: str, default_port: int) -> None:
     """Flags every service takes; each defaults from a `PIPELINE_...` environment variable."""
     env = service.upper()
@@ -350,7 +358,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, service: str, defau
     )
     parser.add_argument(
         "--max-message-mb",
-        type=int,
+        type=positive_int,
         default=int(os.environ.get("PIPELINE_MAX_MESSAGE_MB", 64)),
         help="largest gRPC message accepted or sent, in MiB (env PIPELINE_MAX_MESSAGE_MB)",
     )

@@ -7,10 +7,13 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline.convert import Tensor
 from pipeline.server import server_options
 
 
@@ -49,3 +52,13 @@ async def rpc_error(call) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
     return info.value
+
+
+def request_for(model: str, request_id: str = "req-1", **arrays: np.ndarray) -> pb.ModelInferRequest:
+    """A ModelInferRequest carrying `arrays` as raw inputs named by their keywords."""
+    request = pb.ModelInferRequest(model_name=model, id=request_id)
+    for name, array in arrays.items():
+        tensor = Tensor.from_array(name, array)
+        request.inputs.add(name=name, datatype=tensor.datatype, shape=tensor.shape)
+        request.raw_input_contents.append(tensor.raw)
+    return request

@@ -12,16 +12,9 @@ SERVICE = "model"
 DEFAULT_PORT = 8102
 
 
-def _threads(value: str) -> int:
-    threads = int(value)
-    if threads < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {threads}")
-    return threads
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the shared server flags plus this service's own."""
-    from pipeline.server import add_server_arguments
+    from pipeline.server import add_server_arguments, positive_int
 
     parser = argparse.ArgumentParser(prog="python -m services.model", description=__doc__)
     add_server_arguments(parser, service=SERVICE, default_port=DEFAULT_PORT)
@@ -38,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--torch-threads",
-        type=_threads,
+        type=positive_int,
         default=os.environ.get("PIPELINE_TORCH_THREADS", "1"),
         help="torch intra-op threads; raise only after measuring (env PIPELINE_TORCH_THREADS; "
         "default %(default)s)",

@@ -12,22 +12,15 @@ SERVICE = "preprocess"
 DEFAULT_PORT = 8101
 
 
-def _positive(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the shared server flags plus this service's own."""
-    from pipeline.server import add_server_arguments
+    from pipeline.server import add_server_arguments, positive_int
 
     parser = argparse.ArgumentParser(prog="python -m services.preprocess", description=__doc__)
     add_server_arguments(parser, service=SERVICE, default_port=DEFAULT_PORT)
     parser.add_argument(
         "--max-image-pixels",
-        type=_positive,
+        type=positive_int,
         default=os.environ.get("PIPELINE_MAX_IMAGE_PIXELS", str(DEFAULT_MAX_IMAGE_PIXELS)),
         help="refuse images with more pixels (width × height) than this, read from the header before "
         "decoding (env PIPELINE_MAX_IMAGE_PIXELS; default %(default)s)",

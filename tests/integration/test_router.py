@@ -21,7 +21,7 @@ from pipeline.router import serve_router
 from pipeline.server import CallContext, DataPlane, InferenceServicer, create_server, set_serving
 from pipeline.stage import Stage, TensorSpec
 from pipeline.testing import serving_router, serving_stages
-from tests.conftest import inference_stub, rpc_error, wait_serving
+from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 
 # Both branches of the diamond wait here for each other: a router that ran them one after the other
 # would break the barrier (and the request) instead of passing it.
@@ -143,22 +143,13 @@ async def served(tmp_path_factory):
     await spy_server.stop(0)
 
 
-def request_for(model: str, **arrays: np.ndarray) -> pb.ModelInferRequest:
-    request = pb.ModelInferRequest(model_name=model, id="r-7")
-    for name, array in arrays.items():
-        tensor = Tensor.from_array(name, array)
-        request.inputs.add(name=name, datatype=tensor.datatype, shape=tensor.shape)
-        request.raw_input_contents.append(tensor.raw)
-    return request
-
-
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
 
 
 async def test_diamond_runs_branches_concurrently_and_joins(served):
     async with inference_stub(served.router) as stub:
         response = await stub.ModelInfer(request_for("diamond", X=X), timeout=30)
-    assert response.model_name == "diamond" and response.id == "r-7"
+    assert response.model_name == "diamond" and response.id == "req-1"
     np.testing.assert_array_equal(response_tensors(response)["OUT"].to_array(), 3 * X + 1)
     assert len(response.raw_output_contents) == 1
 

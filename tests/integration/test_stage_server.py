@@ -14,12 +14,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.convert import Tensor, response_tensors
+from pipeline.convert import response_tensors
 from pipeline.datatypes import DATATYPES
 from pipeline.errors import InvalidInput
 from pipeline.stage import Stage, TensorSpec
 from pipeline.testing import serving_stages
-from tests.conftest import health_status, inference_stub, rpc_error, wait_serving
+from tests.conftest import health_status, inference_stub, request_for, rpc_error, wait_serving
 
 
 class Identity(Stage):
@@ -84,15 +84,6 @@ class Gated(Stage):
         self.entered.set()
         assert self.may_finish.wait(10)
         return {"Y": inputs["X"] + 1}
-
-
-def request_for(model: str, **arrays: np.ndarray) -> pb.ModelInferRequest:
-    request = pb.ModelInferRequest(model_name=model, id="req-1")
-    for name, array in arrays.items():
-        tensor = Tensor.from_array(name, array)
-        request.inputs.add(name=name, datatype=tensor.datatype, shape=tensor.shape)
-        request.raw_input_contents.append(tensor.raw)
-    return request
 
 
 def random_array(datatype: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -333,8 +324,12 @@ async def test_a_reflection_client_resolves_the_whole_protocol(stage_address):
             service = pool.FindServiceByName("inference.GRPCInferenceService")
             infer = service.methods_by_name["ModelInfer"]
             config = pool.FindMessageTypeByName("inference.ModelConfigResponse")
-            return infer.input_type.full_name, [f.name for f in config.fields_by_name["config"].message_type.fields]
+            return infer.input_type.full_name, [
+                f.name for f in config.fields_by_name["config"].message_type.fields
+            ]
 
     request_type, config_fields = await asyncio.to_thread(resolve)
     assert request_type == "inference.ModelInferRequest"
-    assert {"name", "platform", "max_batch_size", "input", "output", "ensemble_scheduling"} <= set(config_fields)
+    assert {"name", "platform", "max_batch_size", "input", "output", "ensemble_scheduling"} <= set(
+        config_fields
+    )
