@@ -291,9 +291,30 @@ def model_config(
     skip = 1 if max_batch_size > 0 else 0
     config = mc.ModelConfig(name=name, platform=platform, backend=backend, max_batch_size=max_batch_size)
     for spec in inputs:
-        config.input.add(name=spec.name, data_type=CONFIG_DATATYPE[spec.datatype], dims=spec.shape[skip:])
+        config.input.add(
+            name=spec.name,
+            data_type=CONFIG_DATATYPE[spec.datatype],
+            dims=spec.shape[skip:],
+            allow_ragged_batch=spec.pad_value is not None,
+        )
     for spec in outputs:
         config.output.add(name=spec.name, data_type=CONFIG_DATATYPE[spec.datatype], dims=spec.shape[skip:])
     for key, value in (parameters or {}).items():
         config.parameters[key].string_value = value
+    for spec in (*inputs, *outputs):
+        if spec.pad_value is not None:
+            config.parameters[PAD_VALUE_PARAMETER + spec.name].string_value = repr(spec.pad_value)
     return config
+
+
+#: `ModelConfig.parameters` key prefix under which a stage publishes a tensor's `TensorSpec.pad_value`.
+PAD_VALUE_PARAMETER = "pad_value."
+
+
+def pad_values(config: mc.ModelConfig) -> dict[str, float]:
+    """The pad values a stage published in its `ModelConfig`, by tensor name."""
+    return {
+        key[len(PAD_VALUE_PARAMETER) :]: float(param.string_value)
+        for key, param in config.parameters.items()
+        if key.startswith(PAD_VALUE_PARAMETER)
+    }

@@ -21,11 +21,18 @@ class TensorSpec:
 
     `shape` is the whole shape as clients see it in `ModelMetadata`: -1 marks a variable dimension, and for a
     model that batches (`max_batch_size > 0`) dimension 0 is the batch dimension and is -1.
+
+    `pad_value` lets the router's batcher put requests whose variable (non-batch) dimensions differ into one
+    batch: on an input, those dimensions are padded to the batch's largest with this value (give the model a
+    way to see the true lengths, such as an attention mask that is padded with 0); on an output, it says the
+    output's variable dimensions follow the padded inputs, so each request gets back only its own extent.
+    Without it, requests of different shapes are batched separately.
     """
 
     name: str
     datatype: str
     shape: tuple[int, ...]
+    pad_value: float | None = None
 
     def __post_init__(self) -> None:
         if self.datatype not in DATATYPES:
