@@ -1,0 +1,390 @@
+"""Dynamic batching: requests for one stage model queue here and leave as batches.
+
+The knobs are Triton's `dynamic_batching` ones. A batch is sent as soon as it reaches the largest size it
+can (`max_batch_size`, or the largest preferred size the queue can fill), or when its oldest request has
+waited `max_queue_delay_microseconds`. With idle dispatch (the default) a batch also goes at once whenever
+the stage has a free slot, so a lone request never waits out the delay: under load the slots are busy and
+batches fill by themselves.
+
+The batcher knows nothing of tensors: the router gives each request a payload, its size (dimension 0),
+and a key; only requests with equal keys share a batch. `execute` runs one batch and returns one result
+or exception per request, so one bad item fails only its own request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from pipeline.errors import DeadlineExceeded, InvalidInput, Unavailable
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingConfig:
+    """Triton's `dynamic_batching` settings for one stage model (times in microseconds)."""
+
+    max_batch_size: int = 64
+    max_queue_delay_microseconds: int = 1000
+    preferred_batch_size: tuple[int, ...] = ()
+    #: Requests that may wait at once; a request beyond it is refused with UNAVAILABLE. 0 = no limit.
+    max_queue_size: int = 1024
+    #: A request's time limit in the queue when it brings none; 0 = none.
+    default_timeout_microseconds: int = 0
+    #: Whether the request parameter `timeout` (µs) may shorten or lengthen the default.
+    allow_timeout_override: bool = True
+    #: 0 = one level. Otherwise requests carry the parameter `priority`, 1 (highest) .. priority_levels.
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    #: Complete requests in the order they arrived, even when a later batch finishes first.
+    preserve_ordering: bool = False
+    #: How many batches may be in flight to the stage model at once.
+    max_inflight_batches: int = 2
+    #: Send queued requests at once when a slot is free instead of waiting out the delay.
+    idle_dispatch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        for size in self.preferred_batch_size:
+            if not 1 <= size <= self.max_batch_size:
+                raise ValueError(
+                    f"preferred_batch_size {size} is outside 1..max_batch_size ({self.max_batch_size})"
+                )
+        if self.max_inflight_batches < 1:
+            raise ValueError(f"max_inflight_batches must be >= 1, got {self.max_inflight_batches}")
+        if self.priority_levels and not 1 <= self.default_priority_level <= self.priority_levels:
+            raise ValueError(
+                f"default_priority_level must be in 1..{self.priority_levels}, got {self.default_priority_level}"
+            )
+
+    @property
+    def max_delay(self) -> float:
+        return self.max_queue_delay_microseconds / 1e6
+
+
+class Clock:
+    """Monotonic time and waiting; tests substitute `ManualClock`."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def wait(self, event: asyncio.Event, until: float | None) -> None:
+        """Wait until `event` is set or the time `until` comes, whichever is first."""
+        timeout = None if until is None else max(0.0, until - self.now())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+
+class ManualClock(Clock):
+    """A clock that moves only when told to: for deterministic tests of delays and deadlines."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.time = start
+        self._waiters: list[tuple[float, asyncio.Event]] = []
+
+    def now(self) -> float:
+        return self.time
+
+    async def wait(self, event: asyncio.Event, until: float | None) -> None:
+        if until is not None and until <= self.time:
+            return
+        entry = (until if until is not None else float("inf"), event)
+        self._waiters.append(entry)
+        try:
+            await event.wait()
+        finally:
+            self._waiters.remove(entry)
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward, waking every wait whose time has come."""
+        self.time += seconds
+        for until, event in list(self._waiters):
+            if until <= self.time:
+                event.set()
+
+
+@dataclass(slots=True, eq=False)
+class _Pending(Generic[In, Out]):
+    payload: In
+    size: int
+    key: Hashable
+    priority: int
+    seq: int
+    enqueued: float
+    deadline: float | None
+    future: asyncio.Future[Out]
+
+
+@dataclass(slots=True)
+class BatchStats:
+    """Running totals a batcher keeps (what `ModelStatistics` and metrics report)."""
+
+    requests: int = 0
+    batches: int = 0
+    queue_wait_ns: int = 0
+    #: batch size (sum of request sizes) -> [count, total execution ns]
+    by_size: dict[int, list[int]] = field(default_factory=dict)
+    dropped_deadline: int = 0
+    dropped_cancelled: int = 0
+    rejected_full: int = 0
+
+
+class DynamicBatcher(Generic[In, Out]):
+    """Queues requests for one stage model and runs them in batches through `execute`.
+
+    Use inside a running event loop: `start()` once, `await submit(...)` per request, `await aclose()`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        execute: Callable[[Sequence[In]], Awaitable[Sequence[Out | BaseException]]],
+        config: BatchingConfig,
+        *,
+        clock: Clock | None = None,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self._execute = execute
+        self._clock = clock or Clock()
+        levels = max(1, config.priority_levels)
+        self._queues: list[deque[_Pending[In, Out]]] = [deque() for _ in range(levels)]
+        self._queued = 0
+        self._seq = itertools.count()
+        self._wake = asyncio.Event()
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._previous_done: asyncio.Future[None] | None = None
+        self._scheduler: asyncio.Task[None] | None = None
+        self.stats = BatchStats()
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._scheduler is None:
+            self._scheduler = asyncio.create_task(self._run(), name=f"batcher-{self.name}")
+
+    async def aclose(self) -> None:
+        """Stop scheduling; queued requests fail with UNAVAILABLE, batches in flight finish."""
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            await asyncio.gather(self._scheduler, return_exceptions=True)
+            self._scheduler = None
+        for queue in self._queues:
+            while queue:
+                pending = queue.popleft()
+                if not pending.future.done():
+                    pending.future.set_exception(Unavailable(f"{self.name}: shutting down"))
+        self._queued = 0
+        if self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    @property
+    def inflight_batches(self) -> int:
+        return len(self._inflight)
+
+    # --- requests ------------------------------------------------------------------------------------
+
+    def priority_of(self, requested: int | None) -> int:
+        """The queue index for a request's `priority` parameter (1 is highest)."""
+        levels = self.config.priority_levels
+        if levels == 0:
+            return 0
+        level = self.config.default_priority_level if requested in (None, 0) else requested
+        if not 1 <= level <= levels:  # type: ignore[operator]
+            raise InvalidInput(f"{self.name}: priority {requested} is outside 1..{levels} (priority_levels)")
+        return level - 1  # type: ignore[operator]
+
+    def deadline_of(self, grpc_deadline: float | None, timeout_us: int | None) -> float | None:
+        """The earlier of the gRPC deadline and the queue timeout (the request's `timeout` or the default)."""
+        config = self.config
+        timeout = config.default_timeout_microseconds
+        if timeout_us is not None and config.allow_timeout_override:
+            timeout = timeout_us
+        deadlines = [d for d in (grpc_deadline,) if d is not None]
+        if timeout > 0:
+            deadlines.append(self._clock.now() + timeout / 1e6)
+        return min(deadlines) if deadlines else None
+
+    async def submit(
+        self,
+        payload: In,
+        *,
+        size: int = 1,
+        key: Hashable = None,
+        deadline: float | None = None,
+        priority: int = 0,
+    ) -> Out:
+        """Queue one request and wait for its result. `deadline` is on the batcher's clock."""
+        config = self.config
+        if size > config.max_batch_size:
+            raise InvalidInput(
+                f"{self.name}: the request's batch size {size} exceeds max_batch_size {config.max_batch_size}"
+            )
+        if config.max_queue_size and self._queued >= config.max_queue_size:
+            self.stats.rejected_full += 1
+            raise Unavailable(
+                f"{self.name} is saturated: {self._queued} requests queued (max_queue_size "
+                f"{config.max_queue_size}); retry later"
+            )
+        if self._scheduler is None:
+            self.start()
+        future: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
+        now = self._clock.now()
+        pending = _Pending(payload, size, key, priority, next(self._seq), now, deadline, future)
+        self._queues[priority].append(pending)
+        self._queued += 1
+        self._wake.set()
+        # NOTE: if the caller is cancelled (the client went away) the future is cancelled with it and the
+        # scheduler drops the request before the stage sees it.
+        return await future
+
+    # --- scheduling ----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            now = self._clock.now()
+            self._drop_expired(now)
+            wake_at = self._next_deadline()
+            while self._queued and len(self._inflight) < self.config.max_inflight_batches:
+                batch, wait_until = self._form(now)
+                if batch is None:
+                    if wait_until is not None:
+                        wake_at = wait_until if wake_at is None else min(wake_at, wait_until)
+                    break
+                self._dispatch(batch, now)
+            await self._clock.wait(self._wake, wake_at)
+
+    def _drop_expired(self, now: float) -> None:
+        for queue in self._queues:
+            if not queue:
+                continue
+            kept: deque[_Pending[In, Out]] = deque()
+            for pending in queue:
+                if pending.future.done():
+                    self.stats.dropped_cancelled += 1
+                elif pending.deadline is not None and pending.deadline <= now:
+                    self.stats.dropped_deadline += 1
+                    pending.future.set_exception(
+                        DeadlineExceeded(f"{self.name}: the request's deadline passed while it was queued")
+                    )
+                else:
+                    kept.append(pending)
+                    continue
+                self._queued -= 1
+            queue.clear()
+            queue.extend(kept)
+
+    def _next_deadline(self) -> float | None:
+        deadlines = [p.deadline for q in self._queues for p in q if p.deadline is not None]
+        return min(deadlines) if deadlines else None
+
+    def _form(self, now: float) -> tuple[list[_Pending[In, Out]] | None, float | None]:
+        """The batch to send now, or (None, when to look again)."""
+        config = self.config
+        head = next(q[0] for q in self._queues if q)  # the oldest request of the highest priority waiting
+        # Gather, highest priority first and in arrival order, the requests that fit beside the head.
+        chosen: list[_Pending[In, Out]] = []
+        total = queued_total = 0
+        for queue in self._queues:
+            for pending in queue:
+                if pending.key != head.key:
+                    continue
+                queued_total += pending.size
+                if total + pending.size <= config.max_batch_size:
+                    chosen.append(pending)
+                    total += pending.size
+        largest_preferred = max(config.preferred_batch_size, default=0)
+        oldest = min(p.enqueued for p in chosen)
+        if total >= config.max_batch_size or queued_total > total:
+            pass  # as large as this batch can get
+        elif largest_preferred and total >= largest_preferred:
+            chosen = _trim(chosen, largest_preferred)
+        elif not config.idle_dispatch and now < oldest + config.max_delay:
+            # NOTE: the same expression decides and schedules, so a wake-up at that time always sends.
+            return None, oldest + config.max_delay
+        for pending in chosen:
+            self._queues[pending.priority].remove(pending)
+        self._queued -= len(chosen)
+        return chosen, None
+
+    def _dispatch(self, batch: list[_Pending[In, Out]], now: float) -> None:
+        previous = self._previous_done if self.config.preserve_ordering else None
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._previous_done = done
+        task = asyncio.create_task(self._execute_batch(batch, now, previous, done))
+        self._inflight.add(task)
+        task.add_done_callback(self._batch_finished)
+
+    def _batch_finished(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        self._wake.set()
+
+    async def _execute_batch(
+        self,
+        batch: list[_Pending[In, Out]],
+        now: float,
+        previous: asyncio.Future[None] | None,
+        done: asyncio.Future[None],
+    ) -> None:
+        stats = self.stats
+        size = sum(p.size for p in batch)
+        stats.requests += len(batch)
+        stats.batches += 1
+        stats.queue_wait_ns += sum(int((now - p.enqueued) * 1e9) for p in batch)
+        started = time.perf_counter_ns()
+        try:
+            results = await self._execute([p.payload for p in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(
+                    f"{self.name}: execute returned {len(results)} results for {len(batch)} requests"
+                )
+        except asyncio.CancelledError:
+            for pending in batch:
+                pending.future.cancel()
+            done.set_result(None)
+            raise
+        except Exception as err:  # every member must hear of the failure
+            results = [err] * len(batch)
+        finally:
+            entry = stats.by_size.setdefault(size, [0, 0])
+            entry[0] += 1
+            entry[1] += time.perf_counter_ns() - started
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)
+            for pending, result in zip(batch, results, strict=True):
+                if pending.future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    pending.future.set_exception(result)
+                else:
+                    pending.future.set_result(result)
+        finally:
+            if not done.done():
+                done.set_result(None)
+
+
+def _trim(chosen: list[_Pending[In, Out]], size: int) -> list[_Pending[In, Out]]:
+    """The first requests of `chosen` that fit in `size`."""
+    kept: list[_Pending[In, Out]] = []
+    total = 0
+    for pending in chosen:
+        if total + pending.size > size:
+            break
+        kept.append(pending)
+        total += pending.size
+    return kept or chosen[:1]

@@ -1,0 +1,298 @@
+"""The dynamic batcher without sockets or sleeps: a manual clock and event gates decide every moment."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.batching import BatchingConfig, DynamicBatcher, ManualClock
+from pipeline.errors import DeadlineExceeded, InvalidInput, Unavailable
+
+
+class Stage:
+    """An `execute` that records each batch and can hold batches until the test releases them."""
+
+    def __init__(self, gated: bool = False) -> None:
+        self.batches: list[list[int]] = []
+        self.gated = gated
+        self.gates: list[asyncio.Event] = []
+        self.started = asyncio.Event()
+
+    async def __call__(self, payloads):
+        self.batches.append(list(payloads))
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        self.started.set()
+        if self.gated:
+            await gate.wait()
+        return [p * 10 if p >= 0 else InvalidInput(f"item {p} refused") for p in payloads]
+
+    def release(self, index: int = 0) -> None:
+        self.gates[index].set()
+
+
+async def settle() -> None:
+    """Let every ready task run (no time passes on the manual clock)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def make(config: BatchingConfig, stage: Stage, clock: ManualClock | None = None) -> DynamicBatcher:
+    batcher = DynamicBatcher("stage 'model' (m)", stage, config, clock=clock or ManualClock())
+    batcher.start()
+    return batcher
+
+
+async def submit_all(batcher, payloads, **kw):
+    tasks = [asyncio.ensure_future(batcher.submit(p, **kw)) for p in payloads]
+    await settle()
+    return tasks
+
+
+async def test_a_full_batch_goes_at_once():
+    stage = Stage()
+    batcher = make(BatchingConfig(max_batch_size=4, max_queue_delay_microseconds=10**6, idle_dispatch=False), stage)
+    tasks = await submit_all(batcher, [1, 2, 3, 4])
+    assert stage.batches == [[1, 2, 3, 4]]
+    assert [t.result() for t in tasks] == [10, 20, 30, 40]
+    await batcher.aclose()
+
+
+async def test_a_partial_batch_waits_exactly_the_delay():
+    clock = ManualClock()
+    stage = Stage()
+    config = BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=1000, idle_dispatch=False)
+    batcher = make(config, stage, clock)
+    tasks = await submit_all(batcher, [1, 2])
+    clock.advance(0.0009)
+    await settle()
+    assert stage.batches == []
+    clock.advance(0.0001)
+    await settle()
+    assert stage.batches == [[1, 2]]
+    assert [t.result() for t in tasks] == [10, 20]
+    await batcher.aclose()
+
+
+async def test_preferred_batch_size_goes_without_waiting():
+    clock = ManualClock()
+    stage = Stage()
+    config = BatchingConfig(
+        max_batch_size=8, preferred_batch_size=(2,), max_queue_delay_microseconds=1000, idle_dispatch=False
+    )
+    batcher = make(config, stage, clock)
+    tasks = await submit_all(batcher, [1, 2, 3])
+    assert stage.batches[0] == [1, 2]
+    assert not tasks[2].done()
+    clock.advance(0.001)
+    await settle()
+    assert stage.batches == [[1, 2], [3]]
+    await batcher.aclose()
+
+
+async def test_idle_dispatch_sends_a_lone_request_at_once_and_batches_fill_under_load():
+    stage = Stage(gated=True)
+    config = BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=10**6, max_inflight_batches=1)
+    batcher = make(config, stage)
+    first = await submit_all(batcher, [1])
+    assert stage.batches == [[1]], "a lone request must not wait out the delay"
+    rest = await submit_all(batcher, [2, 3, 4, 5])
+    assert stage.batches == [[1]], "the only slot is busy: the others queue"
+    stage.release(0)
+    await settle()
+    assert stage.batches == [[1], [2, 3, 4, 5]]
+    stage.release(1)
+    await settle()
+    assert [t.result() for t in first + rest] == [10, 20, 30, 40, 50]
+    await batcher.aclose()
+
+
+async def test_requests_with_several_items_are_never_split():
+    stage = Stage()
+    config = BatchingConfig(max_batch_size=5, max_queue_delay_microseconds=10**6, idle_dispatch=False)
+    batcher = make(config, stage)
+    tasks = [asyncio.ensure_future(batcher.submit(p, size=s)) for p, s in ((1, 3), (2, 3), (3, 2))]
+    await settle()
+    # 3 + 3 > 5: the first batch takes requests 1 and 3 (3 + 2), request 2 waits for the next
+    assert stage.batches[0] == [1, 3]
+    with pytest.raises(InvalidInput, match="batch size 6 exceeds max_batch_size 5"):
+        await batcher.submit(9, size=6)
+    await batcher.aclose()
+    assert tasks[0].result() == 10
+
+
+async def test_deadlines_drop_queued_requests_before_the_stage_sees_them():
+    clock = ManualClock()
+    stage = Stage()
+    config = BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=10**6, idle_dispatch=False)
+    batcher = make(config, stage, clock)
+    doomed = asyncio.ensure_future(batcher.submit(1, deadline=clock.now() + 0.1))
+    kept = asyncio.ensure_future(batcher.submit(2))
+    await settle()
+    clock.advance(0.1)
+    await settle()
+    with pytest.raises(DeadlineExceeded, match="deadline passed while it was queued"):
+        doomed.result()
+    clock.advance(1.0)
+    await settle()
+    assert stage.batches == [[2]] and kept.result() == 20
+    assert batcher.stats.dropped_deadline == 1
+    await batcher.aclose()
+
+
+async def test_timeout_parameter_and_default_timeout():
+    clock = ManualClock()
+    config = BatchingConfig(default_timeout_microseconds=5000, allow_timeout_override=True)
+    batcher = DynamicBatcher("b", Stage(), config, clock=clock)
+    assert batcher.deadline_of(None, None) == pytest.approx(clock.now() + 0.005)
+    assert batcher.deadline_of(None, 1000) == pytest.approx(clock.now() + 0.001)
+    assert batcher.deadline_of(clock.now() + 0.0005, 1000) == pytest.approx(clock.now() + 0.0005)
+    strict = DynamicBatcher("b", Stage(), BatchingConfig(allow_timeout_override=False), clock=clock)
+    assert strict.deadline_of(None, 1000) is None
+
+
+async def test_cancelled_requests_are_dropped():
+    clock = ManualClock()
+    stage = Stage()
+    config = BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=1000, idle_dispatch=False)
+    batcher = make(config, stage, clock)
+    gone = asyncio.ensure_future(batcher.submit(1))
+    stays = asyncio.ensure_future(batcher.submit(2))
+    await settle()
+    gone.cancel()
+    clock.advance(0.001)
+    await settle()
+    assert stage.batches == [[2]] and stays.result() == 20
+    await batcher.aclose()
+
+
+async def test_a_full_queue_answers_unavailable_at_once_naming_the_stage():
+    stage = Stage(gated=True)
+    config = BatchingConfig(max_batch_size=1, max_queue_size=2, max_inflight_batches=1)
+    batcher = make(config, stage)
+    tasks = await submit_all(batcher, [1])  # in flight
+    tasks += await submit_all(batcher, [2, 3])  # queued
+    with pytest.raises(Unavailable, match=r"stage 'model' \(m\) is saturated: 2 requests queued"):
+        await batcher.submit(4)
+    assert batcher.stats.rejected_full == 1
+    for i in range(3):
+        stage.release(i)
+        await settle()
+    assert [t.result() for t in tasks] == [10, 20, 30]
+    await batcher.aclose()
+
+
+async def test_priorities_go_first():
+    stage = Stage(gated=True)
+    config = BatchingConfig(
+        max_batch_size=2, priority_levels=2, default_priority_level=2, max_inflight_batches=1
+    )
+    batcher = make(config, stage)
+    await submit_all(batcher, [0])  # occupies the slot
+    low = await submit_all(batcher, [1, 2], priority=batcher.priority_of(None))
+    high = await submit_all(batcher, [3], priority=batcher.priority_of(1))
+    stage.release(0)
+    await settle()
+    assert stage.batches[1] == [3, 1]
+    stage.release(1)
+    await settle()
+    stage.release(2)
+    await settle()
+    assert [t.result() for t in high + low] == [30, 10, 20]
+    with pytest.raises(InvalidInput, match=r"priority 3 is outside 1\.\.2"):
+        batcher.priority_of(3)
+    await batcher.aclose()
+
+
+async def test_preserve_ordering_holds_a_later_batch_until_the_earlier_completes():
+    stage = Stage(gated=True)
+    config = BatchingConfig(max_batch_size=1, preserve_ordering=True, max_inflight_batches=2)
+    batcher = make(config, stage)
+    first, second = await submit_all(batcher, [1, 2])
+    assert stage.batches == [[1], [2]]
+    stage.release(1)  # the later batch finishes first...
+    await settle()
+    assert not second.done(), "...but its response waits for the earlier request"
+    stage.release(0)
+    await settle()
+    assert first.result() == 10 and second.result() == 20
+
+
+async def test_one_failing_item_fails_only_its_own_request():
+    stage = Stage()
+    config = BatchingConfig(max_batch_size=3, max_queue_delay_microseconds=10**6, idle_dispatch=False)
+    batcher = make(config, stage)
+    tasks = await submit_all(batcher, [1, -2, 3])
+    assert stage.batches == [[1, -2, 3]]
+    assert tasks[0].result() == 10 and tasks[2].result() == 30
+    with pytest.raises(InvalidInput, match="item -2 refused"):
+        tasks[1].result()
+    await batcher.aclose()
+
+
+async def test_requests_with_different_keys_never_share_a_batch():
+    stage = Stage()
+    config = BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=10**6, idle_dispatch=False)
+    clock = ManualClock()
+    batcher = make(config, stage, clock)
+    for payload, key in ((1, "a"), (2, "b"), (3, "a"), (4, "b")):
+        asyncio.ensure_future(batcher.submit(payload, key=key))
+    await settle()
+    clock.advance(1.0)
+    await settle()
+    assert sorted(stage.batches) == [[1, 3], [2, 4]]
+    await batcher.aclose()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    arrivals=st.lists(
+        st.tuples(st.integers(0, 50), st.integers(1, 4), st.sampled_from("xy"), st.integers(0, 3)),
+        min_size=1,
+        max_size=40,
+    ),
+    max_batch_size=st.integers(4, 9),
+    inflight=st.integers(1, 3),
+    idle=st.booleans(),
+)
+def test_batched_results_equal_unbatched_results(arrivals, max_batch_size, inflight, idle):
+    """Whatever the arrival pattern, every request gets exactly what it would get alone."""
+
+    async def scenario():
+        clock = ManualClock()
+        seen: list[list[tuple[int, int, str]]] = []
+
+        async def execute(payloads):
+            seen.append(list(payloads))
+            await asyncio.sleep(0)
+            return [(value * 7 + size, key) for value, size, key in payloads]
+
+        config = BatchingConfig(
+            max_batch_size=max_batch_size,
+            max_queue_delay_microseconds=2000,
+            max_inflight_batches=inflight,
+            idle_dispatch=idle,
+        )
+        batcher = DynamicBatcher("b", execute, config, clock=clock)
+        batcher.start()
+        tasks = []
+        for value, size, key, gap in arrivals:
+            tasks.append(asyncio.ensure_future(batcher.submit((value, size, key), size=size, key=key)))
+            clock.advance(gap / 1000)
+            await settle()
+        for _ in range(10):
+            clock.advance(0.01)
+            await settle()
+        results = [t.result() for t in tasks]
+        await batcher.aclose()
+        return results, seen
+
+    results, seen = asyncio.run(scenario())
+    assert results == [(v * 7 + s, k) for v, s, k, _ in arrivals]
+    for batch in seen:
+        assert sum(size for _, size, _ in batch) <= max_batch_size
+        assert len({key for _, _, key in batch}) == 1
+    assert sum(len(b) for b in seen) == len(arrivals)
