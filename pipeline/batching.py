@@ -19,10 +19,11 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from pipeline.errors import DeadlineExceeded, InvalidInput, Unavailable
+from pipeline.statistics import ModelStats
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -125,14 +126,9 @@ class _Pending(Generic[In, Out]):
 
 
 @dataclass(slots=True)
-class BatchStats:
-    """Running totals a batcher keeps (what `ModelStatistics` and metrics report)."""
+class QueueCounters:
+    """Requests the batcher turned away or dropped before the stage saw them."""
 
-    requests: int = 0
-    batches: int = 0
-    queue_wait_ns: int = 0
-    #: batch size (sum of request sizes) -> [count, total execution ns]
-    by_size: dict[int, list[int]] = field(default_factory=dict)
     dropped_deadline: int = 0
     dropped_cancelled: int = 0
     rejected_full: int = 0
@@ -164,7 +160,8 @@ class DynamicBatcher(Generic[In, Out]):
         self._inflight: set[asyncio.Task[None]] = set()
         self._previous_done: asyncio.Future[None] | None = None
         self._scheduler: asyncio.Task[None] | None = None
-        self.stats = BatchStats()
+        self.stats = ModelStats()
+        self.counters = QueueCounters()
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -234,7 +231,7 @@ class DynamicBatcher(Generic[In, Out]):
                 f"{self.name}: the request's batch size {size} exceeds max_batch_size {config.max_batch_size}"
             )
         if config.max_queue_size and self._queued >= config.max_queue_size:
-            self.stats.rejected_full += 1
+            self.counters.rejected_full += 1
             raise Unavailable(
                 f"{self.name} is saturated: {self._queued} requests queued (max_queue_size "
                 f"{config.max_queue_size}); retry later"
@@ -275,9 +272,9 @@ class DynamicBatcher(Generic[In, Out]):
             kept: deque[_Pending[In, Out]] = deque()
             for pending in queue:
                 if pending.future.done():
-                    self.stats.dropped_cancelled += 1
+                    self.counters.dropped_cancelled += 1
                 elif pending.deadline is not None and pending.deadline <= now:
-                    self.stats.dropped_deadline += 1
+                    self.counters.dropped_deadline += 1
                     pending.future.set_exception(
                         DeadlineExceeded(f"{self.name}: the request's deadline passed while it was queued")
                     )
@@ -340,11 +337,7 @@ class DynamicBatcher(Generic[In, Out]):
         previous: asyncio.Future[None] | None,
         done: asyncio.Future[None],
     ) -> None:
-        stats = self.stats
         size = sum(p.size for p in batch)
-        stats.requests += len(batch)
-        stats.batches += 1
-        stats.queue_wait_ns += sum(int((now - p.enqueued) * 1e9) for p in batch)
         started = time.perf_counter_ns()
         try:
             results = await self._execute([p.payload for p in batch])
@@ -359,10 +352,18 @@ class DynamicBatcher(Generic[In, Out]):
             raise
         except Exception as err:  # every member must hear of the failure
             results = [err] * len(batch)
-        finally:
-            entry = stats.by_size.setdefault(size, [0, 0])
-            entry[0] += 1
-            entry[1] += time.perf_counter_ns() - started
+        compute_ns = time.perf_counter_ns() - started
+        self.stats.batch_done(size, compute_ns)
+        finished = self._clock.now()
+        for pending, result in zip(batch, results, strict=True):
+            total_ns = int((finished - pending.enqueued) * 1e9)
+            if isinstance(result, BaseException):
+                self.stats.request_failed(total_ns)
+            else:
+                queue_ns = int((now - pending.enqueued) * 1e9)
+                self.stats.request_done(
+                    items=pending.size, total_ns=total_ns, queue_ns=queue_ns, compute_ns=compute_ns
+                )
         try:
             if previous is not None:
                 await asyncio.shield(previous)

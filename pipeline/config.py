@@ -24,7 +24,7 @@ import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -35,8 +35,10 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
+from pipeline.batching import BatchingConfig
 from pipeline.datatypes import DATATYPES
 from pipeline.plan import Catalog, EnsemblePlan, ModelSignature, PlanStep, StageEndpoint, check_signatures
 from pipeline.stage import TensorSpec
@@ -98,10 +100,42 @@ class TensorConfig(_Schema):
         return value
 
 
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+
+
+class DynamicBatchingConfig(_Schema):
+    """Triton's `dynamic_batching` for a stage model, as written in YAML (see `pipeline.batching`)."""
+
+    max_batch_size: PositiveInt = 64
+    max_queue_delay_microseconds: NonNegativeInt = 1000
+    preferred_batch_size: tuple[PositiveInt, ...] = ()
+    max_queue_size: NonNegativeInt = 1024
+    default_timeout_microseconds: NonNegativeInt = 0
+    allow_timeout_override: bool = True
+    priority_levels: NonNegativeInt = 0
+    default_priority_level: NonNegativeInt = 0
+    preserve_ordering: bool = False
+    max_inflight_batches: PositiveInt = 2
+    idle_dispatch: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DynamicBatchingConfig:
+        self.compile()  # BatchingConfig checks how the knobs fit together
+        return self
+
+    def compile(self) -> BatchingConfig:
+        return BatchingConfig(**self.model_dump())
+
+
 class StageConfig(_Schema):
-    """A stage endpoint as written in YAML; `address` may use `${VAR}` and `${VAR:-default}`."""
+    """A stage endpoint as written in YAML; `address` may use `${VAR}` and `${VAR:-default}`.
+
+    `dynamic_batching` applies to every step of this file that calls the stage, unless the step sets its own.
+    """
 
     address: Name
+    dynamic_batching: DynamicBatchingConfig | None = None
 
     @field_validator("address")
     @classmethod
@@ -130,6 +164,8 @@ class StepConfig(_Schema):
     stage: Name
     input_map: dict[Name, Name]
     output_map: dict[Name, Name]
+    #: Overrides the stage's `dynamic_batching` for this step's model; `false` turns batching off.
+    dynamic_batching: DynamicBatchingConfig | Literal[False] | None = None
 
     @field_validator("model_version", mode="plain")
     @classmethod
@@ -353,6 +389,16 @@ class _Compiler:
     def fail(self, message: str) -> None:
         self.errors.append(f"{self.source}: {message}")
 
+    def _batching(self, index: int) -> BatchingConfig | None:
+        step = self.config.steps[index]
+        if step.dynamic_batching is False:
+            return None
+        chosen = step.dynamic_batching
+        if chosen is None:
+            stage = self.config.stages.get(step.stage)
+            chosen = stage.dynamic_batching if stage is not None else None
+        return None if chosen is None else chosen.compile()
+
     def compile(self) -> EnsemblePlan:
         config = self.config
         inputs = self._tensors(config.inputs, "input")
@@ -463,6 +509,7 @@ class _Compiler:
                 inputs=tuple(config.steps[i].input_map.items()),
                 outputs=tuple(config.steps[i].output_map.items()),
                 depends_on=depends_on[i],
+                batching=self._batching(i),
             )
             for i in order
         )
@@ -546,6 +593,10 @@ class _Compiler:
         return f"the steps form a cycle: {' → '.join(hops)}"
 
 
+def _describe(batching: BatchingConfig | None) -> str:
+    return "off" if batching is None else f"({batching})"
+
+
 def _version(value: int | str) -> str:
     return "" if value == -1 else str(value)
 
@@ -593,6 +644,7 @@ def load_ensembles(
     ensembles: dict[str, EnsemblePlan] = {}
     stages: dict[str, tuple[StageEndpoint, str]] = {}
     models: dict[str, tuple[str, str, str]] = {}  # model name -> (stage, file, step label)
+    batching: dict[str, tuple[BatchingConfig | None, str]] = {}  # model name -> (its batching, where)
     errors: list[str] = []
     for plan in plans:
         if plan.name in ensembles:
@@ -613,6 +665,13 @@ def load_ensembles(
                     "a stage key must name one endpoint"
                 )
         for step in sorted(plan.steps, key=lambda s: s.index):
+            where = f"{plan.source} ({step.label})"
+            first_batching, first_where = batching.setdefault(step.model_name, (step.batching, where))
+            if first_batching != step.batching:
+                errors.append(
+                    f"{where}: model '{step.model_name}' has dynamic_batching {_describe(step.batching)} here but "
+                    f"{_describe(first_batching)} in {first_where}; a model has one batcher, so one setting"
+                )
             if step.model_name not in models:
                 models[step.model_name] = (step.stage, plan.source, step.label)
             elif models[step.model_name][0] != step.stage:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pipeline.batching import BatchingConfig
 from pipeline.stage import TensorSpec
 
 
@@ -43,6 +44,8 @@ class PlanStep:
     #: YAML indices of the steps whose outputs this step consumes, sorted and unique; empty when the step
     #: reads ensemble inputs only.
     depends_on: tuple[int, ...]
+    #: How the router batches calls of this model (None: one request per stage call).
+    batching: BatchingConfig | None = None
 
     @property
     def label(self) -> str:

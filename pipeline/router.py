@@ -13,9 +13,11 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -24,12 +26,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.batching import BatchingConfig, DynamicBatcher
 from pipeline.config import ConfigError, load_ensembles
 from pipeline.convert import (
     Tensor,
     infer_response,
     metadata_response,
     model_config,
+    pad_values,
     request_tensors,
     requested_outputs,
     response_tensors,
@@ -37,7 +41,15 @@ from pipeline.convert import (
     specs_from_metadata,
     validate_inputs,
 )
-from pipeline.errors import DeadlineExceeded, ModelNotFound, PipelineError, StageError, Unavailable
+from pipeline.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelNotFound,
+    PipelineError,
+    StageError,
+    Unavailable,
+)
+from pipeline.merge import StageCall, TensorBatching
 from pipeline.plan import Catalog, EnsemblePlan, ModelSignature, PlanStep, StageEndpoint, check_signatures
 from pipeline.server import (
     CallContext,
@@ -51,6 +63,7 @@ from pipeline.server import (
     set_serving,
     write_port,
 )
+from pipeline.statistics import ModelStats
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +128,11 @@ class RouterPlane(DataPlane):
         }
         self.stage_of_model: dict[str, str] = catalog.stage_models()
         self.signatures: dict[str, ModelSignature] = {}
+        self.batchers: dict[str, tuple[DynamicBatcher[StageCall, dict[str, Tensor]], TensorBatching]] = {}
+        # Per ensemble, and per stage model called without batching (batchers keep their own).
+        self.stats: dict[str, ModelStats] = {
+            name: ModelStats() for name in (*catalog.ensembles, *self.stage_of_model)
+        }
 
     # --- start-up and health -------------------------------------------------------------------------
 
@@ -137,8 +155,30 @@ class RouterPlane(DataPlane):
                 await asyncio.sleep(retry_interval)
         for plan in self.catalog.ensembles.values():
             check_signatures(plan, self.signatures)
+        for plan in self.catalog.ensembles.values():
+            for step in plan.steps:
+                if step.batching is not None and step.model_name not in self.batchers:
+                    self._add_batcher(step.model_name, step.batching)
         for client in self.clients.values():
             await client.check_health(timeout=2.0)
+
+    def _add_batcher(self, model: str, config: BatchingConfig) -> None:
+        signature = self.signatures[model]
+        if signature.max_batch_size and config.max_batch_size > signature.max_batch_size:
+            raise ConfigError(
+                f"model '{model}': dynamic_batching max_batch_size {config.max_batch_size} is larger than the "
+                f"stage model's own max_batch_size {signature.max_batch_size}"
+            )
+        client = self.clients[self.stage_of_model[model]]
+        tensors = TensorBatching(signature)
+        name = f"stage '{client.endpoint.name}' (model '{model}')"
+
+        async def execute(calls: Sequence[StageCall]) -> list[dict[str, Tensor] | BaseException]:
+            return await self._execute_batch(model, client, tensors, calls)
+
+        batcher: DynamicBatcher[StageCall, dict[str, Tensor]] = DynamicBatcher(name, execute, config)
+        batcher.start()
+        self.batchers[model] = (batcher, tensors)
 
     async def _signature(self, model: str, client: StageClient) -> ModelSignature:
         what = f"model '{model}'"
@@ -149,6 +189,9 @@ class RouterPlane(DataPlane):
                 "ModelConfig", pb.ModelConfigRequest(name=model), timeout=2.0, what=what
             )
             max_batch_size = reply.config.max_batch_size
+            padding = pad_values(reply.config)
+            inputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in inputs)
+            outputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in outputs)
         except StageError as err:
             if err.code != grpc.StatusCode.UNIMPLEMENTED:
                 raise
@@ -169,6 +212,7 @@ class RouterPlane(DataPlane):
         )
 
     async def close(self) -> None:
+        await asyncio.gather(*(batcher.aclose() for batcher, _ in self.batchers.values()))
         await asyncio.gather(*(c.close() for c in self.clients.values()))
 
     # --- model lookup --------------------------------------------------------------------------------
@@ -229,19 +273,95 @@ class RouterPlane(DataPlane):
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         plan = self._ensemble(request.model_name, request.model_version)
-        if plan is None:
-            return await self._stage_client(request.model_name).call(
-                "ModelInfer",
-                request,
-                timeout=call.timeout,
-                metadata=call.metadata,
-                what=f"model '{request.model_name}'",
-            )
-        return await self._run(plan, request, call)
+        name = request.model_name
+        started = time.perf_counter_ns()
+        try:
+            if plan is not None:
+                response, items = await self._run(plan, request, call)
+            elif name in self.batchers:
+                response, items = await self._infer_batched(request, call)
+            else:
+                response = await self._stage_client(name).call(
+                    "ModelInfer",
+                    request,
+                    timeout=call.timeout,
+                    metadata=call.metadata,
+                    what=f"model '{name}'",
+                )
+                items = response.outputs[0].shape[0] if response.outputs and response.outputs[0].shape else 1
+        except BaseException:
+            if name in self.stats:
+                self.stats[name].request_failed(time.perf_counter_ns() - started)
+            raise
+        elapsed = time.perf_counter_ns() - started
+        stats = self.stats[name]
+        stats.request_done(items=items, total_ns=elapsed, compute_ns=elapsed)
+        if plan is not None or name not in self.batchers:
+            stats.batch_done(items, elapsed)
+        return response
+
+    async def _infer_batched(
+        self, request: pb.ModelInferRequest, call: CallContext
+    ) -> tuple[pb.ModelInferResponse, int]:
+        """A client's call of a stage model that has a batcher: it queues like the ensembles' calls."""
+        name = request.model_name
+        signature = self.signatures[name]
+        batcher, _ = self.batchers[name]
+        inputs = validate_inputs(
+            name, request_tensors(request), signature.inputs, batcher.config.max_batch_size
+        )
+        wanted = requested_outputs(request, signature.outputs, name)
+        stage_call = StageCall(inputs, tuple(wanted), request.model_version)
+        deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        outputs = await self._submit(name, stage_call, deadline, request.parameters)
+        response = infer_response(name, request.model_version, request.id, (outputs[n] for n in wanted))
+        return response, stage_call.size
+
+    async def _submit(
+        self,
+        model: str,
+        stage_call: StageCall,
+        deadline: float | None,
+        parameters: Mapping[str, pb.InferParameter],
+    ) -> dict[str, Tensor]:
+        batcher, tensors = self.batchers[model]
+        priority = batcher.priority_of(_int_parameter(parameters, "priority"))
+        return await batcher.submit(
+            stage_call,
+            size=stage_call.size,
+            key=tensors.key(stage_call),
+            deadline=batcher.deadline_of(deadline, _int_parameter(parameters, "timeout")),
+            priority=priority,
+        )
+
+    async def _execute_batch(
+        self, model: str, client: StageClient, tensors: TensorBatching, calls: Sequence[StageCall]
+    ) -> list[dict[str, Tensor] | BaseException]:
+        """One stage call for a batch of requests; an item the stage refuses fails only its request."""
+        request = pb.ModelInferRequest(model_name=model, model_version=calls[0].version)
+        for tensor in tensors.merge(calls):
+            request.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+            request.raw_input_contents.append(tensor.raw)
+        for name in dict.fromkeys(name for call in calls for name in call.outputs):
+            request.outputs.add(name=name)
+        what = f"a batch of {len(calls)} requests for model '{model}'"
+        try:
+            response = await client.call("ModelInfer", request, timeout=None, what=what)
+        except StageError as err:
+            culprit = _item_error(err, calls) if len(calls) > 1 else None
+            if culprit is None:
+                raise
+            # Answer the request whose item was refused, and run the others again without it.
+            index, error = culprit
+            rest = [call for i, call in enumerate(calls) if i != index]
+            results = await self._execute_batch(model, client, tensors, rest)
+            results.insert(index, error)
+            return results
+        return list(tensors.split(response_tensors(response), calls))
 
     async def _run(
         self, plan: EnsemblePlan, request: pb.ModelInferRequest, call: CallContext
-    ) -> pb.ModelInferResponse:
+    ) -> tuple[pb.ModelInferResponse, int]:
         inputs = validate_inputs(plan.name, request_tensors(request), plan.inputs, plan.max_batch_size)
         wanted = requested_outputs(request, plan.outputs, plan.name)
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
@@ -251,7 +371,7 @@ class RouterPlane(DataPlane):
         async def run_step(step: PlanStep) -> None:
             for producer in step.depends_on:
                 await finished[producer].wait()
-            outputs = await self._call_step(step, values, request.id, deadline, call.metadata)
+            outputs = await self._call_step(step, values, request, deadline, call.metadata)
             values.update(outputs)
             finished[step.index].set()
 
@@ -263,9 +383,42 @@ class RouterPlane(DataPlane):
                     group.create_task(run_step(step))
         except BaseExceptionGroup as failure:
             raise _first_error(failure) from None
-        return infer_response(plan.name, ENSEMBLE_VERSION, request.id, (values[name] for name in wanted))
+        response = infer_response(plan.name, ENSEMBLE_VERSION, request.id, (values[name] for name in wanted))
+        items = next(iter(inputs.values())).shape[0] if plan.max_batch_size > 0 and inputs else 1
+        return response, items
 
     async def _call_step(
+        self,
+        step: PlanStep,
+        values: Mapping[str, Tensor],
+        request: pb.ModelInferRequest,
+        deadline: float | None,
+        metadata: Sequence[tuple[str, str | bytes]],
+    ) -> dict[str, Tensor]:
+        if step.model_name in self.batchers:
+            stage_call = StageCall(
+                {stage_tensor: values[name] for stage_tensor, name in step.inputs},
+                tuple(stage_tensor for stage_tensor, _ in step.outputs),
+                step.model_version,
+            )
+            try:
+                produced = await self._submit(step.model_name, stage_call, deadline, request.parameters)
+            except StageError as err:
+                raise StageError(f"{step.label}: {err.message}", err.code) from None
+        else:
+            produced = await self._call_stage(step, values, request.id, deadline, metadata)
+        outputs = {}
+        for stage_tensor, tensor_name in step.outputs:
+            tensor = produced.get(stage_tensor)
+            if tensor is None:
+                raise StageError(
+                    f"{step.label} on stage '{step.stage}' returned no output '{stage_tensor}'",
+                    grpc.StatusCode.INTERNAL,
+                )
+            outputs[tensor_name] = Tensor(tensor_name, tensor.datatype, tensor.shape, tensor.raw)
+        return outputs
+
+    async def _call_stage(
         self,
         step: PlanStep,
         values: Mapping[str, Tensor],
@@ -273,6 +426,7 @@ class RouterPlane(DataPlane):
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
     ) -> dict[str, Tensor]:
+        """One request, one stage call: the step's model has no batcher."""
         stage_request = pb.ModelInferRequest(
             model_name=step.model_name, model_version=step.model_version, id=request_id
         )
@@ -287,20 +441,60 @@ class RouterPlane(DataPlane):
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 raise DeadlineExceeded(f"deadline exceeded before {step.label}")
+        started = time.perf_counter_ns()
         response = await self.clients[step.stage].call(
             "ModelInfer", stage_request, timeout=timeout, metadata=metadata, what=step.label
         )
-        produced = response_tensors(response)
-        outputs = {}
-        for stage_tensor, tensor_name in step.outputs:
-            tensor = produced.get(stage_tensor)
-            if tensor is None:
-                raise StageError(
-                    f"{step.label} on stage '{step.stage}' returned no output '{stage_tensor}'",
-                    grpc.StatusCode.INTERNAL,
-                )
-            outputs[tensor_name] = Tensor(tensor_name, tensor.datatype, tensor.shape, tensor.raw)
-        return outputs
+        elapsed = time.perf_counter_ns() - started
+        stats = self.stats[step.model_name]
+        items = next(iter(values.values())).shape[0] if values else 1
+        stats.request_done(items=items, total_ns=elapsed, compute_ns=elapsed)
+        stats.batch_done(items, elapsed)
+        return response_tensors(response)
+
+    async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        names = [name] if name else sorted(self.stats)
+        reply = pb.ModelStatisticsResponse()
+        for model in names:
+            if model in self.batchers:
+                stats = self.batchers[model][0].stats
+            elif model in self.stats:
+                stats = self.stats[model]
+            else:
+                raise ModelNotFound(f"unknown model '{model}'")
+            reply.model_stats.append(stats.proto(model, version or ENSEMBLE_VERSION))
+        return reply
+
+
+_ITEM = re.compile(r"\b[A-Za-z_][\w.]*\[(\d+)\]")
+
+
+def _item_error(err: StageError, calls: Sequence[StageCall]) -> tuple[int, StageError] | None:
+    """Which request of a batch a stage's INVALID_ARGUMENT `NAME[i]: ...` is about, with i made its own."""
+    if err.code != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    match = _ITEM.search(err.message)
+    if match is None:
+        return None
+    row = int(match.group(1))
+    offset = 0
+    for index, call in enumerate(calls):
+        if row < offset + call.size:
+            local = err.message[: match.start(1)] + str(row - offset) + err.message[match.end(1) :]
+            return index, StageError(local, err.code)
+        offset += call.size
+    return None
+
+
+def _int_parameter(parameters: Mapping[str, pb.InferParameter], key: str) -> int | None:
+    """A request parameter given as int64 or uint64 (`priority`, `timeout`), or None."""
+    if key not in parameters:
+        return None
+    param = parameters[key]
+    choice = param.WhichOneof("parameter_choice")
+    if choice in ("int64_param", "uint64_param"):
+        return int(getattr(param, choice))
+    raise InvalidInput(f"request parameter '{key}' must be an integer, got {choice}")
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,8 +41,9 @@ from pipeline.convert import (
     validate_inputs,
 )
 from pipeline.datatypes import DATATYPES, datatype_of
-from pipeline.errors import ModelNotFound, PipelineError, Unavailable
+from pipeline.errors import ModelNotFound, PipelineError, Unavailable, Unimplemented
 from pipeline.stage import Stage, TensorSpec
+from pipeline.statistics import ModelStats
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class DataPlane(abc.ABC):
     """What a server does, free of gRPC types: model lookup, metadata, configuration and inference."""
 
     #: `ServerMetadata.extensions`: the protocol extensions this server supports.
-    extensions: tuple[str, ...] = ("model_configuration",)
+    extensions: tuple[str, ...] = ("model_configuration", "statistics")
 
     @abc.abstractmethod
     def ready(self) -> bool:
@@ -96,6 +98,10 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         """Run one inference request."""
+
+    async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        """Triton's `ModelStatistics`: every model's counters, or one model's (`name`)."""
+        raise Unimplemented("this server keeps no statistics")
 
 
 async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
@@ -149,6 +155,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
         return await _guarded(context, self.plane.infer(request, CallContext.of(context)))
 
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext):
+        return await _guarded(context, self.plane.statistics(request.name, request.version))
+
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
@@ -201,6 +210,7 @@ class StagePlane(DataPlane):
             name: ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}") for name in self.stages
         }
         self._loaded: set[str] = set()
+        self._stats = {name: ModelStats() for name in self.stages}
 
     async def load(self) -> None:
         """Load every model, each in its own thread."""
@@ -258,11 +268,29 @@ class StagePlane(DataPlane):
         tensors = validate_inputs(stage.name, request_tensors(request), stage.inputs, stage.max_batch_size)
         wanted = requested_outputs(request, stage.outputs, stage.name)
         arrays = {name: tensor.to_array() for name, tensor in tensors.items()}
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._executors[stage.name], stage.infer, arrays)
         batch = next(iter(arrays.values())).shape[0] if stage.max_batch_size > 0 and arrays else None
-        specs = {spec.name: spec for spec in stage.outputs}
-        return stage_response(stage.name, version, request.id, wanted, result, specs, batch)
+        stats = self._stats[stage.name]
+        started = time.perf_counter_ns()
+        try:
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._executors[stage.name], stage.infer, arrays)
+            compute_ns = time.perf_counter_ns() - started
+            specs = {spec.name: spec for spec in stage.outputs}
+            response = stage_response(stage.name, version, request.id, wanted, result, specs, batch)
+        except BaseException:
+            stats.request_failed(time.perf_counter_ns() - started)
+            raise
+        stats.batch_done(batch or 1, compute_ns)
+        stats.request_done(items=batch or 1, total_ns=time.perf_counter_ns() - started, compute_ns=compute_ns)
+        return response
+
+    async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        names = [name] if name else list(self.stages)
+        reply = pb.ModelStatisticsResponse()
+        for model in names:
+            _, chosen = self._get(model, version)
+            reply.model_stats.append(self._stats[model].proto(model, chosen))
+        return reply
 
 
 def stage_response(

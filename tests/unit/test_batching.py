@@ -54,7 +54,9 @@ async def submit_all(batcher, payloads, **kw):
 
 async def test_a_full_batch_goes_at_once():
     stage = Stage()
-    batcher = make(BatchingConfig(max_batch_size=4, max_queue_delay_microseconds=10**6, idle_dispatch=False), stage)
+    batcher = make(
+        BatchingConfig(max_batch_size=4, max_queue_delay_microseconds=10**6, idle_dispatch=False), stage
+    )
     tasks = await submit_all(batcher, [1, 2, 3, 4])
     assert stage.batches == [[1, 2, 3, 4]]
     assert [t.result() for t in tasks] == [10, 20, 30, 40]
@@ -139,7 +141,7 @@ async def test_deadlines_drop_queued_requests_before_the_stage_sees_them():
     clock.advance(1.0)
     await settle()
     assert stage.batches == [[2]] and kept.result() == 20
-    assert batcher.stats.dropped_deadline == 1
+    assert batcher.counters.dropped_deadline == 1
     await batcher.aclose()
 
 
@@ -177,7 +179,7 @@ async def test_a_full_queue_answers_unavailable_at_once_naming_the_stage():
     tasks += await submit_all(batcher, [2, 3])  # queued
     with pytest.raises(Unavailable, match=r"stage 'model' \(m\) is saturated: 2 requests queued"):
         await batcher.submit(4)
-    assert batcher.stats.rejected_full == 1
+    assert batcher.counters.rejected_full == 1
     for i in range(3):
         stage.release(i)
         await settle()

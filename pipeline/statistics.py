@@ -1,0 +1,75 @@
+"""Per-model counters in the shape of Triton's statistics extension (`ModelStatistics`).
+
+Durations are cumulative nanoseconds, as Triton reports them: `success` is whole requests, `queue` the time
+they waited for a batch, `compute_infer` the time of the batch each rode in; `batch_stats` counts the
+executions of each batch size. perf_analyzer reads these for its server-side breakdown.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+
+
+@dataclass(slots=True)
+class _Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+    def proto(self) -> pb.StatisticDuration:
+        return pb.StatisticDuration(count=self.count, ns=self.ns)
+
+
+@dataclass(slots=True)
+class ModelStats:
+    """What one model has done since the server started."""
+
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    success: _Duration = field(default_factory=_Duration)
+    fail: _Duration = field(default_factory=_Duration)
+    queue: _Duration = field(default_factory=_Duration)
+    compute_infer: _Duration = field(default_factory=_Duration)
+    batches: dict[int, _Duration] = field(default_factory=dict)
+
+    def request_done(self, *, items: int, total_ns: int, queue_ns: int = 0, compute_ns: int = 0) -> None:
+        """A request (of `items` batch items) completed successfully."""
+        self.inference_count += items
+        self.success.add(total_ns)
+        self.queue.add(queue_ns)
+        self.compute_infer.add(compute_ns)
+        self.last_inference_ms = int(time.time() * 1000)
+
+    def request_failed(self, total_ns: int) -> None:
+        self.fail.add(total_ns)
+
+    def batch_done(self, size: int, compute_ns: int) -> None:
+        """One execution of the model on a batch of `size` items."""
+        self.execution_count += 1
+        self.batches.setdefault(size, _Duration()).add(compute_ns)
+
+    def proto(self, name: str, version: str) -> pb.ModelStatistics:
+        return pb.ModelStatistics(
+            name=name,
+            version=version,
+            last_inference=self.last_inference_ms,
+            inference_count=self.inference_count,
+            execution_count=self.execution_count,
+            inference_stats=pb.InferStatistics(
+                success=self.success.proto(),
+                fail=self.fail.proto(),
+                queue=self.queue.proto(),
+                compute_infer=self.compute_infer.proto(),
+            ),
+            batch_stats=[
+                pb.InferBatchStatistics(batch_size=size, compute_infer=d.proto())
+                for size, d in sorted(self.batches.items())
+            ],
+        )
