@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import re
@@ -70,12 +71,41 @@ log = logging.getLogger(__name__)
 ENSEMBLE_VERSION = "1"
 
 
+#: How the router reaches a stage's replicas. A target that resolves to several addresses (a `dns:///`
+#: name of a scaled service, or `ipv4:a:p,b:p`) is spread round robin; a call that finds a replica gone
+#: (UNAVAILABLE: nothing was processed) is retried on another, within the request's deadline. Stage calls
+#: are idempotent, so a retry is safe.
+STAGE_SERVICE_CONFIG = {
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [
+        {
+            "name": [{"service": "inference.GRPCInferenceService"}],
+            "retryPolicy": {
+                "maxAttempts": 4,
+                "initialBackoff": "0.05s",
+                "maxBackoff": "1s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ],
+}
+STAGE_CHANNEL_OPTIONS = [
+    ("grpc.service_config", json.dumps(STAGE_SERVICE_CONFIG)),
+    ("grpc.enable_retries", 1),
+    # Look the name up again soon after a replica goes away or a connection is recycled.
+    ("grpc.dns_min_time_between_resolutions_ms", 1000),
+]
+
+
 class StageClient:
     """One stage endpoint: a channel, its stubs, and the mapping of its failures to router errors."""
 
     def __init__(self, endpoint: StageEndpoint, *, max_message_bytes: int) -> None:
         self.endpoint = endpoint
-        self.channel = grpc.aio.insecure_channel(endpoint.address, options=server_options(max_message_bytes))
+        self.channel = grpc.aio.insecure_channel(
+            endpoint.address, options=[*server_options(max_message_bytes), *STAGE_CHANNEL_OPTIONS]
+        )
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
@@ -159,8 +189,9 @@ class RouterPlane(DataPlane):
             for step in plan.steps:
                 if step.batching is not None and step.model_name not in self.batchers:
                     self._add_batcher(step.model_name, step.batching)
-        for client in self.clients.values():
-            await client.check_health(timeout=2.0)
+        # Metadata answers before a stage has loaded its models: wait for every stage to be SERVING too.
+        while not all(await asyncio.gather(*(c.check_health(timeout=2.0) for c in self.clients.values()))):
+            await asyncio.sleep(retry_interval)
 
     def _add_batcher(self, model: str, config: BatchingConfig) -> None:
         signature = self.signatures[model]

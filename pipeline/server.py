@@ -327,6 +327,11 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+#: Clients reconnect after this long, and so look the server's name up again: a router whose stage
+#: address is a DNS name then finds replicas that started after it connected.
+MAX_CONNECTION_AGE_MS = int(float(os.environ.get("PIPELINE_MAX_CONNECTION_AGE_S", "30")) * 1000)
+
+
 async def create_server(
     address: str,
     servicer: InferenceServicer,
@@ -335,7 +340,13 @@ async def create_server(
     max_message_bytes: int = 64 * 1024 * 1024,
 ) -> tuple[grpc.aio.Server, int]:
     """An aio server (not started) with inference, health and reflection; returns it and its bound port."""
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+    options = [
+        *server_options(max_message_bytes),
+        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+        # In-flight calls on a recycled connection get this long to finish.
+        ("grpc.max_connection_age_grace_ms", 60_000),
+    ]
+    server = grpc.aio.server(options=options)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -240,12 +240,15 @@ async def test_requests_with_different_keys_never_share_a_batch():
     config = BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=10**6, idle_dispatch=False)
     clock = ManualClock()
     batcher = make(config, stage, clock)
-    for payload, key in ((1, "a"), (2, "b"), (3, "a"), (4, "b")):
+    tasks = [
         asyncio.ensure_future(batcher.submit(payload, key=key))
+        for payload, key in ((1, "a"), (2, "b"), (3, "a"), (4, "b"))
+    ]
     await settle()
     clock.advance(1.0)
     await settle()
     assert sorted(stage.batches) == [[1, 3], [2, 4]]
+    assert [t.result() for t in tasks] == [10, 20, 30, 40]
     await batcher.aclose()
 
 
