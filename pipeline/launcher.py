@@ -144,6 +144,25 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--startup-timeout", type=float, default=180.0, help="seconds each service may take to start"
     )
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain on shutdown")
+    parser.add_argument(
+        "--replicas",
+        type=_replicas,
+        default={},
+        metavar="STAGE=N[,STAGE=N]",
+        help="run N processes of a stage (e.g. preprocess=2); the router spreads calls over them",
+    )
+
+
+def _replicas(text: str) -> dict[str, int]:
+    counts = {}
+    for item in filter(None, text.split(",")):
+        stage, _, count = item.partition("=")
+        if stage not in ("preprocess", "model", "postprocess") or not count.isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected STAGE=N with STAGE preprocess, model or postprocess: {item!r}"
+            )
+        counts[stage] = int(count)
+    return counts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,20 +172,21 @@ def run(args: argparse.Namespace) -> int:
     host = args.host
     connect = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
     grace = ["--grace-period", str(args.grace_period)]
-    stages = [
-        Service("preprocess", ["-m", "services.preprocess"], args.preprocess_port, grace),
-        Service(
-            "model", ["-m", "services.model"], args.model_port, ["--model-dir", str(args.model_dir), *grace]
-        ),
-        Service("postprocess", ["-m", "services.postprocess"], args.postprocess_port, grace),
+    kinds = [
+        ("preprocess", args.preprocess_port, grace),
+        ("model", args.model_port, ["--model-dir", str(args.model_dir), *grace]),
+        ("postprocess", args.postprocess_port, grace),
     ]
-    addresses = {f"{s.name.upper()}_ADDRESS": f"{connect}:{s.port}" for s in stages}
+    replicas = args.replicas
+    stages: list[Service] = []
+    for kind, port, extra in kinds:
+        count = replicas.get(kind, 1)
+        for i in range(count):
+            # Further replicas take ports the OS picks: the default ports of the stages are adjacent.
+            name = kind if count == 1 else f"{kind}-{i + 1}"
+            stages.append(Service(name, ["-m", f"services.{kind}"], port if i == 0 else 0, extra))
     router = Service(
-        "router",
-        ["-m", "pipeline", "router"],
-        args.port,
-        ["--ensembles", str(args.ensembles), *grace],
-        addresses,
+        "router", ["-m", "pipeline", "router"], args.port, ["--ensembles", str(args.ensembles), *grace]
     )
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
 
@@ -184,8 +204,12 @@ def run(args: argparse.Namespace) -> int:
             service.start(host, ports / service.name)
         for service in stages:
             service.wait_port(ports / service.name, args.startup_timeout)
-        # The ensembles name their stages' addresses through these variables.
-        router.env = {f"{s.name.upper()}_ADDRESS": f"{connect}:{s.port}" for s in stages}
+        # The ensembles name their stages' addresses through these variables; several replicas of a stage
+        # become one target that the router spreads calls over.
+        for kind, _, _ in kinds:
+            ports_of = [f"{connect}:{s.port}" for s in stages if s.name.split("-")[0] == kind]
+            address = ports_of[0] if len(ports_of) == 1 else "ipv4:" + ",".join(ports_of)
+            router.env[f"{kind.upper()}_ADDRESS"] = address
         router.start(host, ports / router.name)
         router.wait_port(ports / router.name, args.startup_timeout)
         for service in [*stages, router]:

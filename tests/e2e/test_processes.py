@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import grpc
 import pytest
@@ -51,8 +52,15 @@ def test_a_killed_stage_is_named_and_the_pipeline_recovers_when_it_returns(tmp_p
         pipeline.stop()
 
 
-def launch(tmp_path, model_dir) -> tuple[subprocess.Popen[str], str, dict[str, int]]:
-    """`pipeline run` on ports the OS picks; returns the process, the router address and the stage pids."""
+class Launched(NamedTuple):
+    process: subprocess.Popen[str]
+    address: str  # the router's
+    pids: dict[str, int]  # by stage process name
+    addresses: dict[str, str]  # by stage process name
+
+
+def launch(tmp_path, model_dir, *extra: str) -> Launched:
+    """`pipeline run` on ports the OS picks, as far as its "serving" line."""
     process = subprocess.Popen(
         [
             sys.executable,
@@ -71,6 +79,7 @@ def launch(tmp_path, model_dir) -> tuple[subprocess.Popen[str], str, dict[str, i
             str(model_dir),
             "--grace-period",
             "2",
+            *extra,
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -87,9 +96,10 @@ def launch(tmp_path, model_dir) -> tuple[subprocess.Popen[str], str, dict[str, i
     else:
         raise AssertionError(f"pipeline run exited early:\n{''.join(lines)}")
     address = re.search(r" on (\S+) \(gRPC", line).group(1)
-    pids = {name: int(pid) for name, pid in re.findall(r"(\w+) \S+ \(pid (\d+)\)", line)}
-    assert set(pids) == {"preprocess", "model", "postprocess"}, line
-    return process, address, pids
+    stages = re.findall(r"([\w-]+) (\S+) \(pid (\d+)\)", line)
+    return Launched(
+        process, address, {name: int(pid) for name, _, pid in stages}, {name: at for name, at, _ in stages}
+    )
 
 
 def alive(pid: int) -> bool:
@@ -109,7 +119,8 @@ def wait_gone(pids, timeout: float = 30) -> None:
 
 def test_pipeline_run_trains_serves_and_stops_cleanly_on_sigterm(tmp_path):
     models = tmp_path / "models"  # empty: the first run must train the model
-    process, address, pids = launch(tmp_path, models)
+    process, address, pids, _ = launch(tmp_path, models)
+    assert set(pids) == {"preprocess", "model", "postprocess"}
     try:
         assert (models / "digits_cnn" / "1" / "model.pt").exists()
         _, _, x_test, y_test = load_split()
@@ -126,7 +137,7 @@ def test_pipeline_run_trains_serves_and_stops_cleanly_on_sigterm(tmp_path):
 
 
 def test_pipeline_run_reports_a_dead_stage_by_name(tmp_path, model_dir):
-    process, _, pids = launch(tmp_path, model_dir)
+    process, _, pids, _ = launch(tmp_path, model_dir)
     try:
         os.kill(pids["model"], signal.SIGKILL)
         rest, _ = process.communicate(timeout=60)
@@ -136,3 +147,25 @@ def test_pipeline_run_reports_a_dead_stage_by_name(tmp_path, model_dir):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_pipeline_run_spreads_calls_over_stage_replicas(tmp_path, model_dir):
+    process, address, pids, addresses = launch(tmp_path, model_dir, "--replicas", "preprocess=2")
+    try:
+        assert set(pids) == {"preprocess-1", "preprocess-2", "model", "postprocess"}
+        _, _, x_test, y_test = load_split()
+        with InferenceClient(address) as client:
+            for i in range(12):
+                out = client.infer("digits", {"IMAGE": bytes_batch([encode(x_test[i])], (-1, 1))}, timeout=30)
+                assert out["LABEL"][0, 0] == y_test[i]
+        counts = []
+        for name in ("preprocess-1", "preprocess-2"):
+            with InferenceClient(addresses[name]) as replica:
+                stats = replica.stub.ModelStatistics(
+                    pb.ModelStatisticsRequest(name="digits_preprocess"), timeout=5
+                )
+            counts.append(stats.model_stats[0].inference_count)
+        assert sum(counts) == 12 and min(counts) >= 3, counts
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
