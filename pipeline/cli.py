@@ -88,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     infer.add_argument("--json", action="store_true", help="print the outputs as JSON")
     infer.set_defaults(func=_infer)
 
+    from pipeline.bench import add_bench_arguments, run_bench_command
+
+    bench = commands.add_parser("bench", help="load a model or ensemble and report throughput and latency")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=run_bench_command)
+
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -1,0 +1,198 @@
+"""`pipeline bench` against real in-process stage servers: counts, errors by code, JSON and the plot.
+
+Intervals are short and nothing asserts on timing: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.bench import (
+    BenchError,
+    BenchOptions,
+    build_request,
+    format_report,
+    parse_shape,
+    run_bench,
+    statistics_delta,
+    synthesize_inputs,
+    write_json,
+    write_plot,
+)
+from pipeline.errors import InvalidInput
+from pipeline.stage import Stage, TensorSpec
+from pipeline.testing import serving_stages
+from tests.conftest import wait_serving
+
+
+class Double(Stage):
+    name = "double"
+    max_batch_size = 16
+    inputs = (TensorSpec("X", "FP32", (-1, 4)), TensorSpec("TAG", "BYTES", (-1, 1)))
+    outputs = (TensorSpec("Y", "FP32", (-1, 4)),)
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"Y": inputs["X"] * 2}
+
+
+class Refuse(Stage):
+    name = "refuse"
+    max_batch_size = 16
+    inputs = (TensorSpec("X", "UINT8", (-1, 3)),)
+    outputs = (TensorSpec("Y", "UINT8", (-1, 3)),)
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise InvalidInput("X[0]: refused, always")
+
+
+@pytest.fixture
+async def server():
+    async with serving_stages([Double(), Refuse()]) as running:
+        await wait_serving(running.address)
+        yield running
+
+
+def _options(address: str, model: str, **kwargs) -> BenchOptions:
+    return BenchOptions(url=address, model=model, warmup=0.2, duration=0.6, progress=False, **kwargs)
+
+
+async def test_closed_loop_counts_every_request_once(server) -> None:
+    report = await run_bench(_options(server.address, "double", concurrency=(1, 4), batch=3))
+
+    assert [r.level.value for r in report.results] == [1, 4]
+    for r in report.results:
+        assert r.sent > 0
+        assert r.sent == r.ok == r.responses
+        assert not r.errors and not r.window_errors
+        assert 0 < r.window_ok <= r.ok
+        assert r.latencies.size == r.window_ok and (r.latencies > 0).all()
+        assert r.infer_per_s == pytest.approx(3 * r.requests_per_s)
+    assert report.inputs == [
+        {"name": "X", "datatype": "FP32", "shape": [3, 4]},
+        {"name": "TAG", "datatype": "BYTES", "shape": [3, 1]},
+    ]
+    # Server-side figures where the server lists `statistics`; the client's own figures only elsewhere.
+    if report.statistics:
+        for r in report.results:
+            assert r.stages is not None or r.stages_error
+        assert "server statistics over the measured interval" in format_report(report)
+    else:
+        assert all(r.stages is None for r in report.results)
+        assert "client-side figures only" in format_report(report)
+
+
+async def test_rejections_are_counted_by_status_code(server) -> None:
+    report = await run_bench(_options(server.address, "refuse", concurrency=(2,)))
+
+    (r,) = report.results
+    assert r.sent > 0 and r.ok == 0
+    assert dict(r.errors) == {"INVALID_ARGUMENT": r.sent}
+    assert r.window_errors["INVALID_ARGUMENT"] > 0 and r.latencies.size == 0
+    assert "INVALID_ARGUMENT" in format_report(report)
+
+
+@pytest.mark.parametrize("arrival", ["poisson", "constant"])
+async def test_open_loop_counts_every_request_once(server, arrival: str) -> None:
+    report = await run_bench(_options(server.address, "double", rates=(200.0,), arrival=arrival))
+
+    (r,) = report.results
+    assert r.level.kind == "rate" and r.sent > 0 and r.dropped == 0
+    assert r.sent == r.ok == r.responses
+
+
+async def test_several_processes_share_the_load(server) -> None:
+    report = await run_bench(_options(server.address, "double", concurrency=(3,), processes=2))
+
+    (r,) = report.results
+    assert r.sent > 0 and r.sent == r.ok and not r.errors
+
+
+async def test_json_and_plot_are_written(server, tmp_path: Path) -> None:
+    report = await run_bench(_options(server.address, "double", concurrency=(1, 2)))
+    write_json(report, tmp_path / "out.json")
+    data = json.loads((tmp_path / "out.json").read_text())
+
+    assert {"tool", "url", "model", "mode", "batch", "server", "inputs", "results"} <= data.keys()
+    assert data["mode"] == "concurrency" and [r["concurrency"] for r in data["results"]] == [1, 2]
+    for result in data["results"]:
+        assert {
+            "sent",
+            "responses",
+            "ok",
+            "errors",
+            "window",
+            "throughput_infer_per_s",
+            "throughput_requests_per_s",
+            "latency_ms",
+            "stages",
+        } <= result.keys()
+        assert {"p50", "p90", "p99"} <= result["latency_ms"].keys()
+        assert result["sent"] == result["responses"]
+
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    write_plot(report, tmp_path / "out.png")
+    with Image.open(tmp_path / "out.png") as image:
+        image.load()
+        assert image.format == "PNG" and image.width > 100 and image.height > 100
+
+
+async def test_an_unknown_model_is_a_clear_error(server) -> None:
+    with pytest.raises(BenchError, match="NOT_FOUND"):
+        await run_bench(_options(server.address, "nope"))
+
+
+def test_inputs_follow_the_metadata_and_the_shape_flags(tmp_path: Path) -> None:
+    meta = pb.ModelMetadataResponse(
+        name="m",
+        inputs=[
+            pb.ModelMetadataResponse.TensorMetadata(name="A", datatype="INT8", shape=[-1, -1, 2]),
+            pb.ModelMetadataResponse.TensorMetadata(name="B", datatype="BYTES", shape=[-1]),
+            pb.ModelMetadataResponse.TensorMetadata(name="C", datatype="BF16", shape=[2]),
+        ],
+    )
+    (tmp_path / "b.bin").write_bytes(b"hello")
+    arrays = synthesize_inputs(
+        meta, batching=True, batch=5, shapes={"A": (7, 2)}, files={"B": tmp_path / "b.bin"}
+    )
+    assert arrays["A"].shape == (5, 7, 2) and arrays["A"].dtype == np.int8
+    assert arrays["B"].shape == (5,) and list(arrays["B"]) == [b"hello"] * 5
+    assert arrays["C"].shape == (5,)  # batching: dim 0 is the batch whatever the metadata says
+    request = build_request("m", "", arrays)
+    assert [t.name for t in request.inputs] == ["A", "B", "C"] and len(request.raw_input_contents) == 3
+
+    with pytest.raises(BenchError, match="--shape A"):
+        synthesize_inputs(meta, batching=True)
+    with pytest.raises(BenchError, match="no input 'Z'"):
+        synthesize_inputs(meta, batching=True, shapes={"Z": (1,)})
+    assert parse_shape("A=7,2") == ("A", (7, 2))
+    with pytest.raises(BenchError):
+        parse_shape("A=")
+
+
+def test_statistics_deltas_give_perf_analyzers_figures() -> None:
+    def stats(inferences: int, executions: int, queue_ns: int, infer_ns: int, b8: int) -> pb.ModelStatistics:
+        s = pb.ModelStatistics(name="m", version="1", inference_count=inferences, execution_count=executions)
+        s.inference_stats.queue.count = inferences
+        s.inference_stats.queue.ns = queue_ns
+        s.inference_stats.compute_infer.count = inferences
+        s.inference_stats.compute_infer.ns = infer_ns
+        s.batch_stats.add(batch_size=8).compute_infer.count = b8
+        return s
+
+    before = {"m": stats(10, 10, 10_000, 50_000, 0), "idle": pb.ModelStatistics(name="idle")}
+    after = {"m": stats(90, 20, 90_000, 450_000, 10), "idle": pb.ModelStatistics(name="idle")}
+    delta = statistics_delta(before, after)
+
+    assert list(delta) == ["m"]  # models that did nothing are left out
+    m = delta["m"]
+    assert m["inference_count"] == 80 and m["execution_count"] == 10
+    assert m["mean_batch_size"] == 8.0 and m["batch_sizes"] == {8: 10}
+    assert m["queue_us"] == pytest.approx(1.0) and m["compute_infer_us"] == pytest.approx(5.0)
