@@ -49,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Parse the command line and serve until SIGTERM/SIGINT."""
     from pipeline.server import run_stage_service
     from services.model.backends import BackendUnavailable
+    from services.model.minilm import MiniLMEncoderStage
+    from services.model.refcnn import RefCNNStage
     from services.model.stage import DigitsCNNStage
 
     args = build_parser().parse_args(argv)
@@ -56,9 +58,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         stage = DigitsCNNStage(
             args.model_dir, backend=args.backend, device=args.device, torch_threads=args.torch_threads
         )
-    except (BackendUnavailable, ValueError) as exc:
+        encoder = MiniLMEncoderStage(
+            backend=args.backend, device=args.device, torch_threads=args.torch_threads
+        )
+    except (BackendUnavailable, ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"services.model: {exc}") from None
-    run_stage_service([stage], args, service=SERVICE)
+    refcnn = RefCNNStage(device=args.device, torch_threads=args.torch_threads)
+    run_stage_service([stage, encoder, refcnn], args, service=SERVICE)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Sequence
 
 from services.postprocess.classify import ClassifyStage
+from services.postprocess.pooling import MeanPoolStage
+from services.postprocess.refcnn import RefCNNPostprocess
 
 SERVICE = "postprocess"
 DEFAULT_PORT = 8103
@@ -25,7 +27,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pipeline.server import run_stage_service
 
     args = build_parser().parse_args(argv)
-    run_stage_service([ClassifyStage("digits_postprocess", num_classes=10)], args, service=SERVICE)
+    stages = [
+        ClassifyStage("digits_postprocess", num_classes=10),
+        MeanPoolStage("embeddings_pool", dim=384),
+        RefCNNPostprocess(),
+    ]
+    run_stage_service(stages, args, service=SERVICE)
 
 
 if __name__ == "__main__":

