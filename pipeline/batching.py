@@ -9,6 +9,11 @@ batches fill by themselves.
 The batcher knows nothing of tensors: the router gives each request a payload, its size (dimension 0),
 and a key; only requests with equal keys share a batch. `execute` runs one batch and returns one result
 or exception per request, so one bad item fails only its own request.
+
+Tracing: a request may bring its span (the router's step span). A batch then gets one span, a child of its
+first member's span and linked to every member's span, current while `execute` runs (so the stage call
+carries its context); each member gets a `queue` span for its wait, and the batch's size and ids as
+attributes and a link, so its own trace says which batch it rode in.
 """
 
 from __future__ import annotations
@@ -20,10 +25,17 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from opentelemetry.trace import Link, Span, SpanKind, set_span_in_context, use_span
 
 from pipeline.errors import DeadlineExceeded, InvalidInput, Unavailable
 from pipeline.statistics import ModelStats
+from pipeline.telemetry import BATCH_REQUESTS, BATCH_SIZE, BATCH_SPAN_ID, BATCH_TRACE_ID, MODEL
+
+if TYPE_CHECKING:
+    from pipeline.metrics import Metrics
+    from pipeline.telemetry import Telemetry
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -123,6 +135,8 @@ class _Pending(Generic[In, Out]):
     enqueued: float
     deadline: float | None
     future: asyncio.Future[Out]
+    span: Span | None = None
+    enqueued_ns: int = 0  # wall clock, for the queue span
 
 
 @dataclass(slots=True)
@@ -147,8 +161,15 @@ class DynamicBatcher(Generic[In, Out]):
         config: BatchingConfig,
         *,
         clock: Clock | None = None,
+        telemetry: Telemetry | None = None,
+        metrics: Metrics | None = None,
+        model: str = "",
     ) -> None:
         self.name = name
+        #: The model's name in span attributes and metric labels.
+        self.model = model or name
+        self._telemetry = telemetry if telemetry is not None and telemetry.enabled else None
+        self._metrics = metrics
         self.config = config
         self._execute = execute
         self._clock = clock or Clock()
@@ -179,6 +200,7 @@ class DynamicBatcher(Generic[In, Out]):
             while queue:
                 pending = queue.popleft()
                 if not pending.future.done():
+                    self.stats.request_failed(int((self._clock.now() - pending.enqueued) * 1e9))
                     pending.future.set_exception(Unavailable(f"{self.name}: shutting down"))
         self._queued = 0
         if self._inflight:
@@ -223,8 +245,10 @@ class DynamicBatcher(Generic[In, Out]):
         key: Hashable = None,
         deadline: float | None = None,
         priority: int = 0,
+        span: Span | None = None,
     ) -> Out:
-        """Queue one request and wait for its result. `deadline` is on the batcher's clock."""
+        """Queue one request and wait for its result. `deadline` is on the batcher's clock; `span` is the
+        request's span that the batch span links to (ignored with tracing off)."""
         config = self.config
         if size > config.max_batch_size:
             raise InvalidInput(
@@ -232,6 +256,7 @@ class DynamicBatcher(Generic[In, Out]):
             )
         if config.max_queue_size and self._queued >= config.max_queue_size:
             self.counters.rejected_full += 1
+            self.stats.request_failed(0)
             raise Unavailable(
                 f"{self.name} is saturated: {self._queued} requests queued (max_queue_size "
                 f"{config.max_queue_size}); retry later"
@@ -241,6 +266,9 @@ class DynamicBatcher(Generic[In, Out]):
         future: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
         now = self._clock.now()
         pending = _Pending(payload, size, key, priority, next(self._seq), now, deadline, future)
+        if span is not None and self._telemetry is not None:
+            pending.span = span
+            pending.enqueued_ns = time.time_ns()
         self._queues[priority].append(pending)
         self._queued += 1
         self._wake.set()
@@ -275,6 +303,7 @@ class DynamicBatcher(Generic[In, Out]):
                     self.counters.dropped_cancelled += 1
                 elif pending.deadline is not None and pending.deadline <= now:
                     self.counters.dropped_deadline += 1
+                    self.stats.request_failed(int((now - pending.enqueued) * 1e9))
                     pending.future.set_exception(
                         DeadlineExceeded(f"{self.name}: the request's deadline passed while it was queued")
                     )
@@ -338,9 +367,14 @@ class DynamicBatcher(Generic[In, Out]):
         done: asyncio.Future[None],
     ) -> None:
         size = sum(p.size for p in batch)
+        span = self._batch_span(batch, size) if self._telemetry is not None else None
         started = time.perf_counter_ns()
         try:
-            results = await self._execute([p.payload for p in batch])
+            if span is None:
+                results = await self._execute([p.payload for p in batch])
+            else:
+                with use_span(span, end_on_exit=True):
+                    results = await self._execute([p.payload for p in batch])
             if len(results) != len(batch):
                 raise RuntimeError(
                     f"{self.name}: execute returned {len(results)} results for {len(batch)} requests"
@@ -354,6 +388,13 @@ class DynamicBatcher(Generic[In, Out]):
             results = [err] * len(batch)
         compute_ns = time.perf_counter_ns() - started
         self.stats.batch_done(size, compute_ns)
+        if self._metrics is not None:
+            metrics, model = self._metrics, self.model
+            metrics.batch_size.labels(model).observe(size)
+            metrics.compute_duration.labels(model).observe(compute_ns / 1e9)
+            queue = metrics.queue_duration.labels(model)
+            for pending in batch:
+                queue.observe(now - pending.enqueued)
         finished = self._clock.now()
         for pending, result in zip(batch, results, strict=True):
             total_ns = int((finished - pending.enqueued) * 1e9)
@@ -377,6 +418,47 @@ class DynamicBatcher(Generic[In, Out]):
         finally:
             if not done.done():
                 done.set_result(None)
+
+    def _batch_span(self, batch: list[_Pending[In, Out]], size: int) -> Span | None:
+        """Start the batch's span (child of the first traced member, linked to each) and end each traced
+        member's queue span; None when no member is traced."""
+        members = [p for p in batch if p.span is not None]
+        if not members:
+            return None
+        tracer = self._telemetry.tracer  # type: ignore[union-attr]
+        assert tracer is not None
+        dispatched = time.time_ns()
+        model = self.model
+        for pending in members:
+            tracer.start_span(
+                f"queue {model}",
+                context=set_span_in_context(pending.span),  # type: ignore[arg-type]
+                attributes={MODEL: model},
+                start_time=pending.enqueued_ns,
+            ).end(end_time=dispatched)
+        span = tracer.start_span(
+            f"batch {model}",
+            context=set_span_in_context(members[0].span),  # type: ignore[arg-type]
+            kind=SpanKind.CLIENT,
+            links=[Link(p.span.get_span_context()) for p in members],  # type: ignore[union-attr]
+            attributes={MODEL: model, BATCH_SIZE: size, BATCH_REQUESTS: len(batch)},
+            start_time=dispatched,
+        )
+        context = span.get_span_context()
+        attributes = {
+            BATCH_SIZE: size,
+            BATCH_REQUESTS: len(batch),
+            BATCH_TRACE_ID: f"{context.trace_id:032x}",
+            BATCH_SPAN_ID: f"{context.span_id:016x}",
+        }
+        for pending in members:
+            member = pending.span
+            assert member is not None
+            if member.is_recording():
+                member.set_attributes(attributes)
+                if pending is not members[0]:  # the first member's trace holds the batch span itself
+                    member.add_link(context, {"pipeline.link": "batch"})
+        return span
 
 
 def _trim(chosen: list[_Pending[In, Out]], size: int) -> list[_Pending[In, Out]]:

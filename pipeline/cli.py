@@ -1,4 +1,5 @@
-"""The `pipeline` command: run the whole pipeline, run the router alone, or send a request."""
+"""The `pipeline` command: run the whole pipeline, run the router alone, send a request, benchmark, or
+look at a trace."""
 
 from __future__ import annotations
 
@@ -93,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="load a model or ensemble and report throughput and latency")
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench_command)
+
+    from pipeline.trace_view import add_trace_arguments, run_trace_command
+
+    trace = commands.add_parser(
+        "trace", help="print a request's trace from a JSON-lines span file as a waterfall"
+    )
+    add_trace_arguments(trace)
+    trace.set_defaults(func=run_trace_command)
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

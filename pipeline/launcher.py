@@ -22,6 +22,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pipeline.metrics import metrics_port
+
 log = logging.getLogger("pipeline.launcher")
 
 
@@ -38,7 +40,7 @@ class Service:
 
     def start(self, host: str, port_file: Path) -> None:
         command = [sys.executable, *self.command, "--host", host, "--port", str(self.port), *self.args]
-        command += ["--port-file", str(port_file)]
+        command += ["--port-file", str(port_file), "--metrics-port-file", str(_metrics_file(port_file))]
         # NOTE: a session of its own, so Ctrl-C in the terminal reaches only the launcher, which then stops
         # the services in order instead of all at once.
         self.process = subprocess.Popen(command, env={**os.environ, **self.env}, start_new_session=True)
@@ -56,8 +58,17 @@ class Service:
         self.port = int(port_file.read_text())
         return self.port
 
+    def metrics_port(self, port_file: Path) -> int | None:
+        """The port of the service's Prometheus endpoint, once it listens (None: it serves none)."""
+        path = _metrics_file(port_file)
+        return int(path.read_text()) if path.exists() else None
+
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
+
+
+def _metrics_file(port_file: Path) -> Path:
+    return port_file.with_name(port_file.name + ".metrics")
 
 
 def wait_healthy(service: Service, address: str, timeout: float) -> None:
@@ -129,6 +140,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{name} service port (env PIPELINE_{name.upper()}_PORT)",
         )
     parser.add_argument(
+        "--metrics-port",
+        type=metrics_port,
+        default=metrics_port(env("PIPELINE_ROUTER_METRICS_PORT", "8002")),
+        help="router's Prometheus port, 'off' for none (env PIPELINE_ROUTER_METRICS_PORT; default 8002). "
+        "Stages get ports the OS picks unless PIPELINE_<STAGE>_METRICS_PORT says otherwise; all are printed",
+    )
+    parser.add_argument(
         "--ensembles",
         type=Path,
         default=Path(env("PIPELINE_ENSEMBLES", "ensembles")),
@@ -184,9 +202,21 @@ def run(args: argparse.Namespace) -> int:
         for i in range(count):
             # Further replicas take ports the OS picks: the default ports of the stages are adjacent.
             name = kind if count == 1 else f"{kind}-{i + 1}"
-            stages.append(Service(name, ["-m", f"services.{kind}"], port if i == 0 else 0, extra))
+            # Metrics: where the environment says for the first replica, else a port the OS picks, so
+            # that stages (and further replicas) never collide.
+            wanted = (
+                metrics_port(os.environ.get(f"PIPELINE_{kind.upper()}_METRICS_PORT", "0")) if i == 0 else 0
+            )
+            metrics = ["--metrics-port", "off" if wanted is None else str(wanted)]
+            stages.append(
+                Service(name, ["-m", f"services.{kind}"], port if i == 0 else 0, [*extra, *metrics])
+            )
+    router_metrics = ["--metrics-port", "off" if args.metrics_port is None else str(args.metrics_port)]
     router = Service(
-        "router", ["-m", "pipeline", "router"], args.port, ["--ensembles", str(args.ensembles), *grace]
+        "router",
+        ["-m", "pipeline", "router"],
+        args.port,
+        ["--ensembles", str(args.ensembles), *grace, *router_metrics],
     )
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
 
@@ -223,6 +253,15 @@ def run(args: argparse.Namespace) -> int:
             + ". Ctrl-C stops it.",
             flush=True,
         )
+        scraped = [(s.name, s.metrics_port(ports / s.name)) for s in [router, *stages]]
+        if any(port is not None for _, port in scraped):
+            print(
+                "pipeline: Prometheus metrics: "
+                + ", ".join(
+                    f"{name} http://{connect}:{port}/metrics" for name, port in scraped if port is not None
+                ),
+                flush=True,
+            )
         while not stopping:
             for service in everything:
                 code = service.exit_code()

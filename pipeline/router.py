@@ -20,9 +20,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import Span, SpanKind
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
@@ -51,6 +53,7 @@ from pipeline.errors import (
     Unavailable,
 )
 from pipeline.merge import StageCall, TensorBatching
+from pipeline.metrics import Metrics
 from pipeline.plan import Catalog, EnsemblePlan, ModelSignature, PlanStep, StageEndpoint, check_signatures
 from pipeline.server import (
     CallContext,
@@ -62,9 +65,20 @@ from pipeline.server import (
     serve,
     server_options,
     set_serving,
+    start_metrics,
     write_port,
 )
 from pipeline.statistics import ModelStats
+from pipeline.telemetry import (
+    ENSEMBLE,
+    MODEL,
+    NO_SPAN,
+    PEER,
+    REQUEST_ID,
+    STAGE,
+    STEP,
+    Telemetry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +115,11 @@ STAGE_CHANNEL_OPTIONS = [
 class StageClient:
     """One stage endpoint: a channel, its stubs, and the mapping of its failures to router errors."""
 
-    def __init__(self, endpoint: StageEndpoint, *, max_message_bytes: int) -> None:
+    def __init__(
+        self, endpoint: StageEndpoint, *, max_message_bytes: int, metrics: Metrics | None = None
+    ) -> None:
         self.endpoint = endpoint
+        self.metrics = metrics
         self.channel = grpc.aio.insecure_channel(
             endpoint.address, options=[*server_options(max_message_bytes), *STAGE_CHANNEL_OPTIONS]
         )
@@ -122,9 +139,11 @@ class StageClient:
         """Call an RPC of the stage; `what` names the step or model in errors."""
         name, address = self.endpoint.name, self.endpoint.address
         try:
-            return await getattr(self.stub, method)(request, timeout=timeout, metadata=tuple(metadata))
+            reply = await getattr(self.stub, method)(request, timeout=timeout, metadata=tuple(metadata))
         except grpc.aio.AioRpcError as err:
             code, details = err.code(), err.details() or ""
+            if self.metrics is not None:
+                self.metrics.stage_calls.labels(name, code.name).inc()
             if code == grpc.StatusCode.UNAVAILABLE:
                 self.healthy = False
                 raise Unavailable(
@@ -133,6 +152,9 @@ class StageClient:
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
             raise StageError(f"{what} on stage '{name}': {details}", code) from None
+        if self.metrics is not None:
+            self.metrics.stage_calls.labels(name, "OK").inc()
+        return reply
 
     async def check_health(self, timeout: float) -> bool:
         """Ask the stage's health service; remember and return whether it is SERVING."""
@@ -150,10 +172,19 @@ class StageClient:
 class RouterPlane(DataPlane):
     """The router's data plane: ensembles run as DAGs of stage calls; stage models are forwarded."""
 
-    def __init__(self, catalog: Catalog, *, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        *,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        telemetry: Telemetry | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.catalog = catalog
+        self.telemetry = telemetry or Telemetry()
+        self.metrics = metrics or Metrics()
         self.clients = {
-            key: StageClient(endpoint, max_message_bytes=max_message_bytes)
+            key: StageClient(endpoint, max_message_bytes=max_message_bytes, metrics=self.metrics)
             for key, endpoint in catalog.stages.items()
         }
         self.stage_of_model: dict[str, str] = catalog.stage_models()
@@ -163,6 +194,26 @@ class RouterPlane(DataPlane):
         self.stats: dict[str, ModelStats] = {
             name: ModelStats() for name in (*catalog.ensembles, *self.stage_of_model)
         }
+        batchers = self.batchers
+        clients = self.clients
+        self.metrics.gauge(
+            "pipeline_queue_depth",
+            "Requests waiting now",
+            "model",
+            lambda: [(model, b.queue_depth) for model, (b, _) in batchers.items()],
+        )
+        self.metrics.gauge(
+            "pipeline_inflight_batches",
+            "Executions running now",
+            "model",
+            lambda: [(model, b.inflight_batches) for model, (b, _) in batchers.items()],
+        )
+        self.metrics.gauge(
+            "pipeline_stage_healthy",
+            "1 when the stage's health check says SERVING",
+            "stage",
+            lambda: [(key, float(c.healthy)) for key, c in clients.items()],
+        )
 
     # --- start-up and health -------------------------------------------------------------------------
 
@@ -207,7 +258,9 @@ class RouterPlane(DataPlane):
         async def execute(calls: Sequence[StageCall]) -> list[dict[str, Tensor] | BaseException]:
             return await self._execute_batch(model, client, tensors, calls)
 
-        batcher: DynamicBatcher[StageCall, dict[str, Tensor]] = DynamicBatcher(name, execute, config)
+        batcher: DynamicBatcher[StageCall, dict[str, Tensor]] = DynamicBatcher(
+            name, execute, config, telemetry=self.telemetry, metrics=self.metrics, model=model
+        )
         batcher.start()
         self.batchers[model] = (batcher, tensors)
 
@@ -305,31 +358,48 @@ class RouterPlane(DataPlane):
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         plan = self._ensemble(request.model_name, request.model_version)
         name = request.model_name
+        batched = plan is None and name in self.batchers
         started = time.perf_counter_ns()
+        # A batched stage model's statistics are its batcher's (queue and batch figures included).
+        stats = None if batched else self.stats.get(name)
         try:
             if plan is not None:
+                if self.telemetry.enabled and (span := self.telemetry.current_span()) is not None:
+                    span.set_attribute(ENSEMBLE, plan.name)
                 response, items = await self._run(plan, request, call)
-            elif name in self.batchers:
+            elif batched:
                 response, items = await self._infer_batched(request, call)
             else:
-                response = await self._stage_client(name).call(
-                    "ModelInfer",
-                    request,
-                    timeout=call.timeout,
-                    metadata=call.metadata,
-                    what=f"model '{name}'",
+                client = self._stage_client(name)
+                with self._stage_call_span(name, client) if self.telemetry.enabled else NO_SPAN:
+                    response = await client.call(
+                        "ModelInfer",
+                        request,
+                        timeout=call.timeout,
+                        metadata=self.telemetry.inject(call.metadata),
+                        what=f"model '{name}'",
+                    )
+                items = _items(
+                    self.signatures.get(name), response.outputs[0].shape if response.outputs else ()
                 )
-                items = response.outputs[0].shape[0] if response.outputs and response.outputs[0].shape else 1
         except BaseException:
-            if name in self.stats:
-                self.stats[name].request_failed(time.perf_counter_ns() - started)
+            if stats is not None:
+                stats.request_failed(time.perf_counter_ns() - started)
             raise
-        elapsed = time.perf_counter_ns() - started
-        stats = self.stats[name]
-        stats.request_done(items=items, total_ns=elapsed, compute_ns=elapsed)
-        if plan is not None or name not in self.batchers:
+        if stats is not None:
+            elapsed = time.perf_counter_ns() - started
+            # NOTE: an ensemble (like a forwarded call) executes once per request, taking it whole.
+            stats.request_done(items=items, total_ns=elapsed, compute_ns=elapsed)
             stats.batch_done(items, elapsed)
         return response
+
+    def _stage_call_span(self, model: str, client: StageClient, **attributes: Any):
+        """The span of one unbatched stage call; its context goes to the stage in the call's metadata."""
+        return self.telemetry.span(
+            f"ModelInfer {model}",
+            {MODEL: model, STAGE: client.endpoint.name, PEER: client.endpoint.address, **attributes},
+            kind=SpanKind.CLIENT,
+        )
 
     async def _infer_batched(
         self, request: pb.ModelInferRequest, call: CallContext
@@ -344,7 +414,9 @@ class RouterPlane(DataPlane):
         wanted = requested_outputs(request, signature.outputs, name)
         stage_call = StageCall(inputs, tuple(wanted), request.model_version)
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
-        outputs = await self._submit(name, stage_call, deadline, request.parameters)
+        outputs = await self._submit(
+            name, stage_call, deadline, request.parameters, self.telemetry.current_span()
+        )
         response = infer_response(name, request.model_version, request.id, (outputs[n] for n in wanted))
         return response, stage_call.size
 
@@ -354,6 +426,7 @@ class RouterPlane(DataPlane):
         stage_call: StageCall,
         deadline: float | None,
         parameters: Mapping[str, pb.InferParameter],
+        span: Span | None = None,
     ) -> dict[str, Tensor]:
         batcher, tensors = self.batchers[model]
         priority = batcher.priority_of(_int_parameter(parameters, "priority"))
@@ -363,6 +436,7 @@ class RouterPlane(DataPlane):
             key=tensors.key(stage_call),
             deadline=batcher.deadline_of(deadline, _int_parameter(parameters, "timeout")),
             priority=priority,
+            span=span,
         )
 
     async def _execute_batch(
@@ -376,14 +450,23 @@ class RouterPlane(DataPlane):
         for name in dict.fromkeys(name for call in calls for name in call.outputs):
             request.outputs.add(name=name)
         what = f"a batch of {len(calls)} requests for model '{model}'"
+        metadata: Sequence[tuple[str, str | bytes]] = ()
+        if self.telemetry.enabled:
+            # The batcher made the batch span current: the stage continues it.
+            span = self.telemetry.current_span()
+            if span is not None:
+                span.set_attributes({STAGE: client.endpoint.name, PEER: client.endpoint.address})
+            metadata = self.telemetry.inject(())
         try:
-            response = await client.call("ModelInfer", request, timeout=None, what=what)
+            response = await client.call("ModelInfer", request, timeout=None, metadata=metadata, what=what)
         except StageError as err:
             culprit = _item_error(err, calls) if len(calls) > 1 else None
             if culprit is None:
                 raise
             # Answer the request whose item was refused, and run the others again without it.
             index, error = culprit
+            if self.telemetry.enabled and (span := self.telemetry.current_span()) is not None:
+                span.add_event("item refused; the rest sent again", {"pipeline.batch.item": index})
             rest = [call for i, call in enumerate(calls) if i != index]
             results = await self._execute_batch(model, client, tensors, rest)
             results.insert(index, error)
@@ -399,10 +482,23 @@ class RouterPlane(DataPlane):
         values: dict[str, Tensor] = dict(inputs)
         finished = {step.index: asyncio.Event() for step in plan.steps}
 
+        telemetry = self.telemetry
+
         async def run_step(step: PlanStep) -> None:
             for producer in step.depends_on:
                 await finished[producer].wait()
-            outputs = await self._call_step(step, values, request, deadline, call.metadata)
+            if telemetry.enabled:
+                attributes = {
+                    ENSEMBLE: plan.name,
+                    STEP: step.index,
+                    MODEL: step.model_name,
+                    STAGE: step.stage,
+                    REQUEST_ID: request.id,
+                }
+                with telemetry.span(f"step {step.model_name}", attributes):
+                    outputs = await self._call_step(step, values, request, deadline, call.metadata)
+            else:
+                outputs = await self._call_step(step, values, request, deadline, call.metadata)
             values.update(outputs)
             finished[step.index].set()
 
@@ -433,7 +529,9 @@ class RouterPlane(DataPlane):
                 step.model_version,
             )
             try:
-                produced = await self._submit(step.model_name, stage_call, deadline, request.parameters)
+                produced = await self._submit(
+                    step.model_name, stage_call, deadline, request.parameters, self.telemetry.current_span()
+                )
             except StageError as err:
                 raise StageError(f"{step.label}: {err.message}", err.code) from None
         else:
@@ -472,15 +570,33 @@ class RouterPlane(DataPlane):
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 raise DeadlineExceeded(f"deadline exceeded before {step.label}")
-        started = time.perf_counter_ns()
-        response = await self.clients[step.stage].call(
-            "ModelInfer", stage_request, timeout=timeout, metadata=metadata, what=step.label
-        )
-        elapsed = time.perf_counter_ns() - started
+        client = self.clients[step.stage]
         stats = self.stats[step.model_name]
-        items = next(iter(values.values())).shape[0] if values else 1
+        first = stage_request.inputs[0].shape if stage_request.inputs else ()
+        items = _items(self.signatures.get(step.model_name), first)
+        started = time.perf_counter_ns()
+        try:
+            if self.telemetry.enabled:
+                with self._stage_call_span(step.model_name, client, **{REQUEST_ID: request_id}):
+                    response = await client.call(
+                        "ModelInfer",
+                        stage_request,
+                        timeout=timeout,
+                        metadata=self.telemetry.inject(metadata),
+                        what=step.label,
+                    )
+            else:
+                response = await client.call(
+                    "ModelInfer", stage_request, timeout=timeout, metadata=metadata, what=step.label
+                )
+        except BaseException:
+            stats.request_failed(time.perf_counter_ns() - started)
+            raise
+        elapsed = time.perf_counter_ns() - started
         stats.request_done(items=items, total_ns=elapsed, compute_ns=elapsed)
         stats.batch_done(items, elapsed)
+        self.metrics.compute_duration.labels(step.model_name).observe(elapsed / 1e9)
+        self.metrics.batch_size.labels(step.model_name).observe(items)
         return response_tensors(response)
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
@@ -495,6 +611,13 @@ class RouterPlane(DataPlane):
                 raise ModelNotFound(f"unknown model '{model}'")
             reply.model_stats.append(stats.proto(model, version or ENSEMBLE_VERSION))
         return reply
+
+
+def _items(signature: ModelSignature | None, shape: Sequence[int]) -> int:
+    """Batch items in a tensor of `shape` for a model: dimension 0 if the model batches, else 1."""
+    if signature is not None and signature.max_batch_size > 0 and len(shape) > 0:
+        return int(shape[0])
+    return 1
 
 
 _ITEM = re.compile(r"\b[A-Za-z_][\w.]*\[(\d+)\]")
@@ -561,7 +684,7 @@ def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
-    add_server_arguments(parser, service="router", default_port=8001)
+    add_server_arguments(parser, service="router", default_port=8001, default_metrics_port=8002)
     parser.add_argument(
         "--ensembles",
         type=Path,
@@ -577,17 +700,25 @@ async def serve_router(
     catalog: Catalog | None = None,
     stopping: asyncio.Event | None = None,
     bound: Callable[[int], None] | None = None,
+    telemetry: Telemetry | None = None,
+    metrics: Metrics | None = None,
 ) -> None:
     """Serve the ensembles until a signal (or `stopping`): listen, wait for the stages and check the plans,
-    then SERVING. `bound` is called with the port once the server listens."""
+    then SERVING. `bound` is called with the port once the server listens. `telemetry` defaults to tracing
+    configured by the environment, `metrics` to a registry of this server's own."""
     if catalog is None:
         catalog = load_ensembles(args.ensembles)
-    plane = RouterPlane(catalog, max_message_bytes=args.max_message_mb * 1024 * 1024)
+    owned = telemetry is None
+    telemetry = Telemetry.from_env("router") if telemetry is None else telemetry
+    metrics = Metrics() if metrics is None else metrics
+    plane = RouterPlane(
+        catalog, max_message_bytes=args.max_message_mb * 1024 * 1024, telemetry=telemetry, metrics=metrics
+    )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
     server, port = await create_server(
         f"{args.host}:{args.port}",
-        InferenceServicer(plane, "pipeline-router"),
+        InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics),
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
     )
@@ -595,6 +726,7 @@ async def serve_router(
 
     async def start() -> None:
         nonlocal monitor
+        start_metrics(metrics, args)
         write_port(args.port_file, port)
         if bound is not None:
             bound(port)
@@ -610,6 +742,10 @@ async def serve_router(
         if monitor is not None:
             monitor.cancel()
         await plane.close()
+        metrics.close()
+        if owned:
+            # Flushing may wait on an exporter's endpoint: not on the event loop.
+            await asyncio.to_thread(telemetry.shutdown)
 
     await serve(server, health_servicer, grace=args.grace_period, start=start, stop=stop, stopping=stopping)
 

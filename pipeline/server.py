@@ -42,8 +42,10 @@ from pipeline.convert import (
 )
 from pipeline.datatypes import DATATYPES, datatype_of
 from pipeline.errors import ModelNotFound, PipelineError, Unavailable, Unimplemented
+from pipeline.metrics import Metrics, metrics_port
 from pipeline.stage import Stage, TensorSpec
 from pipeline.statistics import ModelStats
+from pipeline.telemetry import BATCH_SIZE, MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,18 @@ class DataPlane(abc.ABC):
         """Triton's `ModelStatistics`: every model's counters, or one model's (`name`)."""
         raise Unimplemented("this server keeps no statistics")
 
+    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
+        """Triton's `RepositoryIndex`: every model (version) in the repository and its state."""
+        raise Unimplemented("this server has no model repository")
+
+    async def repository_load(self, name: str, parameters: Mapping[str, object]) -> None:
+        """Triton's `RepositoryModelLoad`: load or reload a model."""
+        raise Unimplemented("this server has no model repository")
+
+    async def repository_unload(self, name: str, parameters: Mapping[str, object]) -> None:
+        """Triton's `RepositoryModelUnload`: stop serving a model."""
+        raise Unimplemented("this server has no model repository")
+
 
 async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
     """Await `work`, turning a `PipelineError` into its status and anything else into INTERNAL."""
@@ -121,12 +135,59 @@ async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
     raise AssertionError("unreachable: abort raises")
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """`inference.GRPCInferenceService` over a `DataPlane`."""
+def outcome_of(err: BaseException) -> str:
+    """The gRPC status code name a request that raised `err` is answered with."""
+    if isinstance(err, PipelineError):
+        return err.code.name
+    if isinstance(err, asyncio.CancelledError):
+        return "CANCELLED"
+    return "INTERNAL"
 
-    def __init__(self, plane: DataPlane, name: str) -> None:
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """`inference.GRPCInferenceService` over a `DataPlane`, with a span and metrics for each inference."""
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        name: str,
+        *,
+        telemetry: Telemetry | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.plane = plane
         self.name = name
+        self.telemetry = telemetry or Telemetry()
+        self.metrics = metrics or Metrics()
+
+    async def _infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+        """One inference through the plane: the request's server span (continuing the caller's trace)
+        and its count and latency."""
+        model = request.model_name
+        started = time.perf_counter()
+        outcome = "OK"
+        telemetry = self.telemetry
+        span_scope = (
+            telemetry.server_span(
+                f"ModelInfer {model}", call.metadata, {MODEL: model, REQUEST_ID: request.id}
+            )
+            if telemetry.enabled
+            else NO_SPAN
+        )
+        with span_scope as span:
+            try:
+                return await self.plane.infer(request, call)
+            except BaseException as err:
+                outcome = outcome_of(err)
+                if isinstance(err, ModelNotFound):
+                    model = ""  # a client's made-up names must not become label values
+                if span is not None and outcome != "CANCELLED":
+                    record_error(span, err, outcome)
+                raise
+            finally:
+                self.metrics.requests.labels(model, outcome).inc()
+                if outcome == "OK":
+                    self.metrics.request_duration.labels(model).observe(time.perf_counter() - started)
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext):
         return pb.ServerLiveResponse(live=True)
@@ -153,10 +214,33 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
-        return await _guarded(context, self.plane.infer(request, CallContext.of(context)))
+        return await _guarded(context, self._infer(request, CallContext.of(context)))
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext):
         return await _guarded(context, self.plane.statistics(request.name, request.version))
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext):
+        return await _guarded(context, self.plane.repository_index(request.ready))
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
+    ):
+        params = {
+            k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
+            for k, v in request.parameters.items()
+        }
+        await _guarded(context, self.plane.repository_load(request.model_name, params))
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
+    ):
+        params = {
+            k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
+            for k, v in request.parameters.items()
+        }
+        await _guarded(context, self.plane.repository_unload(request.model_name, params))
+        return pb.RepositoryModelUnloadResponse()
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
@@ -168,7 +252,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def one(request: pb.ModelInferRequest) -> None:
             try:
-                response = await self.plane.infer(request, call)
+                response = await self._infer(request, call)
                 await done.put(pb.ModelStreamInferResponse(infer_response=response))
             except PipelineError as err:
                 failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
@@ -196,10 +280,31 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
 
 
+@dataclass(slots=True)
+class _ModelLoad:
+    """Calls of one model: `pending` (waiting for or running on the model's thread) is kept by the event
+    loop, `started` and `finished` only by the model's thread, so each has one writer and needs no lock."""
+
+    pending: int = 0
+    started: int = 0
+    finished: int = 0
+
+    @property
+    def running(self) -> int:
+        return self.started - self.finished
+
+    @property
+    def waiting(self) -> int:
+        # NOTE: a call cancelled while it runs leaves `pending` before its thread finishes; never below 0.
+        return max(0, self.pending - self.running)
+
+
 class StagePlane(DataPlane):
     """The data plane of a stage service: runs `Stage` models, each in its own executor thread."""
 
-    def __init__(self, stages: Sequence[Stage]) -> None:
+    def __init__(
+        self, stages: Sequence[Stage], *, telemetry: Telemetry | None = None, metrics: Metrics | None = None
+    ) -> None:
         names = [stage.name for stage in stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage model names must be unique, got {names}")
@@ -211,6 +316,22 @@ class StagePlane(DataPlane):
         }
         self._loaded: set[str] = set()
         self._stats = {name: ModelStats() for name in self.stages}
+        self._load = {name: _ModelLoad() for name in self.stages}
+        self.telemetry = telemetry or Telemetry()
+        self.metrics = metrics or Metrics()
+        loads = self._load
+        self.metrics.gauge(
+            "pipeline_queue_depth",
+            "Requests waiting now",
+            "model",
+            lambda: [(n, load.waiting) for n, load in loads.items()],
+        )
+        self.metrics.gauge(
+            "pipeline_inflight_batches",
+            "Executions running now",
+            "model",
+            lambda: [(n, load.running) for n, load in loads.items()],
+        )
 
     async def load(self) -> None:
         """Load every model, each in its own thread."""
@@ -262,27 +383,78 @@ class StagePlane(DataPlane):
         return config
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
-        stage, version = self._get(request.model_name, request.model_version)
-        if stage.name not in self._loaded:
-            raise Unavailable(f"model '{stage.name}' is not loaded yet")
-        tensors = validate_inputs(stage.name, request_tensors(request), stage.inputs, stage.max_batch_size)
-        wanted = requested_outputs(request, stage.outputs, stage.name)
-        arrays = {name: tensor.to_array() for name, tensor in tensors.items()}
-        batch = next(iter(arrays.values())).shape[0] if stage.max_batch_size > 0 and arrays else None
-        stats = self._stats[stage.name]
         started = time.perf_counter_ns()
+        stage, version = self._get(request.model_name, request.model_version)
+        stats = self._stats[stage.name]
+        telemetry = self.telemetry
         try:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._executors[stage.name], stage.infer, arrays)
-            compute_ns = time.perf_counter_ns() - started
-            specs = {spec.name: spec for spec in stage.outputs}
-            response = stage_response(stage.name, version, request.id, wanted, result, specs, batch)
+            if stage.name not in self._loaded:
+                raise Unavailable(f"model '{stage.name}' is not loaded yet")
+            with telemetry.span("decode") if telemetry.enabled else NO_SPAN:
+                tensors = validate_inputs(
+                    stage.name, request_tensors(request), stage.inputs, stage.max_batch_size
+                )
+                wanted = requested_outputs(request, stage.outputs, stage.name)
+                arrays = {name: tensor.to_array() for name, tensor in tensors.items()}
+            batch = next(iter(arrays.values())).shape[0] if stage.max_batch_size > 0 and arrays else None
+            items = batch or 1
+            decoded = time.perf_counter_ns()
+            if telemetry.enabled:
+                span = telemetry.current_span()
+                if span is not None:
+                    span.set_attribute(BATCH_SIZE, items)
+            result, queue_ns, compute_ns, wall = await self._execute(stage, arrays)
+            if telemetry.enabled:
+                telemetry.record_span("compute", wall[0], wall[1], {MODEL: stage.name, BATCH_SIZE: items})
+            encoding = time.perf_counter_ns()
+            with telemetry.span("encode") if telemetry.enabled else NO_SPAN:
+                specs = {spec.name: spec for spec in stage.outputs}
+                response = stage_response(stage.name, version, request.id, wanted, result, specs, batch)
         except BaseException:
             stats.request_failed(time.perf_counter_ns() - started)
             raise
-        stats.batch_done(batch or 1, compute_ns)
-        stats.request_done(items=batch or 1, total_ns=time.perf_counter_ns() - started, compute_ns=compute_ns)
+        finished = time.perf_counter_ns()
+        stats.batch_done(items, compute_ns)
+        stats.request_done(
+            items=items,
+            total_ns=finished - started,
+            queue_ns=queue_ns,
+            compute_ns=compute_ns,
+            input_ns=decoded - started,
+            output_ns=finished - encoding,
+        )
+        metrics = self.metrics
+        metrics.queue_duration.labels(stage.name).observe(queue_ns / 1e9)
+        metrics.compute_duration.labels(stage.name).observe(compute_ns / 1e9)
+        metrics.batch_size.labels(stage.name).observe(items)
         return response
+
+    async def _execute(
+        self, stage: Stage, arrays: dict[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], int, int, tuple[int, int]]:
+        """Run `stage.infer` on its thread: the result, the wait for the thread and the run time (ns), and
+        the run's wall-clock start and end (for its span)."""
+        load = self._load[stage.name]
+        submitted = time.perf_counter_ns()
+
+        def work() -> tuple[dict[str, np.ndarray], int, int, int, int]:
+            load.started += 1
+            wall_start, begun = time.time_ns(), time.perf_counter_ns()
+            try:
+                result = stage.infer(arrays)
+            finally:
+                load.finished += 1
+            return result, begun, time.perf_counter_ns(), wall_start, time.time_ns()
+
+        loop = asyncio.get_running_loop()
+        load.pending += 1
+        try:
+            result, begun, ended, wall_start, wall_end = await loop.run_in_executor(
+                self._executors[stage.name], work
+            )
+        finally:
+            load.pending -= 1
+        return result, begun - submitted, ended - begun, (wall_start, wall_end)
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         names = [name] if name else list(self.stages)
@@ -378,9 +550,20 @@ def positive_int(value: str) -> int:
     return number
 
 
-def add_server_arguments(parser: argparse.ArgumentParser, *, service: str, default_port: int) -> None:
-    """Flags every service takes; each defaults from a `PIPELINE_...` environment variable."""
+def add_server_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    service: str,
+    default_port: int,
+    default_metrics_port: int | None = None,
+) -> None:
+    """Flags every service takes; each defaults from a `PIPELINE_...` environment variable.
+
+    The metrics port defaults to `default_metrics_port`, else the service's port plus 100 (8101 -> 8201).
+    """
     env = service.upper()
+    if default_metrics_port is None:
+        default_metrics_port = default_port + 100
     parser.add_argument(
         "--host",
         default=os.environ.get("PIPELINE_HOST", "127.0.0.1"),
@@ -394,6 +577,16 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, service: str, defau
     )
     parser.add_argument(
         "--port-file", type=Path, default=None, help="write the bound port to this file once listening"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=metrics_port,
+        default=metrics_port(os.environ.get(f"PIPELINE_{env}_METRICS_PORT", str(default_metrics_port))),
+        help=f"port of the Prometheus /metrics endpoint, 0 for one the OS picks, 'off' or negative for none "
+        f"(env PIPELINE_{env}_METRICS_PORT; default %(default)s)",
+    )
+    parser.add_argument(
+        "--metrics-port-file", type=Path, default=None, help="write the bound metrics port to this file"
     )
     parser.add_argument(
         "--max-message-mb",
@@ -473,6 +666,14 @@ def write_port(path: Path | None, port: int) -> None:
     tmp.replace(path)
 
 
+def start_metrics(metrics: Metrics, args: argparse.Namespace) -> int | None:
+    """Serve `metrics` where `--metrics-port` says (in-process servers without the flag serve none)."""
+    port = metrics.serve(args.host, getattr(args, "metrics_port", None))
+    if port is not None:
+        write_port(getattr(args, "metrics_port_file", None), port)
+    return port
+
+
 async def serve_stages(
     stages: Sequence[Stage],
     args: argparse.Namespace,
@@ -480,22 +681,35 @@ async def serve_stages(
     service: str,
     stopping: asyncio.Event | None = None,
     bound: Callable[[int], None] | None = None,
+    telemetry: Telemetry | None = None,
+    metrics: Metrics | None = None,
+    make_plane: Callable[[Telemetry, Metrics], StagePlane] | None = None,
 ) -> None:
     """Serve stage models until a signal (or `stopping`): listen first, load the models, then SERVING.
 
     `bound` is called with the port once the server listens (tests and launchers ask for port 0).
+    `telemetry` defaults to tracing configured by the environment (`Telemetry.from_env`), `metrics` to a
+    registry of this server's own. `make_plane` builds a plane of its own (a `StagePlane` subclass) in place
+    of `StagePlane(stages)`.
     """
-    plane = StagePlane(stages)
+    owned = telemetry is None
+    telemetry = Telemetry.from_env(service) if telemetry is None else telemetry
+    metrics = Metrics() if metrics is None else metrics
+    if make_plane is not None:
+        plane = make_plane(telemetry, metrics)
+    else:
+        plane = StagePlane(stages, telemetry=telemetry, metrics=metrics)
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
     server, port = await create_server(
         f"{args.host}:{args.port}",
-        InferenceServicer(plane, service),
+        InferenceServicer(plane, service, telemetry=telemetry, metrics=metrics),
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
     )
 
     async def start() -> None:
+        start_metrics(metrics, args)
         write_port(args.port_file, port)
         if bound is not None:
             bound(port)
@@ -504,12 +718,23 @@ async def serve_stages(
         await set_serving(health_servicer, True)
         log.info("%s serving %s on %s:%d", service, ", ".join(plane.stages), args.host, port)
 
-    await serve(
-        server, health_servicer, grace=args.grace_period, start=start, stop=plane.unload, stopping=stopping
-    )
+    async def stop() -> None:
+        await plane.unload()
+        metrics.close()
+        if owned:
+            # Flushing may wait on an exporter's endpoint: not on the event loop.
+            await asyncio.to_thread(telemetry.shutdown)
+
+    await serve(server, health_servicer, grace=args.grace_period, start=start, stop=stop, stopping=stopping)
 
 
-def run_stage_service(stages: Sequence[Stage], args: argparse.Namespace, *, service: str) -> None:
-    """Entry point of a stage service process: serve `stages` until SIGTERM or SIGINT."""
+def run_stage_service(
+    stages: Sequence[Stage],
+    args: argparse.Namespace,
+    *,
+    service: str,
+    make_plane: Callable[[Telemetry, Metrics], StagePlane] | None = None,
+) -> None:
+    """Entry point of a stage service process: serve `stages` (or `make_plane`'s plane) until SIGTERM or SIGINT."""
     configure_logging(args.log_level, service)
-    asyncio.run(serve_stages(stages, args, service=service))
+    asyncio.run(serve_stages(stages, args, service=service, make_plane=make_plane))

@@ -1,7 +1,9 @@
 """Per-model counters in the shape of Triton's statistics extension (`ModelStatistics`).
 
 Durations are cumulative nanoseconds, as Triton reports them: `success` is whole requests, `queue` the time
-they waited for a batch, `compute_infer` the time of the batch each rode in; `batch_stats` counts the
+they waited for a batch (or for the model's thread), `compute_input`/`compute_infer`/`compute_output` the
+decode, inference and encode times of the execution each rode in (a batch's times count once per request,
+as Triton counts them); `batch_stats` counts the
 executions of each batch size. perf_analyzer reads these for its server-side breakdown.
 """
 
@@ -36,18 +38,32 @@ class ModelStats:
     success: _Duration = field(default_factory=_Duration)
     fail: _Duration = field(default_factory=_Duration)
     queue: _Duration = field(default_factory=_Duration)
+    compute_input: _Duration = field(default_factory=_Duration)
     compute_infer: _Duration = field(default_factory=_Duration)
+    compute_output: _Duration = field(default_factory=_Duration)
     batches: dict[int, _Duration] = field(default_factory=dict)
 
-    def request_done(self, *, items: int, total_ns: int, queue_ns: int = 0, compute_ns: int = 0) -> None:
+    def request_done(
+        self,
+        *,
+        items: int,
+        total_ns: int,
+        queue_ns: int = 0,
+        compute_ns: int = 0,
+        input_ns: int = 0,
+        output_ns: int = 0,
+    ) -> None:
         """A request (of `items` batch items) completed successfully."""
         self.inference_count += items
         self.success.add(total_ns)
         self.queue.add(queue_ns)
+        self.compute_input.add(input_ns)
         self.compute_infer.add(compute_ns)
+        self.compute_output.add(output_ns)
         self.last_inference_ms = int(time.time() * 1000)
 
     def request_failed(self, total_ns: int) -> None:
+        """A request failed (refused, timed out in the queue, or its execution failed)."""
         self.fail.add(total_ns)
 
     def batch_done(self, size: int, compute_ns: int) -> None:
@@ -66,7 +82,9 @@ class ModelStats:
                 success=self.success.proto(),
                 fail=self.fail.proto(),
                 queue=self.queue.proto(),
+                compute_input=self.compute_input.proto(),
                 compute_infer=self.compute_infer.proto(),
+                compute_output=self.compute_output.proto(),
             ),
             batch_stats=[
                 pb.InferBatchStatistics(batch_size=size, compute_infer=d.proto())

@@ -19,7 +19,9 @@ from pipeline.server import serve_stages
 from pipeline.stage import Stage
 
 if TYPE_CHECKING:
+    from pipeline.metrics import Metrics
     from pipeline.plan import Catalog
+    from pipeline.telemetry import Telemetry
 
 
 @dataclass
@@ -36,9 +38,16 @@ class Running:
         await self.task
 
 
-def _args(max_message_mb: int, grace: float, port: int = 0) -> argparse.Namespace:
+def _args(
+    max_message_mb: int, grace: float, port: int = 0, metrics_port: int | None = None
+) -> argparse.Namespace:
     return argparse.Namespace(
-        host="127.0.0.1", port=port, port_file=None, max_message_mb=max_message_mb, grace_period=grace
+        host="127.0.0.1",
+        port=port,
+        port_file=None,
+        max_message_mb=max_message_mb,
+        grace_period=grace,
+        metrics_port=metrics_port,
     )
 
 
@@ -62,28 +71,53 @@ async def _running(
 
 @contextlib.asynccontextmanager
 async def serving_stages(
-    stages: Sequence[Stage], *, max_message_mb: int = 64, grace: float = 5.0, port: int = 0
+    stages: Sequence[Stage],
+    *,
+    max_message_mb: int = 64,
+    grace: float = 5.0,
+    port: int = 0,
+    telemetry: Telemetry | None = None,
+    metrics: Metrics | None = None,
+    metrics_port: int | None = None,
 ) -> AsyncIterator[Running]:
     """Serve stage models on 127.0.0.1 and a port the OS picks (models load in the background).
 
-    `port` asks for a given port instead, e.g. to bring a stopped stage back where it was.
+    `port` asks for a given port instead, e.g. to bring a stopped stage back where it was. `telemetry`
+    (tracing) defaults to what the environment says; `metrics_port` (0: the OS picks) serves `metrics`.
     """
-    args = _args(max_message_mb, grace, port)
+    args = _args(max_message_mb, grace, port, metrics_port)
     async with _running(
-        lambda stopping, bound: serve_stages(stages, args, service="stage", stopping=stopping, bound=bound)
+        lambda stopping, bound: serve_stages(
+            stages,
+            args,
+            service="stage",
+            stopping=stopping,
+            bound=bound,
+            telemetry=telemetry,
+            metrics=metrics,
+        )
     ) as running:
         yield running
 
 
 @contextlib.asynccontextmanager
 async def serving_router(
-    catalog: Catalog, *, max_message_mb: int = 64, grace: float = 5.0
+    catalog: Catalog,
+    *,
+    max_message_mb: int = 64,
+    grace: float = 5.0,
+    telemetry: Telemetry | None = None,
+    metrics: Metrics | None = None,
+    metrics_port: int | None = None,
 ) -> AsyncIterator[Running]:
-    """Serve a catalog's ensembles on 127.0.0.1 and a port the OS picks."""
+    """Serve a catalog's ensembles on 127.0.0.1 and a port the OS picks (`telemetry`, `metrics` and
+    `metrics_port` as for `serving_stages`)."""
     from pipeline.router import serve_router
 
-    args = _args(max_message_mb, grace)
+    args = _args(max_message_mb, grace, metrics_port=metrics_port)
     async with _running(
-        lambda stopping, bound: serve_router(args, catalog=catalog, stopping=stopping, bound=bound)
+        lambda stopping, bound: serve_router(
+            args, catalog=catalog, stopping=stopping, bound=bound, telemetry=telemetry, metrics=metrics
+        )
     ) as running:
         yield running
