@@ -10,6 +10,15 @@ from pipeline.errors import InvalidInput
 from pipeline.stage import Stage, TensorSpec
 
 
+def check_finite(logits: np.ndarray, name: str = "LOGITS") -> np.ndarray:
+    """Return `logits` if every row is finite; otherwise refuse the first bad row, naming its index."""
+    finite = np.isfinite(logits).all(axis=1)
+    if not finite.all():
+        index = int(np.flatnonzero(~finite)[0])
+        raise InvalidInput(f"{name}[{index}]: logits must be finite, got {logits[index].tolist()}")
+    return logits
+
+
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise softmax of a float [N, C] array, in float32.
 
@@ -48,10 +57,6 @@ class ClassifyStage(Stage):
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Classify a batch; a row with NaN or infinite logits is refused, naming its index."""
-        logits = inputs["LOGITS"]
-        finite = np.isfinite(logits).all(axis=1)
-        if not finite.all():
-            index = int(np.flatnonzero(~finite)[0])
-            raise InvalidInput(f"LOGITS[{index}]: logits must be finite, got {logits[index].tolist()}")
+        logits = check_finite(inputs["LOGITS"])
         labels = logits.argmax(axis=1).astype(np.int64).reshape(-1, 1)
         return {"LABEL": labels, "SCORES": softmax(logits)}

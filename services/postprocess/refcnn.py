@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.errors import InvalidInput
 from pipeline.stage import Stage, TensorSpec
+from services.postprocess.classify import check_finite
 
 NUM_CLASSES = 10
 
@@ -39,10 +39,5 @@ class RefCNNPostprocess(Stage):
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Classify a batch; a row with NaN or infinite logits is refused, naming its index."""
-        logits = inputs["LOGITS"]
-        finite = np.isfinite(logits).all(axis=1)
-        if not finite.all():
-            index = int(np.flatnonzero(~finite)[0])
-            raise InvalidInput(f"LOGITS[{index}]: logits must be finite, got {logits[index].tolist()}")
-        labels, prob = top1(logits)
+        labels, prob = top1(check_finite(inputs["LOGITS"]))
         return {"LABEL": labels.reshape(-1, 1), "PROB": prob.reshape(-1, 1)}

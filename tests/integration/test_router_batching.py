@@ -12,30 +12,10 @@ import pytest
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.config import load_ensembles
 from pipeline.convert import response_tensors
-from pipeline.errors import InvalidInput
 from pipeline.stage import Stage, TensorSpec
 from pipeline.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
-
-
-class Scale(Stage):
-    """Y = 2X; refuses negative rows, naming the row of the batch it saw."""
-
-    name = "scale"
-    max_batch_size = 32
-    inputs = (TensorSpec("X", "FP32", (-1, 3)),)
-    outputs = (TensorSpec("Y", "FP32", (-1, 3)),)
-
-    def infer(self, inputs):
-        x = inputs["X"]
-        bad = np.flatnonzero((x < 0).any(axis=1))
-        if bad.size:
-            raise InvalidInput(f"X[{bad[0]}]: negative values are not allowed")
-        return {"Y": x * 2}
-
-
-class PlainScale(Scale):
-    name = "plain_scale"
+from tests.stages import Scale
 
 
 class RowSum(Stage):
@@ -130,7 +110,10 @@ class Served:
 async def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("batching")
     rowsum, gate = RowSum(), Gate()
-    async with serving_stages([Scale(), rowsum, gate]) as stage, serving_stages([PlainScale()]) as plain:
+    async with (
+        serving_stages([Scale(), rowsum, gate]) as stage,
+        serving_stages([Scale("plain_scale")]) as plain,
+    ):
         for name, text in ENSEMBLES.items():
             (folder / f"{name}.yaml").write_text(text.format(address=stage.address))
         other = tmp_path_factory.mktemp("unbatched")

@@ -23,30 +23,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.config import load_ensembles
-from pipeline.errors import InvalidInput
 from pipeline.metrics import Metrics
 from pipeline.stage import Stage, TensorSpec
 from pipeline.telemetry import Telemetry
 from pipeline.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
+from tests.stages import Scale
 
 BATCH = 3
-
-
-class Scale(Stage):
-    """Y = 2X; refuses negative rows."""
-
-    name = "scale"
-    max_batch_size = 16
-    inputs = (TensorSpec("X", "FP32", (-1, 3)),)
-    outputs = (TensorSpec("Y", "FP32", (-1, 3)),)
-
-    def infer(self, inputs):
-        x = inputs["X"]
-        bad = np.flatnonzero((x < 0).any(axis=1))
-        if bad.size:
-            raise InvalidInput(f"X[{bad[0]}]: negative values are not allowed")
-        return {"Y": x * 2}
 
 
 class Shift(Stage):
@@ -108,7 +92,10 @@ async def served(tmp_path_factory):
     traced = {name: Traced(f"pipeline-{name}") for name in ("router", "a", "b")}
     async with (
         serving_stages(
-            [Scale()], telemetry=traced["a"].telemetry, metrics=traced["a"].metrics, metrics_port=0
+            [Scale(max_batch_size=16)],
+            telemetry=traced["a"].telemetry,
+            metrics=traced["a"].metrics,
+            metrics_port=0,
         ) as a,
         serving_stages(
             [Shift()], telemetry=traced["b"].telemetry, metrics=traced["b"].metrics, metrics_port=0
