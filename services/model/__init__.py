@@ -1,1 +1,1 @@
-"""Model stage service: runs the trained networks on a backend (PyTorch now, TensorRT later)."""
+"""Model stage service: serves a model repository on TensorRT or PyTorch (CUDA, else CPU)."""

@@ -21,7 +21,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model-dir",
         default=os.environ.get("PIPELINE_MODEL_DIR", "models"),
-        help="model repository holding digits_cnn/1/model.pt (env PIPELINE_MODEL_DIR; default %(default)s)",
+        help="model repository: <model>/config.yaml and <model>/<version>/ folders, e.g. digits_cnn/1/model.pt "
+        "(env PIPELINE_MODEL_DIR; default %(default)s)",
+    )
+    parser.add_argument(
+        "--engine-cache",
+        default=os.environ.get("PIPELINE_ENGINE_CACHE") or None,
+        help="folder of built TensorRT engines (env PIPELINE_ENGINE_CACHE; default <model-dir>/.engines)",
     )
     parser.add_argument(
         "--device",
@@ -40,31 +46,40 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=BACKEND_KINDS,
         default=os.environ.get("PIPELINE_BACKEND", "auto"),
-        help="auto, torch or tensorrt (env PIPELINE_BACKEND; default %(default)s)",
+        help="default backend of models whose config.yaml names none: auto (TensorRT on a GPU when it imports, "
+        "else torch), torch or tensorrt (env PIPELINE_BACKEND; default %(default)s)",
     )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse the command line and serve until SIGTERM/SIGINT."""
+    """Parse the command line, check the repository, and serve until SIGTERM/SIGINT."""
     from pipeline.server import run_stage_service
-    from services.model.backends import BackendUnavailable
-    from services.model.minilm import MiniLMEncoderStage
-    from services.model.refcnn import RefCNNStage
-    from services.model.stage import DigitsCNNStage
+    from services.model.backends import BackendUnavailable, resolve_device
+    from services.model.plane import RepositoryPlane, ServiceSettings
+    from services.model.repository import ModelRepository, RepositoryError, check_repository
 
     args = build_parser().parse_args(argv)
+    repository = ModelRepository(args.model_dir)
+    settings = ServiceSettings(
+        backend=args.backend,
+        device=args.device,
+        torch_threads=args.torch_threads,
+        engine_cache=args.engine_cache or str(repository.root / ".engines"),
+    )
     try:
-        stage = DigitsCNNStage(
-            args.model_dir, backend=args.backend, device=args.device, torch_threads=args.torch_threads
-        )
-        encoder = MiniLMEncoderStage(
-            backend=args.backend, device=args.device, torch_threads=args.torch_threads
-        )
-    except (BackendUnavailable, ValueError, FileNotFoundError) as exc:
+        resolve_device(args.device)
+        check_repository(repository, settings.backend, settings.device)
+    except (BackendUnavailable, RepositoryError, ValueError) as exc:
         raise SystemExit(f"services.model: {exc}") from None
-    refcnn = RefCNNStage(device=args.device, torch_threads=args.torch_threads)
-    run_stage_service([stage, encoder, refcnn], args, service=SERVICE)
+    run_stage_service(
+        [],
+        args,
+        service=SERVICE,
+        make_plane=lambda telemetry, metrics: RepositoryPlane(
+            repository, settings, telemetry=telemetry, metrics=metrics
+        ),
+    )
 
 
 if __name__ == "__main__":

