@@ -60,7 +60,7 @@ class BatchingConfig:
     #: Complete requests in the order they arrived, even when a later batch finishes first.
     preserve_ordering: bool = False
     #: How many batches may be in flight to the stage model at once.
-    max_inflight_batches: int = 2
+    max_inflight_batches: int = 1
     #: Send queued requests at once when a slot is free instead of waiting out the delay.
     idle_dispatch: bool = True
 

@@ -17,7 +17,10 @@ def _infer(args: argparse.Namespace) -> int:
 
     from pipeline.client import InferenceClient, bytes_batch
 
-    with InferenceClient(args.url) as client:
+    client = InferenceClient(
+        args.url, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token=args.token
+    )
+    with client:
         try:
             meta = client.model_metadata(args.model, timeout=args.timeout)
             inputs = {}
@@ -87,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     infer.add_argument("--timeout", type=float, default=30.0, help="deadline in seconds")
     infer.add_argument("--json", action="store_true", help="print the outputs as JSON")
+    from pipeline.security import add_client_tls_arguments
+
+    add_client_tls_arguments(infer, prefix="", env_prefix="PIPELINE_CLIENT_")
+    infer.add_argument(
+        "--token",
+        default=os.environ.get("PIPELINE_TOKEN") or None,
+        help="bearer token for a router that asks for one (env PIPELINE_TOKEN)",
+    )
     infer.set_defaults(func=_infer)
 
     from pipeline.bench import add_bench_arguments, run_bench_command

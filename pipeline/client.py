@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -10,15 +11,35 @@ import numpy as np
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.convert import Tensor, response_tensors
+from pipeline.security import bearer_metadata, channel_credentials
 from pipeline.server import server_options
 
 
 class InferenceClient:
-    """Calls `inference.GRPCInferenceService` at `url` (host:port) with numpy arrays in and out."""
+    """Calls `inference.GRPCInferenceService` at `url` (host:port) with numpy arrays in and out.
 
-    def __init__(self, url: str, *, max_message_bytes: int = 64 * 1024 * 1024) -> None:
-        self.channel = grpc.insecure_channel(url, options=server_options(max_message_bytes))
+    `tls_ca` (PEM file) turns TLS on and says whom to trust; `tls_cert`/`tls_key` present a client
+    certificate (mutual TLS); `token` goes with every inference call as `authorization: Bearer <token>`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        token: str | None = None,
+    ) -> None:
+        options = server_options(max_message_bytes)
+        credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+        if credentials is None:
+            self.channel = grpc.insecure_channel(url, options=options)
+        else:
+            self.channel = grpc.secure_channel(url, credentials, options=options)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.auth = bearer_metadata(token)
 
     def __enter__(self) -> InferenceClient:
         return self
@@ -33,7 +54,9 @@ class InferenceClient:
         return self.stub.ServerReady(pb.ServerReadyRequest(), timeout=timeout).ready
 
     def model_metadata(self, model: str, timeout: float | None = None) -> pb.ModelMetadataResponse:
-        return self.stub.ModelMetadata(pb.ModelMetadataRequest(name=model), timeout=timeout)
+        return self.stub.ModelMetadata(
+            pb.ModelMetadataRequest(name=model), timeout=timeout, metadata=self.auth
+        )
 
     def infer(
         self,
@@ -53,7 +76,7 @@ class InferenceClient:
             request.raw_input_contents.append(tensor.raw)
         for name in outputs:
             request.outputs.add(name=name)
-        response = self.stub.ModelInfer(request, timeout=timeout, metadata=tuple(metadata))
+        response = self.stub.ModelInfer(request, timeout=timeout, metadata=(*self.auth, *metadata))
         return {name: tensor.to_array() for name, tensor in response_tensors(response).items()}
 
 

@@ -116,7 +116,7 @@ class DynamicBatchingConfig(_Schema):
     priority_levels: NonNegativeInt = 0
     default_priority_level: NonNegativeInt = 0
     preserve_ordering: bool = False
-    max_inflight_batches: PositiveInt = 2
+    max_inflight_batches: PositiveInt = 1
     idle_dispatch: bool = True
 
     @model_validator(mode="after")
@@ -136,6 +136,9 @@ class StageConfig(_Schema):
 
     address: Name
     dynamic_batching: DynamicBatchingConfig | None = None
+    #: Stage calls in flight at once (a batch counts as one); 0 = no limit. Bounds the router's memory and
+    #: the stage's load for unbatched steps as `max_inflight_batches` does for batched ones.
+    max_inflight_requests: NonNegativeInt = 0
 
     @field_validator("address")
     @classmethod
@@ -252,6 +255,8 @@ def _read_yaml(path: Path, source: str) -> Any:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read the file: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: byte {exc.start}: not UTF-8 text (YAML files are UTF-8)") from None
     try:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as exc:
@@ -513,7 +518,10 @@ class _Compiler:
             )
             for i in order
         )
-        stages = {key: StageEndpoint(key, stage.address) for key, stage in config.stages.items()}
+        stages = {
+            key: StageEndpoint(key, stage.address, stage.max_inflight_requests)
+            for key, stage in config.stages.items()
+        }
         return EnsemblePlan(
             name=self.name,
             source=self.source,
@@ -663,6 +671,12 @@ def load_ensembles(
                     f"{plan.source}: stage '{key}' has address '{endpoint.address}', "
                     f"but {first_file} declares it with address '{first.address}'; "
                     "a stage key must name one endpoint"
+                )
+            elif stages[key][0].max_inflight_requests != endpoint.max_inflight_requests:
+                first, first_file = stages[key]
+                errors.append(
+                    f"{plan.source}: stage '{key}' has max_inflight_requests {endpoint.max_inflight_requests}, "
+                    f"but {first_file} declares {first.max_inflight_requests}; a stage has one limit"
                 )
         for step in sorted(plan.steps, key=lambda s: s.index):
             where = f"{plan.source} ({step.label})"

@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline.metrics import metrics_port
+from pipeline.security import channel_credentials
 
 log = logging.getLogger("pipeline.launcher")
 
@@ -71,10 +72,13 @@ def _metrics_file(port_file: Path) -> Path:
     return port_file.with_name(port_file.name + ".metrics")
 
 
-def wait_healthy(service: Service, address: str, timeout: float) -> None:
+def wait_healthy(
+    service: Service, address: str, timeout: float, credentials: grpc.ChannelCredentials | None = None
+) -> None:
     """Wait until a service's health check says SERVING; fail if it exits or takes too long."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    channel_of = grpc.insecure_channel if credentials is None else grpc.secure_channel
+    with channel_of(address, *([] if credentials is None else [credentials])) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             code = service.exit_code()
@@ -163,6 +167,19 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain on shutdown")
     parser.add_argument(
+        "--tls-dir",
+        type=Path,
+        default=Path(env("PIPELINE_TLS_DIR")) if env("PIPELINE_TLS_DIR") else None,
+        help="TLS on every hop from the files scripts/make-certs.sh writes there (ca.pem, server.pem, "
+        "server-key.pem, client.pem, client-key.pem): stages accept only the router's client certificate "
+        "(mutual TLS), the router serves TLS (env PIPELINE_TLS_DIR)",
+    )
+    parser.add_argument(
+        "--mtls",
+        action="store_true",
+        help="with --tls-dir, the router too asks its clients for a certificate signed by ca.pem",
+    )
+    parser.add_argument(
         "--replicas",
         type=_replicas,
         default={},
@@ -190,10 +207,34 @@ def run(args: argparse.Namespace) -> int:
     host = args.host
     connect = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
     grace = ["--grace-period", str(args.grace_period)]
+    tls_dir: Path | None = getattr(args, "tls_dir", None)
+    served_tls: list[str] = []  # a service's own certificate
+    stage_tls: list[str] = []  # and, for stages, the CA that signs the router's client certificate
+    router_tls: list[str] = []
+    credentials = None
+    if tls_dir is not None:
+        files = {
+            n: tls_dir / n for n in ("ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem")
+        }
+        missing = [str(path) for path in files.values() if not path.is_file()]
+        if missing:
+            log.error("--tls-dir: missing %s (make them with scripts/make-certs.sh)", ", ".join(missing))
+            return 2
+        ca, client_cert, client_key = (
+            str(files["ca.pem"]),
+            str(files["client.pem"]),
+            str(files["client-key.pem"]),
+        )
+        served_tls = ["--tls-cert", str(files["server.pem"]), "--tls-key", str(files["server-key.pem"])]
+        stage_tls = [*served_tls, "--tls-ca", ca]
+        router_tls = [*served_tls, *(["--tls-ca", ca] if args.mtls else [])]
+        router_tls += ["--stage-tls-ca", ca, "--stage-tls-cert", client_cert, "--stage-tls-key", client_key]
+        # The launcher's own health checks present the client certificate wherever one is asked for.
+        credentials = channel_credentials(ca, client_cert, client_key)
     kinds = [
-        ("preprocess", args.preprocess_port, grace),
-        ("model", args.model_port, ["--model-dir", str(args.model_dir), *grace]),
-        ("postprocess", args.postprocess_port, grace),
+        ("preprocess", args.preprocess_port, [*grace, *stage_tls]),
+        ("model", args.model_port, ["--model-dir", str(args.model_dir), *grace, *stage_tls]),
+        ("postprocess", args.postprocess_port, [*grace, *stage_tls]),
     ]
     replicas = args.replicas
     stages: list[Service] = []
@@ -216,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         "router",
         ["-m", "pipeline", "router"],
         args.port,
-        ["--ensembles", str(args.ensembles), *grace, *router_metrics],
+        ["--ensembles", str(args.ensembles), *grace, *router_metrics, *router_tls],
     )
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
 
@@ -243,12 +284,12 @@ def run(args: argparse.Namespace) -> int:
         router.start(host, ports / router.name)
         router.wait_port(ports / router.name, args.startup_timeout)
         for service in [*stages, router]:
-            wait_healthy(service, f"{connect}:{service.port}", args.startup_timeout)
+            wait_healthy(service, f"{connect}:{service.port}", args.startup_timeout, credentials)
             if stopping:
                 return 0
         print(
             f"pipeline: serving {', '.join(sorted(p.stem for p in args.ensembles.glob('*.y*ml')))} on "
-            f"{connect}:{router.port} (gRPC, Open Inference Protocol); stages: "
+            f"{connect}:{router.port} (gRPC{' over TLS' if tls_dir else ''}, Open Inference Protocol); stages: "
             + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.process.pid})" for s in stages)  # type: ignore[union-attr]
             + ". Ctrl-C stops it.",
             flush=True,

@@ -27,6 +27,9 @@ class StageCall:
     outputs: tuple[str, ...]
     #: The model version asked for ("" for the default).
     version: str = ""
+    #: When the request gives up (`time.monotonic()`), None for never: a batch's stage call gets the latest
+    #: of its members' deadlines, so that no stage works on for a batch every member has given up on.
+    deadline: float | None = None
 
     @property
     def size(self) -> int:

@@ -21,6 +21,9 @@ class StageEndpoint:
     name: str
     #: `host:port`, `[ipv6]:port` or a target with a gRPC scheme (`unix:`, `dns:` ...), env already expanded.
     address: str
+    #: Stage calls (`ModelInfer`, a batch counting as one) in flight at once; more wait for a slot within
+    #: their deadline. 0: no limit. Triton's `max_inflight_requests`, per stage and for unbatched steps too.
+    max_inflight_requests: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,11 +14,12 @@ import asyncio
 import json
 import logging
 import os
+import random
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,24 @@ from pipeline.errors import (
 from pipeline.merge import StageCall, TensorBatching
 from pipeline.metrics import Metrics
 from pipeline.plan import Catalog, EnsemblePlan, ModelSignature, PlanStep, StageEndpoint, check_signatures
+from pipeline.security import (
+    AuthInterceptor,
+    SecurityConfigError,
+    add_auth_arguments,
+    add_client_tls_arguments,
+    authenticator_of,
+    channel_credentials,
+    server_credentials_of,
+)
 from pipeline.server import (
+    INFERENCE_SERVICE,
     CallContext,
     DataPlane,
     InferenceServicer,
     add_server_arguments,
     configure_logging,
     create_server,
+    positive_int,
     serve,
     server_options,
     set_serving,
@@ -88,9 +100,13 @@ ENSEMBLE_VERSION = "1"
 #: How the router reaches a stage's replicas. A target that resolves to several addresses (a `dns:///`
 #: name of a scaled service, or `ipv4:a:p,b:p`) is spread round robin; a call that finds a replica gone
 #: (UNAVAILABLE: nothing was processed) is retried on another, within the request's deadline. Stage calls
-#: are idempotent, so a retry is safe.
+#: are idempotent, so a retry is safe. gRPC's client-side health checking watches each replica's health
+#: service: a replica that says NOT_SERVING (loading, or draining after SIGTERM) gets no new calls until it
+#: says SERVING again; a server without the Watch RPC counts as healthy.
 STAGE_SERVICE_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
+    # Round robin skips a replica whose health service says NOT_SERVING (one that is draining).
+    "healthCheckConfig": {"serviceName": ""},
     "methodConfig": [
         {
             "name": [{"service": "inference.GRPCInferenceService"}],
@@ -112,20 +128,67 @@ STAGE_CHANNEL_OPTIONS = [
 ]
 
 
+@dataclass(frozen=True, slots=True)
+class StageRetry:
+    """The router's own retries of a stage call that failed UNAVAILABLE, on top of gRPC's retry policy.
+
+    gRPC retries transparently only calls that never reached a server, or whose request still fits its
+    retry buffer (256 KiB) and whose server never answered; a call in flight to a replica that dies with a
+    larger request (a batch of images) fails UNAVAILABLE ("Socket closed"). Stage calls are idempotent, so
+    the router calls again, on whichever replica the balancer picks, with backoff, within the deadline.
+    """
+
+    #: Calls in all, the first included.
+    attempts: int = 4
+    initial_backoff: float = 0.05
+    max_backoff: float = 0.5
+    multiplier: float = 2.0
+
+    def backoff(self, retry: int) -> float:
+        """Seconds to wait before retry number `retry` (1, 2, ...): exponential, with jitter so that the
+        calls that failed together do not return together."""
+        ceiling = min(self.max_backoff, self.initial_backoff * self.multiplier ** (retry - 1))
+        return random.uniform(ceiling / 2, ceiling)
+
+
+def _tls_name(address: str) -> str | None:
+    """The name a stage's certificate must carry when the target itself names none: an `ipv4:a,b` list's
+    authority is the whole list, so its first host stands for every replica."""
+    if not address.startswith(("ipv4:", "ipv6:")):
+        return None
+    first = address.split(":", 1)[1].split(",", 1)[0]
+    host = first.rsplit(":", 1)[0] if first.count(":") == 1 or first.startswith("[") else first
+    return host.strip("[]")
+
+
 class StageClient:
     """One stage endpoint: a channel, its stubs, and the mapping of its failures to router errors."""
 
     def __init__(
-        self, endpoint: StageEndpoint, *, max_message_bytes: int, metrics: Metrics | None = None
+        self,
+        endpoint: StageEndpoint,
+        *,
+        max_message_bytes: int,
+        metrics: Metrics | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        retry: StageRetry | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.metrics = metrics
-        self.channel = grpc.aio.insecure_channel(
-            endpoint.address, options=[*server_options(max_message_bytes), *STAGE_CHANNEL_OPTIONS]
-        )
+        self.retry = retry or StageRetry()
+        options = [*server_options(max_message_bytes), *STAGE_CHANNEL_OPTIONS]
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(endpoint.address, options=options)
+        else:
+            override = _tls_name(endpoint.address)
+            if override is not None:
+                options.append(("grpc.ssl_target_name_override", override))
+            self.channel = grpc.aio.secure_channel(endpoint.address, credentials, options=options)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
+        limit = endpoint.max_inflight_requests
+        self._slots = asyncio.Semaphore(limit) if limit > 0 else None
 
     async def call(
         self,
@@ -136,25 +199,77 @@ class StageClient:
         metadata: Sequence[tuple[str, str | bytes]] = (),
         what: str,
     ):
-        """Call an RPC of the stage; `what` names the step or model in errors."""
-        name, address = self.endpoint.name, self.endpoint.address
+        """Call an RPC of the stage within `timeout` (retries included); `what` names the step or model in
+        errors. `ModelInfer` calls wait for one of the stage's `max_inflight_requests` slots first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        slots = self._slots if method == "ModelInfer" else None
+        if slots is not None:
+            await self._acquire(slots, deadline, what)
         try:
-            reply = await getattr(self.stub, method)(request, timeout=timeout, metadata=tuple(metadata))
-        except grpc.aio.AioRpcError as err:
-            code, details = err.code(), err.details() or ""
+            return await self._call(method, request, deadline, tuple(metadata), what)
+        finally:
+            if slots is not None:
+                slots.release()
+
+    async def _acquire(self, slots: asyncio.Semaphore, deadline: float | None, what: str) -> None:
+        if deadline is None:
+            await slots.acquire()
+            return
+        try:
+            await asyncio.wait_for(slots.acquire(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"deadline exceeded waiting for stage '{self.endpoint.name}' "
+                f"(max_inflight_requests {self.endpoint.max_inflight_requests}) for {what}"
+            ) from None
+
+    async def _call(
+        self,
+        method: str,
+        request: object,
+        deadline: float | None,
+        metadata: tuple[tuple[str, str | bytes], ...],
+        what: str,
+    ):
+        name, address = self.endpoint.name, self.endpoint.address
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'")
+            try:
+                reply = await getattr(self.stub, method)(request, timeout=remaining, metadata=metadata)
+            except grpc.aio.AioRpcError as err:
+                code, details = err.code(), err.details() or ""
+                if self.metrics is not None:
+                    self.metrics.stage_calls.labels(name, code.name).inc()
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    delay = self.retry.backoff(attempt)
+                    if (
+                        attempt < self.retry.attempts
+                        and (deadline is None or time.monotonic() + delay < deadline)
+                        and self._may_answer()
+                    ):
+                        log.debug("retrying %s on stage '%s' in %.3fs: %s", what, name, delay, details)
+                        await asyncio.sleep(delay)
+                        continue
+                    self.healthy = False
+                    raise Unavailable(
+                        f"stage '{name}' ({address}) is unavailable for {what}: {details}"
+                    ) from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
+                raise StageError(f"{what} on stage '{name}': {details}", code) from None
             if self.metrics is not None:
-                self.metrics.stage_calls.labels(name, code.name).inc()
-            if code == grpc.StatusCode.UNAVAILABLE:
-                self.healthy = False
-                raise Unavailable(
-                    f"stage '{name}' ({address}) is unavailable for {what}: {details}"
-                ) from None
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
-            raise StageError(f"{what} on stage '{name}': {details}", code) from None
-        if self.metrics is not None:
-            self.metrics.stage_calls.labels(name, "OK").inc()
-        return reply
+                self.metrics.stage_calls.labels(name, "OK").inc()
+            return reply
+
+    def _may_answer(self) -> bool:
+        """Whether a retry can reach a replica: not when every replica is down (the channel is in
+        TRANSIENT_FAILURE), so that a stage that is down fails its requests fast."""
+        state = self.channel.get_state(try_to_connect=False)
+        return state != grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
     async def check_health(self, timeout: float) -> bool:
         """Ask the stage's health service; remember and return whether it is SERVING."""
@@ -179,12 +294,26 @@ class RouterPlane(DataPlane):
         max_message_bytes: int = 64 * 1024 * 1024,
         telemetry: Telemetry | None = None,
         metrics: Metrics | None = None,
+        stage_credentials: grpc.ChannelCredentials | None = None,
+        max_inflight_requests: int = 0,
+        max_batch_items: int = 0,
     ) -> None:
+        """`stage_credentials`: TLS for the stage calls. `max_inflight_requests`: inference requests the
+        router holds at once (more are refused UNAVAILABLE at once, so memory stays bounded under overload;
+        0: no limit). `max_batch_items`: items (dimension 0) one request may carry (0: no limit)."""
         self.catalog = catalog
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
+        self.max_inflight_requests = max_inflight_requests
+        self.max_batch_items = max_batch_items
+        self._inflight = 0
         self.clients = {
-            key: StageClient(endpoint, max_message_bytes=max_message_bytes, metrics=self.metrics)
+            key: StageClient(
+                endpoint,
+                max_message_bytes=max_message_bytes,
+                metrics=self.metrics,
+                credentials=stage_credentials,
+            )
             for key, endpoint in catalog.stages.items()
         }
         self.stage_of_model: dict[str, str] = catalog.stage_models()
@@ -284,10 +413,22 @@ class RouterPlane(DataPlane):
             max_batch_size = sys.maxsize if batching else 0
         return ModelSignature(model, inputs, outputs, max_batch_size)
 
-    async def monitor(self, interval: float = 1.0) -> None:
-        """Keep each stage's health current, so readiness reflects stages that stop or return."""
+    async def monitor(
+        self, interval: float = 1.0, on_ready: Callable[[bool], Awaitable[None]] | None = None
+    ) -> None:
+        """Keep each stage's health current, so readiness reflects stages that stop or return; `on_ready`
+        hears of every change of `ready()` (the router's health service reports it)."""
+        was_ready: bool | None = None
         while True:
             await asyncio.gather(*(c.check_health(timeout=interval) for c in self.clients.values()))
+            ready = self.ready()
+            if ready != was_ready and on_ready is not None:
+                await on_ready(ready)
+            if ready != was_ready and was_ready is not None:
+                log.info(
+                    "router %s", "ready: every stage is serving" if ready else "not ready: a stage is down"
+                )
+            was_ready = ready
             await asyncio.sleep(interval)
 
     def ready(self) -> bool:
@@ -356,8 +497,39 @@ class RouterPlane(DataPlane):
     # --- inference -----------------------------------------------------------------------------------
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+        limit = self.max_inflight_requests
+        if limit and self._inflight >= limit:
+            # NOTE: refused before anything is kept or queued: under overload the router sheds load at the
+            # door instead of holding every request's tensors until it runs out of memory.
+            raise Unavailable(
+                f"the router is saturated: {self._inflight} requests in flight (max_inflight_requests "
+                f"{limit}); retry later"
+            )
+        self._inflight += 1
+        try:
+            return await self._infer(request, call)
+        finally:
+            self._inflight -= 1
+
+    def _check_items(self, request: pb.ModelInferRequest, batching: bool) -> None:
+        """Refuse a request carrying more items (dimension 0) than `max_batch_items` allows."""
+        limit = self.max_batch_items
+        if not limit or not batching:
+            return
+        for tensor in request.inputs:
+            if tensor.shape and tensor.shape[0] > limit:
+                raise InvalidInput(
+                    f"input '{tensor.name}': {tensor.shape[0]} batch items, more than a request may carry "
+                    f"here ({limit}, max_batch_items)"
+                )
+
+    async def _infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         plan = self._ensemble(request.model_name, request.model_version)
         name = request.model_name
+        if plan is not None:
+            self._check_items(request, plan.max_batch_size > 0)
+        elif (signature := self.signatures.get(name)) is not None:
+            self._check_items(request, signature.max_batch_size > 0)
         batched = plan is None and name in self.batchers
         started = time.perf_counter_ns()
         # A batched stage model's statistics are its batcher's (queue and batch figures included).
@@ -412,8 +584,8 @@ class RouterPlane(DataPlane):
             name, request_tensors(request), signature.inputs, batcher.config.max_batch_size
         )
         wanted = requested_outputs(request, signature.outputs, name)
-        stage_call = StageCall(inputs, tuple(wanted), request.model_version)
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        stage_call = StageCall(inputs, tuple(wanted), request.model_version, deadline)
         outputs = await self._submit(
             name, stage_call, deadline, request.parameters, self.telemetry.current_span()
         )
@@ -457,8 +629,15 @@ class RouterPlane(DataPlane):
             if span is not None:
                 span.set_attributes({STAGE: client.endpoint.name, PEER: client.endpoint.address})
             metadata = self.telemetry.inject(())
+        # The batch's deadline is its last member's: the stage works on while anyone still waits for it.
+        deadlines = [call.deadline for call in calls]
+        timeout = None
+        if all(d is not None for d in deadlines):
+            timeout = max(deadlines) - time.monotonic()  # type: ignore[type-var]
+            if timeout <= 0:
+                raise DeadlineExceeded(f"deadline exceeded before {what} was sent")
         try:
-            response = await client.call("ModelInfer", request, timeout=None, metadata=metadata, what=what)
+            response = await client.call("ModelInfer", request, timeout=timeout, metadata=metadata, what=what)
         except StageError as err:
             culprit = _item_error(err, calls) if len(calls) > 1 else None
             if culprit is None:
@@ -527,6 +706,7 @@ class RouterPlane(DataPlane):
                 {stage_tensor: values[name] for stage_tensor, name in step.inputs},
                 tuple(stage_tensor for stage_tensor, _ in step.outputs),
                 step.model_version,
+                deadline,
             )
             try:
                 produced = await self._submit(
@@ -692,6 +872,22 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         default=[Path(os.environ.get("PIPELINE_ENSEMBLES", "ensembles"))],
         help="ensemble YAML files or folders of them (env PIPELINE_ENSEMBLES)",
     )
+    parser.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=int(os.environ.get("PIPELINE_MAX_INFLIGHT_REQUESTS", 1024)),
+        help="inference requests held at once; more are refused with UNAVAILABLE, so memory stays bounded "
+        "under overload; 0 for no limit (env PIPELINE_MAX_INFLIGHT_REQUESTS; default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-batch-items",
+        type=positive_int,
+        default=int(os.environ.get("PIPELINE_MAX_BATCH_ITEMS", 1024)),
+        help="items (dimension 0) one request may carry, whatever the model allows "
+        "(env PIPELINE_MAX_BATCH_ITEMS; default %(default)s)",
+    )
+    add_auth_arguments(parser)
+    add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
 
 
 async def serve_router(
@@ -711,8 +907,19 @@ async def serve_router(
     owned = telemetry is None
     telemetry = Telemetry.from_env("router") if telemetry is None else telemetry
     metrics = Metrics() if metrics is None else metrics
+    authenticator = authenticator_of(args)
     plane = RouterPlane(
-        catalog, max_message_bytes=args.max_message_mb * 1024 * 1024, telemetry=telemetry, metrics=metrics
+        catalog,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        telemetry=telemetry,
+        metrics=metrics,
+        stage_credentials=channel_credentials(
+            getattr(args, "stage_tls_ca", None),
+            getattr(args, "stage_tls_cert", None),
+            getattr(args, "stage_tls_key", None),
+        ),
+        max_inflight_requests=getattr(args, "max_inflight_requests", 0),
+        max_batch_items=getattr(args, "max_batch_items", 0),
     )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
@@ -721,8 +928,19 @@ async def serve_router(
         InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics),
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
+        credentials=server_credentials_of(args),
+        interceptors=[AuthInterceptor(authenticator)] if authenticator is not None else (),
     )
     monitor: asyncio.Task[None] | None = None
+
+    async def readiness(ready: bool) -> None:
+        # "" is liveness: SERVING from the end of start-up until shutdown, whatever the stages do, so
+        # that no probe restarts a router that only waits for a stage. The inference service is readiness:
+        # SERVING exactly while ServerReady is true (every stage healthy).
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await health_servicer.set(INFERENCE_SERVICE, status)
 
     async def start() -> None:
         nonlocal monitor
@@ -734,8 +952,8 @@ async def serve_router(
             "router listening on %s:%d; waiting for stages %s", args.host, port, ", ".join(plane.clients)
         )
         await plane.discover()
-        monitor = asyncio.create_task(plane.monitor())
         await set_serving(health_servicer, True)
+        monitor = asyncio.create_task(plane.monitor(on_ready=readiness))
         log.info("router serving ensembles %s on %s:%d", ", ".join(catalog.ensembles), args.host, port)
 
     async def stop() -> None:
@@ -747,7 +965,15 @@ async def serve_router(
             # Flushing may wait on an exporter's endpoint: not on the event loop.
             await asyncio.to_thread(telemetry.shutdown)
 
-    await serve(server, health_servicer, grace=args.grace_period, start=start, stop=stop, stopping=stopping)
+    await serve(
+        server,
+        health_servicer,
+        grace=args.grace_period,
+        start=start,
+        stop=stop,
+        stopping=stopping,
+        drain_delay=getattr(args, "drain_delay", 0.0),
+    )
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -755,7 +981,7 @@ def run_router(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, "router")
     try:
         asyncio.run(serve_router(args))
-    except ConfigError as err:
+    except (ConfigError, SecurityConfigError) as err:
         log.error("%s", err)
         return 2
     return 0

@@ -43,6 +43,7 @@ from pipeline.convert import (
 from pipeline.datatypes import DATATYPES, datatype_of
 from pipeline.errors import ModelNotFound, PipelineError, Unavailable, Unimplemented
 from pipeline.metrics import Metrics, metrics_port
+from pipeline.security import SecurityConfigError, add_tls_arguments, server_credentials_of
 from pipeline.stage import Stage, TensorSpec
 from pipeline.statistics import ModelStats
 from pipeline.telemetry import BATCH_SIZE, MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
@@ -54,8 +55,11 @@ T = TypeVar("T")
 #: The service whose health status says whether models can be served.
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
-#: Metadata keys that belong to one hop and are not passed on to the next.
-_HOP_HEADERS = frozenset({"user-agent", "content-type", "te", "grpc-timeout", "grpc-encoding", "host"})
+#: Metadata keys that belong to one hop and are not passed on to the next. The client's credentials are
+#: the router's to check; stages trust the router (mutual TLS), so a token never travels further.
+_HOP_HEADERS = frozenset(
+    {"user-agent", "content-type", "te", "grpc-timeout", "grpc-encoding", "host", "authorization"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,15 +514,19 @@ async def create_server(
     health_servicer: health.aio.HealthServicer,
     *,
     max_message_bytes: int = 64 * 1024 * 1024,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, int]:
-    """An aio server (not started) with inference, health and reflection; returns it and its bound port."""
+    """An aio server (not started) with inference, health and reflection; returns it and its bound port.
+
+    With `credentials` it listens with TLS only; `interceptors` (e.g. authentication) see every call."""
     options = [
         *server_options(max_message_bytes),
         ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
         # In-flight calls on a recycled connection get this long to finish.
         ("grpc.max_connection_age_grace_ms", 60_000),
     ]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, interceptors=list(interceptors) or None)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -529,7 +537,10 @@ async def create_server(
         ),
         server,
     )
-    port = server.add_insecure_port(address)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     return server, port
@@ -601,6 +612,14 @@ def add_server_arguments(
         help="seconds in-flight requests get to finish on SIGTERM (env PIPELINE_GRACE_PERIOD)",
     )
     parser.add_argument(
+        "--drain-delay",
+        type=float,
+        default=float(os.environ.get("PIPELINE_DRAIN_DELAY", 1.0)),
+        help="seconds a stopping server keeps serving while reporting NOT_SERVING, so that clients move "
+        "to other replicas first (env PIPELINE_DRAIN_DELAY)",
+    )
+    add_tls_arguments(parser)
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
         help="logging level (env PIPELINE_LOG_LEVEL)",
@@ -622,10 +641,13 @@ async def serve(
     start: Callable[[], Awaitable[None]] | None = None,
     stop: Callable[[], Awaitable[None]] | None = None,
     stopping: asyncio.Event | None = None,
+    drain_delay: float = 0.0,
 ) -> None:
     """Run a server until `stopping` is set (by default: SIGTERM or SIGINT), then drain.
 
-    Draining reports NOT_SERVING first, refuses new RPCs and gives in-flight ones `grace` seconds.
+    Draining reports NOT_SERVING first and keeps serving for `drain_delay` seconds, so that clients that
+    watch health (the router's round robin does) move to other replicas before any call is refused; then it
+    refuses new RPCs and gives in-flight ones `grace` seconds.
     """
     loop = asyncio.get_running_loop()
     signals: tuple[signal.Signals, ...] = ()
@@ -649,6 +671,8 @@ async def serve(
     finally:
         log.info("shutting down: draining in-flight requests (grace %.1fs)", grace)
         await health_servicer.enter_graceful_shutdown()
+        if drain_delay > 0:
+            await asyncio.sleep(drain_delay)
         await server.stop(grace)
         if stop is not None:
             await stop()
@@ -706,6 +730,7 @@ async def serve_stages(
         InferenceServicer(plane, service, telemetry=telemetry, metrics=metrics),
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
+        credentials=server_credentials_of(args),
     )
 
     async def start() -> None:
@@ -725,7 +750,15 @@ async def serve_stages(
             # Flushing may wait on an exporter's endpoint: not on the event loop.
             await asyncio.to_thread(telemetry.shutdown)
 
-    await serve(server, health_servicer, grace=args.grace_period, start=start, stop=stop, stopping=stopping)
+    await serve(
+        server,
+        health_servicer,
+        grace=args.grace_period,
+        start=start,
+        stop=stop,
+        stopping=stopping,
+        drain_delay=getattr(args, "drain_delay", 0.0),
+    )
 
 
 def run_stage_service(
@@ -737,4 +770,8 @@ def run_stage_service(
 ) -> None:
     """Entry point of a stage service process: serve `stages` (or `make_plane`'s plane) until SIGTERM or SIGINT."""
     configure_logging(args.log_level, service)
-    asyncio.run(serve_stages(stages, args, service=service, make_plane=make_plane))
+    try:
+        asyncio.run(serve_stages(stages, args, service=service, make_plane=make_plane))
+    except SecurityConfigError as err:
+        log.error("%s", err)
+        raise SystemExit(2) from None

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.server import serve_stages
 from pipeline.stage import Stage
@@ -39,7 +39,11 @@ class Running:
 
 
 def _args(
-    max_message_mb: int, grace: float, port: int = 0, metrics_port: int | None = None
+    max_message_mb: int,
+    grace: float,
+    port: int = 0,
+    metrics_port: int | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> argparse.Namespace:
     return argparse.Namespace(
         host="127.0.0.1",
@@ -48,6 +52,7 @@ def _args(
         max_message_mb=max_message_mb,
         grace_period=grace,
         metrics_port=metrics_port,
+        **(options or {}),
     )
 
 
@@ -79,13 +84,18 @@ async def serving_stages(
     telemetry: Telemetry | None = None,
     metrics: Metrics | None = None,
     metrics_port: int | None = None,
+    drain_delay: float = 0.0,
+    options: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Running]:
     """Serve stage models on 127.0.0.1 and a port the OS picks (models load in the background).
 
     `port` asks for a given port instead, e.g. to bring a stopped stage back where it was. `telemetry`
     (tracing) defaults to what the environment says; `metrics_port` (0: the OS picks) serves `metrics`.
+    `drain_delay` is how long `stop()` keeps serving while reporting NOT_SERVING. `options` sets further
+    flags by their attribute names, e.g. `{"tls_cert": ..., "tls_key": ...}`.
     """
-    args = _args(max_message_mb, grace, port, metrics_port)
+    args = _args(max_message_mb, grace, port, metrics_port, options)
+    args.drain_delay = drain_delay
     async with _running(
         lambda stopping, bound: serve_stages(
             stages,
@@ -109,12 +119,14 @@ async def serving_router(
     telemetry: Telemetry | None = None,
     metrics: Metrics | None = None,
     metrics_port: int | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Running]:
-    """Serve a catalog's ensembles on 127.0.0.1 and a port the OS picks (`telemetry`, `metrics` and
-    `metrics_port` as for `serving_stages`)."""
+    """Serve a catalog's ensembles on 127.0.0.1 and a port the OS picks (`telemetry`, `metrics`,
+    `metrics_port` and `options` as for `serving_stages`; router flags such as `max_inflight_requests`,
+    `auth_tokens_file` or `stage_tls_ca` by their attribute names)."""
     from pipeline.router import serve_router
 
-    args = _args(max_message_mb, grace, metrics_port=metrics_port)
+    args = _args(max_message_mb, grace, metrics_port=metrics_port, options=options)
     async with _running(
         lambda stopping, bound: serve_router(
             args, catalog=catalog, stopping=stopping, bound=bound, telemetry=telemetry, metrics=metrics

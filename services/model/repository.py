@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ from services.model.networks import Network, network
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
+_MODEL_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
 class RepositoryError(PipelineError):
@@ -306,9 +308,21 @@ class ModelRepository:
                     found.add(child.name)
         return sorted(found)
 
+    def _folder(self, name: str) -> Path:
+        """The model's folder: a plain name directly under the repository, never a path that leaves it."""
+        if not _MODEL_NAME.fullmatch(name):
+            raise RepositoryError(
+                f"model name {name!r} is not a plain name (letters, digits, '.', '_' and '-', not starting "
+                "with '.'): a model is a folder directly inside the repository"
+            )
+        folder = self.root / name
+        if folder.resolve().parent != self.root.resolve():  # a symlink out of the repository
+            raise RepositoryError(f"model '{name}': its folder leads outside the repository")
+        return folder
+
     def read(self, name: str, override: Mapping[str, Any] | None = None) -> ModelEntry:
         """A model's entry as the disk says now (`override`: config keys that win over the file)."""
-        folder = self.root / name
+        folder = self._folder(name)
         if not folder.is_dir():
             if name in BUILTIN_WEIGHTS:
                 config = parse_config(name, None, source="built-in config", override=override)

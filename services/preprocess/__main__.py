@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from services.preprocess.digits import DEFAULT_MAX_IMAGE_PIXELS, DigitsPreprocess
 from services.preprocess.refcnn import RefCNNPreprocess
-from services.preprocess.text import TextTokenize
+from services.preprocess.text import DEFAULT_MAX_TEXT_BYTES, TextTokenize
 
 SERVICE = "preprocess"
 DEFAULT_PORT = 8101
@@ -27,6 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse images with more pixels (width × height) than this, read from the header before "
         "decoding (env PIPELINE_MAX_IMAGE_PIXELS; default %(default)s)",
     )
+    parser.add_argument(
+        "--max-text-bytes",
+        type=positive_int,
+        default=os.environ.get("PIPELINE_MAX_TEXT_BYTES", str(DEFAULT_MAX_TEXT_BYTES)),
+        help="refuse sentences longer than this many UTF-8 bytes (env PIPELINE_MAX_TEXT_BYTES; "
+        "default %(default)s)",
+    )
     return parser
 
 
@@ -35,7 +42,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pipeline.server import run_stage_service
 
     args = build_parser().parse_args(argv)
-    stages = [DigitsPreprocess(max_image_pixels=args.max_image_pixels), TextTokenize(), RefCNNPreprocess()]
+    stages = [
+        DigitsPreprocess(max_image_pixels=args.max_image_pixels),
+        TextTokenize(max_text_bytes=args.max_text_bytes),
+        RefCNNPreprocess(),
+    ]
     run_stage_service(stages, args, service=SERVICE)
 
 

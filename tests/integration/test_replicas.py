@@ -62,3 +62,25 @@ async def test_calls_spread_over_replicas_and_survive_one_stopping(tmp_path):
                 for reply in replies:
                     np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), x**2)
                 assert await executions(second.address) == b + 10
+
+
+async def test_a_draining_replica_gets_no_new_calls(tmp_path):
+    """A replica that reports NOT_SERVING (it is stopping) is skipped before it refuses anything."""
+    x = np.array([[3, 4]], np.float32)
+    async with serving_stages([Square()], drain_delay=5.0) as first, serving_stages([Square()]) as second:
+        await wait_serving(first.address)
+        await wait_serving(second.address)
+        (tmp_path / "squares.yaml").write_text(ENSEMBLE.format(a=first.address, b=second.address))
+        async with serving_router(load_ensembles([tmp_path])) as router:
+            await wait_serving(router.address)
+            async with inference_stub(router.address) as stub:
+                for _ in range(4):
+                    await stub.ModelInfer(request_for("squares", X=x), timeout=10)
+                stopping = asyncio.create_task(first.stop())
+                # The health watch reaches the router's channel within milliseconds; allow it a moment.
+                await asyncio.sleep(0.5)
+                drained = await executions(first.address)
+                for _ in range(10):
+                    await stub.ModelInfer(request_for("squares", X=x), timeout=10)
+                assert await executions(first.address) == drained, "a draining replica still got calls"
+                await stopping

@@ -1,0 +1,237 @@
+"""Fuzzing the router's `ModelInfer` with real stages (preprocess and postprocess, in-process on 127.0.0.1).
+
+Random model names, versions, input names, datatypes, shapes (huge, negative, empty), byte counts, BYTES
+with lying length prefixes, corrupt images, invalid UTF-8, typed contents and parameters. Every case must
+be answered OK, INVALID_ARGUMENT or NOT_FOUND within its deadline: never INTERNAL, never a crash or a hang;
+and the router must then still serve a good request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import queue
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline.config import load_ensembles
+from pipeline.convert import response_tensors
+from pipeline.datatypes import DATATYPES
+from pipeline.server import server_options
+from pipeline.testing import serving_router, serving_stages
+from tests.conftest import request_for, wait_serving
+
+EXAMPLES = int(os.environ.get("PIPELINE_FUZZ_EXAMPLES", "300"))
+ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
+
+ENSEMBLES = """
+name: img
+stages:
+  pre: {{address: "{pre}", dynamic_batching: {{max_batch_size: 8}}}}
+inputs: [{{name: IMAGE, datatype: BYTES, shape: [-1, 1]}}]
+outputs: [{{name: PIXELS, datatype: FP32, shape: [-1, 1, 8, 8]}}]
+steps:
+  - {{model_name: digits_preprocess, stage: pre, input_map: {{IMAGE: IMAGE}}, output_map: {{PIXELS: PIXELS}}}}
+---
+name: txt
+stages:
+  pre: {{address: "{pre}", dynamic_batching: {{max_batch_size: 8}}}}
+inputs: [{{name: TEXT, datatype: BYTES, shape: [-1, 1]}}]
+outputs: [{{name: IDS, datatype: INT64, shape: [-1, -1]}}]
+steps:
+  - {{model_name: embeddings_tokenize, stage: pre, input_map: {{TEXT: TEXT}},
+     output_map: {{INPUT_IDS: IDS, ATTENTION_MASK: mask}}}}
+---
+name: cls
+max_batch_size: 8
+stages:
+  post: {{address: "{post}"}}
+inputs: [{{name: LOGITS, datatype: FP32, shape: [-1, 10]}}]
+outputs: [{{name: LABEL, datatype: INT64, shape: [-1, 1]}}, {{name: SCORES, datatype: FP32, shape: [-1, 10]}}]
+steps:
+  - {{model_name: digits_postprocess, stage: post, input_map: {{LOGITS: LOGITS}},
+     output_map: {{LABEL: LABEL, SCORES: SCORES}}}}
+"""
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory) -> Iterator[str]:
+    """The router and real stages in an event loop of their own (hypothesis drives a sync client)."""
+    from services.postprocess.classify import ClassifyStage
+    from services.preprocess.digits import DigitsPreprocess
+    from services.preprocess.text import TextTokenize
+
+    folder: Path = tmp_path_factory.mktemp("fuzz")
+    started: queue.Queue[str | BaseException] = queue.Queue()
+    stop = threading.Event()
+
+    async def main() -> None:
+        pre_stages = [DigitsPreprocess(max_image_pixels=512 * 512), TextTokenize(max_text_bytes=256)]
+        async with serving_stages(pre_stages) as pre, serving_stages([ClassifyStage()]) as post:
+            for i, text in enumerate(ENSEMBLES.split("---\n")):
+                (folder / f"e{i}.yaml").write_text(text.format(pre=pre.address, post=post.address))
+            async with serving_router(load_ensembles([folder]), max_message_mb=4) as running:
+                await wait_serving(running.address, timeout=120)
+                started.put(running.address)
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as err:
+            started.put(err)
+
+    thread = threading.Thread(target=run, name="fuzzed-router", daemon=True)
+    thread.start()
+    address = started.get(timeout=180)
+    if isinstance(address, BaseException):
+        raise address
+    try:
+        yield address
+    finally:
+        stop.set()
+        thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def stub(router: str) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
+    with grpc.insecure_channel(router, options=server_options(8 << 20)) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def _png(size: int = 8) -> bytes:
+    out = io.BytesIO()
+    Image.new("L", (size, size), 200).save(out, format="PNG")
+    return out.getvalue()
+
+
+PNG = _png()
+NAMES = ["img", "txt", "cls", "digits_preprocess", "embeddings_tokenize", "digits_postprocess"]
+TENSORS = ["IMAGE", "TEXT", "LOGITS", "PIXELS", "INPUT_IDS"]
+DIMS = [-(2**63), -5, -1, 0, 1, 2, 3, 10, 2**31, 2**62]
+
+
+def _bytes_elements(items: list[bytes], lie: int) -> bytes:
+    """BYTES in raw form; `lie` added to every length prefix (0: honest)."""
+    return b"".join(struct.pack("<I", max(0, min(2**32 - 1, len(i) + lie))) + i for i in items)
+
+
+elements = st.one_of(
+    st.just(PNG),
+    st.binary(max_size=64),
+    st.binary(max_size=200).map(lambda b: PNG[:16] + b),  # a PNG header and garbage: a corrupt image
+    st.binary(min_size=1, max_size=40).map(lambda b: PNG[: len(PNG) // 2] + b),  # a truncated image
+    st.sampled_from([b"\xff\xfe\xfa", b"caf\xe9", b"\xed\xa0\x80", b"ok text", b"\x00" * 8]),  # bad UTF-8
+)
+raw_payloads = st.one_of(
+    st.binary(max_size=256),
+    st.tuples(st.lists(elements, max_size=4), st.sampled_from([0, 0, 0, -3, 1, 1000, 2**31])).map(
+        lambda t: _bytes_elements(*t)
+    ),
+    st.integers(0, 64).map(lambda n: np.arange(n, dtype=np.float32).tobytes()),
+)
+parameters = st.dictionaries(
+    st.sampled_from(["priority", "timeout", "sequence_id", "x"]) | st.text(max_size=5),
+    st.one_of(
+        st.integers(-(2**63), 2**63 - 1).map(lambda v: pb.InferParameter(int64_param=v)),
+        st.integers(0, 2**64 - 1).map(lambda v: pb.InferParameter(uint64_param=v)),
+        st.booleans().map(lambda v: pb.InferParameter(bool_param=v)),
+        st.text(max_size=10).map(lambda v: pb.InferParameter(string_param=v)),
+        st.floats(allow_nan=True).map(lambda v: pb.InferParameter(double_param=v)),
+    ),
+    max_size=3,
+)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(
+        model_name=draw(st.sampled_from(NAMES) | st.text(max_size=12)),
+        model_version=draw(st.sampled_from(["", "", "1", "2", "-1"]) | st.text(max_size=3)),
+        id=draw(st.text(max_size=8)),
+    )
+    raw = draw(st.booleans()) or draw(st.booleans())
+    for _ in range(draw(st.integers(0, 3))):
+        tensor = request.inputs.add(
+            name=draw(st.sampled_from(TENSORS) | st.text(max_size=6)),
+            datatype=draw(st.sampled_from([*DATATYPES, "BYTES", "BYTES", "FP8", "", "bytes"])),
+            shape=draw(st.lists(st.sampled_from(DIMS) | st.integers(0, 4), max_size=5)),
+        )
+        if raw:
+            request.raw_input_contents.append(draw(raw_payloads))
+        else:
+            kind = draw(st.sampled_from(["bytes", "int", "fp32", "bool", "uint64"]))
+            if kind == "bytes":
+                tensor.contents.bytes_contents.extend(draw(st.lists(elements, max_size=4)))
+            elif kind == "int":
+                tensor.contents.int_contents.extend(
+                    draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=20))
+                )
+            elif kind == "fp32":
+                tensor.contents.fp32_contents.extend(draw(st.lists(st.floats(width=32), max_size=20)))
+            elif kind == "bool":
+                tensor.contents.bool_contents.extend(draw(st.lists(st.booleans(), max_size=20)))
+            else:
+                tensor.contents.uint64_contents.extend(draw(st.lists(st.integers(0, 2**64 - 1), max_size=20)))
+    if draw(st.integers(0, 9)) == 0:
+        request.raw_input_contents.append(b"an extra raw content")  # more raw contents than inputs
+    for name in draw(st.lists(st.sampled_from(["PIXELS", "IDS", "LABEL", "SCORES", "NOPE"]), max_size=2)):
+        request.outputs.add(name=name)
+    for key, value in draw(parameters).items():
+        request.parameters[key].CopyFrom(value)
+    return request
+
+
+def _good(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+    images = np.empty((1, 1), object)
+    images[0, 0] = PNG
+    reply = stub.ModelInfer(request_for("img", IMAGE=images), timeout=30)
+    assert response_tensors(reply)["PIXELS"].shape == (1, 1, 8, 8)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(request=requests())
+def test_model_infer_never_fails_inside(
+    stub: pb_grpc.GRPCInferenceServiceStub, request: pb.ModelInferRequest
+) -> None:
+    try:
+        stub.ModelInfer(request, timeout=20)
+        code = grpc.StatusCode.OK
+    except grpc.RpcError as err:
+        code, details = err.code(), err.details()
+        assert code in ALLOWED, f"{code.name}: {details}"
+        assert details, "an error must say what was wrong"
+
+
+def test_model_stream_infer_survives_bad_requests(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+    bad = pb.ModelInferRequest(model_name="img")
+    bad.inputs.add(name="IMAGE", datatype="BYTES", shape=[1, 1])
+    bad.raw_input_contents.append(_bytes_elements([b"not an image"], 7))
+    replies = list(stub.ModelStreamInfer(iter([bad, pb.ModelInferRequest(model_name="nope")]), timeout=30))
+    assert len(replies) == 2 and all(r.error_message for r in replies)
+    assert not any("internal" in r.error_message for r in replies)
+
+
+def test_huge_images_are_refused_by_their_header(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+    images = np.empty((1, 1), object)
+    images[0, 0] = _png(3000)  # 9 Mpixel, a few KB
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelInfer(request_for("img", IMAGE=images), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "IMAGE[0]" in info.value.details()
+
+
+def test_still_serving_after_the_fuzzing(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+    _good(stub)
