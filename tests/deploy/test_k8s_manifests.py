@@ -1,0 +1,273 @@
+"""The Kubernetes manifests in deploy/k8s/: valid against Kubernetes' schemas, and consistent with each
+other and with the project.
+
+Schemas come from the `kubernetes-validate` package (they ship inside it: no network); without it those
+tests skip. The cross-references need only PyYAML: selectors match the pods' labels, Services and probes
+point at the containers' ports, every Deployment has an HPA, the router's stage addresses name the stages'
+headless Services, and the ensembles ConfigMap holds exactly the files in ensembles/.
+
+deploy/k8s/ensembles.yaml is generated from ensembles/; after changing an ensemble, regenerate it with
+
+    python -m tests.deploy.test_k8s_manifests --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+ENSEMBLES = ROOT / "ensembles"
+CONFIGMAP_FILE = K8S / "ensembles.yaml"
+CONFIGMAP_NAME = "pipeline-ensembles"
+#: The oldest Kubernetes the manifests support (gRPC probes are GA from 1.27) and the newest schema shipped.
+OLDEST_KUBERNETES = "1.27.0"
+
+Doc = dict[str, Any]
+
+
+def ensemble_files() -> list[Path]:
+    return sorted(p for p in ENSEMBLES.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
+def render_configmap() -> str:
+    """deploy/k8s/ensembles.yaml as it should be: every file in ensembles/, verbatim, as a ConfigMap."""
+    lines = [
+        "# Generated from ensembles/ by `python -m tests.deploy.test_k8s_manifests --write`; do not edit.",
+        "# The router mounts it as its ensembles folder (PIPELINE_ENSEMBLES).",
+        "apiVersion: v1",
+        "kind: ConfigMap",
+        "metadata:",
+        f"  name: {CONFIGMAP_NAME}",
+        "  labels:",
+        "    app.kubernetes.io/name: pipeline",
+        "    app.kubernetes.io/component: router",
+        "    app.kubernetes.io/part-of: pipeline",
+        "data:",
+    ]
+    for path in ensemble_files():
+        text = path.read_text()
+        block = "".join(f"    {line}" if line.strip() else "\n" for line in text.splitlines(keepends=True))
+        if not block.endswith("\n"):
+            block += "\n"
+        lines.append(f"  {path.name}: |{'' if text.endswith(chr(10)) else '-'}")
+        lines.append(block.rstrip("\n"))
+        if yaml.safe_load(f"x: |\n{block}")["x"].rstrip("\n") != text.rstrip("\n"):
+            # Text a literal block cannot carry (trailing spaces, tabs...): let PyYAML quote it.
+            lines[-2:] = [f"  {yaml.safe_dump({path.name: text}, width=10**6).rstrip()}"]
+    return "\n".join(lines) + "\n"
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def load_docs() -> list[tuple[str, Doc]]:
+    docs = []
+    for path in manifest_files():
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                docs.append((path.name, doc))
+    return docs
+
+
+DOCS = load_docs() if K8S.is_dir() else []
+
+
+def of_kind(kind: str) -> list[Doc]:
+    return [doc for _, doc in DOCS if doc["kind"] == kind]
+
+
+def named(kind: str, name: str) -> Doc:
+    found = [doc for doc in of_kind(kind) if doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} named {name!r}, found {len(found)}"
+    return found[0]
+
+
+def containers(deployment: Doc) -> list[Doc]:
+    return deployment["spec"]["template"]["spec"]["containers"]
+
+
+def env_of(container: Doc) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
+
+
+def container_port(container: Doc, port: int | str) -> int:
+    """A container's port number by number or by name; fails if the container does not declare it."""
+    for item in container.get("ports", []):
+        if port in (item["containerPort"], item.get("name")):
+            return item["containerPort"]
+    raise AssertionError(f"container {container['name']!r} declares no port {port!r}")
+
+
+def deployment_of_service(service: Doc) -> Doc:
+    selector = service["spec"]["selector"]
+    matches = [
+        d
+        for d in of_kind("Deployment")
+        if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+    ]
+    assert len(matches) == 1, f"Service {service['metadata']['name']!r} selects {len(matches)} Deployments"
+    return matches[0]
+
+
+def stage_deployments() -> Iterator[Doc]:
+    return (d for d in of_kind("Deployment") if d["metadata"]["name"] != "router")
+
+
+# --- schemas ------------------------------------------------------------------------------------------
+
+
+def test_manifests_exist() -> None:
+    kinds = sorted({doc["kind"] for _, doc in DOCS})
+    assert kinds == ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "Service"], kinds
+    names = {d["metadata"]["name"] for d in of_kind("Deployment")}
+    assert names == {"router", "preprocess", "model", "postprocess"}
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, "latest"])
+def test_manifests_match_kubernetes_schemas(version: str) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    if version == "latest":
+        version = kubernetes_validate.latest_version()
+    for source, doc in DOCS:
+        try:
+            # strict: unknown fields (typos) fail too
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            pytest.fail(f"{source}: {doc['kind']} {doc['metadata']['name']} (Kubernetes {version}): {err}")
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in manifest_files())
+
+
+# --- cross-references -----------------------------------------------------------------------------------
+
+
+def test_deployment_selectors_match_their_pod_labels() -> None:
+    for deployment in of_kind("Deployment"):
+        name = deployment["metadata"]["name"]
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), (
+            f"Deployment {name}: selector {selector} vs labels {labels}"
+        )
+        others = [d for d in of_kind("Deployment") if d is not deployment]
+        for other in others:
+            assert not selector.items() <= other["spec"]["template"]["metadata"]["labels"].items(), (
+                f"Deployment {name}'s selector also selects {other['metadata']['name']}'s pods"
+            )
+
+
+def test_services_select_one_deployment_and_reach_its_port() -> None:
+    for service in of_kind("Service"):
+        deployment = deployment_of_service(service)
+        (container,) = containers(deployment)
+        for port in service["spec"]["ports"]:
+            number = container_port(container, port.get("targetPort", port["port"]))
+            assert number == port["port"], (
+                f"Service {service['metadata']['name']}: port {port['port']} forwards to container port {number}"
+            )
+
+
+def test_every_stage_has_a_headless_service_named_like_it() -> None:
+    for deployment in stage_deployments():
+        name = deployment["metadata"]["name"]
+        service = named("Service", name)
+        assert service["spec"].get("clusterIP") == "None", (
+            f"Service {name} must be headless (clusterIP: None) so DNS returns every pod to the router"
+        )
+        assert deployment_of_service(service) is deployment
+
+
+def test_ports_agree_between_env_container_and_probes() -> None:
+    for deployment in of_kind("Deployment"):
+        name = deployment["metadata"]["name"]
+        (container,) = containers(deployment)
+        env = env_of(container)
+        port = int(env[f"PIPELINE_{name.upper()}_PORT"])
+        assert container_port(container, "grpc") == port, f"{name}: containerPort vs PIPELINE_*_PORT"
+        assert env.get("PIPELINE_HOST") == "0.0.0.0", f"{name}: must listen on every interface in a pod"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "grpc" in container[probe], f"{name}: {probe} must use the gRPC health service"
+            assert container_port(container, container[probe]["grpc"]["port"]) == port, (
+                f"{name}: {probe} port"
+            )
+
+
+def test_every_deployment_has_an_hpa_with_cpu_requests_to_scale_on() -> None:
+    hpas = {hpa["spec"]["scaleTargetRef"]["name"]: hpa for hpa in of_kind("HorizontalPodAutoscaler")}
+    for deployment in of_kind("Deployment"):
+        name = deployment["metadata"]["name"]
+        assert name in hpas, f"Deployment {name} has no HorizontalPodAutoscaler"
+        spec = hpas[name]["spec"]
+        assert spec["scaleTargetRef"]["kind"] == "Deployment"
+        assert spec["scaleTargetRef"]["apiVersion"] == deployment["apiVersion"]
+        assert 1 <= spec["minReplicas"] <= spec["maxReplicas"]
+        assert "replicas" not in deployment["spec"], f"Deployment {name}: the HPA owns replicas"
+        (container,) = containers(deployment)
+        assert "cpu" in container["resources"]["requests"], f"{name}: CPU utilisation needs a CPU request"
+    assert set(hpas) <= {d["metadata"]["name"] for d in of_kind("Deployment")}, "an HPA targets nothing"
+
+
+def test_configmap_is_generated_from_the_ensemble_files() -> None:
+    assert CONFIGMAP_FILE.read_text() == render_configmap(), (
+        "deploy/k8s/ensembles.yaml is out of date with ensembles/: "
+        "run `python -m tests.deploy.test_k8s_manifests --write`"
+    )
+    configmap = named("ConfigMap", CONFIGMAP_NAME)
+    assert sorted(configmap["data"]) == [p.name for p in ensemble_files()]
+    for path in ensemble_files():
+        assert configmap["data"][path.name].rstrip("\n") == path.read_text().rstrip("\n"), path.name
+
+
+def test_router_mounts_the_ensembles_and_reaches_every_stage(tmp_path: Path) -> None:
+    from pipeline.config import load_ensembles
+
+    router = named("Deployment", "router")
+    (container,) = containers(router)
+    env = env_of(container)
+    pod = router["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v.get("configMap", {}).get("name") == CONFIGMAP_NAME)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+    assert env["PIPELINE_ENSEMBLES"] == mount["mountPath"]
+
+    # The ensembles as the router will read them: the ConfigMap's files, expanded with the pod's env.
+    for key, text in named("ConfigMap", CONFIGMAP_NAME)["data"].items():
+        (tmp_path / key).write_text(text)
+        for variable in re.findall(r"\$\{(\w+)", text):
+            assert variable in env, f"ensemble {key} reads ${{{variable}}}, which the router pod does not set"
+    catalog = load_ensembles(tmp_path, environ=env)
+    for key, endpoint in catalog.stages.items():
+        match = re.fullmatch(r"dns:///([a-z0-9-]+):(\d+)", endpoint.address)
+        assert match, f"stage {key}: address {endpoint.address!r} is not a dns:/// target of a Service"
+        service = named("Service", match.group(1))
+        assert service["spec"].get("clusterIP") == "None", f"stage {key}: {service} must be headless"
+        assert int(match.group(2)) in {p["port"] for p in service["spec"]["ports"]}, (
+            f"stage {key}: Service {match.group(1)} has no port {match.group(2)}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Check or regenerate deploy/k8s/ensembles.yaml.")
+    parser.add_argument("--write", action="store_true", help="regenerate it from ensembles/")
+    args = parser.parse_args()
+    if args.write:
+        CONFIGMAP_FILE.write_text(render_configmap())
+        print(f"wrote {CONFIGMAP_FILE.relative_to(ROOT)} from {len(ensemble_files())} ensemble file(s)")
+    elif CONFIGMAP_FILE.read_text() != render_configmap():
+        sys.exit(f"{CONFIGMAP_FILE.relative_to(ROOT)} is out of date: run with --write")
+
+
+if __name__ == "__main__":
+    main()
