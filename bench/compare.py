@@ -34,7 +34,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 LEVELS = (1, 8, 32)
 #: What batching ON means when the committed ensemble does not say.
-DEFAULT_BATCHING = {"max_batch_size": 64, "max_queue_delay_microseconds": 2000, "max_inflight_batches": 2}
+DEFAULT_BATCHING = {"max_batch_size": 64, "max_queue_delay_microseconds": 2000, "max_inflight_batches": 1}
 _SERVING = re.compile(r"pipeline: serving .* on (\S+) \(gRPC")
 _STAGE = re.compile(r"(\w+) (\S+:\d+) \(pid \d+\)")
 
@@ -235,8 +235,48 @@ def summarise(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _levels(variant: Any) -> list[dict[str, Any]]:
+    return variant if isinstance(variant, list) else variant["levels"]
+
+
+def write_comparison_plot(results: dict[str, Any], path: Path) -> None:
+    """Throughput and p99 latency against concurrency for the three variants, as a PNG (matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is missing (pip install 'pipeline-serving[bench]'): no plot", flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = {
+        "ceiling": "in-process PyTorch (ceiling)",
+        "off": "pipeline, batching off",
+        "on": "pipeline, batching on",
+    }
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
+    try:
+        for key, label in names.items():
+            rows = _levels(results[key])
+            x = [row["concurrency"] for row in rows]
+            left.plot(x, [row["throughput_infer_per_s"] for row in rows], marker="o", label=label)
+            right.plot(x, [row["p99_ms"] for row in rows], marker="o", label=label)
+        left.set(xlabel="concurrency (the ceiling: batch size)", ylabel="images/s", title="throughput")
+        right.set(xlabel="concurrency (the ceiling: batch size)", ylabel="ms", title="p99 latency")
+        for axis in (left, right):
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(list(LEVELS), [str(v) for v in LEVELS])
+            axis.grid(True, alpha=0.3)
+            axis.set_ylim(bottom=0)
+        left.legend()
+        fig.suptitle("refcnn on this machine, one run")
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the comparison and write results.json and summary.md into the results folder."""
+    """Run the comparison and write results.json, summary.md and refcnn.png into the results folder."""
     parser = argparse.ArgumentParser(prog="bench/run.sh", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="folder for results.json, summary.md and the logs")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each measured level")
@@ -261,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     summary = summarise(results)
     (out / "summary.md").write_text(summary + "\n")
+    write_comparison_plot(results, out / "refcnn.png")
     print("\n" + summary + f"\n\n({results['seconds']:.0f} s; written to {out})", flush=True)
     return 0
 
