@@ -46,7 +46,8 @@ class Stage(abc.ABC):
     """A model served by a stage service.
 
     Subclasses set the class attributes (or instance attributes in `__init__`) and implement `infer`.
-    `load` and `infer` are blocking and run in the model's own executor thread, never on the event loop.
+    `load` and `infer` are blocking and run in the model's own executor thread, never on the event loop
+    (unless the stage declares itself `inline`).
     """
 
     #: The model name clients and ensemble steps use.
@@ -62,6 +63,10 @@ class Stage(abc.ABC):
     backend: str = "python"
     #: The versions served; the last is the default.
     versions: Sequence[str] = ("1",)
+    #: Run `infer` on the event loop instead of the model's thread. Only for work of microseconds (small
+    #: numpy arithmetic), where two thread hand-offs per call would cost more than the work itself; anything
+    #: that can take longer must leave it False, or it stalls every other request of the process.
+    inline: bool = False
 
     def load(self) -> None:  # noqa: B027 - loading is optional
         """Prepare the model (read weights, warm up). Health turns SERVING only after every load returns."""

@@ -333,3 +333,31 @@ async def test_a_reflection_client_resolves_the_whole_protocol(stage_address):
     assert {"name", "platform", "max_batch_size", "input", "output", "ensemble_scheduling"} <= set(
         config_fields
     )
+
+
+class WhereAmI(Stage):
+    """Records the thread its `infer` runs on."""
+
+    max_batch_size = 1
+    inputs = (TensorSpec("X", "FP32", (-1, 1)),)
+    outputs = (TensorSpec("Y", "FP32", (-1, 1)),)
+
+    def __init__(self, name: str, inline: bool) -> None:
+        self.name = name
+        self.inline = inline
+        self.threads: list[str] = []
+
+    def infer(self, inputs):
+        self.threads.append(threading.current_thread().name)
+        return {"Y": inputs["X"]}
+
+
+async def test_inline_stages_run_on_the_event_loop_and_others_on_their_own_thread():
+    inline, threaded = WhereAmI("inline", True), WhereAmI("threaded", False)
+    async with serving_stages([inline, threaded]) as running:
+        await wait_serving(running.address)
+        async with inference_stub(running.address) as stub:
+            for name in ("inline", "threaded"):
+                await stub.ModelInfer(request_for(name, X=np.ones((1, 1), np.float32)))
+    assert inline.threads == [threading.current_thread().name]  # the loop's thread: this test's
+    assert threaded.threads[0].startswith("stage-threaded")
