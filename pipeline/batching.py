@@ -179,6 +179,8 @@ class DynamicBatcher(Generic[In, Out]):
         self._seq = itertools.count()
         self._wake = asyncio.Event()
         self._inflight: set[asyncio.Task[None]] = set()
+        #: Batches executing: the scheduler's tasks and batches of one run by their submitter.
+        self._busy = 0
         self._previous_done: asyncio.Future[None] | None = None
         self._scheduler: asyncio.Task[None] | None = None
         self.stats = ModelStats()
@@ -212,7 +214,7 @@ class DynamicBatcher(Generic[In, Out]):
 
     @property
     def inflight_batches(self) -> int:
-        return len(self._inflight)
+        return self._busy
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -269,6 +271,19 @@ class DynamicBatcher(Generic[In, Out]):
         if span is not None and self._telemetry is not None:
             pending.span = span
             pending.enqueued_ns = time.time_ns()
+        if config.idle_dispatch and not self._queued and self._busy < config.max_inflight_batches:
+            # NOTE: nothing waits and a slot is free (every request at low load): the batch of one runs in
+            # the caller's task, saving the scheduler's wake-up and a task per request.
+            if deadline is not None and deadline <= now:
+                self.counters.dropped_deadline += 1
+                raise DeadlineExceeded(f"{self.name}: the request's deadline passed before it was sent")
+            self._busy += 1
+            try:
+                await self._execute_batch([pending], now, *self._chain())
+            finally:
+                self._busy -= 1
+                self._wake.set()
+            return future.result()
         self._queues[priority].append(pending)
         self._queued += 1
         self._wake.set()
@@ -284,7 +299,7 @@ class DynamicBatcher(Generic[In, Out]):
             now = self._clock.now()
             self._drop_expired(now)
             wake_at = self._next_deadline()
-            while self._queued and len(self._inflight) < self.config.max_inflight_batches:
+            while self._queued and self._busy < self.config.max_inflight_batches:
                 batch, wait_until = self._form(now)
                 if batch is None:
                     if wait_until is not None:
@@ -347,15 +362,21 @@ class DynamicBatcher(Generic[In, Out]):
         self._queued -= len(chosen)
         return chosen, None
 
-    def _dispatch(self, batch: list[_Pending[In, Out]], now: float) -> None:
+    def _chain(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
+        """The previous batch's completion to wait for (with preserve_ordering), and this batch's."""
         previous = self._previous_done if self.config.preserve_ordering else None
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._previous_done = done
-        task = asyncio.create_task(self._execute_batch(batch, now, previous, done))
+        return previous, done
+
+    def _dispatch(self, batch: list[_Pending[In, Out]], now: float) -> None:
+        task = asyncio.create_task(self._execute_batch(batch, now, *self._chain()))
+        self._busy += 1
         self._inflight.add(task)
         task.add_done_callback(self._batch_finished)
 
     def _batch_finished(self, task: asyncio.Task[None]) -> None:
+        self._busy -= 1
         self._inflight.discard(task)
         self._wake.set()
 
