@@ -11,8 +11,8 @@ from services.model.refcnn import RefCNNStage
 from services.postprocess.refcnn import RefCNNPostprocess
 from services.preprocess.refcnn import RefCNNPreprocess
 
-# The oracle mirrors the reference model every peer serves (shared/peers/common/refmodel.py), re-declared
-# here so the repository does not depend on files outside it. Keep the two identical.
+# The oracle: the reference model that TorchServe, MLServer and Ray Serve serve in the comparison
+# benchmarks, written out independently of the stages under test.
 _MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 _STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
 
