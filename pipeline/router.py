@@ -832,12 +832,17 @@ def _int_parameter(parameters: Mapping[str, pb.InferParameter], key: str) -> int
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The error to report for a failed ensemble: the first `PipelineError` a step raised."""
-    for err in group.exceptions:
+    """The error to report for a failed ensemble: the first `PipelineError` a step raised (it says what was
+    wrong), else the first error of any kind."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        err = pending.pop(0)
         if isinstance(err, BaseExceptionGroup):
-            return _first_error(err)
-        return err
-    return group
+            pending[:0] = err.exceptions
+        else:
+            leaves.append(err)
+    return next((e for e in leaves if isinstance(e, PipelineError)), leaves[0] if leaves else group)
 
 
 def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:

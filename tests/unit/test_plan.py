@@ -51,3 +51,14 @@ def test_stage_models_across_ensembles() -> None:
         stages=types.MappingProxyType({**a.stages, **b.stages}),
     )
     assert catalog.stage_models() == {"pre": "cpu", "cnn": "gpu", "post": "cpu"}
+
+
+def test_a_failed_ensemble_reports_the_step_error_that_says_what_was_wrong():
+    from pipeline.errors import InvalidInput
+    from pipeline.router import _first_error
+
+    said = InvalidInput("IMAGE[2]: cannot decode image")
+    group = BaseExceptionGroup("steps", [RuntimeError("bug"), BaseExceptionGroup("inner", [said])])
+    assert _first_error(group) is said
+    bug = RuntimeError("bug")
+    assert _first_error(BaseExceptionGroup("steps", [bug])) is bug
