@@ -183,7 +183,7 @@ def validate_inputs(
             )
         check_tensor(tensor, spec, model)
         found[tensor.name] = tensor
-    missing = [name for name in by_spec if name not in found]
+    missing = [name for name, spec in by_spec.items() if name not in found and not spec.optional]
     if missing:
         raise InvalidInput(f"model '{model}' expects input(s) {', '.join(missing)}, not in the request")
     if max_batch_size > 0 and found:

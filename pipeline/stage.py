@@ -27,12 +27,15 @@ class TensorSpec:
     way to see the true lengths, such as an attention mask that is padded with 0); on an output, it says the
     output's variable dimensions follow the padded inputs, so each request gets back only its own extent.
     Without it, requests of different shapes are batched separately.
+
+    `optional` (inputs only, Triton's `optional: true`) lets a request leave the input out.
     """
 
     name: str
     datatype: str
     shape: tuple[int, ...]
     pad_value: float | None = None
+    optional: bool = False
 
     def __post_init__(self) -> None:
         if self.datatype not in DATATYPES:
