@@ -1,0 +1,107 @@
+"""Backends: what turns a repository entry into something the stage runtime can serve.
+
+A stage service serves the repository entries whose backend it runs. For each version it serves, its
+`Backend` reads the artifact, completes and checks the config (Triton's auto-complete), and hands back a
+`PreparedVersion`: the config clients will read through `ModelConfig`, and one unloaded `Instance` per
+instance of Triton's `instance_group`. The runtime (`pipeline.stage_plane.StagePlane`) loads the instances
+(each on a thread of its own), routes requests to an idle one, and swaps versions in and out
+(`RepositoryModelLoad` / `RepositoryModelUnload`).
+
+`StageInstance` adapts a `pipeline.stage.Stage` object to an instance, and `stage_config` describes it as a
+`ModelConfig`: the python backend and in-process test servers both use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.repository import BACKEND_PLATFORMS, RepositoryEntry, set_tensor_specs
+from pipeline.stage import Stage
+
+
+@runtime_checkable
+class Instance(Protocol):
+    """One instance of one model version. `load`, `run` and `unload` block; the runtime calls them on the
+    instance's own thread (never two at once), or on the event loop for an `inline` instance."""
+
+    #: Where it runs: "cpu", "cuda:0", ...
+    device: str
+    #: Why this backend and device were chosen (logged, and shown in `ModelConfig.parameters`).
+    reason: str
+    #: Run on the event loop instead of a thread: only for work of microseconds (see `Stage.inline`).
+    inline: bool
+
+    def load(self) -> None:
+        """Read weights, build, warm up. Raise `pipeline.repository.RepositoryError` for a bad artifact."""
+        ...
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One batch: every input the request carries in, by its config name; every output out."""
+        ...
+
+    def unload(self) -> None:
+        """Release what `load` acquired."""
+        ...
+
+
+@dataclass
+class PreparedVersion:
+    """One version of a model, ready to load."""
+
+    #: The completed config as `ModelConfig` returns it: name, platform, backend, max_batch_size, input and
+    #: output, instance_group as placed, version_policy, dynamic_batching, parameters...
+    config: mc.ModelConfig
+    #: One per instance, not loaded yet; at least one.
+    instances: list[Instance] = field(default_factory=list)
+
+
+class Backend(Protocol):
+    """Prepares the versions of the repository entries whose backend is in `names`."""
+
+    #: The repository backends it runs: e.g. ("onnxruntime", "pytorch", "tensorrt"), or ("python",).
+    names: tuple[str, ...]
+
+    def prepare(self, entry: RepositoryEntry, version: str) -> PreparedVersion:
+        """Read the version's artifact, complete the config from it where the config is silent (Triton's
+        auto-complete), check that they agree, and create the instances. Blocking (the runtime calls it on
+        a worker thread). Raises `RepositoryError` naming the file and the cause."""
+        ...
+
+
+def stage_config(stage: Stage, name: str | None = None) -> mc.ModelConfig:
+    """A `Stage`'s declarations as a `ModelConfig` (one CPU instance)."""
+    model = name or stage.name
+    config = mc.ModelConfig(
+        name=model,
+        platform=stage.platform or BACKEND_PLATFORMS["python"],
+        backend=stage.backend,
+        max_batch_size=stage.max_batch_size,
+    )
+    set_tensor_specs(config, stage.inputs, stage.outputs)
+    config.instance_group.add(name=f"{model}_0", count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    return config
+
+
+class StageInstance:
+    """A `Stage` object as an instance: its `load`, `infer` and `unload`."""
+
+    device = "cpu"
+
+    def __init__(self, stage: Stage, reason: str = "python stage") -> None:
+        self.stage = stage
+        self.reason = reason
+        self.inline = bool(stage.inline)
+
+    def load(self) -> None:
+        self.stage.load()
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.stage.infer(inputs)
+
+    def unload(self) -> None:
+        self.stage.unload()
