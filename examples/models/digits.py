@@ -8,30 +8,21 @@ gives 1,437 training and 360 held-out images with the same class proportions. Ev
 The model takes the ink counts as they are (0..16, float32, [N, 1, 8, 8]) and scales them itself, so the
 preprocess stage, `load_split` and the model all speak the same units.
 
-Weights live in the model repository layout `<model_dir>/digits_cnn/<version>/model.pt` (a `state_dict`
-written by `torch.save`) beside `metadata.json` (accuracy, seed, sha256 of the weights), with the model's
-`config.yaml` in `<model_dir>/digits_cnn/`. Make them with `python -m services.model.train` (or `make model`).
+`python -m examples.models.build` (`make model`) trains it and writes it into the model repository as
+TorchScript, `digits_cnn/1/model.pt`, served by the model service like any user's model.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from services.model.backends import sha256_file
-
 MODEL_NAME = "digits_cnn"
-MODEL_VERSION = "1"
-WEIGHTS_FILE = "model.pt"
-METADATA_FILE = "metadata.json"
 NUM_CLASSES = 10
 #: Ink count of a full 4×4 block in the original 32×32 bitmaps: the top of the input range.
 INK_MAX = 16.0
@@ -39,13 +30,6 @@ INK_MAX = 16.0
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
 DEFAULT_EPOCHS = 40
-#: The `config.yaml` training writes beside the versions (services.model.repository describes every key).
-DEFAULT_CONFIG = {
-    "architecture": "digits_cnn",
-    "max_batch_size": 256,
-    "precision": "fp32",
-    "version_policy": {"latest": {"num_versions": 1}},
-}
 
 
 class DigitsCNN(nn.Module):
@@ -65,11 +49,6 @@ class DigitsCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits for a batch of ink-count images."""
         return self.classifier(self.features(x * (1.0 / INK_MAX)))
-
-
-def model_dir_weights(model_dir: str | os.PathLike[str], version: str = MODEL_VERSION) -> Path:
-    """Where the weights of `digits_cnn` live in a model repository."""
-    return Path(model_dir) / MODEL_NAME / version / WEIGHTS_FILE
 
 
 @functools.cache
@@ -102,36 +81,29 @@ def load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 class TrainReport:
     """What one training run produced."""
 
-    weights: Path
     test_accuracy: float
     train_accuracy: float
     epochs: int
     seed: int
     seconds: float
-    sha256: str
 
 
 def train(
-    out_dir: str | os.PathLike[str],
     *,
     epochs: int = DEFAULT_EPOCHS,
     seed: int = 0,
     progress: bool = True,
     batch_size: int = 32,
     learning_rate: float = 3e-3,
-    version: str = MODEL_VERSION,
-) -> TrainReport:
-    """Train `DigitsCNN` on the training split and write it into the model repository at `out_dir`.
+) -> tuple[DigitsCNN, TrainReport]:
+    """Train `DigitsCNN` on the training split; returns the network in eval mode and what the run measured.
 
     Deterministic for a given seed on CPU: the same seed gives the same weights, bit for bit. Runs on one
-    thread, which is also the fastest for a network this small. Writes `<out_dir>/digits_cnn/<version>/model.pt`
-    and `metadata.json`, and the model's `config.yaml` unless it has one; the global torch RNG, thread count and
+    thread, which is also the fastest for a network this small. The global torch RNG, thread count and
     determinism setting are left as found.
     """
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
-    if not version.isdigit() or int(version) < 1:
-        raise ValueError(f"version must be a positive integer, got {version!r}")
     from tqdm import tqdm
 
     x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in load_split())
@@ -168,46 +140,14 @@ def train(
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
-    seconds = time.perf_counter() - started
-
-    weights = model_dir_weights(out_dir, version)
-    weights.parent.mkdir(parents=True, exist_ok=True)
-    # Write then rename, so a model service starting meanwhile never reads half a file.
-    partial = weights.with_suffix(".pt.partial")
-    torch.save(model.state_dict(), partial)
-    os.replace(partial, weights)
-    digest = sha256_file(weights)
     report = TrainReport(
-        weights=weights,
         test_accuracy=test_accuracy,
         train_accuracy=train_accuracy,
         epochs=epochs,
         seed=seed,
-        seconds=seconds,
-        sha256=digest,
+        seconds=time.perf_counter() - started,
     )
-    metadata = {
-        "model": MODEL_NAME,
-        "version": version,
-        **{k: v for k, v in asdict(report).items() if k != "weights"},
-        "weights_file": WEIGHTS_FILE,
-        "split": {
-            "dataset": "sklearn.datasets.load_digits",
-            "test_fraction": TEST_FRACTION,
-            "stratified": True,
-            "seed": SPLIT_SEED,
-            "train": len(x_train),
-            "test": len(x_test),
-        },
-        "input": "float32 [N, 1, 8, 8], ink counts 0..16",
-        "torch": torch.__version__,
-    }
-    (weights.parent / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
-    if not (weights.parents[1] / "config.yaml").is_file():
-        from services.model.repository import write_config
-
-        write_config(weights.parents[1], DEFAULT_CONFIG)
-    return report
+    return model, report
 
 
 @torch.inference_mode()

@@ -1,0 +1,386 @@
+"""The model service's backend: ONNX, TorchScript, `torch.export` and TensorRT files from a Triton repository.
+
+`ModelBackend.prepare` reads one version of a repository entry: it finds the model file (Triton's default
+names, or `default_model_filename`), reads what the file says about its tensors, completes the config from it
+where the config is silent (auto-complete) and refuses a config that disagrees, places the instances
+(`instance_group`) and picks, for each, the runner that runs the file there:
+
+| file | on a GPU, TensorRT usable | on a GPU otherwise | on the CPU |
+|---|---|---|---|
+| `model.onnx` | a TensorRT engine built from it (cached) | ONNX Runtime, CUDA provider if installed | ONNX Runtime |
+| `model.pt` (TorchScript) | TensorRT through an ONNX export (cached) | PyTorch on CUDA | PyTorch |
+| `model.pt2` (`torch.export`) | TensorRT through an ONNX export (cached) | PyTorch on CUDA | PyTorch |
+| `model.plan` | TensorRT | refused | refused |
+
+`auto` takes the first that works and logs why; a config may pin a runner. Settings live where Triton keeps
+them (see `ModelOptions`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.backend import PreparedVersion
+from pipeline.repository import (
+    PAD_VALUE_PARAMETER,
+    RepositoryEntry,
+    RepositoryError,
+    datatype_of_config,
+    log_ignored,
+)
+from services.model.artifacts import (
+    KIND_BACKENDS,
+    KIND_PLATFORMS,
+    ONNX,
+    TENSORRT_PLAN,
+    TORCH_EXPORT,
+    TORCHSCRIPT,
+    Bindings,
+    Signature,
+    artifact_kind,
+    read_signature,
+    reconcile,
+)
+
+log = logging.getLogger(__name__)
+
+RUNNERS = ("auto", "onnxruntime", "torch", "tensorrt")
+DEVICES = ("auto", "cpu", "cuda")
+#: Top-level config fields this backend acts on (the rest are logged as ignored at load). The router acts on
+#: `dynamic_batching`, which is kept in the config `ModelConfig` returns.
+ACTED_ON = frozenset(
+    {
+        "name",
+        "platform",
+        "backend",
+        "max_batch_size",
+        "input",
+        "output",
+        "instance_group",
+        "version_policy",
+        "default_model_filename",
+        "parameters",
+        "optimization",
+        "dynamic_batching",
+    }
+)
+#: `parameters` keys this backend reads (besides the router's `pad_value.<TENSOR>`). Triton's own spellings of
+#: the thread count are accepted: the ONNX Runtime backend's and the PyTorch backend's.
+PARAMETER_KEYS = ("runner", "intra_op_thread_count", "INTRA_OP_THREAD_COUNT", "torch_compile")
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """The model service's own settings (its command line)."""
+
+    #: Where instances of `kind: KIND_AUTO` (and models without `instance_group`) go: "auto" (a GPU when one
+    #: is visible), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
+    #: Intra-op threads of each instance (torch and ONNX Runtime) unless its config says otherwise.
+    threads: int = 1
+    #: Folder of built TensorRT engines (None: `<repository>/.engines`).
+    engine_cache: Path | None = None
+    #: Complete configs from the model file where they are silent (Triton's default).
+    auto_complete: bool = True
+    #: `max_batch_size` auto-complete gives a model that batches (Triton's `--backend-config=default-max-batch-size`).
+    default_max_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ValueError(f"unknown device {self.device!r}; expected one of {', '.join(DEVICES)} or cuda:N")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.default_max_batch_size < 1:
+            raise ValueError(f"default max batch size must be >= 1, got {self.default_max_batch_size}")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """A model's settings, read from where Triton keeps such settings in `config.pbtxt`.
+
+    - `parameters { key: "runner" value: { string_value: "auto" } }`: auto | onnxruntime | torch | tensorrt.
+    - `parameters { key: "intra_op_thread_count" ... }` (or `INTRA_OP_THREAD_COUNT`): threads per instance.
+    - `parameters { key: "torch_compile" value: { string_value: "true" } }`: `torch.compile` the module.
+    - `optimization { execution_accelerators { gpu_execution_accelerator: [ { name: "tensorrt"
+      parameters { key: "precision_mode" value: "FP16" } } ] } }`: TensorRT on GPU instances (FP32 or FP16;
+      `max_workspace_size_bytes` too), as Triton's ONNX Runtime backend reads it.
+    - `gpu_execution_accelerator: [ { name: "auto_mixed_precision" } ]`: PyTorch on CUDA in FP16 (autocast),
+      the name Triton's TensorFlow backend gives mixed precision.
+    """
+
+    runner: str = "auto"
+    threads: int | None = None
+    torch_compile: bool = False
+    #: A `tensorrt` GPU accelerator is named.
+    tensorrt: bool = False
+    #: "fp32" or "fp16" (TensorRT's precision_mode, or auto_mixed_precision for torch).
+    precision: str = "fp32"
+    workspace_bytes: int | None = None
+
+    @classmethod
+    def of(cls, config: mc.ModelConfig, source: str) -> ModelOptions:
+        """Read and check the settings; `RepositoryError` naming the config and the key for a bad value."""
+        params = {key: value.string_value for key, value in config.parameters.items()}
+        unknown = sorted(k for k in params if k not in PARAMETER_KEYS and not k.startswith(PAD_VALUE_PARAMETER))
+        if unknown:
+            log.warning("%s: ignoring parameter(s) this service does not act on: %s", source, ", ".join(unknown))
+        runner = params.get("runner", "auto").strip().lower()
+        runner = "torch" if runner == "pytorch" else runner
+        if runner not in RUNNERS:
+            raise RepositoryError(f"{source}: parameter runner is {runner!r}; expected one of {', '.join(RUNNERS)}")
+        threads = None
+        raw = params.get("intra_op_thread_count", params.get("INTRA_OP_THREAD_COUNT"))
+        if raw is not None:
+            if not raw.strip().isdigit() or int(raw) < 1:
+                raise RepositoryError(f"{source}: parameter intra_op_thread_count is {raw!r}; expected a whole number >= 1")
+            threads = int(raw)
+        compile_flag = params.get("torch_compile", "false").strip().lower()
+        if compile_flag not in TRUE + FALSE:
+            raise RepositoryError(f"{source}: parameter torch_compile is {compile_flag!r}; expected true or false")
+        tensorrt, precision, workspace = False, "fp32", None
+        accelerators = config.optimization.execution_accelerators
+        for accelerator in accelerators.gpu_execution_accelerator:
+            name = accelerator.name.lower()
+            if name == "tensorrt":
+                tensorrt = True
+                mode = accelerator.parameters.get("precision_mode", "FP32").upper()
+                if mode not in ("FP32", "FP16"):
+                    raise RepositoryError(f"{source}: tensorrt precision_mode is {mode!r}; expected FP32 or FP16")
+                precision = mode.lower()
+                raw = accelerator.parameters.get("max_workspace_size_bytes")
+                if raw is not None:
+                    if not raw.isdigit():
+                        raise RepositoryError(f"{source}: tensorrt max_workspace_size_bytes is {raw!r}")
+                    workspace = int(raw)
+                ignored = sorted(set(accelerator.parameters) - {"precision_mode", "max_workspace_size_bytes"})
+                if ignored:
+                    log.warning("%s: ignoring tensorrt accelerator parameter(s): %s", source, ", ".join(ignored))
+            elif name == "auto_mixed_precision":
+                precision = "fp16"
+            else:
+                log.warning("%s: ignoring GPU execution accelerator '%s'", source, accelerator.name)
+        for accelerator in accelerators.cpu_execution_accelerator:
+            log.warning("%s: ignoring CPU execution accelerator '%s'", source, accelerator.name)
+        others = [f.name for f, _ in config.optimization.ListFields() if f.name != "execution_accelerators"]
+        if others:
+            log.warning("%s: ignoring optimization field(s): %s", source, ", ".join(sorted(others)))
+        return cls(runner, threads, compile_flag in TRUE, tensorrt, precision, workspace)
+
+
+class ModelBackend:
+    """Prepares versions of the repository entries whose backend is onnxruntime, pytorch or tensorrt."""
+
+    names = ("onnxruntime", "pytorch", "tensorrt")
+
+    def __init__(self, settings: ServiceSettings | None = None, *, repository_root: Path | None = None) -> None:
+        self.settings = settings or ServiceSettings()
+        self.engine_cache = self.settings.engine_cache or (
+            (repository_root / ".engines") if repository_root is not None else None
+        )
+
+    def prepare(self, entry: RepositoryEntry, version: str) -> PreparedVersion:
+        """Find and read the version's model file, complete and check the config, place the instances."""
+        config = mc.ModelConfig()
+        config.CopyFrom(entry.config)
+        source = entry.source
+        candidates = ("model.pt2", "model.pt") if config.platform == "pytorch_torch_export" else ()
+        artifact = entry.artifact(version, candidates)
+        kind = artifact_kind(artifact, entry.backend, config.platform)
+        if KIND_BACKENDS[kind] != entry.backend:
+            raise RepositoryError(
+                f"{source}: {artifact.name} is a {KIND_PLATFORMS[kind]} file, but the model's backend is "
+                f"{entry.backend}"
+            )
+        options = ModelOptions.of(config, source)
+        if kind == TENSORRT_PLAN:
+            from services.model.tensorrt import tensorrt_status
+
+            usable, why = tensorrt_status()
+            if not usable:
+                raise RepositoryError(f"{artifact}: a TensorRT engine needs TensorRT and a CUDA GPU, and {why}")
+        signature = read_signature(artifact, kind)
+        bindings = reconcile(
+            config,
+            signature,
+            artifact=artifact,
+            kind=kind,
+            source=source,
+            auto_complete=self.settings.auto_complete,
+            default_max_batch_size=self.settings.default_max_batch_size,
+        )
+        config.platform = KIND_PLATFORMS[kind]
+        config.backend = KIND_BACKENDS[kind]
+        devices = place_instances(config, self.settings.device, gpu_count(), source)
+        instances = [
+            self._instance(entry.name, artifact, kind, device, options, config, bindings, signature)
+            for device in devices
+        ]
+        del config.instance_group[:]
+        config.instance_group.extend(placed_groups(entry.name, devices))
+        log_ignored(config, ACTED_ON, source)
+        return PreparedVersion(config=config, instances=instances)
+
+    def _instance(
+        self,
+        model: str,
+        artifact: Path,
+        kind: str,
+        device: str,
+        options: ModelOptions,
+        config: mc.ModelConfig,
+        bindings: Bindings,
+        signature: Signature,
+    ):
+        runner, device, reason = choose_runner(kind, device, options, str(artifact))
+        log.info("%s: %s", model, reason)
+        datatypes = {t.name: datatype_of_config(t.data_type) for t in (*config.input, *config.output)}
+        common = dict(batching=config.max_batch_size > 0, device=device, reason=reason)
+        threads = options.threads or self.settings.threads
+        if runner == "onnxruntime":
+            from services.model.instances import OnnxRuntimeInstance
+
+            return OnnxRuntimeInstance(artifact, bindings, datatypes, threads=threads, **common)
+        if runner == "torch":
+            from services.model.instances import TorchInstance
+
+            return TorchInstance(
+                artifact,
+                bindings,
+                datatypes,
+                kind=kind,
+                signature=signature,
+                threads=threads,
+                fp16=options.precision == "fp16",
+                compile=options.torch_compile,
+                **common,
+            )
+        from services.model.tensorrt import TensorRTInstance
+
+        return TensorRTInstance(
+            artifact,
+            bindings,
+            datatypes,
+            kind=kind,
+            signature=signature,
+            precision=options.precision,
+            max_batch_size=config.max_batch_size,
+            preferred_batch_size=max(config.dynamic_batching.preferred_batch_size, default=0),
+            cache_dir=self.engine_cache,
+            workspace_bytes=options.workspace_bytes,
+            model=model,
+            **common,
+        )
+
+
+def choose_runner(kind: str, device: str, options: ModelOptions, artifact: str) -> tuple[str, str, str]:
+    """The runner ("onnxruntime", "torch" or "tensorrt") for one instance of a model file on `device`, the
+    device it ends up on, and why; `RepositoryError` when what the config pins cannot run there."""
+    from services.model.tensorrt import tensorrt_status
+
+    on_gpu = device.startswith("cuda")
+    own = "onnxruntime" if kind == ONNX else "torch" if kind in (TORCHSCRIPT, TORCH_EXPORT) else "tensorrt"
+    pinned = options.runner
+    if pinned == "auto" and options.tensorrt and on_gpu:
+        pinned = "tensorrt"
+    if pinned not in ("auto", own, "tensorrt"):
+        raise RepositoryError(
+            f"{artifact}: runner {pinned} cannot run a {KIND_PLATFORMS[kind]} file (it runs on {own} or tensorrt)"
+        )
+    if kind == TENSORRT_PLAN or pinned == "tensorrt":
+        usable, why = tensorrt_status()
+        if not on_gpu:
+            raise RepositoryError(
+                f"{artifact}: TensorRT runs on a GPU, and this instance is on {device} "
+                f"({'a TensorRT engine' if kind == TENSORRT_PLAN else 'runner tensorrt'}); use instance_group "
+                f"kind KIND_GPU{'' if kind == TENSORRT_PLAN else ', or runner auto'}"
+            )
+        if not usable:
+            raise RepositoryError(f"{artifact}: TensorRT was asked for but cannot run: {why}")
+        return "tensorrt", device, f"tensorrt on {device} at {options.precision}: {'asked for' if options.runner == 'tensorrt' or options.tensorrt else 'a TensorRT engine file'}; {why}"
+    if on_gpu and pinned == "auto":
+        usable, why = tensorrt_status()
+        if usable:
+            return "tensorrt", device, f"tensorrt on {device} at {options.precision}: auto: {why}"
+        fallback = f"auto: TensorRT is not usable ({why})"
+    else:
+        fallback = f"{pinned}: " + ("the instance is on the CPU" if not on_gpu else "asked for")
+    if own == "onnxruntime" and on_gpu:
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            return "onnxruntime", "cpu", f"onnxruntime on cpu: {fallback}, and this ONNX Runtime has no CUDA provider"
+    return own, device, f"{own} on {device}: {fallback}"
+
+
+def gpu_count() -> int:
+    """CUDA GPUs visible to torch."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def place_instances(config: mc.ModelConfig, default_device: str, gpus: int, source: str) -> list[str]:
+    """The device of every instance ("cpu", "cuda:N"), from Triton's `instance_group`.
+
+    `KIND_GPU` places `count` instances on each GPU of `gpus`, or spreads them round robin over the visible
+    GPUs when it names none; `KIND_CPU` places them on the CPU; `KIND_AUTO` and `KIND_MODEL` (and no
+    `instance_group`) follow the service's `--device`: a GPU when one is visible, else the CPU.
+    """
+    groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)]
+    devices: list[str] = []
+    turn = 0
+    for group in groups:
+        count = group.count or 1
+        if count < 0:
+            raise RepositoryError(f"{source}: instance_group count {group.count} is negative")
+        kind = group.kind
+        if kind in (mc.ModelInstanceGroup.KIND_AUTO, mc.ModelInstanceGroup.KIND_MODEL) and not group.gpus:
+            if default_device == "cpu" or (default_device == "auto" and gpus == 0):
+                kind = mc.ModelInstanceGroup.KIND_CPU
+            elif default_device.startswith("cuda:"):
+                if int(default_device[5:]) >= gpus:
+                    raise RepositoryError(f"{source}: --device {default_device}, but {gpus} GPU(s) are visible")
+                devices += [default_device] * count
+                continue
+            else:
+                kind = mc.ModelInstanceGroup.KIND_GPU
+        elif kind in (mc.ModelInstanceGroup.KIND_AUTO, mc.ModelInstanceGroup.KIND_MODEL):
+            kind = mc.ModelInstanceGroup.KIND_GPU
+        if kind == mc.ModelInstanceGroup.KIND_CPU:
+            if group.gpus:
+                raise RepositoryError(f"{source}: instance_group of kind KIND_CPU names gpus {list(group.gpus)}")
+            devices += ["cpu"] * count
+            continue
+        if gpus == 0:
+            raise RepositoryError(f"{source}: instance_group asks for GPU instances, but no CUDA GPU is visible")
+        unknown = [g for g in group.gpus if not 0 <= g < gpus]
+        if unknown:
+            raise RepositoryError(f"{source}: instance_group names GPU(s) {unknown}, but {gpus} are visible (0..{gpus - 1})")
+        if group.gpus:
+            for gpu in group.gpus:
+                devices += [f"cuda:{gpu}"] * count
+        else:
+            for _ in range(count):
+                devices.append(f"cuda:{turn % gpus}")
+                turn += 1
+    return devices
+
+
+def placed_groups(model: str, devices: list[str]) -> list[mc.ModelInstanceGroup]:
+    """The instances as placed, as `instance_group` entries: one per device, in order of first use."""
+    counts: Mapping[str, int] = {d: devices.count(d) for d in dict.fromkeys(devices)}
+    groups = []
+    for index, (device, count) in enumerate(counts.items()):
+        if device == "cpu":
+            groups.append(mc.ModelInstanceGroup(name=f"{model}_{index}", count=count, kind=mc.ModelInstanceGroup.KIND_CPU))
+        else:
+            gpu = int(device.partition(":")[2] or 0)
+            groups.append(
+                mc.ModelInstanceGroup(name=f"{model}_{index}", count=count, kind=mc.ModelInstanceGroup.KIND_GPU, gpus=[gpu])
+            )
+    return groups
