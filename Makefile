@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-MODEL_DIR ?= models
+MODEL_DIR ?= model_repository
 
 .PHONY: install run model test lint format protos k8s clean
 
@@ -18,9 +18,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/pipeline run --model-dir $(MODEL_DIR) $(ARGS)
 
-## model: train the digits CNN into $(MODEL_DIR) (the first `make run` does it too)
+## model: write the example models' files into $(MODEL_DIR) (the first `make run` writes the missing ones too)
 model: $(STAMP)
-	$(BIN)/python -m services.model.train --model-dir $(MODEL_DIR)
+	$(BIN)/python -m examples.models.build --model-dir $(MODEL_DIR) --force
 
 ## test: lint, then every test (unit, integration, end to end with real processes)
 test: $(STAMP)
@@ -45,4 +45,5 @@ k8s: $(STAMP)
 	$(BIN)/python -m tests.deploy.test_k8s_manifests --write
 
 clean:
-	rm -rf $(VENV) $(MODEL_DIR) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(MODEL_DIR)/.engines .pytest_cache .ruff_cache
+	rm -f $(MODEL_DIR)/*/[0-9]*/model.pt $(MODEL_DIR)/*/[0-9]*/model.pt2 $(MODEL_DIR)/*/[0-9]*/model.onnx

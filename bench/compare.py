@@ -44,7 +44,7 @@ def ceiling(levels: tuple[int, ...], seconds: float) -> list[dict[str, Any]]:
     import numpy as np
     import torch
 
-    from services.model.refcnn import build_refcnn
+    from examples.models.refcnn import build_refcnn
 
     torch.set_num_threads(1)
     model = build_refcnn()

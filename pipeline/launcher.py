@@ -115,14 +115,13 @@ def stop(services: list[Service], grace: float) -> None:
 
 
 def ensure_model(model_dir: Path) -> None:
-    """Train the digits CNN if its weights are missing (seconds on a CPU)."""
-    from services.model.digits import model_dir_weights, train
+    """Write the example models whose files are missing from the repository (seconds on a CPU)."""
+    from examples.models.build import build, missing
 
-    if model_dir_weights(model_dir).exists():
-        return
-    print(f"pipeline: no digits model in {model_dir}; training it (seconds on a CPU)", flush=True)
-    report = train(model_dir)
-    print(f"pipeline: trained digits_cnn, held-out accuracy {report.test_accuracy:.2%}", flush=True)
+    names = missing(model_dir) if model_dir.is_dir() else None  # None: a new folder gets every example
+    if names is None or names:
+        print(f"pipeline: building the example model(s) {', '.join(names)} into {model_dir}", flush=True)
+        build(model_dir, names, report=lambda line: print(f"pipeline: {line}", flush=True))
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -158,9 +157,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model-dir",
+        "--model-repository",
+        dest="model_dir",
         type=Path,
-        default=Path(env("PIPELINE_MODEL_DIR", "models")),
-        help="model repository; the digits model is trained into it if missing (env PIPELINE_MODEL_DIR)",
+        default=Path(env("PIPELINE_MODEL_DIR", "model_repository")),
+        help="model repository; the example models' missing files are written into it (env PIPELINE_MODEL_DIR)",
     )
     parser.add_argument(
         "--startup-timeout", type=float, default=180.0, help="seconds each service may take to start"

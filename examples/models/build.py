@@ -33,7 +33,9 @@ def _write(path: Path, save: Callable[[Path], None]) -> None:
     os.close(fd)
     try:
         save(Path(tmp))
-        os.chmod(tmp, 0o644)  # mkstemp makes files only their owner can read; a service may run as another user
+        os.chmod(
+            tmp, 0o644
+        )  # mkstemp makes files only their owner can read; a service may run as another user
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -105,12 +107,12 @@ EXAMPLES: dict[str, tuple[str, Callable[..., str]]] = {
 
 
 def missing(model_dir: str | os.PathLike[str]) -> list[str]:
-    """The examples whose artifact (version 1) or config is not in `model_dir` yet."""
+    """The examples whose `config.pbtxt` is in `model_dir` but whose model file (version 1) is not."""
     root = Path(model_dir)
     return [
         name
         for name, (file_name, _) in EXAMPLES.items()
-        if not (root / name / "1" / file_name).is_file() or not (root / name / "config.pbtxt").is_file()
+        if (root / name / "config.pbtxt").is_file() and not (root / name / "1" / file_name).is_file()
     ]
 
 
@@ -143,7 +145,9 @@ def build(
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the command line and build."""
-    parser = argparse.ArgumentParser(prog="python -m examples.models.build", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.models.build", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--model-dir",
         "--model-repository",

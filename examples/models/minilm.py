@@ -35,7 +35,7 @@ class MaskedEncoder(nn.Module):
         super().__init__()
         self.bert = bert
 
-    def forward(self, INPUT_IDS: torch.Tensor, ATTENTION_MASK: torch.Tensor) -> dict[str, torch.Tensor]:  # noqa: N803
+    def forward(self, INPUT_IDS: torch.Tensor, ATTENTION_MASK: torch.Tensor) -> dict[str, torch.Tensor]:
         """[N, L] ids and mask → {"TOKEN_EMBEDDINGS": [N, L, 384]}, 0 where the mask is 0."""
         out = self.bert(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).last_hidden_state
         return {"TOKEN_EMBEDDINGS": out * ATTENTION_MASK.unsqueeze(-1).to(out.dtype)}
@@ -53,7 +53,10 @@ def export_encoder(bert: nn.Module) -> torch.export.ExportedProgram:
     shapes = {"INPUT_IDS": {0: batch, 1: tokens}, "ATTENTION_MASK": {0: batch, 1: tokens}}
     with torch.no_grad():
         return torch.export.export(
-            encoder, (), kwargs={"INPUT_IDS": ids, "ATTENTION_MASK": torch.ones_like(ids)}, dynamic_shapes=shapes
+            encoder,
+            (),
+            kwargs={"INPUT_IDS": ids, "ATTENTION_MASK": torch.ones_like(ids)},
+            dynamic_shapes=shapes,
         )
 
 

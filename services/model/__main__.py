@@ -1,12 +1,11 @@
-"""`python -m services.model`: serve the model stage models over gRPC."""
+"""`python -m services.model`: serve the ONNX, PyTorch and TensorRT models of a Triton model repository."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from collections.abc import Sequence
-
-from services.model.backends import BACKEND_KINDS
+from pathlib import Path
 
 SERVICE = "model"
 DEFAULT_PORT = 8102
@@ -20,9 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_arguments(parser, service=SERVICE, default_port=DEFAULT_PORT)
     parser.add_argument(
         "--model-dir",
-        default=os.environ.get("PIPELINE_MODEL_DIR", "models"),
-        help="model repository: <model>/config.yaml and <model>/<version>/ folders, e.g. digits_cnn/1/model.pt "
-        "(env PIPELINE_MODEL_DIR; default %(default)s)",
+        "--model-repository",
+        dest="model_dir",
+        default=os.environ.get("PIPELINE_MODEL_DIR", "model_repository"),
+        help="Triton model repository: <model>/config.pbtxt and <model>/<version>/model.{onnx,pt,pt2,plan}; "
+        "the models whose backend is onnxruntime, pytorch or tensorrt are served (env PIPELINE_MODEL_DIR; "
+        "default %(default)s)",
     )
     parser.add_argument(
         "--engine-cache",
@@ -32,54 +34,58 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--device",
         default=os.environ.get("PIPELINE_DEVICE", "auto"),
-        help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N (env PIPELINE_DEVICE; "
-        "default %(default)s)",
+        help="where instances of kind KIND_AUTO go: auto (a GPU when one is visible, else the CPU), cpu, "
+        "cuda or cuda:N (env PIPELINE_DEVICE; default %(default)s)",
     )
     parser.add_argument(
         "--torch-threads",
+        "--intra-op-threads",
+        dest="torch_threads",
         type=positive_int,
         default=os.environ.get("PIPELINE_TORCH_THREADS", "1"),
-        help="torch intra-op threads; raise only after measuring (env PIPELINE_TORCH_THREADS; "
+        help="intra-op threads of each instance, torch and ONNX Runtime alike, unless its config's "
+        "intra_op_thread_count says otherwise; raise only after measuring (env PIPELINE_TORCH_THREADS; "
         "default %(default)s)",
     )
     parser.add_argument(
-        "--backend",
-        choices=BACKEND_KINDS,
-        default=os.environ.get("PIPELINE_BACKEND", "auto"),
-        help="default backend of models whose config.yaml names none: auto (TensorRT on a GPU when it imports, "
-        "else torch), torch or tensorrt (env PIPELINE_BACKEND; default %(default)s)",
+        "--disable-auto-complete-config",
+        action="store_true",
+        default=os.environ.get("PIPELINE_DISABLE_AUTO_COMPLETE_CONFIG", "") not in ("", "0", "false"),
+        help="do not complete configs from the model files: every model needs a config.pbtxt declaring its "
+        "inputs, outputs and max_batch_size (env PIPELINE_DISABLE_AUTO_COMPLETE_CONFIG)",
+    )
+    parser.add_argument(
+        "--default-max-batch-size",
+        type=positive_int,
+        default=os.environ.get("PIPELINE_DEFAULT_MAX_BATCH_SIZE", "4"),
+        help="max_batch_size that auto-complete gives a model that batches, as Triton's "
+        "default-max-batch-size (env PIPELINE_DEFAULT_MAX_BATCH_SIZE; default %(default)s)",
     )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse the command line, check the repository, and serve until SIGTERM/SIGINT."""
+    """Parse the command line and serve until SIGTERM/SIGINT. A model that cannot load is reported
+    UNAVAILABLE with its reason (RepositoryIndex, ModelReady, the log); the others serve."""
+    from pipeline.repository import ModelRepository
     from pipeline.server import run_stage_service
-    from services.model.backends import BackendUnavailable, resolve_device
-    from services.model.plane import RepositoryPlane, ServiceSettings
-    from services.model.repository import ModelRepository, RepositoryError, check_repository
+    from services.model.backend import ModelBackend, ServiceSettings
 
-    args = build_parser().parse_args(argv)
-    repository = ModelRepository(args.model_dir)
-    settings = ServiceSettings(
-        backend=args.backend,
-        device=args.device,
-        torch_threads=args.torch_threads,
-        engine_cache=args.engine_cache or str(repository.root / ".engines"),
-    )
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        resolve_device(args.device)
-        check_repository(repository, settings.backend, settings.device)
-    except (BackendUnavailable, RepositoryError, ValueError) as exc:
-        raise SystemExit(f"services.model: {exc}") from None
-    run_stage_service(
-        [],
-        args,
-        service=SERVICE,
-        make_plane=lambda telemetry, metrics: RepositoryPlane(
-            repository, settings, telemetry=telemetry, metrics=metrics
-        ),
-    )
+        settings = ServiceSettings(
+            device=args.device,
+            threads=args.torch_threads,
+            engine_cache=Path(args.engine_cache) if args.engine_cache else None,
+            auto_complete=not args.disable_auto_complete_config,
+            default_max_batch_size=args.default_max_batch_size,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    repository = ModelRepository(args.model_dir)
+    backend = ModelBackend(settings, repository_root=repository.root)
+    run_stage_service([], args, service=SERVICE, repository=repository, backends=[backend])
 
 
 if __name__ == "__main__":

@@ -39,7 +39,12 @@ KIND_PLATFORMS = {
     TORCH_EXPORT: "pytorch_torch_export",
     TENSORRT_PLAN: "tensorrt_plan",
 }
-KIND_BACKENDS = {ONNX: "onnxruntime", TORCHSCRIPT: "pytorch", TORCH_EXPORT: "pytorch", TENSORRT_PLAN: "tensorrt"}
+KIND_BACKENDS = {
+    ONNX: "onnxruntime",
+    TORCHSCRIPT: "pytorch",
+    TORCH_EXPORT: "pytorch",
+    TENSORRT_PLAN: "tensorrt",
+}
 _SUFFIX_KINDS = {".onnx": ONNX, ".pt": TORCHSCRIPT, ".pt2": TORCH_EXPORT, ".plan": TENSORRT_PLAN}
 _INDEXED = re.compile(r"^.+__(\d+)$")
 
@@ -148,7 +153,9 @@ def load_program(path: Path):  # -> torch.export.ExportedProgram
     try:
         return torch.export.load(str(path))
     except Exception as exc:  # a bad zip, a missing record, an unknown operator...
-        raise RepositoryError(f"{path}: not a torch.export program (torch.export.load): {_first_line(exc)}") from None
+        raise RepositoryError(
+            f"{path}: not a torch.export program (torch.export.load): {_first_line(exc)}"
+        ) from None
 
 
 def export_signature(path: Path, program=None) -> Signature:
@@ -161,14 +168,21 @@ def export_signature(path: Path, program=None) -> Signature:
     args_spec, kwargs_spec = program.call_spec.in_spec.children()
     keywords = list(kwargs_spec.context) if kwargs_spec.context else []
     if args_spec.num_leaves and keywords:
-        raise RepositoryError(f"{path}: the program takes both positional and keyword arguments; export one or the other")
+        raise RepositoryError(
+            f"{path}: the program takes both positional and keyword arguments; export one or the other"
+        )
     names = keywords or user_inputs
     if len(names) != len(user_inputs):
-        raise RepositoryError(f"{path}: its arguments are nested ({program.call_spec.in_spec}); only tensors are served")
+        raise RepositoryError(
+            f"{path}: its arguments are nested ({program.call_spec.in_spec}); only tensors are served"
+        )
     symbols: dict[str, tuple[int, int]] = {}
     for symbol, bounds in program.range_constraints.items():
         high = bounds.upper
-        symbols[str(symbol)] = (int(bounds.lower), int(high) if high != float("inf") and str(high) != "int_oo" else 0)
+        symbols[str(symbol)] = (
+            int(bounds.lower),
+            int(high) if high != float("inf") and str(high) != "int_oo" else 0,
+        )
 
     def described(name: str, value, role: str) -> Tensor:
         if not isinstance(value, torch.Tensor):
@@ -193,7 +207,9 @@ def export_signature(path: Path, program=None) -> Signature:
         out_names = [str(k) for k in out_spec.context]
     else:
         out_names = [f"OUTPUT__{i}" for i in range(len(results))]
-    outputs = tuple(described(n, r.meta.get("val"), "result") for n, r in zip(out_names, results, strict=True))
+    outputs = tuple(
+        described(n, r.meta.get("val"), "result") for n, r in zip(out_names, results, strict=True)
+    )
     batch_highs = [axes[0][1] for axes in ranges.values() if 0 in axes]
     return Signature(
         inputs=tuple(inputs),
@@ -211,7 +227,9 @@ def load_torchscript(path: Path, device: str = "cpu"):  # -> torch.jit.ScriptMod
     try:
         return torch.jit.load(str(path), map_location=device).eval()
     except Exception as exc:  # a bad zip, a missing record, a TorchScript compilation error...
-        raise RepositoryError(f"{path}: not a TorchScript module (torch.jit.load): {_first_line(exc)}") from None
+        raise RepositoryError(
+            f"{path}: not a TorchScript module (torch.jit.load): {_first_line(exc)}"
+        ) from None
 
 
 def torchscript_signature(path: Path, module=None) -> Signature:
@@ -304,16 +322,29 @@ def reconcile(
         if tensor.data_type == mc.TYPE_INVALID:
             if not auto_complete:
                 raise RepositoryError(f"{source}: '{tensor.name}' has no data_type")
-            found = _find(signature.inputs if tensor in config.input else signature.outputs, tensor.name, None)
+            found = _find(
+                signature.inputs if tensor in config.input else signature.outputs, tensor.name, None
+            )
             if found is None or not found[1].datatype:
-                raise RepositoryError(f"{source}: '{tensor.name}' has no data_type, and {artifact} does not say")
+                raise RepositoryError(
+                    f"{source}: '{tensor.name}' has no data_type, and {artifact} does not say"
+                )
             tensor.data_type = config_datatype(found[1].datatype)
     where = f"{source} and {artifact}"
     batching = config.max_batch_size > 0
-    if batching and signature.inputs and any(
-        t.shape is not None and (not t.shape or t.shape[0] != -1) for t in (*signature.inputs, *signature.outputs)
+    if (
+        batching
+        and signature.inputs
+        and any(
+            t.shape is not None and (not t.shape or t.shape[0] != -1)
+            for t in (*signature.inputs, *signature.outputs)
+        )
     ):
-        fixed = next(t for t in (*signature.inputs, *signature.outputs) if t.shape is not None and (not t.shape or t.shape[0] != -1))
+        fixed = next(
+            t
+            for t in (*signature.inputs, *signature.outputs)
+            if t.shape is not None and (not t.shape or t.shape[0] != -1)
+        )
         raise RepositoryError(
             f"{where}: max_batch_size is {config.max_batch_size} but the model's '{fixed.name}' has no batch "
             f"dimension (shape {list(fixed.shape or ())}); set max_batch_size: 0 and give the full dims"
@@ -327,7 +358,9 @@ def reconcile(
     bound = {b.model_name for b in inputs}
     for index, tensor in enumerate(signature.inputs):
         if tensor.name not in bound and not tensor.optional:
-            raise RepositoryError(f"{where}: the model needs input '{tensor.name}' (#{index}), which the config does not declare")
+            raise RepositoryError(
+                f"{where}: the model needs input '{tensor.name}' (#{index}), which the config does not declare"
+            )
     for declared, binding in zip(config.input, inputs, strict=True):
         if declared.optional and not signature.inputs[binding.index].optional:
             raise RepositoryError(
@@ -344,14 +377,18 @@ def _complete(config: mc.ModelConfig, signature: Signature, default_max_batch_si
     where the model batches and the config sets none)."""
     if not config.input and not config.output and config.max_batch_size == 0 and signature.batching:
         config.max_batch_size = (
-            min(default_max_batch_size, signature.max_batch) if signature.max_batch else default_max_batch_size
+            min(default_max_batch_size, signature.max_batch)
+            if signature.max_batch
+            else default_max_batch_size
         )
     skip = 1 if config.max_batch_size > 0 else 0
     for declared, found in ((config.input, signature.inputs), (config.output, signature.outputs)):
         if declared:
             continue
         for tensor in found:
-            added = declared.add(name=tensor.name, data_type=config_datatype(tensor.datatype), dims=(tensor.shape or ())[skip:])
+            added = declared.add(
+                name=tensor.name, data_type=config_datatype(tensor.datatype), dims=(tensor.shape or ())[skip:]
+            )
             if isinstance(added, mc.ModelInput) and tensor.optional:
                 added.optional = True
 
@@ -401,7 +438,9 @@ def _bind(
             )
         index, own = match
         if index in taken:
-            raise RepositoryError(f"{where}: {role} '{tensor.name}' names the model's '{own.name}' a second time")
+            raise RepositoryError(
+                f"{where}: {role} '{tensor.name}' names the model's '{own.name}' a second time"
+            )
         taken.add(index)
         if own.datatype and own.datatype != datatype:
             raise RepositoryError(

@@ -71,6 +71,8 @@ ACTED_ON = frozenset(
 #: `parameters` keys this backend reads (besides the router's `pad_value.<TENSOR>`). Triton's own spellings of
 #: the thread count are accepted: the ONNX Runtime backend's and the PyTorch backend's.
 PARAMETER_KEYS = ("runner", "intra_op_thread_count", "INTRA_OP_THREAD_COUNT", "torch_compile")
+#: The `parameters` key under which `ModelConfig` reports which runner runs each instance, and why.
+REASON_KEY = "runner_reason"
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -92,7 +94,9 @@ class ServiceSettings:
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
-            raise ValueError(f"unknown device {self.device!r}; expected one of {', '.join(DEVICES)} or cuda:N")
+            raise ValueError(
+                f"unknown device {self.device!r}; expected one of {', '.join(DEVICES)} or cuda:N"
+            )
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.default_max_batch_size < 1:
@@ -126,22 +130,31 @@ class ModelOptions:
     def of(cls, config: mc.ModelConfig, source: str) -> ModelOptions:
         """Read and check the settings; `RepositoryError` naming the config and the key for a bad value."""
         params = {key: value.string_value for key, value in config.parameters.items()}
-        unknown = sorted(k for k in params if k not in PARAMETER_KEYS and not k.startswith(PAD_VALUE_PARAMETER))
+        known = (*PARAMETER_KEYS, REASON_KEY)
+        unknown = sorted(k for k in params if k not in known and not k.startswith(PAD_VALUE_PARAMETER))
         if unknown:
-            log.warning("%s: ignoring parameter(s) this service does not act on: %s", source, ", ".join(unknown))
+            log.warning(
+                "%s: ignoring parameter(s) this service does not act on: %s", source, ", ".join(unknown)
+            )
         runner = params.get("runner", "auto").strip().lower()
         runner = "torch" if runner == "pytorch" else runner
         if runner not in RUNNERS:
-            raise RepositoryError(f"{source}: parameter runner is {runner!r}; expected one of {', '.join(RUNNERS)}")
+            raise RepositoryError(
+                f"{source}: parameter runner is {runner!r}; expected one of {', '.join(RUNNERS)}"
+            )
         threads = None
         raw = params.get("intra_op_thread_count", params.get("INTRA_OP_THREAD_COUNT"))
         if raw is not None:
             if not raw.strip().isdigit() or int(raw) < 1:
-                raise RepositoryError(f"{source}: parameter intra_op_thread_count is {raw!r}; expected a whole number >= 1")
+                raise RepositoryError(
+                    f"{source}: parameter intra_op_thread_count is {raw!r}; expected a whole number >= 1"
+                )
             threads = int(raw)
         compile_flag = params.get("torch_compile", "false").strip().lower()
         if compile_flag not in TRUE + FALSE:
-            raise RepositoryError(f"{source}: parameter torch_compile is {compile_flag!r}; expected true or false")
+            raise RepositoryError(
+                f"{source}: parameter torch_compile is {compile_flag!r}; expected true or false"
+            )
         tensorrt, precision, workspace = False, "fp32", None
         accelerators = config.optimization.execution_accelerators
         for accelerator in accelerators.gpu_execution_accelerator:
@@ -150,7 +163,9 @@ class ModelOptions:
                 tensorrt = True
                 mode = accelerator.parameters.get("precision_mode", "FP32").upper()
                 if mode not in ("FP32", "FP16"):
-                    raise RepositoryError(f"{source}: tensorrt precision_mode is {mode!r}; expected FP32 or FP16")
+                    raise RepositoryError(
+                        f"{source}: tensorrt precision_mode is {mode!r}; expected FP32 or FP16"
+                    )
                 precision = mode.lower()
                 raw = accelerator.parameters.get("max_workspace_size_bytes")
                 if raw is not None:
@@ -159,7 +174,9 @@ class ModelOptions:
                     workspace = int(raw)
                 ignored = sorted(set(accelerator.parameters) - {"precision_mode", "max_workspace_size_bytes"})
                 if ignored:
-                    log.warning("%s: ignoring tensorrt accelerator parameter(s): %s", source, ", ".join(ignored))
+                    log.warning(
+                        "%s: ignoring tensorrt accelerator parameter(s): %s", source, ", ".join(ignored)
+                    )
             elif name == "auto_mixed_precision":
                 precision = "fp16"
             else:
@@ -177,7 +194,9 @@ class ModelBackend:
 
     names = ("onnxruntime", "pytorch", "tensorrt")
 
-    def __init__(self, settings: ServiceSettings | None = None, *, repository_root: Path | None = None) -> None:
+    def __init__(
+        self, settings: ServiceSettings | None = None, *, repository_root: Path | None = None
+    ) -> None:
         self.settings = settings or ServiceSettings()
         self.engine_cache = self.settings.engine_cache or (
             (repository_root / ".engines") if repository_root is not None else None
@@ -202,7 +221,9 @@ class ModelBackend:
 
             usable, why = tensorrt_status()
             if not usable:
-                raise RepositoryError(f"{artifact}: a TensorRT engine needs TensorRT and a CUDA GPU, and {why}")
+                raise RepositoryError(
+                    f"{artifact}: a TensorRT engine needs TensorRT and a CUDA GPU, and {why}"
+                )
         signature = read_signature(artifact, kind)
         bindings = reconcile(
             config,
@@ -222,6 +243,7 @@ class ModelBackend:
         ]
         del config.instance_group[:]
         config.instance_group.extend(placed_groups(entry.name, devices))
+        config.parameters[REASON_KEY].string_value = "; ".join(dict.fromkeys(i.reason for i in instances))
         log_ignored(config, ACTED_ON, source)
         return PreparedVersion(config=config, instances=instances)
 
@@ -301,7 +323,11 @@ def choose_runner(kind: str, device: str, options: ModelOptions, artifact: str) 
             )
         if not usable:
             raise RepositoryError(f"{artifact}: TensorRT was asked for but cannot run: {why}")
-        return "tensorrt", device, f"tensorrt on {device} at {options.precision}: {'asked for' if options.runner == 'tensorrt' or options.tensorrt else 'a TensorRT engine file'}; {why}"
+        return (
+            "tensorrt",
+            device,
+            f"tensorrt on {device} at {options.precision}: {'asked for' if options.runner == 'tensorrt' or options.tensorrt else 'a TensorRT engine file'}; {why}",
+        )
     if on_gpu and pinned == "auto":
         usable, why = tensorrt_status()
         if usable:
@@ -313,7 +339,11 @@ def choose_runner(kind: str, device: str, options: ModelOptions, artifact: str) 
         import onnxruntime as ort
 
         if "CUDAExecutionProvider" not in ort.get_available_providers():
-            return "onnxruntime", "cpu", f"onnxruntime on cpu: {fallback}, and this ONNX Runtime has no CUDA provider"
+            return (
+                "onnxruntime",
+                "cpu",
+                f"onnxruntime on cpu: {fallback}, and this ONNX Runtime has no CUDA provider",
+            )
     return own, device, f"{own} on {device}: {fallback}"
 
 
@@ -331,7 +361,9 @@ def place_instances(config: mc.ModelConfig, default_device: str, gpus: int, sour
     GPUs when it names none; `KIND_CPU` places them on the CPU; `KIND_AUTO` and `KIND_MODEL` (and no
     `instance_group`) follow the service's `--device`: a GPU when one is visible, else the CPU.
     """
-    groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)]
+    groups = list(config.instance_group) or [
+        mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
+    ]
     devices: list[str] = []
     turn = 0
     for group in groups:
@@ -344,7 +376,9 @@ def place_instances(config: mc.ModelConfig, default_device: str, gpus: int, sour
                 kind = mc.ModelInstanceGroup.KIND_CPU
             elif default_device.startswith("cuda:"):
                 if int(default_device[5:]) >= gpus:
-                    raise RepositoryError(f"{source}: --device {default_device}, but {gpus} GPU(s) are visible")
+                    raise RepositoryError(
+                        f"{source}: --device {default_device}, but {gpus} GPU(s) are visible"
+                    )
                 devices += [default_device] * count
                 continue
             else:
@@ -353,14 +387,20 @@ def place_instances(config: mc.ModelConfig, default_device: str, gpus: int, sour
             kind = mc.ModelInstanceGroup.KIND_GPU
         if kind == mc.ModelInstanceGroup.KIND_CPU:
             if group.gpus:
-                raise RepositoryError(f"{source}: instance_group of kind KIND_CPU names gpus {list(group.gpus)}")
+                raise RepositoryError(
+                    f"{source}: instance_group of kind KIND_CPU names gpus {list(group.gpus)}"
+                )
             devices += ["cpu"] * count
             continue
         if gpus == 0:
-            raise RepositoryError(f"{source}: instance_group asks for GPU instances, but no CUDA GPU is visible")
+            raise RepositoryError(
+                f"{source}: instance_group asks for GPU instances, but no CUDA GPU is visible"
+            )
         unknown = [g for g in group.gpus if not 0 <= g < gpus]
         if unknown:
-            raise RepositoryError(f"{source}: instance_group names GPU(s) {unknown}, but {gpus} are visible (0..{gpus - 1})")
+            raise RepositoryError(
+                f"{source}: instance_group names GPU(s) {unknown}, but {gpus} are visible (0..{gpus - 1})"
+            )
         if group.gpus:
             for gpu in group.gpus:
                 devices += [f"cuda:{gpu}"] * count
@@ -377,10 +417,16 @@ def placed_groups(model: str, devices: list[str]) -> list[mc.ModelInstanceGroup]
     groups = []
     for index, (device, count) in enumerate(counts.items()):
         if device == "cpu":
-            groups.append(mc.ModelInstanceGroup(name=f"{model}_{index}", count=count, kind=mc.ModelInstanceGroup.KIND_CPU))
+            groups.append(
+                mc.ModelInstanceGroup(
+                    name=f"{model}_{index}", count=count, kind=mc.ModelInstanceGroup.KIND_CPU
+                )
+            )
         else:
             gpu = int(device.partition(":")[2] or 0)
             groups.append(
-                mc.ModelInstanceGroup(name=f"{model}_{index}", count=count, kind=mc.ModelInstanceGroup.KIND_GPU, gpus=[gpu])
+                mc.ModelInstanceGroup(
+                    name=f"{model}_{index}", count=count, kind=mc.ModelInstanceGroup.KIND_GPU, gpus=[gpu]
+                )
             )
     return groups

@@ -65,7 +65,9 @@ class ArtifactInstance:
         if any(self.datatypes[b.name] == "BYTES" for b in self.bindings.inputs):
             return  # no meaningful zeros for strings; the first request checks
         example = {
-            b.name: np.zeros(tuple(1 if d < 0 else d for d in b.client_shape), dtype=DATATYPES[self.datatypes[b.name]])
+            b.name: np.zeros(
+                tuple(1 if d < 0 else d for d in b.client_shape), dtype=DATATYPES[self.datatypes[b.name]]
+            )
             for b in self.bindings.inputs
         }
         try:
@@ -85,7 +87,9 @@ class ArtifactInstance:
                     f"declares {expected}"
                 )
             shape = binding.client_shape
-            if array.ndim != len(shape) or any(d not in (-1, s) for d, s in zip(shape, array.shape, strict=False)):
+            if array.ndim != len(shape) or any(
+                d not in (-1, s) for d, s in zip(shape, array.shape, strict=False)
+            ):
                 raise RepositoryError(
                     f"{self.artifact}: output '{binding.name}' comes out with shape {list(array.shape)}, the "
                     f"config declares {list(shape)}"
@@ -156,7 +160,9 @@ class OnnxRuntimeInstance(ArtifactInstance):
         try:
             self._session = ort.InferenceSession(str(self.artifact), options, providers=providers)
         except Exception as exc:  # ONNX Runtime raises its own Fail/InvalidGraph/NotImplemented types
-            raise RepositoryError(f"{self.artifact}: ONNX Runtime cannot load it: {_first_line(exc)}") from None
+            raise RepositoryError(
+                f"{self.artifact}: ONNX Runtime cannot load it: {_first_line(exc)}"
+            ) from None
         self._output_names = [b.model_name for b in self.bindings.outputs]
         log.info(
             "loaded %s with ONNX Runtime %s on %s (%s), %d intra-op thread%s",
@@ -295,9 +301,13 @@ class TorchInstance(ArtifactInstance):
         elif binding.index == 0:
             value = result
         else:
-            raise RepositoryError(f"{self.artifact}: returns one tensor, but the config reads output #{binding.index}")
+            raise RepositoryError(
+                f"{self.artifact}: returns one tensor, but the config reads output #{binding.index}"
+            )
         if not isinstance(value, torch.Tensor):
-            raise RepositoryError(f"{self.artifact}: output '{binding.name}' is a {type(value).__name__}, not a tensor")
+            raise RepositoryError(
+                f"{self.artifact}: output '{binding.name}' is a {type(value).__name__}, not a tensor"
+            )
         expected = self.datatypes[binding.name]
         if value.is_floating_point() and expected in ("FP32", "FP64", "FP16") and self.fp16:
             value = value.to({"FP32": torch.float32, "FP64": torch.float64, "FP16": torch.float16}[expected])

@@ -123,7 +123,12 @@ class EngineKey:
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}")
         return cls(
-            model, model_hash, precision, tensorrt, gpu, tuple((n, tuple(s)) for n, s in sorted(profile.items()))
+            model,
+            model_hash,
+            precision,
+            tensorrt,
+            gpu,
+            tuple((n, tuple(s)) for n, s in sorted(profile.items())),
         )
 
     @property
@@ -162,7 +167,10 @@ class EngineCache:
         """Write an engine (and its key, for people) under `key`; returns its path."""
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        for target, data in ((path.with_suffix(".json"), json.dumps(asdict(key), indent=1).encode()), (path, plan)):
+        for target, data in (
+            (path.with_suffix(".json"), json.dumps(asdict(key), indent=1).encode()),
+            (path, plan),
+        ):
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -340,7 +348,14 @@ class TensorRTInstance(ArtifactInstance):  # pragma: no cover - needs TensorRT a
             self._context = self._engine.create_execution_context()
             self._stream = torch.cuda.Stream(device)
             self._allocate(trt, device)
-        log.info("loaded %s as TensorRT %s engine %s on %s (%s)", self.artifact, trt.__version__, self.engine_path, self.device, self.reason)
+        log.info(
+            "loaded %s as TensorRT %s engine %s on %s (%s)",
+            self.artifact,
+            trt.__version__,
+            self.engine_path,
+            self.device,
+            self.reason,
+        )
 
     def _cached_engine(self, trt: Any, gpu: str) -> bytes:
         shapes = [(self._names(b), b.model_shape) for b in self.bindings.inputs]
@@ -352,7 +367,9 @@ class TensorRTInstance(ArtifactInstance):  # pragma: no cover - needs TensorRT a
             preferred_batch_size=self.preferred_batch_size,
             source=str(self.artifact),
         )
-        key = EngineKey.of(self.model, file_digest(self.artifact), self.precision, trt.__version__, gpu, self._profile)
+        key = EngineKey.of(
+            self.model, file_digest(self.artifact), self.precision, trt.__version__, gpu, self._profile
+        )
         self.engine_path = self.cache.path(key)
         plan = self.cache.lookup(key)
         if plan is not None:
@@ -369,7 +386,9 @@ class TensorRTInstance(ArtifactInstance):  # pragma: no cover - needs TensorRT a
                     batching=self.batching,
                 )
             log.info("%s: building a TensorRT engine, profile %s", self.artifact, self._profile)
-            plan = build_engine(onnx_path, self._profile, precision=self.precision, workspace_bytes=self.workspace_bytes)
+            plan = build_engine(
+                onnx_path, self._profile, precision=self.precision, workspace_bytes=self.workspace_bytes
+            )
         log.info("%s: engine built and cached at %s", self.artifact, self.cache.store(key, plan))
         return plan
 
@@ -429,7 +448,14 @@ class TensorRTInstance(ArtifactInstance):  # pragma: no cover - needs TensorRT a
 
 
 def _datatype(trt: Any, dtype: Any) -> str:  # pragma: no cover - needs TensorRT
-    table = {trt.float32: "FP32", trt.float16: "FP16", trt.int32: "INT32", trt.int64: "INT64", trt.int8: "INT8", trt.bool: "BOOL"}
+    table = {
+        trt.float32: "FP32",
+        trt.float16: "FP16",
+        trt.int32: "INT32",
+        trt.int64: "INT64",
+        trt.int8: "INT8",
+        trt.bool: "BOOL",
+    }
     if getattr(trt, "bfloat16", None) is not None:
         table[trt.bfloat16] = "BF16"
     if getattr(trt, "uint8", None) is not None:

@@ -108,10 +108,10 @@ def _start_on_port(name: str, command: list[str], tmp: Path, port: int) -> Proce
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    from services.model.digits import train
+    from examples.models.build import build
 
     folder = tmp_path_factory.mktemp("models")
-    train(folder, progress=False)
+    build(folder, progress=False, report=lambda _: None)
     return folder
 
 

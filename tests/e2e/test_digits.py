@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pipeline.client import InferenceClient, bytes_batch
-from services.model.digits import load_split
+from examples.models.digits import load_split
 from tests.e2e.conftest import REPO, encode
 
 pytestmark = pytest.mark.e2e

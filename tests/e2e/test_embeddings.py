@@ -13,7 +13,7 @@ import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.client import InferenceClient, bytes_batch
-from services.model.minilm import package_model_dir
+from services.minilm_files import package_model_dir
 
 pytestmark = pytest.mark.e2e
 

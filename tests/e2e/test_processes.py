@@ -15,7 +15,7 @@ import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.client import InferenceClient, bytes_batch
-from services.model.digits import load_split
+from examples.models.digits import load_split
 from tests.e2e.conftest import REPO, encode, start_pipeline
 
 pytestmark = pytest.mark.e2e

@@ -6,13 +6,13 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.client import InferenceClient
-from services.model.refcnn import RefCNNStage
 from services.postprocess.refcnn import RefCNNPostprocess
 from services.preprocess.refcnn import RefCNNPreprocess
 from tests.e2e.conftest import REPO
@@ -30,24 +30,27 @@ def refcnn_ready(pipeline) -> None:
             time.sleep(0.2)
 
 
-def _in_process(images: np.ndarray) -> dict[str, np.ndarray]:
-    """The three stages composed in-process (tests/unit/test_refcnn.py ties them to the reference)."""
-    model = RefCNNStage(device="cpu")
-    model.load()
+def _in_process(images: np.ndarray, model_dir: Path) -> dict[str, np.ndarray]:
+    """The three stages composed in-process, the model in ONNX Runtime on the repository's own file
+    (tests/unit/test_refcnn.py ties the stages to the reference)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model_dir / "refcnn_cnn" / "1" / "model.onnx"))
     pixels = RefCNNPreprocess().infer({"IMAGE": images})["PIXELS"]
-    return RefCNNPostprocess().infer(model.infer({"INPUT": pixels}))
+    (logits,) = session.run(["LOGITS"], {"INPUT": pixels})
+    return RefCNNPostprocess().infer({"LOGITS": logits})
 
 
 @pytest.mark.parametrize("batch", [1, 5, 64])
-def test_the_pipeline_gives_the_in_process_results(pipeline, batch: int) -> None:
+def test_the_pipeline_gives_the_in_process_results(pipeline, model_dir, batch: int) -> None:
     images = np.random.default_rng(batch).integers(0, 256, size=(batch, 3, 64, 64), dtype=np.uint8)
     with InferenceClient(pipeline.router.address) as client:
         out = client.infer("refcnn", {"IMAGE": images}, timeout=60)
-    expected = _in_process(images)
+    expected = _in_process(images, model_dir)
     assert out["LABEL"].dtype == np.int64 and out["LABEL"].shape == (batch, 1)
     assert out["PROB"].dtype == np.float32 and out["PROB"].shape == (batch, 1)
     np.testing.assert_array_equal(out["LABEL"], expected["LABEL"])
-    np.testing.assert_array_equal(out["PROB"], expected["PROB"])
+    np.testing.assert_allclose(out["PROB"], expected["PROB"], rtol=1e-5, atol=1e-6)
 
 
 def test_bench_drives_the_router(pipeline, tmp_path) -> None:
