@@ -65,7 +65,9 @@ def write_onnx(path: Path, seed: int, *, batch: str | int = "N") -> Path:
         [
             helper.make_tensor_value_info("X", TensorProto.FLOAT, [batch, 4]),
             # Its default has one row, which broadcasts; a fixed batch keeps that one row.
-            helper.make_tensor_value_info("SCALE", TensorProto.FLOAT, [batch if isinstance(batch, str) else 1, 1]),
+            helper.make_tensor_value_info(
+                "SCALE", TensorProto.FLOAT, [batch if isinstance(batch, str) else 1, 1]
+            ),
         ],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [batch, 3])],
         initializer=[

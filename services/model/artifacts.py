@@ -86,6 +86,8 @@ class Signature:
     max_batch: int = 0
     #: Ranges of the variable dimensions per input, where the file says: name -> {axis: (low, high)}.
     ranges: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    #: Variable dimensions the model ties together (one symbol of a `torch.export` program): name -> {axis: symbol}.
+    ties: dict[str, dict[int, str]] = field(default_factory=dict)
 
     @property
     def batching(self) -> bool:
@@ -193,13 +195,14 @@ def export_signature(path: Path, program=None) -> Signature:
             tuple(d if isinstance(d, int) else -1 for d in value.shape),
         )
 
-    inputs, ranges = [], {}
+    inputs, ranges, ties = [], {}, {}
     for name, node in zip(names, user_inputs, strict=True):
         value = placeholders[node].meta.get("val")
         inputs.append(described(name, value, "argument"))
         axes = {axis: symbols[str(d)] for axis, d in enumerate(value.shape) if str(d) in symbols}
         if axes:
             ranges[name] = axes
+            ties[name] = {axis: str(d) for axis, d in enumerate(value.shape) if str(d) in symbols}
     output_node = next(n for n in program.graph.nodes if n.op == "output")
     results = list(output_node.args[0])[-len(program.graph_signature.user_outputs) :]
     out_spec = program.call_spec.out_spec
@@ -217,6 +220,7 @@ def export_signature(path: Path, program=None) -> Signature:
         by_keyword=bool(keywords),
         max_batch=min(batch_highs) if batch_highs and all(batch_highs) else 0,
         ranges=ranges,
+        ties=ties,
     )
 
 

@@ -251,9 +251,19 @@ class TorchInstance(ArtifactInstance):
         )
 
     def _check_ranges(self, feeds: Mapping[Binding, np.ndarray]) -> None:
-        """Refuse dimensions outside what the program was exported for, naming the input, before torch's
-        own guard fails deep inside."""
+        """Refuse dimensions outside what the program was exported for, or that differ where it ties them
+        together, naming the input, before torch's own guard fails deep inside."""
+        seen: dict[str, tuple[str, int]] = {}
         for binding, array in feeds.items():
+            for axis, symbol in self.signature.ties.get(binding.model_name, {}).items():
+                if axis >= array.ndim:
+                    continue
+                first = seen.setdefault(symbol, (binding.name, array.shape[axis]))
+                if first[1] != array.shape[axis]:
+                    raise InvalidInput(
+                        f"{binding.name}: dimension {axis} is {array.shape[axis]}, {first[0]}'s is {first[1]}; "
+                        "the model takes them equal"
+                    )
             for axis, (low, high) in self.signature.ranges.get(binding.model_name, {}).items():
                 size = array.shape[axis] if axis < array.ndim else None
                 if size is not None and (size < low or (high and size > high)):

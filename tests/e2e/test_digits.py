@@ -10,8 +10,8 @@ import grpc
 import numpy as np
 import pytest
 
-from pipeline.client import InferenceClient, bytes_batch
 from examples.models.digits import load_split
+from pipeline.client import InferenceClient, bytes_batch
 from tests.e2e.conftest import REPO, encode
 
 pytestmark = pytest.mark.e2e

@@ -13,9 +13,9 @@ from typing import NamedTuple
 import grpc
 import pytest
 
+from examples.models.digits import load_split
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.client import InferenceClient, bytes_batch
-from examples.models.digits import load_split
 from tests.e2e.conftest import REPO, encode, start_pipeline
 
 pytestmark = pytest.mark.e2e

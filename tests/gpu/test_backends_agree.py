@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from services.model.backends import TorchRunner, tensorrt_status
 from services.model.digits import train
 from services.model.networks import network

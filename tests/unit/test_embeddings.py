@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from pipeline.errors import InvalidInput
-from services.model.backends import BackendUnavailable
-from services.model.minilm import MiniLMEncoderStage, package_model_dir, select_encoder_backend
+from pipeline.repository import ModelRepository, tensor_specs
+from services.minilm_files import package_model_dir
+from services.model.backend import ModelBackend, ServiceSettings
 from services.postprocess.pooling import MeanPoolStage, mean_pool_normalize
 from services.preprocess.text import TextTokenize
 
@@ -35,12 +36,28 @@ def tokenizer() -> TextTokenize:
 
 
 @pytest.fixture(scope="module")
-def encoder() -> MiniLMEncoderStage:
+def encoder_version(tmp_path_factory: pytest.TempPathFactory):
+    """The encoder as `make model` writes it (a torch.export program), prepared as the model service does."""
+    from examples.models.build import build
+
+    root = tmp_path_factory.mktemp("repository")
+    build(root, ["minilm_encoder"], progress=False, report=lambda _: None)
     # The thread count is process-wide: keep the one the other tests run with.
-    stage = MiniLMEncoderStage(device="cpu", torch_threads=torch.get_num_threads())
-    stage.load()
-    yield stage
-    stage.unload()
+    backend = ModelBackend(ServiceSettings(device="cpu", threads=torch.get_num_threads()))
+    return backend.prepare(ModelRepository(root).read("minilm_encoder"), "1")
+
+
+@pytest.fixture(scope="module")
+def encoder(encoder_version):
+    (instance,) = encoder_version.instances
+    instance.load()
+    yield instance
+    instance.unload()
+
+
+@pytest.fixture(scope="module")
+def encoder_config(encoder_version):
+    return encoder_version.config
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +68,9 @@ def oracle():
     return SentenceTransformer(str(package_model_dir()), device="cpu", local_files_only=True)
 
 
-def embed(tokenizer: TextTokenize, encoder: MiniLMEncoderStage, texts: list[str]) -> np.ndarray:
+def embed(tokenizer: TextTokenize, encoder, texts: list[str]) -> np.ndarray:
     tokens = tokenizer.infer({"TEXT": text_batch(texts)})
-    hidden = encoder.infer(tokens)["TOKEN_EMBEDDINGS"]
+    hidden = encoder.run(tokens)["TOKEN_EMBEDDINGS"]
     return MeanPoolStage().infer({"TOKEN_EMBEDDINGS": hidden, "ATTENTION_MASK": tokens["ATTENTION_MASK"]})[
         "EMBEDDING"
     ]
@@ -192,14 +209,14 @@ def test_encoder_output_is_unchanged_by_extra_padding(tokenizer, encoder) -> Non
         {"TEXT": text_batch(["A short sentence.", "Another, slightly longer one here."])}
     )
     ids, mask = tokens["INPUT_IDS"], tokens["ATTENTION_MASK"]
-    base = encoder.infer(tokens)["TOKEN_EMBEDDINGS"]
+    base = encoder.run(tokens)["TOKEN_EMBEDDINGS"]
     assert base.shape == (*ids.shape, 384) and base.dtype == np.float32
     extra = 37
     padded = {
         "INPUT_IDS": np.pad(ids, ((0, 0), (0, extra))),
         "ATTENTION_MASK": np.pad(mask, ((0, 0), (0, extra))),
     }
-    out = encoder.infer(padded)["TOKEN_EMBEDDINGS"]
+    out = encoder.run(padded)["TOKEN_EMBEDDINGS"]
     assert out.shape == (2, ids.shape[1] + extra, 384)
     np.testing.assert_allclose(out[:, : ids.shape[1]], base, atol=1e-4)
     assert not out[:, ids.shape[1] :].any()  # padded positions come out as 0
@@ -208,37 +225,21 @@ def test_encoder_output_is_unchanged_by_extra_padding(tokenizer, encoder) -> Non
     np.testing.assert_allclose(pooled, mean_pool_normalize(base, mask), atol=1e-5)
 
 
-def test_encoder_refuses_what_the_network_cannot_take(encoder) -> None:
-    ids = np.array([[CLS, 2000, SEP], [CLS, 30522, SEP]], dtype=np.int64)
+def test_encoder_refuses_what_the_program_cannot_take(encoder) -> None:
+    ids = np.array([[CLS, 2000, SEP], [CLS, 2001, SEP]], dtype=np.int64)
     mask = np.ones_like(ids)
-    with pytest.raises(InvalidInput, match=r"INPUT_IDS\[1\]: token ids must be in 0..30521"):
-        encoder.infer({"INPUT_IDS": ids, "ATTENTION_MASK": mask})
-    with pytest.raises(InvalidInput, match="same shape"):
-        encoder.infer({"INPUT_IDS": ids, "ATTENTION_MASK": mask[:, :2]})
-    with pytest.raises(InvalidInput, match=r"ATTENTION_MASK\[0\]"):
-        encoder.infer({"INPUT_IDS": ids[:1], "ATTENTION_MASK": np.array([[1, 2, 1]])})
-    with pytest.raises(InvalidInput, match="at most 512"):
+    with pytest.raises(InvalidInput, match="ATTENTION_MASK: dimension 1 is 2, INPUT_IDS's is 3"):
+        encoder.run({"INPUT_IDS": ids, "ATTENTION_MASK": mask[:, :2]})
+    with pytest.raises(InvalidInput, match=r"dimension 1 is 513, the model takes 1..512"):
         long = np.zeros((1, 513), np.int64)
-        encoder.infer({"INPUT_IDS": long, "ATTENTION_MASK": long})
+        encoder.run({"INPUT_IDS": long, "ATTENTION_MASK": long})
 
 
-def test_encoder_declares_padded_tensors_and_its_backend(encoder) -> None:
-    assert [(s.name, s.shape, s.pad_value) for s in encoder.inputs] == [
+def test_encoder_declares_padded_tensors(encoder_config) -> None:
+    inputs, outputs = tensor_specs(encoder_config)
+    assert [(s.name, s.shape, s.pad_value) for s in inputs] == [
         ("INPUT_IDS", (-1, -1), 0),
         ("ATTENTION_MASK", (-1, -1), 0),
     ]
-    assert [(s.name, s.shape, s.pad_value) for s in encoder.outputs] == [
-        ("TOKEN_EMBEDDINGS", (-1, -1, 384), 0.0)
-    ]
-    assert (encoder.platform, encoder.backend, encoder.runner.device) == (
-        "pytorch_libtorch",
-        "pytorch",
-        "cpu",
-    )
-
-
-def test_tensorrt_is_not_available_yet() -> None:
-    with pytest.raises(BackendUnavailable, match="TensorRT"):
-        select_encoder_backend("tensorrt", "cpu", model_dir=package_model_dir())
-    with pytest.raises(ValueError, match="unknown backend"):
-        select_encoder_backend("onnx", "cpu", model_dir=package_model_dir())
+    assert [(s.name, s.shape, s.pad_value) for s in outputs] == [("TOKEN_EMBEDDINGS", (-1, -1, 384), 0.0)]
+    assert (encoder_config.platform, encoder_config.backend) == ("pytorch_torch_export", "pytorch")

@@ -1,10 +1,9 @@
-"""`digits_cnn`: the split, deterministic training, safe loading, backend choice, and the whole chain in-process."""
+"""The example models: the digits split, deterministic training, `examples.models.build`, and the digits chain
+in-process with the model served the way the model service serves it (`ModelBackend` on the built file)."""
 
 from __future__ import annotations
 
 import io
-import json
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -12,26 +11,12 @@ import pytest
 import torch
 from PIL import Image
 
-from services.model import backends
-from services.model.backends import (
-    BackendUnavailable,
-    ModelBackend,
-    ModelLoadError,
-    TorchBackend,
-    select_backend,
-    sha256_file,
-)
-from services.model.digits import DEFAULT_EPOCHS, DigitsCNN, TrainReport, load_split, model_dir_weights, train
-from services.model.stage import DigitsCNNStage
-from services.model.train import main as train_main
+from examples.models.build import EXAMPLES, build, main, missing
+from examples.models.digits import load_split, train
+from pipeline.repository import ModelRepository
+from services.model.backend import ModelBackend, ServiceSettings
 from services.postprocess.classify import ClassifyStage
 from services.preprocess.digits import DigitsPreprocess
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> TrainReport:
-    """The production recipe (default epochs and seed), trained once for this module."""
-    return train(tmp_path_factory.mktemp("models"), epochs=DEFAULT_EPOCHS, seed=0, progress=False)
 
 
 @pytest.fixture
@@ -57,37 +42,47 @@ def test_split_is_fixed_stratified_and_in_raw_units() -> None:
     assert load_split()[2][0].min() == 0.0
 
 
-def test_training_is_deterministic(tmp_path: Path) -> None:
-    first = train(tmp_path / "a", epochs=2, seed=7, progress=False)
-    second = train(tmp_path / "b", epochs=2, seed=7, progress=False)
-    other = train(tmp_path / "c", epochs=2, seed=8, progress=False)
-    assert first.weights == model_dir_weights(tmp_path / "a")
-    assert first.sha256 == second.sha256
-    assert first.weights.read_bytes() == second.weights.read_bytes()
-    a = torch.load(first.weights, weights_only=True)
-    c = torch.load(other.weights, weights_only=True)
+def test_training_is_deterministic() -> None:
+    first, _ = train(epochs=2, seed=7, progress=False)
+    second, _ = train(epochs=2, seed=7, progress=False)
+    other, _ = train(epochs=2, seed=8, progress=False)
+    a, b, c = first.state_dict(), second.state_dict(), other.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
-def test_training_leaves_global_torch_state_alone(tmp_path: Path, restore_threads: None) -> None:
+def test_training_leaves_global_torch_state_alone(restore_threads: None) -> None:
     torch.set_num_threads(2)
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    train(tmp_path, epochs=1, progress=False)
+    train(epochs=1, progress=False)
     assert torch.equal(torch.rand(3), expected)
     assert torch.get_num_threads() == 2
     assert not torch.are_deterministic_algorithms_enabled()
 
 
-def test_trained_model_and_metadata(trained: TrainReport) -> None:
-    assert trained.test_accuracy >= 0.97
-    assert trained.seconds < 30
-    metadata = json.loads((trained.weights.parent / "metadata.json").read_text())
-    assert metadata["sha256"] == sha256_file(trained.weights) == trained.sha256
-    assert metadata["test_accuracy"] == trained.test_accuracy
-    assert metadata["seed"] == 0
-    assert metadata["split"]["test"] == 360
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits model as `make model` writes it (default epochs and seed), in a repository of its own."""
+    root = tmp_path_factory.mktemp("repository")
+    build(root, ["digits_cnn"], progress=False, report=lambda _: None)
+    return root
+
+
+def test_build_writes_the_file_and_copies_the_config(repository: Path, capsys) -> None:
+    assert (repository / "digits_cnn" / "config.pbtxt").is_file()
+    assert (repository / "digits_cnn" / "1" / "model.pt").is_file()
+    assert missing(repository) == []  # only examples whose config is there count
+    (repository / "refcnn_cnn").mkdir()
+    (repository / "refcnn_cnn" / "config.pbtxt").write_text('platform: "onnxruntime_onnx"')
+    assert missing(repository) == ["refcnn_cnn"]
+    main(["--model-dir", str(repository), "refcnn_cnn"])
+    assert "refcnn_cnn: wrote" in capsys.readouterr().out
+    assert missing(repository) == []
+    with pytest.raises(SystemExit):
+        main(["--model-dir", str(repository), "nope"])
+    assert set(EXAMPLES) == {"digits_cnn", "refcnn_cnn", "minilm_encoder"}
 
 
 def _png(digit: np.ndarray, *, size: int, dark_ink: bool, mode: str) -> bytes:
@@ -107,7 +102,8 @@ def _jpeg(digit: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def test_whole_chain_in_process_on_held_out_images(trained: TrainReport) -> None:
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable:UserWarning")
+def test_whole_chain_in_process_on_held_out_images(repository: Path) -> None:
     _, _, x_test, y_test = load_split()
     images = np.empty((len(x_test), 1), dtype=object)
     for i, digit in enumerate(x_test[:, 0]):
@@ -119,140 +115,17 @@ def test_whole_chain_in_process_on_held_out_images(trained: TrainReport) -> None
                 digit, size=(8, 32, 100)[variant], dark_ink=i % 2 == 0, mode=("L", "RGB")[i % 2]
             )
     preprocess, postprocess = DigitsPreprocess(), ClassifyStage()
-    model = DigitsCNNStage(trained.weights.parents[2], device="cpu")
+    entry = ModelRepository(repository).read("digits_cnn")
+    prepared = ModelBackend(ServiceSettings(device="cpu")).prepare(entry, "1")
+    (model,) = prepared.instances
     model.load()
     labels = []
     for start in range(0, len(images), preprocess.max_batch_size):
         pixels = preprocess.infer({"IMAGE": images[start : start + preprocess.max_batch_size]})["PIXELS"]
-        logits = model.infer({"INPUT": pixels})["LOGITS"]
+        # As the runtime decodes a request: a read-only view of its bytes.
+        view = np.frombuffer(pixels.tobytes(), dtype=np.float32).reshape(pixels.shape)
+        logits = model.run({"INPUT": view})["LOGITS"]
         assert logits.dtype == np.float32 and logits.shape == (len(pixels), 10)
         labels.append(postprocess.infer({"LOGITS": logits})["LABEL"][:, 0])
     accuracy = float(np.mean(np.concatenate(labels) == y_test))
     assert accuracy >= 0.95, accuracy
-
-
-# backends.py silences this warning when it is imported, but pytest restores the filters after collection.
-@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable:UserWarning")
-def test_stage_runs_read_only_request_views(trained: TrainReport) -> None:
-    x_test = load_split()[2][:16]
-    stage = DigitsCNNStage(trained.weights.parents[2], device="cpu")
-    stage.load()
-    view = np.frombuffer(x_test.tobytes(), dtype=np.float32).reshape(x_test.shape)  # as the runtime decodes
-    assert not view.flags.writeable
-    np.testing.assert_array_equal(
-        stage.infer({"INPUT": view})["LOGITS"], stage.infer({"INPUT": x_test})["LOGITS"]
-    )
-    stage.unload()
-
-
-def test_stage_declaration(tmp_path: Path) -> None:
-    stage = DigitsCNNStage(tmp_path, backend="torch", device="cpu")
-    assert stage.name == "digits_cnn"
-    assert stage.max_batch_size == 256
-    assert stage.platform == "pytorch_libtorch" and stage.backend == "pytorch"
-    assert [(t.name, t.datatype, t.shape) for t in stage.inputs] == [("INPUT", "FP32", (-1, 1, 8, 8))]
-    assert [(t.name, t.datatype, t.shape) for t in stage.outputs] == [("LOGITS", "FP32", (-1, 10))]
-    assert isinstance(stage.runner, ModelBackend)
-
-
-def test_missing_weights_say_where_and_how_to_make_them(tmp_path: Path) -> None:
-    stage = DigitsCNNStage(tmp_path, device="cpu")
-    with pytest.raises(ModelLoadError) as caught:
-        stage.load()
-    message = str(caught.value)
-    assert str(tmp_path / "digits_cnn" / "1" / "model.pt") in message
-    assert "not found" in message and "make model" in message
-
-
-def _write_weights(model_dir: Path, data: bytes) -> Path:
-    path = model_dir_weights(model_dir)
-    path.parent.mkdir(parents=True)
-    path.write_bytes(data)
-    return path
-
-
-def _saved(obj: object) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-class _NotATensor:
-    """Stands for arbitrary pickled objects, which `weights_only=True` must refuse to build."""
-
-
-@pytest.mark.parametrize(
-    ("content", "reason"),
-    [
-        (b"", "cannot read"),
-        (b"this is not a torch archive", "cannot read"),
-        (_saved({"weight": _NotATensor()}), "cannot read"),
-        (_saved([torch.zeros(1)]), "not a state_dict"),
-        (_saved({"weight": torch.zeros(1)}), "do not fit"),
-    ],
-    ids=["empty", "garbage", "pickled-object", "not-a-dict", "wrong-network"],
-)
-def test_corrupt_weights_give_a_clear_error(tmp_path: Path, content: bytes, reason: str) -> None:
-    path = _write_weights(tmp_path, content)
-    with pytest.raises(ModelLoadError) as caught:
-        DigitsCNNStage(tmp_path, device="cpu").load()
-    message = str(caught.value)
-    assert str(path) in message and reason in message and "make model" in message
-
-
-def test_weights_that_differ_from_their_metadata_are_refused(trained: TrainReport, tmp_path: Path) -> None:
-    state = torch.load(trained.weights, weights_only=True)
-    state["classifier.2.bias"] += 1.0
-    path = _write_weights(tmp_path, _saved(state))
-    (path.parent / "metadata.json").write_text((trained.weights.parent / "metadata.json").read_text())
-    with pytest.raises(ModelLoadError, match="sha256") as caught:
-        DigitsCNNStage(tmp_path, device="cpu").load()
-    assert "make model" in str(caught.value)
-
-
-def test_tensorrt_is_not_in_this_build(tmp_path: Path) -> None:
-    with pytest.raises(BackendUnavailable, match="TensorRT backend is not available in this build"):
-        DigitsCNNStage(tmp_path, backend="tensorrt")
-
-
-def test_unknown_backend_or_device(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown backend"):
-        select_backend("onnx", build=DigitsCNN, weights=tmp_path / "w.pt")
-    with pytest.raises(ValueError, match="unknown device"):
-        select_backend("torch", "tpu", build=DigitsCNN, weights=tmp_path / "w.pt")
-    with pytest.raises(ValueError, match="threads"):
-        select_backend("torch", "cpu", build=DigitsCNN, weights=tmp_path / "w.pt", threads=0)
-
-
-def test_auto_picks_cpu_without_cuda_and_says_why(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
-    with caplog.at_level(logging.INFO, logger=backends.__name__):
-        chosen = select_backend("auto", "auto", build=DigitsCNN, weights=tmp_path / "w.pt")
-    assert isinstance(chosen, TorchBackend) and chosen.device == "cpu"
-    assert "backend torch" in caplog.text and "no TensorRT backend in this build" in caplog.text
-    assert "CUDA is not available" in caplog.text
-    assert "CUDA is not available" in chosen.reason  # logged again by load(), once logging is configured
-    with pytest.raises(BackendUnavailable, match="CUDA is not available"):
-        select_backend("torch", "cuda", build=DigitsCNN, weights=tmp_path / "w.pt")
-
-
-def test_auto_picks_cuda_when_available(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(backends.torch.cuda, "get_device_name", lambda index=0: "Test GPU")
-    assert select_backend("auto", "auto", build=DigitsCNN, weights=tmp_path / "w.pt").device == "cuda"
-    assert select_backend("torch", "cpu", build=DigitsCNN, weights=tmp_path / "w.pt").device == "cpu"
-
-
-def test_torch_threads_setting_is_applied(trained: TrainReport, restore_threads: None) -> None:
-    DigitsCNNStage(trained.weights.parents[2], device="cpu", torch_threads=1).load()
-    assert torch.get_num_threads() == 1
-
-
-def test_train_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    train_main(["--out", str(tmp_path), "--epochs", "1", "--no-progress"])
-    printed = capsys.readouterr().out
-    assert "held-out accuracy" in printed
-    assert str(model_dir_weights(tmp_path)) in printed
-    assert model_dir_weights(tmp_path).is_file()

@@ -1,254 +1,316 @@
-"""Backend choice, the TensorRT engine cache keys, ONNX export, the torch runner's modes and instance placement.
-
-This machine has neither CUDA nor TensorRT: where a test needs them to be present it replaces
-`torch.cuda.is_available` / `backends.tensorrt_status` (and says so); tests/gpu runs the real thing.
-"""
+"""The model service's backend without a server: reading model files, runner choice and its reasons,
+instance placement, the settings a config carries, and the TensorRT parts that run without a GPU (profile,
+engine cache, the ONNX export of PyTorch files, checked against ONNX Runtime)."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from google.protobuf import text_format
 
-from services.model import backends
-from services.model.backends import (
-    BackendUnavailable,
-    TorchOptions,
-    TorchRunner,
-    resolve_backend,
-    select_runner,
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.errors import InvalidInput
+from pipeline.repository import ModelRepository, RepositoryError
+from services.model import tensorrt
+from services.model.artifacts import (
+    ONNX,
+    TENSORRT_PLAN,
+    TORCH_EXPORT,
+    TORCHSCRIPT,
+    Binding,
+    export_signature,
+    onnx_signature,
+    torchscript_signature,
 )
-from services.model.digits import train
-from services.model.networks import NETWORKS, module_digest, network
-from services.model.repository import InstanceGroup, RepositoryError, place_instances
+from services.model.backend import ModelBackend, ModelOptions, ServiceSettings, choose_runner, place_instances
 from services.model.tensorrt import EngineCache, EngineKey, export_onnx, optimization_profile
+from tests.model_files import add_model, reference, write_export, write_onnx, write_torchscript
+
+GPU = mc.ModelInstanceGroup.KIND_GPU
+CPU = mc.ModelInstanceGroup.KIND_CPU
 
 
-@pytest.fixture(scope="module")
-def digits_version(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    train(root, epochs=2, progress=False)
-    return root / "digits_cnn" / "1"
+def config_of(text: str) -> mc.ModelConfig:
+    return text_format.Parse(text, mc.ModelConfig())
 
 
-# ---- backend selection ------------------------------------------------------------------------------------
+# ---- reading model files ----------------------------------------------------------------------------------------
 
 
-def test_auto_falls_back_to_torch_without_tensorrt(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Mocked: this machine has no TensorRT; a GPU instance with TensorRT missing falls back and says why.
-    monkeypatch.setattr(backends, "tensorrt_status", lambda: (False, "the tensorrt package is not installed"))
-    backend, why = resolve_backend("auto", "cuda:0")
-    assert backend == "torch" and "tensorrt package is not installed" in why and "falling back" in why
-    with pytest.raises(BackendUnavailable, match="tensorrt package is not installed"):
-        resolve_backend("tensorrt", "cuda:0")
+def test_onnx_signature_marks_inputs_with_a_default_optional(tmp_path: Path) -> None:
+    signature = onnx_signature(write_onnx(tmp_path / "m.onnx", 1))
+    assert [(t.name, t.datatype, t.shape, t.optional) for t in signature.inputs] == [
+        ("X", "FP32", (-1, 4), False),
+        ("SCALE", "FP32", (-1, 1), True),
+    ]
+    assert [(t.name, t.shape) for t in signature.outputs] == [("Y", (-1, 3))]
+    assert signature.batching
 
 
-def test_auto_picks_tensorrt_when_it_imports_and_a_gpu_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Mocked: plays a GPU machine with TensorRT.
+def test_export_signature_names_arguments_results_and_ranges(tmp_path: Path) -> None:
+    signature = export_signature(write_export(tmp_path / "m.pt2", 1))
+    assert signature.by_keyword and signature.max_batch == 64
+    assert [(t.name, t.datatype, t.shape) for t in signature.inputs] == [("X", "FP32", (-1, 4))]
+    assert [(t.name, t.datatype, t.shape) for t in signature.outputs] == [("Y", "FP32", (-1, 3))]
+    assert signature.ranges == {"X": {0: (1, 64)}}
+
+
+def test_torchscript_signature_has_the_argument_names_only(tmp_path: Path) -> None:
+    signature = torchscript_signature(write_torchscript(tmp_path / "m.pt", 1))
+    assert [t.name for t in signature.inputs] == ["input"]  # nn.Linear.forward(input)
+    assert not signature.outputs_known and signature.inputs[0].shape is None
+
+
+# ---- runner choice --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tensorrt_here(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(
-        backends, "tensorrt_status", lambda: (True, "TensorRT 11.4 and a CUDA GPU are present")
+        tensorrt, "tensorrt_status", lambda: (True, "TensorRT 10.9 and a CUDA GPU are present")
     )
-    assert resolve_backend("auto", "cuda:1") == ("tensorrt", "auto: TensorRT 11.4 and a CUDA GPU are present")
-    assert resolve_backend("tensorrt", "cuda:0")[0] == "tensorrt"
-    assert resolve_backend("torch", "cuda:0") == ("torch", "torch requested")
 
 
-def test_cpu_instances_run_torch_and_refuse_tensorrt(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(backends, "tensorrt_status", lambda: (True, "present"))
-    backend, why = resolve_backend("auto", "cpu")
-    assert backend == "torch" and "CPU" in why
-    with pytest.raises(BackendUnavailable, match="needs a GPU instance"):
-        resolve_backend("tensorrt", "cpu")
-    with pytest.raises(ValueError, match="unknown backend"):
-        resolve_backend("onnx", "cpu")
+@pytest.fixture
+def no_tensorrt(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(tensorrt, "tensorrt_status", lambda: (False, "the tensorrt package is not installed"))
+
+
+def test_the_cpu_runs_each_file_in_its_own_runtime(no_tensorrt) -> None:
+    auto = ModelOptions()
+    assert choose_runner(ONNX, "cpu", auto, "m.onnx")[:2] == ("onnxruntime", "cpu")
+    assert choose_runner(TORCHSCRIPT, "cpu", auto, "m.pt")[:2] == ("torch", "cpu")
+    runner, device, reason = choose_runner(TORCH_EXPORT, "cpu", auto, "m.pt2")
+    assert (runner, device) == ("torch", "cpu") and "the instance is on the CPU" in reason
+
+
+def test_auto_takes_tensorrt_on_a_gpu_where_it_runs(tensorrt_here) -> None:
+    for kind in (ONNX, TORCHSCRIPT, TORCH_EXPORT, TENSORRT_PLAN):
+        runner, device, reason = choose_runner(kind, "cuda:0", ModelOptions(), "f")
+        assert (runner, device) == ("tensorrt", "cuda:0") and "TensorRT 10.9" in reason
+
+
+def test_auto_falls_back_and_says_why(no_tensorrt, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner, device, reason = choose_runner(TORCH_EXPORT, "cuda:1", ModelOptions(), "m.pt2")
+    assert (runner, device) == ("torch", "cuda:1")
+    assert "TensorRT is not usable (the tensorrt package is not installed)" in reason
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    runner, device, reason = choose_runner(ONNX, "cuda:0", ModelOptions(), "m.onnx")
+    assert (runner, device) == ("onnxruntime", "cpu") and "no CUDA provider" in reason
+
+
+def test_pinned_runners_that_cannot_run_are_refused(no_tensorrt, tensorrt_here) -> None:
+    with pytest.raises(RepositoryError, match="runner torch cannot run a onnxruntime_onnx file"):
+        choose_runner(ONNX, "cpu", ModelOptions(runner="torch"), "m.onnx")
+    with pytest.raises(RepositoryError, match="TensorRT runs on a GPU"):
+        choose_runner(ONNX, "cpu", ModelOptions(runner="tensorrt"), "m.onnx")
+    with pytest.raises(RepositoryError, match=r"TensorRT runs on a GPU.*a TensorRT engine"):
+        choose_runner(TENSORRT_PLAN, "cpu", ModelOptions(), "m.plan")
+    assert choose_runner(ONNX, "cuda:0", ModelOptions(runner="onnxruntime"), "m")[0] == "onnxruntime"
+
+
+def test_a_tensorrt_accelerator_pins_tensorrt_on_gpus_only(no_tensorrt) -> None:
+    options = ModelOptions.of(
+        config_of(
+            'optimization { execution_accelerators { gpu_execution_accelerator: [ { name: "tensorrt" '
+            'parameters { key: "precision_mode" value: "FP16" } } ] } }'
+        ),
+        "config.pbtxt",
+    )
+    assert options.tensorrt and options.precision == "fp16"
+    assert choose_runner(ONNX, "cpu", options, "m.onnx")[0] == "onnxruntime"
+    with pytest.raises(RepositoryError, match=r"TensorRT was asked for but cannot run: the tensorrt package"):
+        choose_runner(ONNX, "cuda:0", options, "m.onnx")
 
 
 def test_real_tensorrt_status_here_says_what_is_missing() -> None:
-    usable, why = backends.tensorrt_status()
-    if usable:
-        pytest.skip("this machine has TensorRT and a GPU")
-    assert "not installed" in why or "no CUDA GPU" in why or "does not import" in why
+    usable, why = tensorrt.tensorrt_status()
+    assert why
+    if not usable:
+        assert "tensorrt" in why.lower() or "GPU" in why
 
 
-def test_select_runner_logs_the_choice(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
-    monkeypatch.setattr(backends, "tensorrt_status", lambda: (False, "no tensorrt here"))
-    with caplog.at_level(logging.INFO, logger=backends.__name__):
-        runner = select_runner(
-            "auto", "cpu", network=network("refcnn"), version_dir=None, label="refcnn_cnn:1"
-        )
-    assert isinstance(runner, TorchRunner) and runner.device == "cpu"
-    assert "refcnn_cnn:1: backend torch on cpu at fp32" in caplog.text
-    with pytest.raises(ValueError, match="precision"):
-        select_runner("torch", "cpu", network=network("refcnn"), version_dir=None, precision="int4")
+# ---- settings from the config ----------------------------------------------------------------------------------
 
 
-# ---- torch runner -----------------------------------------------------------------------------------------
+def test_model_options_read_parameters_and_accelerators(caplog) -> None:
+    options = ModelOptions.of(
+        config_of(
+            'parameters [ { key: "runner" value: { string_value: "PyTorch" } },'
+            ' { key: "INTRA_OP_THREAD_COUNT" value: { string_value: "3" } },'
+            ' { key: "torch_compile" value: { string_value: "true" } },'
+            ' { key: "pad_value.X" value: { string_value: "0" } },'
+            ' { key: "mystery" value: { string_value: "1" } } ]'
+            ' optimization { execution_accelerators { gpu_execution_accelerator: [ { name: "auto_mixed_precision" } ]'
+            ' cpu_execution_accelerator: [ { name: "openvino" } ] } }'
+        ),
+        "m/config.pbtxt",
+    )
+    assert (options.runner, options.threads, options.torch_compile, options.precision) == (
+        "torch",
+        3,
+        True,
+        "fp16",
+    )
+    assert "m/config.pbtxt: ignoring parameter(s) this service does not act on: mystery" in caplog.text
+    assert "ignoring CPU execution accelerator 'openvino'" in caplog.text
 
 
-@pytest.mark.parametrize("mode", ["eager", "script", "export"])
-def test_torch_modes_agree(mode: str, digits_version: Path) -> None:
-    net = network("digits_cnn")
-    batch = net.example(5)
-    eager = TorchRunner(net, digits_version)
-    eager.load()
-    other = TorchRunner(net, digits_version, options=TorchOptions(mode=mode))
-    other.load()
-    np.testing.assert_allclose(other.run(batch)["LOGITS"], eager.run(batch)["LOGITS"], rtol=1e-5, atol=1e-5)
-    # Any batch size (the export is dynamic in the batch).
-    assert other.run(net.example(17))["LOGITS"].shape == (17, 10)
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('parameters [ { key: "runner" value: { string_value: "tvm" } } ]', "parameter runner is 'tvm'"),
+        (
+            'parameters [ { key: "intra_op_thread_count" value: { string_value: "0" } } ]',
+            "intra_op_thread_count",
+        ),
+        ('parameters [ { key: "torch_compile" value: { string_value: "maybe" } } ]', "torch_compile"),
+        (
+            'optimization { execution_accelerators { gpu_execution_accelerator: [ { name: "tensorrt" '
+            'parameters { key: "precision_mode" value: "INT8" } } ] } }',
+            "precision_mode is 'INT8'",
+        ),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_key(text: str, words: str) -> None:
+    with pytest.raises(RepositoryError, match=words) as info:
+        ModelOptions.of(config_of(text), "m/config.pbtxt")
+    assert "m/config.pbtxt" in str(info.value)
 
 
-def test_fp16_on_cpu_stays_close_to_fp32(digits_version: Path) -> None:
-    net = network("digits_cnn")
-    batch = net.example(8)
-    full, half = TorchRunner(net, digits_version), TorchRunner(net, digits_version, precision="fp16")
-    full.load(), half.load()
-    out = half.run(batch)["LOGITS"]
-    assert out.dtype == np.float32
-    np.testing.assert_allclose(out, full.run(batch)["LOGITS"], rtol=2e-2, atol=5e-2)
-
-
-def test_torch_options_are_checked() -> None:
-    with pytest.raises(ValueError, match="unknown torch mode"):
-        TorchOptions(mode="fast")
-
-
-# ---- TensorRT engine cache (no TensorRT needed) ------------------------------------------------------------
-
-
-def _key(**changes: object) -> EngineKey:
-    parts: dict = {
-        "model": "digits_cnn",
-        "model_hash": "abc",
-        "precision": "fp16",
-        "tensorrt": "11.4.0",
-        "gpu": "NVIDIA H100",
-        "profile": optimization_profile(network("digits_cnn"), 256, 32),
-    }
-    parts.update(changes)
-    return EngineKey.of(**parts)
-
-
-def test_engine_key_changes_with_each_of_its_parts() -> None:
-    base = _key()
-    assert _key().digest == base.digest  # stable
-    others = [
-        _key(model_hash="abd"),
-        _key(tensorrt="11.5.0"),
-        _key(gpu="NVIDIA H200"),
-        _key(precision="fp32"),
-        _key(profile=optimization_profile(network("digits_cnn"), 128, 32)),
-        _key(profile=optimization_profile(network("digits_cnn"), 256, 8)),
-    ]
-    assert len({k.digest for k in others} | {base.digest}) == len(others) + 1
-
-
-def test_profile_spans_one_to_max_batch_with_opt_at_the_preferred() -> None:
-    assert optimization_profile(network("digits_cnn"), 256, 32) == {
-        "INPUT": ((1, 1, 8, 8), (32, 1, 8, 8), (256, 1, 8, 8))
-    }
-    assert optimization_profile(network("refcnn"), 64, None)["INPUT"][1] == (64, 3, 64, 64)
-    minilm = optimization_profile(network("minilm"), 128, 16)
-    assert minilm["INPUT_IDS"] == ((1, 1), (16, 128), (128, 512)) == minilm["ATTENTION_MASK"]
-
-
-def test_engine_cache_lookup_store_and_invalidation(tmp_path: Path) -> None:
-    cache = EngineCache(tmp_path)
-    key = _key()
-    assert cache.lookup(key) is None
-    path = cache.store(key, b"plan bytes")
-    assert path.parent == tmp_path / "digits_cnn" and path.with_suffix(".json").is_file()
-    assert cache.lookup(key) == b"plan bytes"
-    # A new TensorRT, another GPU or new weights: a miss, so the engine is rebuilt; the old one stays.
-    for other in (_key(tensorrt="12.0"), _key(gpu="NVIDIA L4"), _key(model_hash="new")):
-        assert cache.lookup(other) is None
-    assert cache.entries("digits_cnn") == [path]
-    assert not list(tmp_path.rglob(".partial-*"))
-
-
-def test_model_digest_follows_the_weights() -> None:
-    a, b = network("refcnn").build(None), network("refcnn").build(None)
-    assert module_digest(a, "fp32") == module_digest(b, "fp32")
-    assert module_digest(a, "fp32") != module_digest(a, "fp16")
-    with torch.no_grad():
-        b[0].bias[0] += 1
-    assert module_digest(a, "fp32") != module_digest(b, "fp32")
-
-
-# ---- ONNX export (CPU) ------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_onnx_export_has_a_dynamic_batch(precision: str, digits_version: Path, tmp_path: Path) -> None:
-    onnx = pytest.importorskip("onnx", reason="ONNX export needs the onnx package")
-    pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
-    net = network("digits_cnn")
-    module = net.build(digits_version)
-    if precision == "fp16":
-        module = module.half()
-    path = export_onnx(module, net, tmp_path / "digits.onnx", precision=precision)
-    graph = onnx.load(str(path)).graph
-    (inp,), (out,) = graph.input, graph.output
-    assert inp.name == "INPUT" and out.name == "LOGITS"
-    dims = inp.type.tensor_type.shape.dim
-    assert dims[0].dim_param and not dims[0].dim_value  # symbolic: dynamic batch
-    assert [d.dim_value for d in dims[1:]] == [1, 8, 8]
-    assert out.type.tensor_type.shape.dim[0].dim_param == dims[0].dim_param
-    expected = onnx.TensorProto.FLOAT16 if precision == "fp16" else onnx.TensorProto.FLOAT
-    assert inp.type.tensor_type.elem_type == expected
-    ort = pytest.importorskip("onnxruntime", reason="optional: onnxruntime checks the exported answers")
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    images = net.example(7)["INPUT"]
-    feed = images.astype(np.float16) if precision == "fp16" else images
-    got = session.run(None, {"INPUT": feed})[0].astype(np.float32)
-    with torch.inference_mode():
-        want = net.build(digits_version)(torch.from_numpy(images)).numpy()
-    tolerance = 5e-2 if precision == "fp16" else 1e-4
-    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
-
-
-# ---- instance placement -----------------------------------------------------------------------------------
+# ---- placement --------------------------------------------------------------------------------------------------
 
 
 def test_instances_round_robin_over_visible_gpus() -> None:
-    assert place_instances([InstanceGroup(count=3, kind="gpu")], gpu_count=2) == [
-        "cuda:0",
-        "cuda:1",
-        "cuda:0",
-    ]
+    config = config_of("instance_group [ { count: 3, kind: KIND_GPU } ]")
+    assert place_instances(config, "auto", 2, "c") == ["cuda:0", "cuda:1", "cuda:0"]
 
 
 def test_named_gpus_get_count_instances_each() -> None:
-    groups = [InstanceGroup(count=2, kind="gpu", gpus=[1]), InstanceGroup(count=1, kind="cpu")]
-    assert place_instances(groups, gpu_count=2) == ["cuda:1", "cuda:1", "cpu"]
-    assert place_instances([InstanceGroup(count=1, kind="gpu", gpus=[0, 1])], gpu_count=2) == [
-        "cuda:0",
-        "cuda:1",
+    config = config_of(
+        "instance_group [ { count: 2, kind: KIND_GPU, gpus: [ 1, 0 ] }, { count: 1, kind: KIND_CPU } ]"
+    )
+    assert place_instances(config, "auto", 2, "c") == ["cuda:1", "cuda:1", "cuda:0", "cuda:0", "cpu"]
+
+
+def test_auto_placement_follows_the_device_setting() -> None:
+    config = config_of("instance_group [ { count: 2 } ]")
+    assert place_instances(config, "auto", 0, "c") == ["cpu", "cpu"]
+    assert place_instances(config, "auto", 1, "c") == ["cuda:0", "cuda:0"]
+    assert place_instances(config, "cpu", 1, "c") == ["cpu", "cpu"]
+    assert place_instances(config, "cuda:1", 2, "c") == ["cuda:1", "cuda:1"]
+    assert place_instances(mc.ModelConfig(), "auto", 0, "c") == ["cpu"]
+
+
+@pytest.mark.parametrize(
+    ("text", "gpus", "words"),
+    [
+        ("instance_group [ { kind: KIND_GPU } ]", 0, "no CUDA GPU is visible"),
+        ("instance_group [ { kind: KIND_GPU, gpus: [ 3 ] } ]", 2, "GPU(s) [3]"),
+        ("instance_group [ { kind: KIND_CPU, gpus: [ 0 ] } ]", 1, "KIND_CPU names gpus"),
+    ],
+)
+def test_impossible_placements_are_refused(text: str, gpus: int, words: str) -> None:
+    with pytest.raises(
+        RepositoryError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    ):
+        place_instances(config_of(text), "auto", gpus, "c")
+
+
+# ---- instances, run directly ------------------------------------------------------------------------------------
+
+
+def test_a_program_refuses_dimensions_outside_its_export_ranges(tmp_path: Path) -> None:
+    add_model(tmp_path, "torch_export", "m", {"1": 1})
+    (instance,) = (
+        ModelBackend(ServiceSettings(device="cpu"))
+        .prepare(ModelRepository(tmp_path).read("m"), "1")
+        .instances
+    )
+    instance.load()
+    x = np.zeros((8, 4), np.float32)
+    np.testing.assert_allclose(
+        instance.run({"X": x})["Y"], reference(tmp_path / "m" / "1" / "model.pt2", {"X": x})["Y"]
+    )
+    with pytest.raises(InvalidInput, match=r"X: batch size is 65, the model takes 1..64"):
+        instance.run({"X": np.zeros((65, 4), np.float32)})
+
+
+def test_a_config_batch_over_the_programs_is_refused(tmp_path: Path) -> None:
+    add_model(tmp_path, "torch_export", "m", {"1": 1}, config='backend: "pytorch" max_batch_size: 100')
+    with pytest.raises(RepositoryError, match="max_batch_size 100 is over the 64 the model takes"):
+        ModelBackend(ServiceSettings(device="cpu")).prepare(ModelRepository(tmp_path).read("m"), "1")
+
+
+# ---- TensorRT, the parts that run without a GPU -------------------------------------------------------------
+
+
+def test_engine_key_changes_with_each_of_its_parts() -> None:
+    profile = {"X": ((1, 4), (8, 4), (8, 4))}
+    base = EngineKey.of("m", "hash", "fp32", "10.9", "H200", profile)
+    assert base.digest == EngineKey.of("m", "hash", "fp32", "10.9", "H200", dict(profile)).digest
+    others = [
+        EngineKey.of("m", "other", "fp32", "10.9", "H200", profile),
+        EngineKey.of("m", "hash", "fp16", "10.9", "H200", profile),
+        EngineKey.of("m", "hash", "fp32", "11.0", "H200", profile),
+        EngineKey.of("m", "hash", "fp32", "10.9", "A100", profile),
+        EngineKey.of("m", "hash", "fp32", "10.9", "H200", {"X": ((1, 4), (4, 4), (8, 4))}),
     ]
+    assert len({base.digest, *(k.digest for k in others)}) == 6
 
 
-def test_default_placement_follows_the_device_setting() -> None:
-    assert place_instances([], gpu_count=0) == ["cpu"]
-    assert place_instances([], gpu_count=2) == ["cuda:0"]
-    assert place_instances([], gpu_count=2, default_device="cpu") == ["cpu"]
-    assert place_instances([InstanceGroup(count=2)], gpu_count=2, default_device="cuda:1") == ["cuda:1"] * 2
+def test_profile_spans_one_to_max_batch_and_the_programs_ranges() -> None:
+    profile = optimization_profile(
+        [("IDS", (-1, -1)), ("X", (-1, 4))], {"IDS": {1: (1, 512)}}, max_batch_size=32, preferred_batch_size=8
+    )
+    assert profile == {"IDS": ((1, 1), (8, 512), (32, 512)), "X": ((1, 4), (8, 4), (32, 4))}
+    with pytest.raises(RepositoryError, match="input 'IDS' dimension 1 varies"):
+        optimization_profile([("IDS", (-1, -1))], {}, max_batch_size=4, source="m.onnx")
 
 
-def test_impossible_placements_are_refused() -> None:
-    with pytest.raises(RepositoryError, match="no CUDA GPU is visible"):
-        place_instances([InstanceGroup(kind="gpu")], gpu_count=0)
-    with pytest.raises(RepositoryError, match=r"names GPU\(s\) \[3\]"):
-        place_instances([InstanceGroup(kind="gpu", gpus=[3])], gpu_count=2)
-    with pytest.raises(ValueError, match="kind is cpu"):
-        InstanceGroup(kind="cpu", gpus=[0])
+def test_engine_cache_lookup_and_store(tmp_path: Path) -> None:
+    cache = EngineCache(tmp_path)
+    key = EngineKey.of("m/1", "hash", "fp32", "10.9", "H200", {"X": ((1, 4), (2, 4), (2, 4))})
+    assert cache.lookup(key) is None
+    path = cache.store(key, b"engine")
+    assert cache.lookup(key) == b"engine" and path.parent.name == "m_1"
+    assert cache.entries() == [path] and path.with_suffix(".json").is_file()
 
 
-def test_every_network_has_what_the_backends_need() -> None:
-    for net in NETWORKS.values():
-        example = net.example(3)
-        assert set(example) == {s.name for s in net.inputs}
-        assert all(a.shape[0] == 3 for a in example.values())
-        optimization_profile(net, net.max_batch_size, None)
+@pytest.mark.parametrize("kind", ["torchscript", "torch_export"])
+def test_pytorch_files_export_to_onnx_with_a_dynamic_batch(tmp_path: Path, kind: str) -> None:
+    """What TensorRT builds from: the ONNX export of a PyTorch file, checked here with ONNX Runtime."""
+    import onnxruntime as ort
+
+    writer, name = (write_torchscript, "model.pt") if kind == "torchscript" else (write_export, "model.pt2")
+    artifact = writer(tmp_path / name, 5)
+    input_name = "input" if kind == "torchscript" else "X"
+    output = Binding(
+        "OUTPUT__0" if kind == "torchscript" else "Y",
+        "" if kind == "torchscript" else "Y",
+        0,
+        (-1, 3),
+        (-1, 3),
+    )
+    onnx_path = export_onnx(
+        artifact,
+        TORCHSCRIPT if kind == "torchscript" else TORCH_EXPORT,
+        [Binding("X", input_name, 0, (-1, 4), (-1, 4))],
+        [output],
+        tmp_path / "model.onnx",
+        batching=True,
+    )
+    signature = onnx_signature(onnx_path)
+    assert signature.inputs[0].name == input_name and signature.inputs[0].shape[0] == -1
+    session = ort.InferenceSession(str(onnx_path))
+    for batch in (1, 7):
+        x = np.random.default_rng(batch).standard_normal((batch, 4)).astype(np.float32)
+        (got,) = session.run(None, {input_name: x})
+        expected = next(
+            iter(reference(artifact, {input_name if kind == "torch_export" else "x": x}).values())
+        )
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

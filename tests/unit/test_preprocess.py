@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from examples.models.digits import load_split
 from pipeline.errors import InvalidInput
-from services.model.digits import load_split
 from services.preprocess.digits import DigitsPreprocess, images_to_pixels
 
 
