@@ -1,21 +1,17 @@
 #!/usr/bin/env bash
-# GPU check of the model stage: on a machine with an NVIDIA GPU, install what is missing, run the backend tests
-# (tests/gpu: TensorRT, torch CUDA and torch CPU give the same answers at FP32 and FP16; the engine cache), then
-# benchmark the model stage alone (python -m services.model.bench) at batch 1, 8, 32, 128 for every backend
-# there, FP32 and FP16, and print the figures and the targets (TensorRT FP16 >= 2x torch eager FP32, torch CUDA
-# >= 20x torch CPU, both at batch 32).
+# GPU check of the model service: on a machine with an NVIDIA GPU, install what is missing, run the backend tests
+# (tests/gpu: TensorRT, torch on CUDA and ONNX Runtime's CUDA provider give the CPU's answers at FP32 and FP16;
+# the engine cache; a .plan served as it is), then benchmark the runners on the GPU and on the CPU
+# (python -m services.model.bench) at batch 1, 8, 32, 128.
 #
 #   bash scripts/gpu-check.sh               # from the repository root
-#   SECONDS_PER_FIGURE=1 MODELS="digits_cnn refcnn" bash scripts/gpu-check.sh
 #
-# Environment: PYTHON (default .venv/bin/python, else python3), MODELS (default "digits_cnn refcnn minilm"),
-# SECONDS_PER_FIGURE (default 2), OUT (where figures and logs go; default gpu-check-out), INSTALL=0 to install
-# nothing (use what is there).
+# Environment: PYTHON (default .venv/bin/python, else python3), SECONDS_PER_FIGURE (default 2), OUT (where
+# figures and logs go; default gpu-check-out), INSTALL=0 to install nothing (use what is there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-gpu-check-out}
-MODELS=${MODELS:-digits_cnn refcnn minilm}
 SECONDS_PER_FIGURE=${SECONDS_PER_FIGURE:-2}
 INSTALL=${INSTALL:-1}
 if [[ -z "${PYTHON:-}" ]]; then
@@ -40,13 +36,11 @@ if [[ "$INSTALL" == 1 ]]; then
       || echo "no CUDA build of torch could be installed: GPU figures will be missing"
   fi
   have tensorrt || "$PYTHON" -m pip install --quiet tensorrt || echo "tensorrt did not install: TensorRT is skipped"
-  have onnx || "$PYTHON" -m pip install --quiet onnx || echo "onnx did not install"
-  have onnxscript || "$PYTHON" -m pip install --quiet onnxscript || echo "onnxscript did not install"
 fi
 
 "$PYTHON" - <<'PY'
 import torch
-from services.model.backends import tensorrt_status
+from services.model.tensorrt import tensorrt_status
 print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}",
       f"({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "")
 print("TensorRT:", tensorrt_status()[1])
@@ -56,12 +50,10 @@ echo "== backend tests (tests/gpu), then the model tests"
 status=0
 "$PYTHON" -m pytest -q -rs tests/gpu tests/unit/test_model_backends.py 2>&1 | tee "$OUT/tests.log" || status=$?
 
-echo "== benchmark: the model stage alone, items/s"
-export PIPELINE_ENGINE_CACHE=${PIPELINE_ENGINE_CACHE:-$OUT/engines}
-for model in $MODELS; do
-  "$PYTHON" -m services.model.bench --model "$model" --model-dir "$OUT/models" \
-    --batches 1 8 32 128 --precisions fp32 fp16 --seconds "$SECONDS_PER_FIGURE" \
-    --json "$OUT/bench-$model.json" 2>&1 | tee "$OUT/bench-$model.log" || status=$?
+echo "== benchmark: the runners alone, items/s"
+for device in cuda:0 cpu; do
+  "$PYTHON" -m services.model.bench --device "$device" --batches 1 8 32 128 --seconds "$SECONDS_PER_FIGURE" \
+    --json "$OUT/bench-${device/:/}.json" 2>&1 | tee "$OUT/bench-${device/:/}.log" || status=$?
 done
 echo "== done: tests and figures in $OUT (exit $status)"
 exit "$status"

@@ -1,13 +1,17 @@
-"""`python -m services.model.bench`: throughput of the model stage alone, per backend, precision and batch.
+"""`python -m services.model.bench`: the model service's runners side by side on the same network.
 
-No gRPC, no router: each runner is driven directly (as one instance's thread drives it), so the figures are
-what the backend gives. For every available backend (torch on the CPU, torch on CUDA, TensorRT) at FP32 and
-FP16 it warms up, then runs each batch size for `--seconds` and prints items/s and the latency per batch;
-`--json FILE` writes them for scripts. On a GPU machine it also checks the targets the model stage is built
-for: TensorRT FP16 ≥ 2× torch eager FP32 at batch 32, torch CUDA ≥ 20× torch CPU at batch 32.
+No gRPC, no router: each runner is the instance the model service would run (`ModelBackend.prepare`, then
+`load`), driven directly as its thread drives it, so the figures are the runner's own. The network is the
+throughput workload's `refcnn_cnn` (fixed seed), written three ways into a temporary repository: ONNX
+(`model.onnx`, run by ONNX Runtime), a `torch.export` program (`model.pt2`) and TorchScript (`model.pt`),
+both run by PyTorch. Every runner gets the same intra-op thread count (the service's default, 1).
 
-    python -m services.model.bench --model digits_cnn --model-dir models
-    python -m services.model.bench --model refcnn --batches 1 8 32 128 --seconds 3
+The machine is shared and noisy, so each figure is measured `--rounds` times, the runners interleaved, and
+the median is printed beside every round's figure.
+
+    python -m services.model.bench                          # CPU, batch 1, 8, 32
+    python -m services.model.bench --batches 1 8 32 128 --rounds 5 --seconds 2
+    python -m services.model.bench --device cuda:0          # the GPU runners, where there is one
 """
 
 from __future__ import annotations
@@ -15,174 +19,158 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
+import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from services.model.backends import TorchOptions, TorchRunner, tensorrt_status
-from services.model.networks import NETWORKS, Network, network
-
-DEFAULT_BATCHES = (1, 8, 32, 128)
-#: (backend label, precision) pairs compared against each other for the targets.
-TARGETS = (
-    ("tensorrt fp16 / torch-cuda fp32 at batch 32", ("tensorrt", "fp16"), ("torch-cuda", "fp32"), 2.0),
-    ("torch-cuda fp32 / torch-cpu fp32 at batch 32", ("torch-cuda", "fp32"), ("torch-cpu", "fp32"), 20.0),
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Figure:
-    """One measurement."""
-
-    model: str
-    backend: str
-    precision: str
-    batch: int
-    items_per_s: float
-    ms_per_batch: float
-    batches: int
+#: runner label → (model file, config `parameters` runner)
+RUNNERS = {
+    "onnxruntime": ("model.onnx", "onnxruntime"),
+    "torch (pt2)": ("model.pt2", "torch"),
+    "torch (pt)": ("model.pt", "torch"),
+}
+CONFIG = """
+name: "{name}"
+max_batch_size: {max_batch}
+input [ {{ name: "INPUT", data_type: TYPE_FP32, dims: [ 3, 64, 64 ] }} ]
+output [ {{ name: "LOGITS", data_type: TYPE_FP32, dims: [ 10 ] }} ]
+parameters [ {{ key: "runner", value: {{ string_value: "{runner}" }} }} ]
+"""
 
 
-def _runner(backend: str, net: Network, version_dir: Path | None, precision: str, cache: str | None):
-    if backend == "torch-cpu":
-        return TorchRunner(
-            net, version_dir, device="cpu", precision=precision, threads=torch.get_num_threads()
-        )
-    if backend == "torch-cuda":
-        return TorchRunner(net, version_dir, device="cuda:0", precision=precision, options=TorchOptions())
-    if backend == "torch-cuda-graphs":
-        options = TorchOptions(cuda_graphs=True)
-        return TorchRunner(net, version_dir, device="cuda:0", precision=precision, options=options)
-    from services.model.tensorrt import TensorRTRunner
+def write_models(root: Path, max_batch: int) -> dict[str, str]:
+    """refcnn as ONNX, `torch.export` and TorchScript, each a repository entry; returns runner → model name."""
+    import torch
 
-    return TensorRTRunner(net, version_dir, device="cuda:0", precision=precision, cache_dir=cache)
+    from examples.models.build import build_refcnn as write_onnx
+    from examples.models.refcnn import INPUT_SHAPE, build_refcnn
+
+    names = {}
+    for label, (file_name, runner) in RUNNERS.items():
+        name = f"refcnn_{file_name.replace('.', '_')}"
+        folder = root / name
+        (folder / "1").mkdir(parents=True)
+        (folder / "config.pbtxt").write_text(CONFIG.format(name=name, max_batch=max_batch, runner=runner))
+        path = folder / "1" / file_name
+        example = torch.zeros((2, *INPUT_SHAPE))
+        if file_name == "model.onnx":
+            write_onnx(path)
+        elif file_name == "model.pt2":
+            batch = torch.export.Dim("batch", min=1, max=max_batch)
+            with torch.no_grad():
+                torch.export.save(
+                    torch.export.export(build_refcnn(), (example,), dynamic_shapes=({0: batch},)), str(path)
+                )
+        else:
+            with torch.no_grad():
+                torch.jit.trace(build_refcnn(), example).save(str(path))
+        names[label] = name
+    return names
 
 
-def available_backends() -> list[str]:
-    """torch-cpu always; torch-cuda (and its CUDA-graph path) with a GPU; tensorrt when it can run."""
-    found = ["torch-cpu"]
-    if torch.cuda.is_available():
-        found += ["torch-cuda", "torch-cuda-graphs"]
-    if tensorrt_status()[0]:
-        found.append("tensorrt")
-    return found
-
-
-def measure(runner, net: Network, batch: int, seconds: float, model: str) -> Figure:
-    """Run `batch`-sized batches for about `seconds` (after a warm-up) and time them."""
-    inputs = net.example(batch)
+def measure(instance, batch: int, seconds: float) -> float:
+    """Items per second of `instance` on batches of `batch` random images, after a warm-up."""
+    inputs = {"INPUT": np.random.default_rng(batch).standard_normal((batch, 3, 64, 64)).astype(np.float32)}
     for _ in range(3):
-        runner.run(inputs)
+        instance.run(inputs)
     count, started = 0, time.perf_counter()
     while True:
-        runner.run(inputs)  # outputs come back to the host, so each call includes its synchronisation
+        instance.run(inputs)  # outputs come back to the host, so each call includes its synchronisation
         count += 1
         elapsed = time.perf_counter() - started
         if elapsed >= seconds and count >= 3:
-            break
-    return Figure(model, "", "", batch, count * batch / elapsed, 1000 * elapsed / count, count)
+            return count * batch / elapsed
 
 
 def run(
-    model: str,
-    *,
-    version_dir: Path | None,
-    backends: Sequence[str],
-    precisions: Sequence[str],
-    batches: Sequence[int],
-    seconds: float,
-    engine_cache: str | None = None,
-) -> list[Figure]:
-    """Every (backend, precision, batch) figure; a backend that fails to load is reported and skipped."""
-    net = network(model)
-    figures = []
-    for backend in backends:
-        for precision in precisions:
-            try:
-                runner = _runner(backend, net, version_dir, precision, engine_cache)
-                runner.load()
-            except Exception as exc:
-                print(f"{backend} {precision}: cannot load ({exc})", flush=True)
-                continue
+    *, batches: Sequence[int], rounds: int, seconds: float, threads: int, device: str
+) -> dict[str, dict[int, list[float]]]:
+    """Every runner's items/s at every batch, `rounds` times (runners interleaved within each round)."""
+    from pipeline.repository import ModelRepository
+    from services.model.backend import ModelBackend, ServiceSettings
+
+    figures: dict[str, dict[int, list[float]]] = {label: {b: [] for b in batches} for label in RUNNERS}
+    with tempfile.TemporaryDirectory(prefix="model-bench-") as tmp:
+        root = Path(tmp)
+        names = write_models(root, max(batches))
+        backend = ModelBackend(
+            ServiceSettings(device=device, threads=threads, engine_cache=root / ".engines")
+        )
+        repository = ModelRepository(root)
+        instances = {}
+        for label, name in names.items():
+            instance = backend.prepare(repository.read(name), "1").instances[0]
+            instance.load()
+            instances[label] = instance
+            print(f"{label:12} {instance.reason}", flush=True)
+        for round_ in range(rounds):
             for batch in batches:
-                if batch > net.max_batch_size:
-                    continue
-                figure = measure(runner, net, batch, seconds, model)
-                figure = Figure(**{**asdict(figure), "backend": backend, "precision": precision})
-                figures.append(figure)
-                print(
-                    f"{model:11} {backend:17} {precision}  batch {batch:4}  {figure.items_per_s:12,.0f} items/s"
-                    f"  {figure.ms_per_batch:9.3f} ms/batch",
-                    flush=True,
-                )
-            runner.unload()
+                for label, instance in instances.items():
+                    figures[label][batch].append(measure(instance, batch, seconds))
+            print(f"round {round_ + 1}/{rounds} done", flush=True)
+        for instance in instances.values():
+            instance.unload()
     return figures
 
 
-def check_targets(figures: Sequence[Figure], batch: int = 32) -> list[str]:
-    """The targets that can be checked with these figures, each with its ratio and PASS/FAIL."""
-    by = {(f.backend, f.precision): f.items_per_s for f in figures if f.batch == batch}
-    lines = []
-    for label, top, bottom, needed in TARGETS:
-        if top in by and bottom in by:
-            ratio = by[top] / by[bottom]
-            lines.append(
-                f"{label}: {ratio:.1f}× (target ≥ {needed:.0f}×) {'PASS' if ratio >= needed else 'FAIL'}"
-            )
-        else:
-            lines.append(f"{label}: not measured here ({'/'.join(top)} or {'/'.join(bottom)} unavailable)")
+def report(figures: dict[str, dict[int, list[float]]], batches: Sequence[int]) -> list[str]:
+    """The table: median items/s per runner and batch (every round's figure in brackets), and the ratio of
+    ONNX Runtime to the faster PyTorch runner."""
+    labels = list(figures)
+    lines = ["batch | " + " | ".join(f"{label} items/s" for label in labels) + " | onnxruntime / best torch"]
+    for batch in batches:
+        medians = {label: statistics.median(figures[label][batch]) for label in labels}
+        cells = [
+            f"{medians[label]:,.0f} ({', '.join(f'{v:,.0f}' for v in figures[label][batch])})"
+            for label in labels
+        ]
+        torch_best = max(v for k, v in medians.items() if k.startswith("torch"))
+        lines.append(f"{batch} | " + " | ".join(cells) + f" | {medians['onnxruntime'] / torch_best:.2f}")
     return lines
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse the command line, measure, print the figures and the targets."""
+    """Parse the command line, measure, print the table."""
     parser = argparse.ArgumentParser(
         prog="python -m services.model.bench", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--model", choices=list(NETWORKS), default="digits_cnn", help="default %(default)s")
-    parser.add_argument("--model-dir", default="models", help="repository with digits_cnn/1/model.pt")
-    parser.add_argument("--version", default="1")
-    parser.add_argument("--backends", nargs="+", default=None, help="default: every one available here")
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
-    parser.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
-    parser.add_argument("--seconds", type=float, default=2.0, help="per figure; default %(default)s")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--engine-cache", default=None, help="TensorRT engine cache folder")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--rounds", type=int, default=3, help="measurements per figure; default %(default)s")
+    parser.add_argument("--seconds", type=float, default=1.0, help="per measurement; default %(default)s")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads per runner; default %(default)s"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
+    if min(args.batches) < 1 or args.rounds < 1 or args.threads < 1:
+        parser.error("batches, rounds and threads must be at least 1")
     logging.basicConfig(level=logging.WARNING)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    net = network(args.model)
-    version_dir = Path(args.model_dir) / args.model / args.version if net.weights_file else None
-    if version_dir is not None and not (version_dir / net.weights_file).is_file():
-        from services.model.digits import train
+    import onnxruntime
+    import torch
 
-        print(f"no weights in {version_dir}; training digits_cnn there first", flush=True)
-        train(args.model_dir, progress=False, version=args.version)
-    backends = args.backends or available_backends()
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s), "
-        f"GPU: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}; "
-        f"TensorRT: {tensorrt_status()[1]}",
+        f"refcnn_cnn on {args.device}: torch {torch.__version__}, ONNX Runtime {onnxruntime.__version__}, "
+        f"{args.threads} intra-op thread(s), {args.rounds} round(s) of {args.seconds:g} s per figure",
         flush=True,
     )
     figures = run(
-        args.model,
-        version_dir=version_dir,
-        backends=backends,
-        precisions=args.precisions,
         batches=args.batches,
+        rounds=args.rounds,
         seconds=args.seconds,
-        engine_cache=args.engine_cache,
+        threads=args.threads,
+        device=args.device,
     )
-    for line in check_targets(figures):
+    for line in report(figures, args.batches):
         print(line)
     if args.json:
-        args.json.write_text(json.dumps([asdict(f) for f in figures], indent=1) + "\n")
+        args.json.write_text(
+            json.dumps({k: {str(b): v for b, v in f.items()} for k, f in figures.items()}, indent=1)
+        )
 
 
 if __name__ == "__main__":
