@@ -296,18 +296,14 @@ def test_no_unsafe_deserialisation_in_the_source_tree():
 
 
 async def test_repository_model_load_cannot_leave_the_repository(tmp_path):
-    from tests.integration.test_model_repository import serving_repository
+    from tests.integration.test_model_service import serving
+    from tests.model_files import add_model
 
     root = tmp_path / "models"
-    root.mkdir()
-    outside = tmp_path / "outside" / "evil"
-    (outside / "1").mkdir(parents=True)
-    (outside / "config.yaml").write_text('{"architecture": "refcnn"}')
-    async with (
-        serving_repository(root, models=("refcnn_cnn",)) as (address, _),
-        inference_stub(address) as stub,
-    ):
-        for name in ("../outside/evil", str(outside), "refcnn_cnn/../../outside/evil"):
+    add_model(root, "onnx", "good", {"1": 1})
+    outside = add_model(tmp_path / "outside", "onnx", "evil", {"1": 1})
+    async with serving(root) as stub:
+        for name in ("../outside/evil", str(outside), "good/../../outside/evil"):
             err = await rpc_error(stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=name)))
             assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), name
         index = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
