@@ -116,10 +116,11 @@ def stop(services: list[Service], grace: float) -> None:
 
 def ensure_model(model_dir: Path) -> None:
     """Write the example models whose files are missing from the repository (seconds on a CPU)."""
-    from examples.models.build import build, missing
+    from examples.models.build import EXAMPLES, build, missing
 
-    names = missing(model_dir) if model_dir.is_dir() else None  # None: a new folder gets every example
-    if names is None or names:
+    # A repository that does not exist yet gets every example; an existing one, the files its configs lack.
+    names = missing(model_dir) if model_dir.is_dir() else list(EXAMPLES)
+    if names:
         print(f"pipeline: building the example model(s) {', '.join(names)} into {model_dir}", flush=True)
         build(model_dir, names, report=lambda line: print(f"pipeline: {line}", flush=True))
 
