@@ -258,7 +258,9 @@ class ModelBackend:
         bindings: Bindings,
         signature: Signature,
     ):
-        runner, device, reason = choose_runner(kind, device, options, str(artifact))
+        runner, device, reason = choose_runner(
+            kind, device, options, str(artifact), unbounded=unbounded_dimension(bindings, signature)
+        )
         log.info("%s: %s", model, reason)
         datatypes = {t.name: datatype_of_config(t.data_type) for t in (*config.input, *config.output)}
         common = dict(batching=config.max_batch_size > 0, device=device, reason=reason)
@@ -299,9 +301,23 @@ class ModelBackend:
         )
 
 
-def choose_runner(kind: str, device: str, options: ModelOptions, artifact: str) -> tuple[str, str, str]:
+def unbounded_dimension(bindings: Bindings, signature: Signature) -> str:
+    """The first input dimension, besides the batch, that varies without a bound the model file gives (a
+    TensorRT profile needs one), as "input 'NAME' dimension N"; "" when there is none."""
+    for binding in bindings.inputs:
+        ranges = signature.ranges.get(binding.model_name, {})
+        for axis, size in enumerate(binding.model_shape):
+            if size == -1 and axis > 0 and not ranges.get(axis, (0, 0))[1]:
+                return f"input '{binding.name}' dimension {axis}"
+    return ""
+
+
+def choose_runner(
+    kind: str, device: str, options: ModelOptions, artifact: str, *, unbounded: str = ""
+) -> tuple[str, str, str]:
     """The runner ("onnxruntime", "torch" or "tensorrt") for one instance of a model file on `device`, the
-    device it ends up on, and why; `RepositoryError` when what the config pins cannot run there."""
+    device it ends up on, and why; `RepositoryError` when what the config pins cannot run there. `unbounded`
+    names an input dimension that varies without a bound: TensorRT cannot build an engine for it."""
     from services.model.tensorrt import tensorrt_status
 
     on_gpu = device.startswith("cuda")
@@ -330,6 +346,8 @@ def choose_runner(kind: str, device: str, options: ModelOptions, artifact: str) 
         )
     if on_gpu and pinned == "auto":
         usable, why = tensorrt_status()
+        if usable and unbounded:
+            usable, why = False, f"{why}, but {unbounded} varies without a bound an engine profile needs"
         if usable:
             return "tensorrt", device, f"tensorrt on {device} at {options.precision}: auto: {why}"
         fallback = f"auto: TensorRT is not usable ({why})"

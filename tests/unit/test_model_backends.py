@@ -92,6 +92,13 @@ def test_auto_takes_tensorrt_on_a_gpu_where_it_runs(tensorrt_here) -> None:
         assert (runner, device) == ("tensorrt", "cuda:0") and "TensorRT 10.9" in reason
 
 
+def test_auto_leaves_tensorrt_out_for_dimensions_without_bounds(tensorrt_here) -> None:
+    runner, _, reason = choose_runner(
+        ONNX, "cuda:0", ModelOptions(), "m.onnx", unbounded="input 'IDS' dimension 1"
+    )
+    assert runner == "onnxruntime" and "input 'IDS' dimension 1 varies without a bound" in reason
+
+
 def test_auto_falls_back_and_says_why(no_tensorrt, monkeypatch: pytest.MonkeyPatch) -> None:
     runner, device, reason = choose_runner(TORCH_EXPORT, "cuda:1", ModelOptions(), "m.pt2")
     assert (runner, device) == ("torch", "cuda:1")
