@@ -93,7 +93,7 @@ class Signature:
     def batching(self) -> bool:
         """Whether every tensor's first dimension varies: the model takes batches."""
         tensors = [t for t in (*self.inputs, *self.outputs) if t.shape is not None]
-        return bool(tensors) and all(len(t.shape) > 0 and t.shape[0] == -1 for t in tensors)  # type: ignore[arg-type]
+        return bool(tensors) and all(t.shape is not None and t.shape[:1] == (-1,) for t in tensors)
 
 
 # ---- reading files -------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def onnx_signature(path: Path) -> Signature:
         model = onnx.load(str(path), load_external_data=False)
         onnx.checker.check_model(str(path))
     except Exception as exc:  # protobuf's DecodeError, onnx's ValidationError, OSError...
-        raise RepositoryError(f"{path}: not a valid ONNX model: {_first_line(exc)}") from None
+        raise RepositoryError(f"{path}: not a valid ONNX model: {first_line(exc)}") from None
     initializers = {i.name for i in model.graph.initializer}
 
     def tensor(value: onnx.ValueInfoProto, optional: bool = False) -> Tensor:
@@ -156,15 +156,15 @@ def load_program(path: Path):  # -> torch.export.ExportedProgram
         return torch.export.load(str(path))
     except Exception as exc:  # a bad zip, a missing record, an unknown operator...
         raise RepositoryError(
-            f"{path}: not a torch.export program (torch.export.load): {_first_line(exc)}"
+            f"{path}: not a torch.export program (torch.export.load): {first_line(exc)}"
         ) from None
 
 
-def export_signature(path: Path, program=None) -> Signature:
+def export_signature(path: Path) -> Signature:
     """An exported program's arguments and results, with the dtypes and shapes of its example metadata."""
     import torch
 
-    program = program if program is not None else load_program(path)
+    program = load_program(path)
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     user_inputs = list(program.graph_signature.user_inputs)
     args_spec, kwargs_spec = program.call_spec.in_spec.children()
@@ -232,13 +232,13 @@ def load_torchscript(path: Path, device: str = "cpu"):  # -> torch.jit.ScriptMod
         return torch.jit.load(str(path), map_location=device).eval()
     except Exception as exc:  # a bad zip, a missing record, a TorchScript compilation error...
         raise RepositoryError(
-            f"{path}: not a TorchScript module (torch.jit.load): {_first_line(exc)}"
+            f"{path}: not a TorchScript module (torch.jit.load): {first_line(exc)}"
         ) from None
 
 
-def torchscript_signature(path: Path, module=None) -> Signature:
+def torchscript_signature(path: Path) -> Signature:
     """A TorchScript module's `forward` arguments (names; optional where they have a default)."""
-    module = module if module is not None else load_torchscript(path)
+    module = load_torchscript(path)
     arguments = list(module.forward.schema.arguments)[1:]  # the first is self
     inputs = tuple(Tensor(a.name, optional=a.default_value is not None) for a in arguments)
     return Signature(inputs=inputs, outputs_known=False)
@@ -261,7 +261,8 @@ def _numpy_datatype(dtype) -> str:
     return datatype_of(np.empty(0, dtype=dtype))
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (runtimes' messages run to pages), for error messages."""
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:300]
 
@@ -322,33 +323,24 @@ def reconcile(
                 "INPUT__1, ... and OUTPUT__0, ... in order"
             )
         _complete(config, signature, default_max_batch_size)
-    for tensor in (*config.input, *config.output):
-        if tensor.data_type == mc.TYPE_INVALID:
-            if not auto_complete:
-                raise RepositoryError(f"{source}: '{tensor.name}' has no data_type")
-            found = _find(
-                signature.inputs if tensor in config.input else signature.outputs, tensor.name, None
-            )
-            if found is None or not found[1].datatype:
+    # A tensor the config only names gets its datatype from the model file (Triton completes these too).
+    for declared, found in ((config.input, signature.inputs), (config.output, signature.outputs)):
+        for tensor in declared:
+            if tensor.data_type != mc.TYPE_INVALID:
+                continue
+            own = _find(found, tensor.name, None)
+            if not auto_complete or own is None or not own[1].datatype:
                 raise RepositoryError(
                     f"{source}: '{tensor.name}' has no data_type, and {artifact} does not say"
                 )
-            tensor.data_type = config_datatype(found[1].datatype)
+            tensor.data_type = config_datatype(own[1].datatype)
     where = f"{source} and {artifact}"
     batching = config.max_batch_size > 0
-    if (
-        batching
-        and signature.inputs
-        and any(
-            t.shape is not None and (not t.shape or t.shape[0] != -1)
-            for t in (*signature.inputs, *signature.outputs)
-        )
-    ):
-        fixed = next(
-            t
-            for t in (*signature.inputs, *signature.outputs)
-            if t.shape is not None and (not t.shape or t.shape[0] != -1)
-        )
+    unbatched = [
+        t for t in (*signature.inputs, *signature.outputs) if t.shape is not None and t.shape[:1] != (-1,)
+    ]
+    if batching and unbatched:
+        fixed = unbatched[0]
         raise RepositoryError(
             f"{where}: max_batch_size is {config.max_batch_size} but the model's '{fixed.name}' has no batch "
             f"dimension (shape {list(fixed.shape or ())}); set max_batch_size: 0 and give the full dims"

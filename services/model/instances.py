@@ -19,7 +19,15 @@ import numpy as np
 from pipeline.datatypes import DATATYPES, datatype_of
 from pipeline.errors import InvalidInput
 from pipeline.repository import RepositoryError
-from services.model.artifacts import TORCH_EXPORT, TORCHSCRIPT, Binding, Bindings, Signature, load_program
+from services.model.artifacts import (
+    TORCH_EXPORT,
+    TORCHSCRIPT,
+    Binding,
+    Bindings,
+    Signature,
+    first_line,
+    load_program,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +84,7 @@ class ArtifactInstance:
             raise
         except Exception as exc:  # the model refused inputs shaped as the config says
             raise RepositoryError(
-                f"{self.artifact}: a warm-up batch shaped as the config declares fails: {_first_line(exc)}"
+                f"{self.artifact}: a warm-up batch shaped as the config declares fails: {first_line(exc)}"
             ) from None
         for binding in self.bindings.outputs:
             array = outputs[binding.name]
@@ -161,7 +169,7 @@ class OnnxRuntimeInstance(ArtifactInstance):
             self._session = ort.InferenceSession(str(self.artifact), options, providers=providers)
         except Exception as exc:  # ONNX Runtime raises its own Fail/InvalidGraph/NotImplemented types
             raise RepositoryError(
-                f"{self.artifact}: ONNX Runtime cannot load it: {_first_line(exc)}"
+                f"{self.artifact}: ONNX Runtime cannot load it: {first_line(exc)}"
             ) from None
         self._output_names = [b.model_name for b in self.bindings.outputs]
         log.info(
@@ -335,8 +343,3 @@ class TorchInstance(ArtifactInstance):
 def device_is_cuda(device: str) -> bool:
     """Whether a device string names a GPU."""
     return device.startswith("cuda")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
