@@ -1,1 +1,2 @@
-"""Model stage service: serves a model repository on TensorRT or PyTorch (CUDA, else CPU)."""
+"""Model service: serves the ONNX, PyTorch (TorchScript, torch.export) and TensorRT models of a Triton model
+repository, on ONNX Runtime, PyTorch (CUDA, else CPU) or TensorRT."""
