@@ -279,7 +279,7 @@ def synthesize_inputs(
     for tensor in metadata.inputs:
         path = files.get(tensor.name)
         if path is not None and path.suffix == ".npy":
-            arrays[tensor.name] = np.load(path, allow_pickle=tensor.datatype == "BYTES")
+            arrays[tensor.name] = _load_npy(path, tensor.datatype)
             continue
         shape = _resolve_shape(tensor, batching, batch, shapes.get(tensor.name))
         if path is None:
@@ -292,6 +292,28 @@ def synthesize_inputs(
             array.reshape(-1)[:] = [data] * array.size
             arrays[tensor.name] = array
     return arrays
+
+
+def _load_npy(path: Path, datatype: str) -> np.ndarray:
+    """A `.npy` file's tensor, read without pickle. BYTES come from an array of fixed-width byte strings
+    (`np.array([b"...", ...])`, dtype `S`) or of text (dtype `U`, sent as UTF-8)."""
+    try:
+        array = np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise BenchError(
+            f"--input-file {path}: {exc}; BYTES inputs must be saved as byte strings (dtype S) or text "
+            "(dtype U), not as Python objects"
+        ) from None
+    if datatype != "BYTES":
+        return array
+    if array.dtype.kind not in ("S", "U"):
+        raise BenchError(
+            f"--input-file {path}: a BYTES input needs byte strings or text, got dtype {array.dtype}"
+        )
+    elements = [e.encode() if isinstance(e, str) else bytes(e) for e in array.reshape(-1).tolist()]
+    objects = np.empty(array.shape, dtype=object)
+    objects.reshape(-1)[:] = elements
+    return objects
 
 
 def build_request(model: str, version: str, arrays: Mapping[str, np.ndarray]) -> pb.ModelInferRequest:
