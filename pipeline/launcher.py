@@ -28,6 +28,10 @@ from pipeline.security import channel_credentials
 log = logging.getLogger("pipeline.launcher")
 
 
+class _Stop(Exception):
+    """SIGTERM or SIGINT asked the launcher to stop."""
+
+
 @dataclass
 class Service:
     """One process of the pipeline."""
@@ -265,12 +269,17 @@ def run(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stopping
+        if stopping:
+            return  # already stopping: a second signal must not interrupt the orderly stop
         stopping = True
+        # NOTE: raised in the main thread wherever it is (starting a process, waiting for a port or for
+        # health), so a signal stops the launcher at once, not after the start-up timeout.
+        raise _Stop
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
     try:
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
         for service in stages:
             service.start(host, ports / service.name)
         for service in stages:
@@ -284,9 +293,8 @@ def run(args: argparse.Namespace) -> int:
         router.start(host, ports / router.name)
         router.wait_port(ports / router.name, args.startup_timeout)
         for service in [*stages, router]:
+            log.info("waiting for %s to become healthy", service.name)
             wait_healthy(service, f"{connect}:{service.port}", args.startup_timeout, credentials)
-            if stopping:
-                return 0
         print(
             f"pipeline: serving {', '.join(sorted(p.stem for p in args.ensembles.glob('*.y*ml')))} on "
             f"{connect}:{router.port} (gRPC{' over TLS' if tls_dir else ''}, Open Inference Protocol); stages: "
@@ -315,6 +323,8 @@ def run(args: argparse.Namespace) -> int:
                     )  # type: ignore[union-attr]
                     return 1
             time.sleep(0.2)
+        return 0
+    except _Stop:
         return 0
     except RuntimeError as err:
         log.error("%s; stopping the pipeline", err)
