@@ -454,14 +454,14 @@ def _int64_as_numbers(message: Message, data: dict[str, Any]) -> dict[str, Any]:
                     data[field.name] = {
                         k: _int64_as_numbers(value[k], v) for k, v in data[field.name].items()
                     }
-            elif field.label == FieldDescriptor.LABEL_REPEATED:
+            elif field.is_repeated:
                 data[field.name] = [
                     _int64_as_numbers(m, d) for m, d in zip(value, data[field.name], strict=True)
                 ]
             else:
                 data[field.name] = _int64_as_numbers(value, data[field.name])
         elif field.type in _INT64_TYPES:
-            repeated = field.label == FieldDescriptor.LABEL_REPEATED
+            repeated = field.is_repeated
             data[field.name] = [int(v) for v in data[field.name]] if repeated else int(value)
     return data
 
