@@ -359,14 +359,21 @@ class ModelRepository:
             )
         return _confined(self.root / name, self.root, f"model '{name}': its folder")
 
-    def read(self, name: str) -> RepositoryEntry:
-        """A model's entry as the disk says now; `RepositoryNotFound` when there is no such model."""
+    def read(self, name: str, config: mc.ModelConfig | None = None) -> RepositoryEntry:
+        """A model's entry as the disk says now; `RepositoryNotFound` when there is no such model.
+
+        `config` replaces the model's `config.pbtxt` (what `RepositoryModelLoad`'s `config` parameter does).
+        """
         folder = self.folder(name)
         if not folder.is_dir():
             raise RepositoryNotFound(f"model '{name}': no folder {folder} in the repository {self.root}")
         config_path = folder / CONFIG_FILE
-        has_config = config_path.is_file()
-        config = read_config(config_path) if has_config else mc.ModelConfig()
+        if config is not None:
+            config = _copy(config)
+            has_config = True
+        else:
+            has_config = config_path.is_file()
+            config = read_config(config_path) if has_config else mc.ModelConfig()
         source = str(config_path) if has_config else f"model '{name}' ({folder})"
         if config.name and config.name != name:
             raise RepositoryError(f"{source}: name '{config.name}' differs from the folder's name '{name}'")
@@ -420,6 +427,12 @@ class ModelRepository:
             f"{source}: names no platform or backend, and no version folder holds a model file it could be "
             f"told from ({', '.join(n for names in DEFAULT_FILENAMES.values() for n in names)})"
         )
+
+
+def _copy(config: mc.ModelConfig) -> mc.ModelConfig:
+    copy = mc.ModelConfig()
+    copy.CopyFrom(config)
+    return copy
 
 
 def _is_version(path: Path) -> bool:

@@ -16,10 +16,9 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
@@ -33,20 +32,17 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.convert import (
     Tensor,
     infer_response,
-    metadata_response,
-    model_config,
-    request_tensors,
-    requested_outputs,
-    select_version,
-    validate_inputs,
 )
 from pipeline.datatypes import DATATYPES, datatype_of
-from pipeline.errors import ModelNotFound, PipelineError, Unavailable, Unimplemented
+from pipeline.errors import ModelNotFound, PipelineError, Unimplemented
 from pipeline.metrics import Metrics, metrics_port
 from pipeline.security import SecurityConfigError, add_tls_arguments, server_credentials_of
 from pipeline.stage import Stage, TensorSpec
-from pipeline.statistics import ModelStats
-from pipeline.telemetry import BATCH_SIZE, MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
+from pipeline.telemetry import MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
+
+if TYPE_CHECKING:
+    from pipeline.backend import Backend
+    from pipeline.repository import ModelRepository
 
 log = logging.getLogger(__name__)
 
@@ -282,195 +278,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
-
-
-@dataclass(slots=True)
-class _ModelLoad:
-    """Calls of one model: `pending` (waiting for or running on the model's thread) is kept by the event
-    loop, `started` and `finished` only by the model's thread, so each has one writer and needs no lock."""
-
-    pending: int = 0
-    started: int = 0
-    finished: int = 0
-
-    @property
-    def running(self) -> int:
-        return self.started - self.finished
-
-    @property
-    def waiting(self) -> int:
-        # NOTE: a call cancelled while it runs leaves `pending` before its thread finishes; never below 0.
-        return max(0, self.pending - self.running)
-
-
-class StagePlane(DataPlane):
-    """The data plane of a stage service: runs `Stage` models, each in its own executor thread."""
-
-    def __init__(
-        self, stages: Sequence[Stage], *, telemetry: Telemetry | None = None, metrics: Metrics | None = None
-    ) -> None:
-        names = [stage.name for stage in stages]
-        if len(set(names)) != len(names):
-            raise ValueError(f"stage model names must be unique, got {names}")
-        self.stages = {stage.name: stage for stage in stages}
-        # NOTE: one thread per model: inference never blocks the event loop, and a model's own calls
-        # never run concurrently (torch and most decoders are not re-entrant per instance).
-        self._executors = {
-            name: ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}") for name in self.stages
-        }
-        self._loaded: set[str] = set()
-        self._stats = {name: ModelStats() for name in self.stages}
-        self._load = {name: _ModelLoad() for name in self.stages}
-        self.telemetry = telemetry or Telemetry()
-        self.metrics = metrics or Metrics()
-        loads = self._load
-        self.metrics.gauge(
-            "pipeline_queue_depth",
-            "Requests waiting now",
-            "model",
-            lambda: [(n, load.waiting) for n, load in loads.items()],
-        )
-        self.metrics.gauge(
-            "pipeline_inflight_batches",
-            "Executions running now",
-            "model",
-            lambda: [(n, load.running) for n, load in loads.items()],
-        )
-
-    async def load(self) -> None:
-        """Load every model, each in its own thread."""
-        loop = asyncio.get_running_loop()
-        for name, stage in self.stages.items():
-            await loop.run_in_executor(self._executors[name], stage.load)
-            self._loaded.add(name)
-            log.info("loaded model '%s' (platform %s)", name, stage.platform)
-
-    async def unload(self) -> None:
-        loop = asyncio.get_running_loop()
-        for name, stage in self.stages.items():
-            if name in self._loaded:
-                self._loaded.discard(name)
-                await loop.run_in_executor(self._executors[name], stage.unload)
-            self._executors[name].shutdown(wait=False)
-
-    def ready(self) -> bool:
-        return len(self._loaded) == len(self.stages)
-
-    def _get(self, name: str, version: str) -> tuple[Stage, str]:
-        stage = self.stages.get(name)
-        if stage is None:
-            raise ModelNotFound(f"unknown model '{name}' (served here: {', '.join(self.stages)})")
-        return stage, select_version(name, stage.versions, version)
-
-    async def model_ready(self, name: str, version: str) -> bool:
-        try:
-            self._get(name, version)
-        except ModelNotFound:
-            return False
-        return name in self._loaded
-
-    async def model_metadata(self, name: str, version: str, call: CallContext) -> pb.ModelMetadataResponse:
-        stage, _ = self._get(name, version)
-        return metadata_response(stage.name, stage.versions, stage.platform, stage.inputs, stage.outputs)
-
-    async def model_config(self, name: str, version: str, call: CallContext) -> mc.ModelConfig:
-        stage, _ = self._get(name, version)
-        config = model_config(
-            stage.name,
-            platform=stage.platform,
-            backend=stage.backend,
-            max_batch_size=stage.max_batch_size,
-            inputs=stage.inputs,
-            outputs=stage.outputs,
-        )
-        config.instance_group.add(name=f"{stage.name}_0", count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
-        return config
-
-    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
-        started = time.perf_counter_ns()
-        stage, version = self._get(request.model_name, request.model_version)
-        stats = self._stats[stage.name]
-        telemetry = self.telemetry
-        try:
-            if stage.name not in self._loaded:
-                raise Unavailable(f"model '{stage.name}' is not loaded yet")
-            with telemetry.span("decode") if telemetry.enabled else NO_SPAN:
-                tensors = validate_inputs(
-                    stage.name, request_tensors(request), stage.inputs, stage.max_batch_size
-                )
-                wanted = requested_outputs(request, stage.outputs, stage.name)
-                arrays = {name: tensor.to_array() for name, tensor in tensors.items()}
-            batch = next(iter(arrays.values())).shape[0] if stage.max_batch_size > 0 and arrays else None
-            items = batch or 1
-            decoded = time.perf_counter_ns()
-            if telemetry.enabled:
-                span = telemetry.current_span()
-                if span is not None:
-                    span.set_attribute(BATCH_SIZE, items)
-            result, queue_ns, compute_ns, wall = await self._execute(stage, arrays)
-            if telemetry.enabled:
-                telemetry.record_span("compute", wall[0], wall[1], {MODEL: stage.name, BATCH_SIZE: items})
-            encoding = time.perf_counter_ns()
-            with telemetry.span("encode") if telemetry.enabled else NO_SPAN:
-                specs = {spec.name: spec for spec in stage.outputs}
-                response = stage_response(stage.name, version, request.id, wanted, result, specs, batch)
-        except BaseException:
-            stats.request_failed(time.perf_counter_ns() - started)
-            raise
-        finished = time.perf_counter_ns()
-        stats.batch_done(items, compute_ns)
-        stats.request_done(
-            items=items,
-            total_ns=finished - started,
-            queue_ns=queue_ns,
-            compute_ns=compute_ns,
-            input_ns=decoded - started,
-            output_ns=finished - encoding,
-        )
-        metrics = self.metrics
-        metrics.queue_duration.labels(stage.name).observe(queue_ns / 1e9)
-        metrics.compute_duration.labels(stage.name).observe(compute_ns / 1e9)
-        metrics.batch_size.labels(stage.name).observe(items)
-        return response
-
-    async def _execute(
-        self, stage: Stage, arrays: dict[str, np.ndarray]
-    ) -> tuple[dict[str, np.ndarray], int, int, tuple[int, int]]:
-        """Run `stage.infer` on its thread: the result, the wait for the thread and the run time (ns), and
-        the run's wall-clock start and end (for its span)."""
-        load = self._load[stage.name]
-        submitted = time.perf_counter_ns()
-
-        def work() -> tuple[dict[str, np.ndarray], int, int, int, int]:
-            load.started += 1
-            wall_start, begun = time.time_ns(), time.perf_counter_ns()
-            try:
-                result = stage.infer(arrays)
-            finally:
-                load.finished += 1
-            return result, begun, time.perf_counter_ns(), wall_start, time.time_ns()
-
-        load.pending += 1
-        try:
-            if stage.inline:
-                # Microseconds of numpy: two thread hand-offs would cost more than the work.
-                result, begun, ended, wall_start, wall_end = work()
-            else:
-                loop = asyncio.get_running_loop()
-                result, begun, ended, wall_start, wall_end = await loop.run_in_executor(
-                    self._executors[stage.name], work
-                )
-        finally:
-            load.pending -= 1
-        return result, begun - submitted, ended - begun, (wall_start, wall_end)
-
-    async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
-        names = [name] if name else list(self.stages)
-        reply = pb.ModelStatisticsResponse()
-        for model in names:
-            _, chosen = self._get(model, version)
-            reply.model_stats.append(self._stats[model].proto(model, chosen))
-        return reply
 
 
 def stage_response(
@@ -711,22 +518,25 @@ async def serve_stages(
     bound: Callable[[int], None] | None = None,
     telemetry: Telemetry | None = None,
     metrics: Metrics | None = None,
-    make_plane: Callable[[Telemetry, Metrics], StagePlane] | None = None,
+    repository: ModelRepository | None = None,
+    backends: Sequence[Backend] = (),
+    models: Sequence[str] | None = None,
 ) -> None:
     """Serve stage models until a signal (or `stopping`): listen first, load the models, then SERVING.
 
-    `bound` is called with the port once the server listens (tests and launchers ask for port 0).
-    `telemetry` defaults to tracing configured by the environment (`Telemetry.from_env`), `metrics` to a
-    registry of this server's own. `make_plane` builds a plane of its own (a `StagePlane` subclass) in place
-    of `StagePlane(stages)`.
+    The models are the `stages` objects, and the entries of `repository` whose backend is one of
+    `backends` (`models`: only those named). `bound` is called with the port once the server listens
+    (tests and launchers ask for port 0). `telemetry` defaults to tracing configured by the environment
+    (`Telemetry.from_env`), `metrics` to a registry of this server's own.
     """
+    from pipeline.stage_plane import StagePlane
+
     owned = telemetry is None
     telemetry = Telemetry.from_env(service) if telemetry is None else telemetry
     metrics = Metrics() if metrics is None else metrics
-    if make_plane is not None:
-        plane = make_plane(telemetry, metrics)
-    else:
-        plane = StagePlane(stages, telemetry=telemetry, metrics=metrics)
+    plane = StagePlane(
+        stages, repository=repository, backends=backends, models=models, telemetry=telemetry, metrics=metrics
+    )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
     server, port = await create_server(
@@ -742,10 +552,13 @@ async def serve_stages(
         write_port(args.port_file, port)
         if bound is not None:
             bound(port)
-        log.info("%s listening on %s:%d, loading %s", service, args.host, port, ", ".join(plane.stages))
+        source = f" and the repository {repository.root}" if repository is not None else ""
+        log.info("%s listening on %s:%d, loading its models%s", service, args.host, port, source)
         await plane.load()
         await set_serving(health_servicer, True)
-        log.info("%s serving %s on %s:%d", service, ", ".join(plane.stages), args.host, port)
+        log.info(
+            "%s serving %s on %s:%d", service, ", ".join(plane.model_names) or "no model", args.host, port
+        )
 
     async def stop() -> None:
         await plane.unload()
@@ -770,12 +583,19 @@ def run_stage_service(
     args: argparse.Namespace,
     *,
     service: str,
-    make_plane: Callable[[Telemetry, Metrics], StagePlane] | None = None,
+    repository: ModelRepository | None = None,
+    backends: Sequence[Backend] = (),
+    models: Sequence[str] | None = None,
 ) -> None:
-    """Entry point of a stage service process: serve `stages` (or `make_plane`'s plane) until SIGTERM or SIGINT."""
+    """Entry point of a stage service process: serve `stages` and the repository models of `backends` until
+    SIGTERM or SIGINT."""
     configure_logging(args.log_level, service)
     try:
-        asyncio.run(serve_stages(stages, args, service=service, make_plane=make_plane))
+        asyncio.run(
+            serve_stages(
+                stages, args, service=service, repository=repository, backends=backends, models=models
+            )
+        )
     except SecurityConfigError as err:
         log.error("%s", err)
         raise SystemExit(2) from None

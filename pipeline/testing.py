@@ -19,8 +19,10 @@ from pipeline.server import serve_stages
 from pipeline.stage import Stage
 
 if TYPE_CHECKING:
+    from pipeline.backend import Backend
     from pipeline.metrics import Metrics
     from pipeline.plan import Catalog
+    from pipeline.repository import ModelRepository
     from pipeline.telemetry import Telemetry
 
 
@@ -86,8 +88,12 @@ async def serving_stages(
     metrics_port: int | None = None,
     drain_delay: float = 0.0,
     options: Mapping[str, Any] | None = None,
+    repository: ModelRepository | None = None,
+    backends: Sequence[Backend] = (),
+    models: Sequence[str] | None = None,
 ) -> AsyncIterator[Running]:
-    """Serve stage models on 127.0.0.1 and a port the OS picks (models load in the background).
+    """Serve stage models on 127.0.0.1 and a port the OS picks (models load in the background): the
+    `stages` objects, and the entries of `repository` that `backends` run (`models`: only those named).
 
     `port` asks for a given port instead, e.g. to bring a stopped stage back where it was. `telemetry`
     (tracing) defaults to what the environment says; `metrics_port` (0: the OS picks) serves `metrics`.
@@ -105,6 +111,9 @@ async def serving_stages(
             bound=bound,
             telemetry=telemetry,
             metrics=metrics,
+            repository=repository,
+            backends=backends,
+            models=models,
         )
     ) as running:
         yield running

@@ -1,0 +1,569 @@
+"""The data plane of every stage service: models, their versions and instances, and their lifecycle.
+
+A stage service serves two kinds of models through one `StagePlane`:
+
+- `Stage` objects handed to it in code (in-process servers, tests): one version each per `Stage.versions`,
+  one instance, always loaded;
+- the entries of a model repository (`pipeline.repository`) whose backend it runs: each backend
+  (`pipeline.backend.Backend`) prepares a version (completed config, unloaded instances) and the plane does
+  the rest.
+
+Each served version holds one or more instances (Triton's `instance_group`), each with its own thread, so
+inference never blocks the event loop and an instance's calls never overlap; a request takes whichever
+instance of its version is idle. Instances that declare themselves `inline` (microseconds of numpy) run on
+the event loop instead.
+
+Lifecycle (`RepositoryModelLoad` / `RepositoryModelUnload`): a load reads the model's config and version
+folders again, prepares and loads the versions its policy names that are new or changed *beside* those
+serving, and only when all of them loaded swaps them in; the versions they replace then drain (their
+in-flight requests finish) and unload. A load that fails unloads what it had built and leaves the serving
+versions as they were (rollback). At start-up a model that fails to load is reported UNAVAILABLE, with its
+reason, by `RepositoryIndex`, `ModelReady` and the log, while every other model serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.backend import Backend, Instance, PreparedVersion, StageInstance, stage_config
+from pipeline.convert import (
+    metadata_response,
+    request_tensors,
+    requested_outputs,
+    select_version,
+    validate_inputs,
+)
+from pipeline.errors import InvalidInput, ModelNotFound, PipelineError, Unavailable, Unimplemented
+from pipeline.metrics import Metrics
+from pipeline.repository import (
+    ModelRepository,
+    RepositoryEntry,
+    RepositoryError,
+    RepositoryNotFound,
+    tensor_specs,
+)
+from pipeline.server import CallContext, DataPlane, stage_response
+from pipeline.stage import Stage, TensorSpec
+from pipeline.statistics import ModelStats
+from pipeline.telemetry import BATCH_SIZE, MODEL, NO_SPAN, Telemetry
+
+log = logging.getLogger(__name__)
+
+
+class _Slot:
+    """One instance and the one thread it runs on.
+
+    `started` and `finished` are written only by the instance's thread (one writer each, no lock)."""
+
+    def __init__(self, instance: Instance, label: str) -> None:
+        self.instance = instance
+        self.executor = None if instance.inline else ThreadPoolExecutor(1, thread_name_prefix=label)
+        self.started = 0
+        self.finished = 0
+
+    def run(self, arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int, int, int, int]:
+        """Run one batch and time it: the result, its perf-counter start and end, and its wall-clock ones."""
+        self.started += 1
+        wall_start, begun = time.time_ns(), time.perf_counter_ns()
+        try:
+            result = self.instance.run(arrays)
+        finally:
+            self.finished += 1
+        return result, begun, time.perf_counter_ns(), wall_start, time.time_ns()
+
+    async def call(self, method: Any, *args: Any) -> Any:
+        """Call one of the instance's blocking methods on its thread (or inline)."""
+        if self.executor is None:
+            return method(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, method, *args)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False)
+
+
+@dataclass(eq=False)
+class _Pool:
+    """The instances of a version, and a queue of the idle ones."""
+
+    slots: list[_Slot]
+    idle: asyncio.Queue[_Slot] = field(default_factory=asyncio.Queue)
+    unloaded: bool = False
+
+    def __post_init__(self) -> None:
+        for slot in self.slots:
+            self.idle.put_nowait(slot)
+
+    async def load(self) -> None:
+        """Load the first instance alone (it may build and cache an engine the others reuse), then the rest
+        together; on failure unload what loaded."""
+        loaded: list[_Slot] = []
+        try:
+            for group in (self.slots[:1], self.slots[1:]):
+                await asyncio.gather(*(s.call(s.instance.load) for s in group))
+                loaded += group
+        except BaseException:
+            await asyncio.gather(*(s.call(s.instance.unload) for s in loaded), return_exceptions=True)
+            for slot in self.slots:
+                slot.close()
+            raise
+
+    async def unload(self) -> None:
+        """Unload every instance (once, however many versions share the pool)."""
+        if self.unloaded:
+            return
+        self.unloaded = True
+        for slot in self.slots:
+            try:
+                await slot.call(slot.instance.unload)
+            except Exception:
+                log.exception("unloading an instance failed")
+            slot.close()
+
+
+@dataclass(eq=False)
+class ServedVersion:
+    """A loaded version of a model."""
+
+    name: str
+    version: str
+    #: What `ModelConfig` returns for it.
+    config: mc.ModelConfig
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    pool: _Pool
+    #: Changes when the version's files or config do (repository models); "" for a `Stage` object.
+    fingerprint: str = ""
+    #: Set while no request is in flight; retiring waits for it.
+    quiet: asyncio.Event = field(default_factory=asyncio.Event)
+    inflight: int = 0
+    retired: bool = False
+
+    def __post_init__(self) -> None:
+        self.quiet.set()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.config.max_batch_size
+
+    @property
+    def platform(self) -> str:
+        return self.config.platform or self.config.backend
+
+
+@dataclass
+class _Model:
+    """A model the plane knows: its served versions (oldest first) and why it serves none, if so."""
+
+    name: str
+    versions: dict[str, ServedVersion] = field(default_factory=dict)
+    #: Whether it should serve (False once unloaded by request).
+    wanted: bool = True
+    reason: str = "loading"
+    #: A `Stage` object given in code (not from the repository).
+    fixed: bool = False
+    stats: ModelStats = field(default_factory=ModelStats)
+    #: Calls waiting for or running on an instance (kept by the event loop).
+    pending: int = 0
+
+    @property
+    def running(self) -> int:
+        return sum(s.started - s.finished for v in self.versions.values() for s in v.pool.slots)
+
+    @property
+    def waiting(self) -> int:
+        # NOTE: a call cancelled while it runs leaves `pending` before its thread finishes; never below 0.
+        return max(0, self.pending - self.running)
+
+
+class StagePlane(DataPlane):
+    """Serves `Stage` objects and the repository entries its backends run (see the module docstring)."""
+
+    def __init__(
+        self,
+        stages: Sequence[Stage] = (),
+        *,
+        repository: ModelRepository | None = None,
+        backends: Sequence[Backend] = (),
+        models: Sequence[str] | None = None,
+        telemetry: Telemetry | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        """`models` limits the repository models served to those named (Triton's `--load-model`)."""
+        names = [stage.name for stage in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage model names must be unique, got {names}")
+        self.repository = repository
+        self.backends = {name: backend for backend in backends for name in backend.names}
+        self._only = set(models) if models is not None else None
+        self._stages = list(stages)
+        self._models: dict[str, _Model] = {name: _Model(name, fixed=True) for name in names}
+        self._lifecycle = asyncio.Lock()
+        self._started = False
+        if repository is not None:
+            self.extensions = (*DataPlane.extensions, "model_repository")
+        self.telemetry = telemetry or Telemetry()
+        self.metrics = metrics or Metrics()
+        models_now = self._models
+        self.metrics.gauge(
+            "pipeline_queue_depth",
+            "Requests waiting now",
+            "model",
+            lambda: [(n, m.waiting) for n, m in models_now.items() if m.versions],
+        )
+        self.metrics.gauge(
+            "pipeline_inflight_batches",
+            "Executions running now",
+            "model",
+            lambda: [(n, m.running) for n, m in models_now.items() if m.versions],
+        )
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every model this plane knows, loaded or not."""
+        return list(self._models)
+
+    def _wanted_names(self) -> list[str]:
+        if self.repository is None:
+            return []
+        return [n for n in self.repository.names() if self._only is None or n in self._only]
+
+    # ---- loading and unloading -----------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Load every `Stage` object, then every repository model this service runs. A `Stage` that fails to
+        load stops the service; a repository model that fails is reported and the others serve."""
+        async with self._lifecycle:
+            for stage in self._stages:
+                await self._load_stage(stage)
+            for name in self._wanted_names():
+                try:
+                    await self._load_model(name, None, at_startup=True)
+                except RepositoryError as exc:
+                    log.error("model '%s' is not served: %s", name, exc.message)
+        self._started = True
+
+    async def unload(self) -> None:
+        async with self._lifecycle:
+            for model in self._models.values():
+                versions = list(model.versions.values())
+                model.versions = {}
+                for served in versions:
+                    await self._retire(served)
+
+    async def _load_stage(self, stage: Stage) -> None:
+        config = stage_config(stage)
+        inputs, outputs = tuple(stage.inputs), tuple(stage.outputs)
+        pool = _Pool([_Slot(StageInstance(stage, reason="built into this service"), f"stage-{stage.name}")])
+        await pool.load()
+        model = self._models[stage.name]
+        model.versions = {
+            v: ServedVersion(stage.name, v, config, inputs, outputs, pool) for v in stage.versions
+        }
+        model.reason = ""
+        log.info("loaded model '%s' (platform %s)", stage.name, stage.platform)
+
+    async def _load_model(
+        self, name: str, override: mc.ModelConfig | None, *, at_startup: bool = False
+    ) -> None:
+        """Load (or reload) a repository model; the caller holds `_lifecycle`."""
+        assert self.repository is not None
+        try:
+            entry = self.repository.read(name, override)
+        except RepositoryError as exc:
+            if at_startup:
+                # Unreadable: whose it is cannot be told; report it, but only if it claims to be ours.
+                self._models.setdefault(name, _Model(name)).reason = exc.message
+            raise
+        backend = self.backends.get(entry.backend)
+        if backend is None:
+            if at_startup:
+                return  # another service's model
+            raise RepositoryError(
+                f"model '{name}': its backend '{entry.backend}' is not run by this service (it runs "
+                f"{', '.join(self.backends) or 'none'})"
+            )
+        model = self._models.get(name)
+        if model is not None and model.fixed:
+            raise RepositoryError(
+                f"model '{name}' is built into this service; the repository cannot replace it"
+            )
+        model = self._models.setdefault(name, _Model(name))
+        current = model.versions
+        fresh: dict[str, ServedVersion] = {}
+        try:
+            wanted = entry.served_versions()
+            for version in wanted:
+                fingerprint = entry.fingerprint(version)
+                if version in current and current[version].fingerprint == fingerprint:
+                    continue
+                fresh[version] = await self._load_version(backend, entry, version, fingerprint)
+        except BaseException as exc:
+            for served in fresh.values():
+                await self._retire(served)
+            serving = ", ".join(current) or "none"
+            if not current:
+                model.reason = f"load failed: {exc}"
+            if isinstance(exc, RepositoryError):
+                raise type(exc)(f"{exc.message} (versions still serving: {serving})") from None
+            if isinstance(exc, PipelineError):
+                raise RepositoryError(f"{exc.message} (versions still serving: {serving})") from None
+            if isinstance(exc, Exception):
+                log.exception("model '%s' failed to load", name)
+                raise RepositoryError(
+                    f"failed to load model '{name}' from {entry.source}: {type(exc).__name__}: {exc} "
+                    f"(versions still serving: {serving})"
+                ) from exc
+            raise
+        versions = {v: fresh.get(v) or current[v] for v in wanted}
+        retired = [served for v, served in current.items() if versions.get(v) is not served]
+        # NOTE: the swap is one assignment on the event loop: a request sees either the old versions or the new.
+        model.versions = versions
+        model.wanted = True
+        model.reason = ""
+        if fresh:
+            log.info(
+                "model '%s': serving version(s) %s (new: %s)", name, ", ".join(versions), ", ".join(fresh)
+            )
+        for served in retired:
+            await self._retire(served)
+
+    async def _load_version(
+        self, backend: Backend, entry: RepositoryEntry, version: str, fingerprint: str
+    ) -> ServedVersion:
+        prepared: PreparedVersion = await asyncio.to_thread(backend.prepare, entry, version)
+        config = prepared.config
+        config.name = entry.name
+        if not prepared.instances:
+            raise RepositoryError(f"{entry.source}: version {version} has no instance to run on")
+        inputs, outputs = tensor_specs(config, entry.source)
+        label = f"{entry.name}-{version}"
+        pool = _Pool([_Slot(instance, f"model-{label}-{i}") for i, instance in enumerate(prepared.instances)])
+        await pool.load()
+        first = prepared.instances[0]
+        log.info(
+            "model '%s' version %s: %d instance(s) on %s, platform %s (%s)",
+            entry.name,
+            version,
+            len(prepared.instances),
+            ", ".join(i.device for i in prepared.instances),
+            config.platform or config.backend,
+            first.reason,
+        )
+        return ServedVersion(entry.name, version, config, inputs, outputs, pool, fingerprint)
+
+    async def _retire(self, served: ServedVersion) -> None:
+        """Let a version's in-flight requests finish, then unload its instances, unless a version still
+        serving shares them (a `Stage` object's versions do)."""
+        if served.retired:
+            return
+        served.retired = True
+        await served.quiet.wait()
+        model = self._models.get(served.name)
+        if model is not None and any(v.pool is served.pool for v in model.versions.values()):
+            return
+        await served.pool.unload()
+        log.info("model '%s' version %s unloaded", served.name, served.version)
+
+    # ---- the repository extension ----------------------------------------------------------------------------
+
+    def _require_repository(self) -> ModelRepository:
+        if self.repository is None:
+            raise Unimplemented("this server has no model repository")
+        return self.repository
+
+    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
+        """Every model version this service serves or would serve, with its state (READY / UNAVAILABLE)
+        and why; models of other services' backends are not listed."""
+        reply = pb.RepositoryIndexResponse()
+        on_disk: dict[str, tuple[str, ...]] = {}
+        problems: dict[str, str] = {}
+        if self.repository is not None:
+            for name in self._wanted_names():
+                try:
+                    entry = self.repository.read(name)
+                except RepositoryError as exc:
+                    problems[name] = exc.message
+                    continue
+                if entry.backend in self.backends:
+                    on_disk[name] = entry.versions
+        for name in sorted(set(on_disk) | set(problems) | set(self._models)):
+            model = self._models.get(name)
+            served = model.versions if model else {}
+            problem = problems.get(name, "")
+            versions = (
+                sorted(set(on_disk.get(name, ())) | set(served), key=int)
+                if not model or not model.fixed
+                else list(served)
+            )
+            for version in versions:
+                if version in served:
+                    reply.models.add(name=name, version=version, state="READY")
+                elif not ready_only:
+                    reason = problem or (model.reason if model and model.reason else "")
+                    if not reason:
+                        reason = "unloaded" if model and not model.wanted else "not loaded"
+                    reply.models.add(name=name, version=version, state="UNAVAILABLE", reason=reason)
+            if not versions and not ready_only:
+                reason = problem or (model.reason if model else "") or "no versions"
+                reply.models.add(name=name, state="UNAVAILABLE", reason=reason)
+        return reply
+
+    async def repository_load(self, name: str, parameters: Mapping[str, object]) -> None:
+        """Load or reload a model. Parameter `config`: a `ModelConfig` as JSON (Triton's field names) that
+        replaces the model's `config.pbtxt` for this load."""
+        self._require_repository()
+        override = None
+        for key in parameters:
+            if key != "config":
+                raise InvalidInput(f"RepositoryModelLoad: parameter '{key}' is not supported (only 'config')")
+        if "config" in parameters:
+            try:
+                override = json_format.Parse(str(parameters["config"]), mc.ModelConfig())
+            except json_format.ParseError as exc:
+                raise InvalidInput(
+                    f"RepositoryModelLoad: parameter 'config' is not a ModelConfig in JSON: {exc}"
+                ) from None
+        async with self._lifecycle:
+            await self._load_model(name, override)
+
+    async def repository_unload(self, name: str, parameters: Mapping[str, object]) -> None:
+        """Stop serving a model: new requests are refused, in-flight ones finish, then it unloads."""
+        self._require_repository()
+        async with self._lifecycle:
+            model = self._models.get(name)
+            if model is None:
+                raise RepositoryNotFound(
+                    f"unknown model '{name}' (served here: {', '.join(self._models) or 'none'})"
+                )
+            if model.fixed:
+                raise InvalidInput(f"model '{name}' is built into this service; it cannot be unloaded")
+            versions = list(model.versions.values())
+            model.versions = {}
+            model.wanted = False
+            model.reason = "unloaded"
+            for served in versions:
+                await self._retire(served)
+
+    # ---- serving ---------------------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return self._started
+
+    def _get(self, name: str, version: str) -> ServedVersion:
+        model = self._models.get(name)
+        if model is None:
+            raise ModelNotFound(f"unknown model '{name}' (served here: {', '.join(self._models) or 'none'})")
+        if not model.versions:
+            raise Unavailable(f"model '{name}' is not loaded ({model.reason or 'loading'})")
+        return model.versions[select_version(name, list(model.versions), version)]
+
+    async def model_ready(self, name: str, version: str) -> bool:
+        try:
+            self._get(name, version)
+        except PipelineError:
+            return False
+        return True
+
+    async def model_metadata(self, name: str, version: str, call: CallContext) -> pb.ModelMetadataResponse:
+        served = self._get(name, version)
+        versions = list(self._models[name].versions)
+        return metadata_response(name, versions, served.platform, served.inputs, served.outputs)
+
+    async def model_config(self, name: str, version: str, call: CallContext) -> mc.ModelConfig:
+        config = mc.ModelConfig()
+        config.CopyFrom(self._get(name, version).config)
+        return config
+
+    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+        started = time.perf_counter_ns()
+        served = self._get(request.model_name, request.model_version)
+        name, version = served.name, served.version
+        stats = self._models[name].stats
+        telemetry = self.telemetry
+        try:
+            with telemetry.span("decode") if telemetry.enabled else NO_SPAN:
+                tensors = validate_inputs(
+                    name, request_tensors(request), served.inputs, served.max_batch_size
+                )
+                wanted = requested_outputs(request, served.outputs, name)
+                arrays = {tensor_name: tensor.to_array() for tensor_name, tensor in tensors.items()}
+            batch = next(iter(arrays.values())).shape[0] if served.max_batch_size > 0 and arrays else None
+            items = batch or 1
+            decoded = time.perf_counter_ns()
+            if telemetry.enabled:
+                span = telemetry.current_span()
+                if span is not None:
+                    span.set_attribute(BATCH_SIZE, items)
+            result, queue_ns, compute_ns, wall = await self._execute(served, arrays)
+            if telemetry.enabled:
+                telemetry.record_span("compute", wall[0], wall[1], {MODEL: name, BATCH_SIZE: items})
+            encoding = time.perf_counter_ns()
+            with telemetry.span("encode") if telemetry.enabled else NO_SPAN:
+                specs = {spec.name: spec for spec in served.outputs}
+                response = stage_response(name, version, request.id, wanted, result, specs, batch)
+        except BaseException:
+            stats.request_failed(time.perf_counter_ns() - started)
+            raise
+        finished = time.perf_counter_ns()
+        stats.batch_done(items, compute_ns)
+        stats.request_done(
+            items=items,
+            total_ns=finished - started,
+            queue_ns=queue_ns,
+            compute_ns=compute_ns,
+            input_ns=decoded - started,
+            output_ns=finished - encoding,
+        )
+        metrics = self.metrics
+        metrics.queue_duration.labels(name).observe(queue_ns / 1e9)
+        metrics.compute_duration.labels(name).observe(compute_ns / 1e9)
+        metrics.batch_size.labels(name).observe(items)
+        return response
+
+    async def _execute(
+        self, served: ServedVersion, arrays: dict[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], int, int, tuple[int, int]]:
+        """Run on an idle instance of the version: the result, the wait and run times (ns), and the run's
+        wall-clock start and end (for its span)."""
+        if served.retired:
+            # Replaced between lookup and execution: use what serves that version now, if anything does.
+            served = self._get(served.name, served.version)
+        model = self._models[served.name]
+        # NOTE: counted in flight before the first await, so a version swapped out after `_get` returned it
+        # is not unloaded under this request (`_retire` waits for `quiet`).
+        served.inflight += 1
+        served.quiet.clear()
+        model.pending += 1
+        submitted = time.perf_counter_ns()
+        try:
+            slot = await served.pool.idle.get()
+            try:
+                result, begun, ended, wall_start, wall_end = await slot.call(slot.run, arrays)
+            finally:
+                served.pool.idle.put_nowait(slot)
+        finally:
+            model.pending -= 1
+            served.inflight -= 1
+            if served.inflight == 0:
+                served.quiet.set()
+        return result, begun - submitted, ended - begun, (wall_start, wall_end)
+
+    async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        names = [name] if name else [n for n, m in self._models.items() if m.versions]
+        reply = pb.ModelStatisticsResponse()
+        for model in names:
+            served = self._get(model, version)
+            reply.model_stats.append(self._models[model].stats.proto(model, served.version))
+        return reply
