@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -185,3 +186,25 @@ def example_repository(
                 config.parameters[key].string_value = str(value)
             config_path.write_text(config_text(config))
     return root
+
+
+#: What the `Gated` stage of the lifecycle tests records and waits on (its model.py imports this module).
+GATE = {"entered": threading.Event(), "release": threading.Event(), "events": []}
+
+GATED_MODEL = """
+from pipeline.stage import Stage, TensorSpec
+from tests.stages import GATE
+
+class Gated(Stage):
+    inputs = (TensorSpec("X", "FP32", (-1,)),)
+    outputs = (TensorSpec("Y", "FP32", (-1,)),)
+
+    def infer(self, inputs):
+        GATE["entered"].set()
+        GATE["release"].wait(30)
+        GATE["events"].append("infer finished")
+        return {"Y": inputs["X"]}
+
+    def unload(self):
+        GATE["events"].append("unloaded")
+"""
