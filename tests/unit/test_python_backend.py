@@ -363,3 +363,25 @@ def test_default_model_filename_cannot_leave_the_version_folder(tmp_path: Path) 
     )
     (tmp_path / "x.py").write_text(SCALE)
     assert "is not a plain file name" in refused(tmp_path / "repository", "escape")
+
+
+# ---- the services' flags ----------------------------------------------------------------------------------------
+
+
+def test_stage_services_take_the_repository_flags_in_triton_spelling(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.server import repository_models
+    from services.postprocess.__main__ import build_parser as postprocess_parser
+    from services.preprocess.__main__ import build_parser
+
+    args = build_parser().parse_args(
+        ["--model-repository", "/srv/models", "--load-model", "a", "--load-model", "b"]
+    )
+    assert args.model_dir == Path("/srv/models") and repository_models(args) == ["a", "b"]
+    args = build_parser().parse_args([])
+    assert args.model_dir == Path("model_repository") and repository_models(args) is None
+
+    monkeypatch.setenv("PIPELINE_MODEL_DIR", "/data/repository")
+    monkeypatch.setenv("PIPELINE_POSTPROCESS_LOAD_MODEL", "x, y")
+    args = postprocess_parser().parse_args([])
+    assert args.model_dir == Path("/data/repository") and repository_models(args) == ["x", "y"]
+    assert repository_models(postprocess_parser().parse_args(["--load-model", "z"])) == ["z"]
