@@ -117,7 +117,8 @@ class PythonBackend:
 def import_model_file(path: Path, model: str, version: str) -> types.ModuleType:
     """Import `path` as a new module (a name of its own every time); `RepositoryError` naming the file, the
     line and the cause when it cannot be read or raises."""
-    name = f"pipeline_repository.{re.sub(r'[^0-9A-Za-z_]', '_', model)}.v{version}.m{next(_module_ids)}"
+    # A flat name: a dotted one would make pickle look for parent packages that don't exist.
+    name = f"pipeline_repository_{re.sub(r'[^0-9A-Za-z_]', '_', model)}_v{version}_{next(_module_ids)}"
     try:
         source = path.read_bytes()
     except OSError as exc:
@@ -157,15 +158,18 @@ def _where(exc: BaseException, path: Path) -> str:
 
 def _model_classes(module: types.ModuleType, path: Path) -> tuple[type[Stage] | None, type | None]:
     """The one `Stage` subclass the file defines, or its `TritonPythonModel`; `RepositoryError` otherwise."""
-    stages = [
+    own = [
         obj
         for obj in vars(module).values()
-        if isinstance(obj, type)
-        and issubclass(obj, Stage)
-        and obj.__module__ == module.__name__
-        and not inspect.isabstract(obj)
+        if isinstance(obj, type) and issubclass(obj, Stage) and obj.__module__ == module.__name__
     ]
+    stages = [cls for cls in own if not inspect.isabstract(cls)]
     triton = vars(module).get("TritonPythonModel")
+    if own and not stages and triton is None:
+        missing = ", ".join(sorted(getattr(own[-1], "__abstractmethods__", ())))
+        raise RepositoryError(
+            f"{path}: Stage subclass {own[-1].__name__} is abstract: it does not implement {missing}"
+        )
     if triton is not None and not isinstance(triton, type):
         raise RepositoryError(f"{path}: TritonPythonModel is a {type(triton).__name__}, not a class")
     if len(stages) > 1:

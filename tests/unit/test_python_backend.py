@@ -385,3 +385,9 @@ def test_stage_services_take_the_repository_flags_in_triton_spelling(monkeypatch
     args = postprocess_parser().parse_args([])
     assert args.model_dir == Path("/data/repository") and repository_models(args) == ["x", "y"]
     assert repository_models(postprocess_parser().parse_args(["--load-model", "z"])) == ["z"]
+
+
+def test_a_stage_that_does_not_implement_infer_is_refused_saying_so(tmp_path: Path) -> None:
+    path = write_model(tmp_path, "lazy", "from pipeline.stage import Stage\n\nclass Lazy(Stage):\n    pass\n")
+    message = refused(tmp_path, "lazy")
+    assert str(path) in message and "Stage subclass Lazy is abstract: it does not implement infer" in message
