@@ -250,13 +250,7 @@ def _prepare_stage(
 ) -> PreparedVersion:
     config = mc.ModelConfig()
     config.CopyFrom(entry.config)
-    config.backend = "python"
-    config.platform = config.platform or cls.platform or "python"
-    class_batch = int(getattr(cls, "max_batch_size", 0) or 0)
-    config.max_batch_size = config.max_batch_size or class_batch
     placements = _placements(config)
-    parameters = types.MappingProxyType(parameters_of(config))
-
     stages = []
     for _ in placements:
         try:
@@ -267,7 +261,13 @@ def _prepare_stage(
             ) from None
         stages.append(stage)
 
+    # The first object's attributes: a class may set its declarations in `__init__`.
     first = stages[0]
+    config.backend = "python"
+    config.platform = config.platform or first.platform or "python"
+    class_batch = int(getattr(first, "max_batch_size", 0) or 0)
+    config.max_batch_size = config.max_batch_size or class_batch
+    parameters = types.MappingProxyType(parameters_of(config))
     declared = (tuple(getattr(first, "inputs", ())), tuple(getattr(first, "outputs", ())))
     if config.input or config.output:
         inputs, outputs = _agreed(
