@@ -3,7 +3,7 @@ backend.
 
 The python backend (`pipeline.python_backend`) registers this module under the name
 `triton_python_backend_utils` before it imports a `model.py`, so `import triton_python_backend_utils as
-pb_utils` works unchanged. What is here behaves as Triton's does: `Tensor`, `InferenceRequest`,
+pb_utils` works unchanged. What is here behaves as Triton's does: `Tensor` (with DLPack), `InferenceRequest`,
 `InferenceResponse`, `TritonError`, `TritonModelException`, `get_input_tensor_by_name`,
 `get_output_tensor_by_name`, `get_input_config_by_name`, `get_output_config_by_name` and
 `triton_string_to_numpy`. Calls from a model into other models (BLS, `InferenceRequest(...).exec()`) are
@@ -70,6 +70,19 @@ class Tensor:
         """The tensor's data."""
         return self._value
 
+    def to_dlpack(self) -> Any:
+        """The tensor as a DLPack capsule (e.g. for `torch.utils.dlpack.from_dlpack`): its memory, or a copy of
+        a read-only array (inputs are read-only views of the request bytes, which DLPack cannot mark)."""
+        value = self._value if self._value.flags.writeable else self._value.copy()
+        return value.__dlpack__()
+
+    @staticmethod
+    def from_dlpack(name: str, capsule: Any) -> Tensor:
+        """A tensor from a DLPack object in host memory (a torch CPU tensor, or what `to_dlpack` gives)."""
+        if not hasattr(capsule, "__dlpack__"):
+            capsule = _Capsule(capsule)
+        return Tensor(name, np.from_dlpack(capsule))
+
     def is_cpu(self) -> bool:
         """Always True: tensors reach a stage as numpy arrays in host memory."""
         return True
@@ -80,6 +93,19 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor({self._name!r}, shape={list(self._value.shape)}, dtype={self._value.dtype})"
+
+
+class _Capsule:
+    """A bare DLPack capsule, wrapped in the protocol `numpy.from_dlpack` expects."""
+
+    def __init__(self, capsule: Any) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU: tensors here live in host memory
 
 
 class InferenceRequest:

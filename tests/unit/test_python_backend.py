@@ -391,3 +391,17 @@ def test_a_stage_that_does_not_implement_infer_is_refused_saying_so(tmp_path: Pa
     path = write_model(tmp_path, "lazy", "from pipeline.stage import Stage\n\nclass Lazy(Stage):\n    pass\n")
     message = refused(tmp_path, "lazy")
     assert str(path) in message and "Stage subclass Lazy is abstract: it does not implement infer" in message
+
+
+def test_tensors_cross_to_torch_and_back_through_dlpack() -> None:
+    import torch
+
+    from pipeline.triton_python_backend_utils import Tensor
+
+    readonly = np.arange(4, dtype=np.float32)
+    readonly.flags.writeable = False  # as inputs arrive
+    as_torch = torch.utils.dlpack.from_dlpack(Tensor("X", readonly).to_dlpack())
+    assert as_torch.tolist() == [0.0, 1.0, 2.0, 3.0]
+    back = Tensor.from_dlpack("Y", torch.utils.dlpack.to_dlpack(as_torch * 2))
+    assert back.name() == "Y" and back.as_numpy().tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert Tensor.from_dlpack("Z", torch.ones(2)).as_numpy().tolist() == [1.0, 1.0]
