@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from PIL import Image
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
@@ -16,14 +17,17 @@ from pipeline.config import load_ensembles
 from pipeline.convert import response_tensors
 from pipeline.python_backend import PythonBackend
 from pipeline.repository import ModelRepository
+from pipeline.stage import Stage, TensorSpec
 from pipeline.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.stages import (
+    EXAMPLE_REPOSITORY,
     GATE,
     GATED_MODEL,
     TRITON_ADD_SUB_CONFIG,
     TRITON_ADD_SUB_MODEL,
     example_repository,
+    example_stage,
     write_model,
 )
 
@@ -271,3 +275,84 @@ async def test_unload_lets_the_request_in_flight_finish_first(tmp_path: Path) ->
         np.testing.assert_array_equal(outputs(await call)["Y"], x)
         await unload
         assert GATE["events"] == ["infer finished", "unloaded"]
+
+
+class _DigitsCNN(Stage):
+    """Stands in for the model service's `digits_cnn`: any fixed function of the pixels will do."""
+
+    name = "digits_cnn"
+    max_batch_size = 64
+    inputs = (TensorSpec("INPUT", "FP32", (-1, 1, 8, 8)),)
+    outputs = (TensorSpec("LOGITS", "FP32", (-1, 10)),)
+
+    def infer(self, inputs):
+        return {"LOGITS": inputs["INPUT"].reshape(-1, 64)[:, 20:30].copy()}
+
+
+class _RefCNN(Stage):
+    name = "refcnn_cnn"
+    max_batch_size = 64
+    inputs = (TensorSpec("INPUT", "FP32", (-1, 3, 64, 64)),)
+    outputs = (TensorSpec("LOGITS", "FP32", (-1, 10)),)
+
+    def infer(self, inputs):
+        return {"LOGITS": inputs["INPUT"].mean(axis=(1, 2))[:, :10].copy()}
+
+
+class _Encoder(Stage):
+    name = "minilm_encoder"
+    max_batch_size = 64
+    inputs = (
+        TensorSpec("INPUT_IDS", "INT64", (-1, -1), pad_value=0),
+        TensorSpec("ATTENTION_MASK", "INT64", (-1, -1), pad_value=0),
+    )
+    outputs = (TensorSpec("TOKEN_EMBEDDINGS", "FP32", (-1, -1, 384), pad_value=0),)
+
+    def infer(self, inputs):
+        ids = inputs["INPUT_IDS"].astype(np.float32)
+        return {"TOKEN_EMBEDDINGS": np.sin(ids[..., None] * np.arange(1, 385, dtype=np.float32) / 997)}
+
+
+async def test_the_ensembles_of_the_tree_run_unchanged_over_the_repository_stages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ensembles/*.yaml over the example repository's stages (model steps stood in for): the router's answers
+    are what the same stages give composed in-process."""
+    models = [_DigitsCNN(), _RefCNN(), _Encoder()]
+    async with serving(example_repository(tmp_path, EXAMPLES)) as stages, serving_stages(models) as model:
+        await wait_serving(stages.address, timeout=60)
+        for variable, address in (("PREPROCESS", stages.address), ("MODEL", model.address)):
+            monkeypatch.setenv(f"{variable}_ADDRESS", address)
+        monkeypatch.setenv("POSTPROCESS_ADDRESS", stages.address)
+        async with (
+            serving_router(load_ensembles([EXAMPLE_REPOSITORY.parent / "ensembles"])) as router,
+            inference_stub(router.address) as stub,
+        ):
+            await wait_serving(router.address, timeout=60)
+
+            def chain(
+                first: str, model: Stage, last: str, arrays: dict[str, np.ndarray]
+            ) -> dict[str, np.ndarray]:
+                pre = example_stage(first).infer(arrays)
+                middle = model.infer({"INPUT": next(iter(pre.values()))} if len(pre) == 1 else pre)
+                return example_stage(last).infer(middle if len(pre) == 1 else {**pre, **middle})
+
+            png = io.BytesIO()
+            Image.fromarray(np.tril(np.full((24, 24), 255, np.uint8))).save(png, format="PNG")
+            images = np.empty((2, 1), object)
+            images[:, 0] = [png.getvalue(), png.getvalue()]
+            out = outputs(await stub.ModelInfer(request_for("digits", IMAGE=images), timeout=30))
+            expected = chain("digits_preprocess", models[0], "digits_postprocess", {"IMAGE": images})
+            np.testing.assert_array_equal(out["LABEL"], expected["LABEL"])
+            np.testing.assert_allclose(out["SCORES"], expected["SCORES"], rtol=1e-6)
+
+            pictures = np.random.default_rng(3).integers(0, 256, (3, 3, 64, 64), dtype=np.uint8)
+            out = outputs(await stub.ModelInfer(request_for("refcnn", IMAGE=pictures), timeout=30))
+            expected = chain("refcnn_preprocess", models[1], "refcnn_postprocess", {"IMAGE": pictures})
+            np.testing.assert_array_equal(out["LABEL"], expected["LABEL"])
+            np.testing.assert_allclose(out["PROB"], expected["PROB"], rtol=1e-6)
+
+            texts = np.array([[b"A cat sat on the mat."], [b"Hi"]], dtype=object)
+            out = outputs(await stub.ModelInfer(request_for("embeddings", TEXT=texts), timeout=30))
+            expected = chain("embeddings_tokenize", models[2], "embeddings_pool", {"TEXT": texts})
+            np.testing.assert_allclose(out["EMBEDDING"], expected["EMBEDDING"], rtol=1e-5, atol=1e-6)
