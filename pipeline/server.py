@@ -437,6 +437,36 @@ def add_server_arguments(
     )
 
 
+def add_repository_arguments(parser: argparse.ArgumentParser, *, service: str) -> None:
+    """The model repository flags, in Triton's spelling too: `--model-dir` (alias `--model-repository`, env
+    `PIPELINE_MODEL_DIR`) and `--load-model NAME` (repeatable; env `PIPELINE_<SERVICE>_LOAD_MODEL`, names
+    separated by commas), which serves only the models named instead of every one the service runs."""
+    env = f"PIPELINE_{service.upper()}_LOAD_MODEL"
+    parser.add_argument(
+        "--model-dir",
+        "--model-repository",
+        dest="model_dir",
+        type=Path,
+        default=Path(os.environ.get("PIPELINE_MODEL_DIR", "model_repository")),
+        help="the model repository, in Triton's layout (env PIPELINE_MODEL_DIR; default %(default)s)",
+    )
+    parser.add_argument(
+        "--load-model",
+        action="append",
+        metavar="NAME",
+        default=None,
+        help=f"serve only this repository model (repeatable; env {env}, comma-separated); without it, "
+        "every model of the repository that this service runs",
+    )
+    parser.set_defaults(load_model_env=[n for n in os.environ.get(env, "").split(",") if n.strip()])
+
+
+def repository_models(args: argparse.Namespace) -> list[str] | None:
+    """The models `--load-model` (or its environment variable) names, or None for all of them."""
+    names = args.load_model if args.load_model is not None else args.load_model_env
+    return [name.strip() for name in names] or None
+
+
 def configure_logging(level: str, service: str) -> None:
     logging.basicConfig(
         level=level.upper(),

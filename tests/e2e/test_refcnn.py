@@ -13,9 +13,8 @@ import pytest
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.client import InferenceClient
 from services.model.refcnn import RefCNNStage
-from services.postprocess.refcnn import RefCNNPostprocess
-from services.preprocess.refcnn import RefCNNPreprocess
 from tests.e2e.conftest import REPO
+from tests.stages import example_stage
 
 pytestmark = pytest.mark.e2e
 
@@ -34,8 +33,8 @@ def _in_process(images: np.ndarray) -> dict[str, np.ndarray]:
     """The three stages composed in-process (tests/unit/test_refcnn.py ties them to the reference)."""
     model = RefCNNStage(device="cpu")
     model.load()
-    pixels = RefCNNPreprocess().infer({"IMAGE": images})["PIXELS"]
-    return RefCNNPostprocess().infer(model.infer({"INPUT": pixels}))
+    pixels = example_stage("refcnn_preprocess").infer({"IMAGE": images})["PIXELS"]
+    return example_stage("refcnn_postprocess").infer(model.infer({"INPUT": pixels}))
 
 
 @pytest.mark.parametrize("batch", [1, 5, 64])

@@ -29,9 +29,12 @@ from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.config import load_ensembles
 from pipeline.convert import response_tensors
 from pipeline.datatypes import DATATYPES
+from pipeline.python_backend import PythonBackend
+from pipeline.repository import ModelRepository
 from pipeline.server import server_options
 from pipeline.testing import serving_router, serving_stages
 from tests.conftest import request_for, wait_serving
+from tests.stages import example_repository
 
 EXAMPLES = int(os.environ.get("PIPELINE_FUZZ_EXAMPLES", "300"))
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
@@ -69,17 +72,29 @@ steps:
 @pytest.fixture(scope="module")
 def router(tmp_path_factory) -> Iterator[str]:
     """The router and real stages in an event loop of their own (hypothesis drives a sync client)."""
-    from services.postprocess.classify import ClassifyStage
-    from services.preprocess.digits import DigitsPreprocess
-    from services.preprocess.text import TextTokenize
-
     folder: Path = tmp_path_factory.mktemp("fuzz")
+    repository = ModelRepository(
+        example_repository(
+            tmp_path_factory.mktemp("repository"),
+            ["digits_preprocess", "embeddings_tokenize", "digits_postprocess"],
+            {
+                "digits_preprocess": {"max_image_pixels": 512 * 512},
+                "embeddings_tokenize": {"max_text_bytes": 256},
+            },
+        )
+    )
     started: queue.Queue[str | BaseException] = queue.Queue()
     stop = threading.Event()
 
     async def main() -> None:
-        pre_stages = [DigitsPreprocess(max_image_pixels=512 * 512), TextTokenize(max_text_bytes=256)]
-        async with serving_stages(pre_stages) as pre, serving_stages([ClassifyStage()]) as post:
+        pre_models = ["digits_preprocess", "embeddings_tokenize"]
+        backends = [PythonBackend()]
+        async with (
+            serving_stages([], repository=repository, backends=backends, models=pre_models) as pre,
+            serving_stages(
+                [], repository=repository, backends=backends, models=["digits_postprocess"]
+            ) as post,
+        ):
             for i, text in enumerate(ENSEMBLES.split("---\n")):
                 (folder / f"e{i}.yaml").write_text(text.format(pre=pre.address, post=post.address))
             async with serving_router(load_ensembles([folder]), max_message_mb=4) as running:

@@ -24,8 +24,7 @@ from services.model.backends import (
 from services.model.digits import DEFAULT_EPOCHS, DigitsCNN, TrainReport, load_split, model_dir_weights, train
 from services.model.stage import DigitsCNNStage
 from services.model.train import main as train_main
-from services.postprocess.classify import ClassifyStage
-from services.preprocess.digits import DigitsPreprocess
+from tests.stages import example_stage
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +117,7 @@ def test_whole_chain_in_process_on_held_out_images(trained: TrainReport) -> None
             images[i, 0] = _png(
                 digit, size=(8, 32, 100)[variant], dark_ink=i % 2 == 0, mode=("L", "RGB")[i % 2]
             )
-    preprocess, postprocess = DigitsPreprocess(), ClassifyStage()
+    preprocess, postprocess = example_stage("digits_preprocess"), example_stage("digits_postprocess")
     model = DigitsCNNStage(trained.weights.parents[2], device="cpu")
     model.load()
     labels = []
