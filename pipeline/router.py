@@ -14,7 +14,9 @@ import asyncio
 import logging
 import os
 import time
+import types
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -22,9 +24,9 @@ from grpc_health.v1 import health, health_pb2
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.config import ConfigError, load_ensembles
+from pipeline.config import ConfigError, load_catalog
 from pipeline.convert import metadata_response, model_config, select_version
-from pipeline.errors import InvalidInput, ModelNotFound, PipelineError, Unavailable
+from pipeline.errors import InvalidInput, ModelNotFound, PipelineError, StageError, Unavailable
 from pipeline.executor import ENSEMBLE_VERSION, Executor, batch_items
 from pipeline.metrics import Metrics
 from pipeline.plan import Catalog, EnsemblePlan, check_signatures
@@ -91,6 +93,20 @@ class RouterPlane(DataPlane):
             for key, endpoint in catalog.stages.items()
         }
         self.stage_of_model: dict[str, str] = catalog.stage_models()
+        #: The ensembles served, each step's stage found once `discover` has found it.
+        self.ensembles: dict[str, EnsemblePlan] = dict(catalog.ensembles)
+        #: Models of steps that name no stage, until a stage's `RepositoryIndex` lists them.
+        self._unresolved = {
+            step.model_name
+            for plan in catalog.ensembles.values()
+            for step in plan.steps
+            if not step.stage and step.model_name not in self.stage_of_model
+        }
+        #: Stage key -> the models its `RepositoryIndex` lists as READY; None for a stage without the RPC.
+        self.indexes: dict[str, frozenset[str] | None] = {}
+        #: Every model of the stages' repositories -> the first declared stage that serves it.
+        self.repository_models: dict[str, str] = {}
+        self._refreshing: asyncio.Future[None] | None = None
         self.executor = Executor(self.clients, telemetry=self.telemetry, metrics=self.metrics)
         self.signatures = self.executor.signatures
         self.batchers = self.executor.batchers
@@ -121,8 +137,10 @@ class RouterPlane(DataPlane):
     # --- start-up and health -------------------------------------------------------------------------
 
     async def discover(self, *, retry_interval: float = 0.5) -> None:
-        """Learn every stage model's signature from its stage, waiting for stages that are not up yet,
-        then check every ensemble against them (a mismatch raises `ConfigError`)."""
+        """Find the stage of every step that names none, learn every stage model's signature from its
+        stage, waiting for stages that are not up yet, then check every ensemble against them (a mismatch
+        raises `ConfigError`) and start the batchers."""
+        await self._find_stages(retry_interval)
         waiting_since = time.monotonic()
         reported: set[str] = set()
         while len(self.signatures) < len(self.stage_of_model):
@@ -137,15 +155,110 @@ class RouterPlane(DataPlane):
                         reported.add(model)
             if len(self.signatures) < len(self.stage_of_model):
                 await asyncio.sleep(retry_interval)
-        for plan in self.catalog.ensembles.values():
+        for plan in self.ensembles.values():
             check_signatures(plan, self.signatures)
-        for plan in self.catalog.ensembles.values():
+        for plan in self.ensembles.values():
             for step in plan.steps:
                 if step.batching is not None and step.model_name not in self.batchers:
                     self.executor.add_batcher(step.model_name, self.clients[step.stage], step.batching)
         # Metadata answers before a stage has loaded its models: wait for every stage to be SERVING too.
         while not all(await asyncio.gather(*(c.check_health(timeout=2.0) for c in self.clients.values()))):
             await asyncio.sleep(retry_interval)
+
+    async def _find_stages(self, retry_interval: float) -> None:
+        """Give each step that names no stage the stage whose `RepositoryIndex` lists its model as READY
+        (the first declared where several do), waiting for stages that are down or still loading."""
+        waiting_since: float | None = None
+        while True:
+            await self.refresh_index()
+            for model in sorted(self._unresolved):
+                found = [
+                    key for key, models in self.indexes.items() if models is not None and model in models
+                ]
+                if not found:
+                    continue
+                if len(found) > 1:
+                    log.info(
+                        "model '%s' is served by stages %s: using '%s', the first declared",
+                        model,
+                        ", ".join(found),
+                        found[0],
+                    )
+                else:
+                    log.info("model '%s' is served by stage '%s'", model, found[0])
+                self.stage_of_model[model] = found[0]
+                self.stats.setdefault(model, ModelStats())
+                self._unresolved.discard(model)
+            if not self._unresolved:
+                break
+            if not self.clients:
+                raise ConfigError(
+                    f"no stage to serve model(s) {', '.join(sorted(self._unresolved))}: a step names no stage "
+                    "and the router has none (give them with --stage NAME=ADDRESS)"
+                )
+            if len(self.indexes) == len(self.clients) and all(m is None for m in self.indexes.values()):
+                raise ConfigError(
+                    f"no stage can say whether it serves model(s) {', '.join(sorted(self._unresolved))}: "
+                    f"none of {', '.join(self.clients)} implements RepositoryIndex; name the stage in the step"
+                )
+            now = time.monotonic()
+            if waiting_since is None or now - waiting_since > 30:
+                waiting_since = now
+                asked = ", ".join(f"'{key}' ({c.endpoint.address})" for key, c in self.clients.items())
+                log.info(
+                    "waiting for a stage that serves model(s) %s: no RepositoryIndex of %s lists them as "
+                    "READY yet",
+                    ", ".join(sorted(self._unresolved)),
+                    asked,
+                )
+            await asyncio.sleep(retry_interval)
+        self.ensembles = {name: self._resolved(plan) for name, plan in self.ensembles.items()}
+
+    def _resolved(self, plan: EnsemblePlan) -> EnsemblePlan:
+        """`plan` with the stage found for each step that names none."""
+        if all(step.stage for step in plan.steps):
+            return plan
+        steps = tuple(
+            step if step.stage else replace(step, stage=self.stage_of_model[step.model_name])
+            for step in plan.steps
+        )
+        stages = {**plan.stages, **{step.stage: self.catalog.stages[step.stage] for step in steps}}
+        return replace(plan, steps=steps, stages=types.MappingProxyType(stages))
+
+    async def refresh_index(self) -> None:
+        """Ask every stage for its `RepositoryIndex` (READY models) now; calls made meanwhile share one."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh_index())
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh_index(self) -> None:
+        keys = list(self.clients)
+        found = await asyncio.gather(*(self._index_of(self.clients[key]) for key in keys))
+        for key, models in zip(keys, found, strict=True):
+            if not isinstance(models, PipelineError):  # a stage that is down keeps what it said last
+                self.indexes[key] = models
+        served: dict[str, str] = {}
+        for key in keys:
+            for model in sorted(self.indexes.get(key) or ()):
+                served.setdefault(model, key)
+        self.repository_models = served
+
+    @staticmethod
+    async def _index_of(client: StageClient) -> frozenset[str] | PipelineError | None:
+        """The models a stage's `RepositoryIndex` lists as READY; None for a stage without the RPC (a
+        plain OIP server); the error for a stage that cannot answer now."""
+        try:
+            reply = await client.call(
+                "RepositoryIndex",
+                pb.RepositoryIndexRequest(ready=True),
+                timeout=2.0,
+                what="its repository index",
+            )
+        except StageError as err:
+            return None if err.code == grpc.StatusCode.UNIMPLEMENTED else err
+        except PipelineError as err:
+            return err
+        return frozenset(model.name for model in reply.models if model.state == "READY")
 
     async def monitor(
         self, interval: float = 1.0, on_ready: Callable[[bool], Awaitable[None]] | None = None
@@ -166,28 +279,45 @@ class RouterPlane(DataPlane):
             await asyncio.sleep(interval)
 
     def ready(self) -> bool:
-        return len(self.signatures) == len(self.stage_of_model) and all(
-            c.healthy for c in self.clients.values()
+        return (
+            not self._unresolved
+            and all(model in self.signatures for model in self.stage_of_model)
+            and all(c.healthy for c in self.clients.values())
         )
 
     async def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
         await self.executor.close()
         await asyncio.gather(*(c.close() for c in self.clients.values()))
 
     # --- model lookup --------------------------------------------------------------------------------
 
     def _ensemble(self, name: str, version: str) -> EnsemblePlan | None:
-        plan = self.catalog.ensembles.get(name)
+        plan = self.ensembles.get(name)
         if plan is not None:
             select_version(name, (ENSEMBLE_VERSION,), version)
         return plan
 
-    def _stage_client(self, name: str) -> StageClient:
-        key = self.stage_of_model.get(name)
+    async def _stage_client(self, name: str) -> StageClient:
+        """The client of the stage that serves a stage model: the one its steps name or were given, else
+        the first declared stage whose repository holds it (asked again for a model not seen yet)."""
+        key = self.stage_of_model.get(name) or self.repository_models.get(name)
+        if key is None and self.indexes:
+            await self.refresh_index()
+            key = self.repository_models.get(name)
         if key is None:
-            served = sorted([*self.catalog.ensembles, *self.stage_of_model])
+            served = sorted({*self.ensembles, *self.stage_of_model, *self.repository_models})
             raise ModelNotFound(f"unknown model '{name}' (served here: {', '.join(served)})")
         return self.clients[key]
+
+    async def _learn(self, name: str, client: StageClient) -> None:
+        """A repository model that no ensemble names, called for the first time: learn its signature."""
+        signature = await client.signature(name)
+        if name in self.signatures:  # learnt by a concurrent call meanwhile
+            return
+        self.signatures[name] = signature
+        self.stats.setdefault(name, ModelStats())
 
     async def model_ready(self, name: str, version: str) -> bool:
         try:
@@ -196,10 +326,12 @@ class RouterPlane(DataPlane):
             return False
         if plan is not None:
             return self.ready() and all(self.clients[step.stage].healthy for step in plan.steps)
-        if name not in self.stage_of_model:
+        try:
+            client = await self._stage_client(name)
+        except ModelNotFound:
             return False
         try:
-            reply = await self._stage_client(name).call(
+            reply = await client.call(
                 "ModelReady",
                 pb.ModelReadyRequest(name=name, version=version),
                 timeout=2.0,
@@ -214,7 +346,8 @@ class RouterPlane(DataPlane):
         if plan is not None:
             return metadata_response(plan.name, (ENSEMBLE_VERSION,), "ensemble", plan.inputs, plan.outputs)
         request = pb.ModelMetadataRequest(name=name, version=version)
-        return await self._stage_client(name).call(
+        client = await self._stage_client(name)
+        return await client.call(
             "ModelMetadata", request, timeout=call.timeout, metadata=call.metadata, what=f"model '{name}'"
         )
 
@@ -223,7 +356,8 @@ class RouterPlane(DataPlane):
         if plan is not None:
             return ensemble_config(plan)
         request = pb.ModelConfigRequest(name=name, version=version)
-        reply = await self._stage_client(name).call(
+        client = await self._stage_client(name)
+        reply = await client.call(
             "ModelConfig", request, timeout=call.timeout, metadata=call.metadata, what=f"model '{name}'"
         )
         return reply.config
@@ -260,9 +394,19 @@ class RouterPlane(DataPlane):
     async def _infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         plan = self._ensemble(request.model_name, request.model_version)
         name = request.model_name
+        client: StageClient | None = None
         if plan is not None:
+            if self._unresolved and not all(step.stage for step in plan.steps):
+                raise Unavailable(
+                    f"ensemble '{name}' is not ready: waiting for a stage that serves "
+                    f"{', '.join(sorted(self._unresolved))}"
+                )
             self._check_items(request, plan.max_batch_size > 0)
-        elif (signature := self.signatures.get(name)) is not None:
+        else:
+            client = await self._stage_client(name)
+            if name not in self.signatures and name not in self.stage_of_model:
+                await self._learn(name, client)
+        if plan is None and (signature := self.signatures.get(name)) is not None:
             self._check_items(request, signature.max_batch_size > 0)
         batched = plan is None and name in self.batchers
         started = time.perf_counter_ns()
@@ -276,7 +420,7 @@ class RouterPlane(DataPlane):
             elif batched:
                 response, items = await self.executor.infer_batched(request, call)
             else:
-                client = self._stage_client(name)
+                assert client is not None
                 with self.executor.stage_call_span(name, client) if self.telemetry.enabled else NO_SPAN:
                     response = await client.call(
                         "ModelInfer",
@@ -307,10 +451,67 @@ class RouterPlane(DataPlane):
                 stats = self.batchers[model][0].stats
             elif model in self.stats:
                 stats = self.stats[model]
+            elif model in self.repository_models:
+                stats = ModelStats()  # served here, not called yet
             else:
                 raise ModelNotFound(f"unknown model '{model}'")
             reply.model_stats.append(stats.proto(model, version or ENSEMBLE_VERSION))
         return reply
+
+    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
+        """The ensembles, then every stage's models as its own `RepositoryIndex` lists them (a model that
+        several stages hold, as the stage that serves it here); a stage without the RPC lists the models
+        the ensembles name on it."""
+        reply = pb.RepositoryIndexResponse()
+        ready = self.ready()
+        for name in sorted(self.ensembles):
+            if ready:
+                reply.models.add(name=name, version=ENSEMBLE_VERSION, state="READY")
+            elif not ready_only:
+                reply.models.add(
+                    name=name, version=ENSEMBLE_VERSION, state="UNAVAILABLE", reason="waiting for its stages"
+                )
+        keys = list(self.clients)
+        answers = await asyncio.gather(
+            *(self._stage_index(key, ready_only) for key in keys), return_exceptions=False
+        )
+        owner: dict[str, str] = {}
+        for key, models in zip(keys, answers, strict=True):
+            for model in models:
+                serving = self.stage_of_model.get(model.name) or owner.setdefault(model.name, key)
+                if serving == key and model.name not in self.ensembles:
+                    reply.models.append(model)
+        return reply
+
+    async def _stage_index(self, key: str, ready_only: bool) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+        client = self.clients[key]
+        problem = ""
+        try:
+            answer = await client.call(
+                "RepositoryIndex",
+                pb.RepositoryIndexRequest(ready=ready_only),
+                timeout=2.0,
+                what="its repository index",
+            )
+            return list(answer.models)
+        except StageError as err:
+            if err.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        except Unavailable as err:
+            problem = err.message
+        # A plain OIP server, or a stage that is down: the models the ensembles name on it.
+        models = []
+        for model in sorted(m for m, k in self.stage_of_model.items() if k == key):
+            ready = not problem and await self.model_ready(model, "")
+            if ready:
+                models.append(pb.RepositoryIndexResponse.ModelIndex(name=model, state="READY"))
+            elif not ready_only:
+                models.append(
+                    pb.RepositoryIndexResponse.ModelIndex(
+                        name=model, state="UNAVAILABLE", reason=problem or "not ready"
+                    )
+                )
+        return models
 
 
 def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
@@ -336,14 +537,73 @@ def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
 # --- process entry point -----------------------------------------------------------------------------
 
 
+#: The stages of a router given a model repository and no `--stage`: the environment variables that the
+#: example ensembles and `pipeline run` use, and their defaults.
+DEFAULT_STAGES = (
+    ("preprocess", "PREPROCESS_ADDRESS", "127.0.0.1:8101"),
+    ("model", "MODEL_ADDRESS", "127.0.0.1:8102"),
+    ("postprocess", "POSTPROCESS_ADDRESS", "127.0.0.1:8103"),
+)
+
+
+def stage_argument(value: str) -> tuple[str, str]:
+    """An argparse type: `NAME=ADDRESS`."""
+    name, sep, address = value.partition("=")
+    if not sep or not name.strip() or not address.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=ADDRESS (e.g. model=127.0.0.1:8102), got {value!r}")
+    return name.strip(), address.strip()
+
+
+def router_catalog(args: argparse.Namespace) -> Catalog:
+    """What the router's flags say to serve: the YAML ensembles, the model repository's ensembles and the
+    stages. Without `--stage`, a router given a repository calls the stages `DEFAULT_STAGES` names."""
+    model_dir: Path | None = getattr(args, "model_dir", None)
+    if model_dir is not None and not model_dir.is_dir():
+        raise ConfigError(f"--model-dir {model_dir}: no such folder")
+    stages: dict[str, str] = {}
+    for key, address in getattr(args, "stage", None) or ():
+        if key in stages:
+            raise ConfigError(f"--stage {key}: given twice ({stages[key]} and {address})")
+        stages[key] = address
+    if not stages and model_dir is not None:
+        # Like the ensemble files' ${VAR:-default}: an empty variable counts as unset.
+        stages = {key: os.environ.get(var) or default for key, var, default in DEFAULT_STAGES}
+    ensembles = args.ensembles
+    if ensembles is None:
+        default = Path(os.environ.get("PIPELINE_ENSEMBLES", "ensembles"))
+        # A router serving a repository needs no ensemble files, unless they are asked for.
+        quiet = model_dir is not None and "PIPELINE_ENSEMBLES" not in os.environ and not default.exists()
+        ensembles = [] if quiet else [default]
+    return load_catalog(ensembles, repository=model_dir, stages=stages)
+
+
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, service="router", default_port=8001, default_metrics_port=8002)
     parser.add_argument(
         "--ensembles",
         type=Path,
         nargs="+",
-        default=[Path(os.environ.get("PIPELINE_ENSEMBLES", "ensembles"))],
-        help="ensemble YAML files or folders of them (env PIPELINE_ENSEMBLES)",
+        default=None,
+        help="ensemble YAML files or folders of them (env PIPELINE_ENSEMBLES; default: ensembles, which a "
+        "router given --model-dir may lack)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        "--model-repository",
+        type=Path,
+        default=Path(os.environ["PIPELINE_MODEL_DIR"]) if os.environ.get("PIPELINE_MODEL_DIR") else None,
+        help="the Triton model repository the stages serve: its config.pbtxt ensembles (platform "
+        '"ensemble") are served beside the YAML ones (env PIPELINE_MODEL_DIR)',
+    )
+    parser.add_argument(
+        "--stage",
+        type=stage_argument,
+        action="append",
+        metavar="NAME=ADDRESS",
+        help="a stage service the router calls (repeatable): it serves the steps that name it, and the steps "
+        "that name no stage whose model its RepositoryIndex lists; every model of its repository is served "
+        "here too. Default with --model-dir: "
+        + ", ".join(f"{key}=${var} (else {default})" for key, var, default in DEFAULT_STAGES),
     )
     parser.add_argument(
         "--max-inflight-requests",
@@ -376,7 +636,7 @@ async def serve_router(
     then SERVING. `bound` is called with the port once the server listens. `telemetry` defaults to tracing
     configured by the environment, `metrics` to a registry of this server's own."""
     if catalog is None:
-        catalog = load_ensembles(args.ensembles)
+        catalog = router_catalog(args)
     owned = telemetry is None
     telemetry = Telemetry.from_env("router") if telemetry is None else telemetry
     metrics = Metrics() if metrics is None else metrics

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline.server import serve_stages
+from pipeline.server import StagePlane, serve_stages
 from pipeline.stage import Stage
 
 if TYPE_CHECKING:
@@ -86,13 +86,15 @@ async def serving_stages(
     metrics_port: int | None = None,
     drain_delay: float = 0.0,
     options: Mapping[str, Any] | None = None,
+    make_plane: Callable[[Telemetry, Metrics], StagePlane] | None = None,
 ) -> AsyncIterator[Running]:
     """Serve stage models on 127.0.0.1 and a port the OS picks (models load in the background).
 
     `port` asks for a given port instead, e.g. to bring a stopped stage back where it was. `telemetry`
     (tracing) defaults to what the environment says; `metrics_port` (0: the OS picks) serves `metrics`.
     `drain_delay` is how long `stop()` keeps serving while reporting NOT_SERVING. `options` sets further
-    flags by their attribute names, e.g. `{"tls_cert": ..., "tls_key": ...}`.
+    flags by their attribute names, e.g. `{"tls_cert": ..., "tls_key": ...}`. `make_plane` builds a plane
+    of its own (a `StagePlane` subclass) in place of `StagePlane(stages)`.
     """
     args = _args(max_message_mb, grace, port, metrics_port, options)
     args.drain_delay = drain_delay
@@ -105,6 +107,7 @@ async def serving_stages(
             bound=bound,
             telemetry=telemetry,
             metrics=metrics,
+            make_plane=make_plane,
         )
     ) as running:
         yield running
