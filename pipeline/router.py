@@ -24,12 +24,13 @@ from grpc_health.v1 import health, health_pb2
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.batching import BatchingConfig
 from pipeline.config import ConfigError, load_catalog
 from pipeline.convert import metadata_response, model_config, select_version
 from pipeline.errors import InvalidInput, ModelNotFound, PipelineError, StageError, Unavailable
 from pipeline.executor import ENSEMBLE_VERSION, Executor, batch_items
 from pipeline.metrics import Metrics
-from pipeline.plan import Catalog, EnsemblePlan, check_signatures
+from pipeline.plan import Catalog, EnsemblePlan, PlanStep, check_signatures
 from pipeline.security import (
     AuthInterceptor,
     SecurityConfigError,
@@ -159,11 +160,21 @@ class RouterPlane(DataPlane):
             check_signatures(plan, self.signatures)
         for plan in self.ensembles.values():
             for step in plan.steps:
-                if step.batching is not None and step.model_name not in self.batchers:
-                    self.executor.add_batcher(step.model_name, self.clients[step.stage], step.batching)
+                batching = self._batching(step)
+                if batching is not None and step.model_name not in self.batchers:
+                    self.executor.add_batcher(step.model_name, self.clients[step.stage], batching)
         # Metadata answers before a stage has loaded its models: wait for every stage to be SERVING too.
         while not all(await asyncio.gather(*(c.check_health(timeout=2.0) for c in self.clients.values()))):
             await asyncio.sleep(retry_interval)
+
+    def _batching(self, step: PlanStep) -> BatchingConfig | None:
+        """How a step's model is batched: as the ensemble says, else as the model's own config says."""
+        if step.batching is not None or not step.model_batching:
+            return step.batching
+        own = self.signatures[step.model_name].batching
+        if own is not None and step.model_name not in self.batchers:
+            log.info("model '%s': batched as its own dynamic_batching says (%s)", step.model_name, own)
+        return own
 
     async def _find_stages(self, retry_interval: float) -> None:
         """Give each step that names no stage the stage whose `RepositoryIndex` lists its model as READY
@@ -312,12 +323,16 @@ class RouterPlane(DataPlane):
         return self.clients[key]
 
     async def _learn(self, name: str, client: StageClient) -> None:
-        """A repository model that no ensemble names, called for the first time: learn its signature."""
+        """A repository model that no ensemble names, called for the first time: learn its signature and,
+        where its config sets `dynamic_batching`, batch its calls as that says."""
         signature = await client.signature(name)
         if name in self.signatures:  # learnt by a concurrent call meanwhile
             return
         self.signatures[name] = signature
         self.stats.setdefault(name, ModelStats())
+        if signature.batching is not None:
+            log.info("model '%s': batched as its own dynamic_batching says (%s)", name, signature.batching)
+            self.executor.add_batcher(name, client, signature.batching)
 
     async def model_ready(self, name: str, version: str) -> bool:
         try:

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.convert import pad_values, specs_from_metadata
+from pipeline.convert import batching_of_config, pad_values, specs_from_metadata
 from pipeline.errors import DeadlineExceeded, StageError, Unavailable
 from pipeline.metrics import Metrics
 from pipeline.plan import ModelSignature, StageEndpoint
@@ -215,13 +215,24 @@ class StageClient:
             padding = pad_values(reply.config)
             inputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in inputs)
             outputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in outputs)
+            try:
+                batching = batching_of_config(reply.config)
+            except ValueError as exc:
+                log.warning(
+                    "model '%s' on stage '%s': ignoring its dynamic_batching: %s",
+                    model,
+                    self.endpoint.name,
+                    exc,
+                )
+                batching = None
         except StageError as err:
             if err.code != grpc.StatusCode.UNIMPLEMENTED:
                 raise
             # A plain OIP server without Triton's ModelConfig: a leading -1 everywhere means it batches.
-            batching = all(spec.shape[:1] == (-1,) for spec in (*inputs, *outputs))
-            max_batch_size = sys.maxsize if batching else 0
-        return ModelSignature(model, inputs, outputs, max_batch_size)
+            batches = all(spec.shape[:1] == (-1,) for spec in (*inputs, *outputs))
+            max_batch_size = sys.maxsize if batches else 0
+            batching = None
+        return ModelSignature(model, inputs, outputs, max_batch_size, batching)
 
     async def check_health(self, timeout: float) -> bool:
         """Ask the stage's health service; remember and return whether it is SERVING."""

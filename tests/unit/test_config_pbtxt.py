@@ -6,7 +6,10 @@ import logging
 from pathlib import Path
 
 import pytest
+from google.protobuf import text_format
 
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.batching import BatchingConfig
 from pipeline.config import (
     ConfigError,
     build_catalog,
@@ -14,6 +17,7 @@ from pipeline.config import (
     load_catalog,
     load_repository_ensembles,
 )
+from pipeline.convert import batching_of_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -195,3 +199,52 @@ def test_a_step_turning_batching_off_and_one_leaving_it_to_the_model_disagree() 
     assert "b.yaml (step 0 (m)): model 'm' has dynamic_batching off here but the model's own" in str(
         info.value
     )
+
+
+def test_a_models_own_dynamic_batching_becomes_the_routers_batching() -> None:
+    config = mc.ModelConfig(name="m", max_batch_size=16)
+    assert batching_of_config(config) is None  # none set: one request per stage call
+    config.dynamic_batching.SetInParent()
+    assert batching_of_config(config) == BatchingConfig(
+        max_batch_size=16, max_queue_delay_microseconds=0, allow_timeout_override=False, max_queue_size=0
+    )
+    config.ClearField("dynamic_batching")
+    text_format.Merge(
+        """
+        dynamic_batching {
+          preferred_batch_size: [4, 8] max_queue_delay_microseconds: 500 preserve_ordering: true
+          priority_levels: 3 default_priority_level: 2
+          default_queue_policy { max_queue_size: 100 default_timeout_microseconds: 7000 allow_timeout_override: true }
+        }""",
+        config,
+    )
+    batching = batching_of_config(config)
+    assert batching is not None
+    assert (
+        batching.max_batch_size,
+        batching.preferred_batch_size,
+        batching.max_queue_delay_microseconds,
+    ) == (
+        16,
+        (4, 8),
+        500,
+    )
+    assert (batching.priority_levels, batching.default_priority_level, batching.preserve_ordering) == (
+        3,
+        2,
+        True,
+    )
+    assert (
+        batching.max_queue_size,
+        batching.default_timeout_microseconds,
+        batching.allow_timeout_override,
+    ) == (
+        100,
+        7000,
+        True,
+    )
+    config.max_batch_size = 0  # a model that does not batch gets no batcher
+    assert batching_of_config(config) is None
+    config.max_batch_size = 6
+    with pytest.raises(ValueError, match=r"preferred_batch_size 8 is outside 1\.\.max_batch_size"):
+        batching_of_config(config)
