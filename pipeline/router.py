@@ -419,7 +419,9 @@ class RouterPlane(DataPlane):
             self._check_items(request, plan.max_batch_size > 0)
         else:
             client = await self._stage_client(name)
-            if name not in self.signatures and name not in self.stage_of_model:
+            # An ensemble member is learnt (and batched as its steps say) by `discover`.
+            member = name in self.stage_of_model or name in self._unresolved
+            if not member and name not in self.signatures:
                 await self._learn(name, client)
         if plan is None and (signature := self.signatures.get(name)) is not None:
             self._check_items(request, signature.max_batch_size > 0)
@@ -459,7 +461,7 @@ class RouterPlane(DataPlane):
         return response
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
-        names = [name] if name else sorted(self.stats)
+        names = [name] if name else sorted({*self.stats, *self.repository_models})
         reply = pb.ModelStatisticsResponse()
         for model in names:
             if model in self.batchers:
