@@ -183,9 +183,8 @@ class RouterPlane(DataPlane):
         while True:
             await self.refresh_index()
             for model in sorted(self._unresolved):
-                found = [
-                    key for key, models in self.indexes.items() if models is not None and model in models
-                ]
+                # In declaration order, whichever stage answered first.
+                found = [key for key in self.clients if model in (self.indexes.get(key) or ())]
                 if not found:
                     continue
                 if len(found) > 1:
@@ -314,7 +313,8 @@ class RouterPlane(DataPlane):
         """The client of the stage that serves a stage model: the one its steps name or were given, else
         the first declared stage whose repository holds it (asked again for a model not seen yet)."""
         key = self.stage_of_model.get(name) or self.repository_models.get(name)
-        if key is None and self.indexes:
+        # Ask again only where a stage has a repository index, or has not answered yet.
+        if key is None and self.indexes and any(self.indexes.get(k, ()) is not None for k in self.clients):
             await self.refresh_index()
             key = self.repository_models.get(name)
         if key is None:
