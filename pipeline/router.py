@@ -144,17 +144,17 @@ class RouterPlane(DataPlane):
         await self._find_stages(retry_interval)
         waiting_since = time.monotonic()
         reported: set[str] = set()
-        while len(self.signatures) < len(self.stage_of_model):
-            for model, key in self.stage_of_model.items():
-                if model in self.signatures:
-                    continue
+        # NOTE: `signatures` may also hold repository models that clients called meanwhile.
+        while missing := [model for model in self.stage_of_model if model not in self.signatures]:
+            for model in missing:
+                key = self.stage_of_model[model]
                 try:
                     self.signatures[model] = await self.clients[key].signature(model)
                 except PipelineError as err:
                     if model not in reported or time.monotonic() - waiting_since > 30:
                         log.info("waiting for model '%s' on stage '%s': %s", model, key, err.message)
                         reported.add(model)
-            if len(self.signatures) < len(self.stage_of_model):
+            if any(model not in self.signatures for model in missing):
                 await asyncio.sleep(retry_interval)
         for plan in self.ensembles.values():
             check_signatures(plan, self.signatures)
