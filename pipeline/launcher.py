@@ -263,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         ["--ensembles", str(args.ensembles), *grace, *router_metrics, *router_tls],
     )
+    router.args += ["--model-dir", str(args.model_dir)]  # its config.pbtxt ensembles, the stages' models
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
 
     stopping = False

@@ -37,103 +37,50 @@ class Scale(Stage):
         return {"Y": x * 2}
 
 
-#: Triton's Python-backend example `add_sub` (python_backend/examples/add_sub), unmodified: a model written for
-#: Triton that this project's stage services serve as it is.
-TRITON_ADD_SUB_MODEL = '''\
+#: A model written for Triton's Python backend, as its users write them (its API only: `initialize` reads the
+#: config's output types, `execute` answers each request with a `pb_utils.InferenceResponse`): this project's
+#: stage services must serve it as it is. It adds and subtracts two vectors.
+TRITON_ADD_SUB_MODEL = """\
 import json
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
-    """Your Python model must use the same class name. Every Python model
-    that is created must have "TritonPythonModel" as the class name.
-    """
-
     def initialize(self, args):
-        # You must parse model_config. JSON string is not parsed here
-        self.model_config = model_config = json.loads(args["model_config"])
-
-        # Get OUTPUT0 configuration
-        output0_config = pb_utils.get_output_config_by_name(model_config, "OUTPUT0")
-
-        # Get OUTPUT1 configuration
-        output1_config = pb_utils.get_output_config_by_name(model_config, "OUTPUT1")
-
-        # Convert Triton types to numpy types
-        self.output0_dtype = pb_utils.triton_string_to_numpy(output0_config["data_type"])
-        self.output1_dtype = pb_utils.triton_string_to_numpy(output1_config["data_type"])
+        config = json.loads(args["model_config"])
+        self.types = {
+            name: pb_utils.triton_string_to_numpy(pb_utils.get_output_config_by_name(config, name)["data_type"])
+            for name in ("OUTPUT0", "OUTPUT1")
+        }
 
     def execute(self, requests):
-        output0_dtype = self.output0_dtype
-        output1_dtype = self.output1_dtype
-
         responses = []
-
-        # Every Python backend must iterate over everyone of the requests
-        # and create a pb_utils.InferenceResponse for each of them.
         for request in requests:
-            # Get INPUT0
-            in_0 = pb_utils.get_input_tensor_by_name(request, "INPUT0")
-            # Get INPUT1
-            in_1 = pb_utils.get_input_tensor_by_name(request, "INPUT1")
-
-            out_0, out_1 = (
-                in_0.as_numpy() + in_1.as_numpy(),
-                in_0.as_numpy() - in_1.as_numpy(),
-            )
-
-            # Create output tensors. You need pb_utils.Tensor
-            # objects to create pb_utils.InferenceResponse.
-            out_tensor_0 = pb_utils.Tensor("OUTPUT0", out_0.astype(output0_dtype))
-            out_tensor_1 = pb_utils.Tensor("OUTPUT1", out_1.astype(output1_dtype))
-
-            inference_response = pb_utils.InferenceResponse(output_tensors=[out_tensor_0, out_tensor_1])
-            responses.append(inference_response)
-
-        # You should return a list of pb_utils.InferenceResponse. Length
-        # of this list must match the length of `requests` list.
+            left = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            right = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            results = {"OUTPUT0": left + right, "OUTPUT1": left - right}
+            tensors = [pb_utils.Tensor(name, np.asarray(value, self.types[name])) for name, value in results.items()]
+            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
 
     def finalize(self):
-        """`finalize` is called only once when the model is being unloaded."""
-        print("Cleaning up...")
-'''
-#: Its `config.pbtxt`, as Triton's example ships it.
+        self.types = None
+"""
+#: Its `config.pbtxt`, in Triton's format: two FP32 inputs and outputs of 4, no batching, a CPU instance.
 TRITON_ADD_SUB_CONFIG = """\
 name: "add_sub"
 backend: "python"
-
 input [
-  {
-    name: "INPUT0"
-    data_type: TYPE_FP32
-    dims: [ 4 ]
-  }
-]
-input [
-  {
-    name: "INPUT1"
-    data_type: TYPE_FP32
-    dims: [ 4 ]
-  }
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
 ]
 output [
-  {
-    name: "OUTPUT0"
-    data_type: TYPE_FP32
-    dims: [ 4 ]
-  }
+  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
 ]
-output [
-  {
-    name: "OUTPUT1"
-    data_type: TYPE_FP32
-    dims: [ 4 ]
-  }
-]
-
-instance_group [{ kind: KIND_CPU }]
+instance_group [ { kind: KIND_CPU } ]
 """
 
 
@@ -190,6 +137,9 @@ def example_repository(
 
 #: What the `Gated` stage of the lifecycle tests records and waits on (its model.py imports this module).
 GATE = {"entered": threading.Event(), "release": threading.Event(), "events": []}
+
+#: What the router's repository tests' stages wait on: a call entered and its release, and a load's end.
+HOLD = {"entered": threading.Event(), "release": threading.Event(), "loaded": threading.Event()}
 
 GATED_MODEL = """
 from pipeline.stage import Stage, TensorSpec
