@@ -56,6 +56,7 @@ from pipeline.errors import (
 from pipeline.merge import StageCall, TensorBatching
 from pipeline.metrics import Metrics
 from pipeline.plan import Catalog, EnsemblePlan, ModelSignature, PlanStep, StageEndpoint, check_signatures
+from pipeline.rest import RestFrontDoor, RestServer, add_http_arguments
 from pipeline.security import (
     AuthInterceptor,
     SecurityConfigError,
@@ -891,6 +892,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="items (dimension 0) one request may carry, whatever the model allows "
         "(env PIPELINE_MAX_BATCH_ITEMS; default %(default)s)",
     )
+    add_http_arguments(parser)
     add_auth_arguments(parser)
     add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
 
@@ -903,10 +905,12 @@ async def serve_router(
     bound: Callable[[int], None] | None = None,
     telemetry: Telemetry | None = None,
     metrics: Metrics | None = None,
+    http_bound: Callable[[int], None] | None = None,
 ) -> None:
     """Serve the ensembles until a signal (or `stopping`): listen, wait for the stages and check the plans,
-    then SERVING. `bound` is called with the port once the server listens. `telemetry` defaults to tracing
-    configured by the environment, `metrics` to a registry of this server's own."""
+    then SERVING. `bound` is called with the port once the server listens (`http_bound` with the HTTP
+    port, first). `telemetry` defaults to tracing configured by the environment, `metrics` to a registry
+    of this server's own."""
     if catalog is None:
         catalog = load_ensembles(args.ensembles)
     owned = telemetry is None
@@ -928,9 +932,16 @@ async def serve_router(
     )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
+    servicer = InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics)
+    rest = RestServer(
+        RestFrontDoor(
+            servicer, authenticator=authenticator, max_body_bytes=args.max_message_mb * 1024 * 1024
+        ),
+        grace=args.grace_period,
+    )
     server, port = await create_server(
         f"{args.host}:{args.port}",
-        InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics),
+        servicer,
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=server_credentials_of(args),
@@ -950,6 +961,7 @@ async def serve_router(
     async def start() -> None:
         nonlocal monitor
         start_metrics(metrics, args)
+        await rest.start(args, http_bound)
         write_port(args.port_file, port)
         if bound is not None:
             bound(port)
@@ -964,6 +976,7 @@ async def serve_router(
     async def stop() -> None:
         if monitor is not None:
             monitor.cancel()
+        await rest.stop()
         await plane.close()
         metrics.close()
         if owned:
