@@ -136,6 +136,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=int(env("PIPELINE_ROUTER_PORT", 8001)),
         help="router port (env PIPELINE_ROUTER_PORT)",
     )
+    parser.add_argument(
+        "--http-port",
+        type=metrics_port,
+        default=metrics_port(env("PIPELINE_HTTP_PORT", "8000")),
+        help="router's HTTP/REST port, 0 for one the OS picks, 'off' for none (env PIPELINE_HTTP_PORT; "
+        "default 8000)",
+    )
     for name, port in (("preprocess", 8101), ("model", 8102), ("postprocess", 8103)):
         parser.add_argument(
             f"--{name}-port",
@@ -253,11 +260,15 @@ def run(args: argparse.Namespace) -> int:
                 Service(name, ["-m", f"services.{kind}"], port if i == 0 else 0, [*extra, *metrics])
             )
     router_metrics = ["--metrics-port", "off" if args.metrics_port is None else str(args.metrics_port)]
+    ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
+    http_port_file = ports / "router.http"
+    router_http = ["--http-port", "off" if args.http_port is None else str(args.http_port)]
+    router_http += ["--http-port-file", str(http_port_file)]
     router = Service(
         "router",
         ["-m", "pipeline", "router"],
         args.port,
-        ["--ensembles", str(args.ensembles), *grace, *router_metrics, *router_tls],
+        ["--ensembles", str(args.ensembles), *grace, *router_metrics, *router_http, *router_tls],
     )
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
 
@@ -269,7 +280,6 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
     try:
         for service in stages:
             service.start(host, ports / service.name)
@@ -287,9 +297,14 @@ def run(args: argparse.Namespace) -> int:
             wait_healthy(service, f"{connect}:{service.port}", args.startup_timeout, credentials)
             if stopping:
                 return 0
+        http = ""
+        if http_port_file.exists():  # written before the router's gRPC port, so there by now
+            scheme = "https" if tls_dir else "http"
+            http = f" and {scheme}://{connect}:{int(http_port_file.read_text())} (HTTP/REST)"
         print(
             f"pipeline: serving {', '.join(sorted(p.stem for p in args.ensembles.glob('*.y*ml')))} on "
-            f"{connect}:{router.port} (gRPC{' over TLS' if tls_dir else ''}, Open Inference Protocol); stages: "
+            f"{connect}:{router.port} (gRPC{' over TLS' if tls_dir else ''}){http}, Open Inference Protocol; "
+            "stages: "
             + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.process.pid})" for s in stages)  # type: ignore[union-attr]
             + ". Ctrl-C stops it.",
             flush=True,
