@@ -10,7 +10,8 @@ Binary tensor data (Triton's extension, what `tritonclient.http` sends by defaul
 header of `Inference-Header-Content-Length` bytes followed by each input's raw bytes (`binary_data_size` in
 its parameters), in order; outputs asked for with `binary_data: true` (or every output, with the request
 parameter `binary_data_output: true`) come back the same way. Request bodies may be gzip- or
-deflate-compressed (`Content-Encoding`); responses are compressed when the client's `Accept-Encoding` asks.
+deflate-compressed (`Content-Encoding`, decompressed here within the size limit); responses are compressed
+when the client's `Accept-Encoding` asks.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -503,20 +505,20 @@ class RestFrontDoor:
         return web.json_response(message_json(await self.plane.statistics(name, version)))
 
     async def repository_index(self, request: web.Request) -> web.Response:
-        doc = _json_object(await _body(request), "request body")
+        doc = _json_object(await _body(request, self.max_body_bytes), "request body")
         ready = _field(doc, "ready", bool, "request", False)
         reply = await self.plane.repository_index(ready)
         return web.json_response([message_json(model) for model in reply.models])
 
     async def repository_load(self, request: web.Request) -> web.Response:
-        doc = _json_object(await _body(request), "request body")
+        doc = _json_object(await _body(request, self.max_body_bytes), "request body")
         await self.plane.repository_load(
             request.match_info["model"], _field(doc, "parameters", dict, "request", {})
         )
         return web.Response(status=200)
 
     async def repository_unload(self, request: web.Request) -> web.Response:
-        doc = _json_object(await _body(request), "request body")
+        doc = _json_object(await _body(request, self.max_body_bytes), "request body")
         await self.plane.repository_unload(
             request.match_info["model"], _field(doc, "parameters", dict, "request", {})
         )
@@ -524,7 +526,7 @@ class RestFrontDoor:
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
         name, version = _model_of(request)
-        body = await _body(request)
+        body = await _body(request, self.max_body_bytes)
         infer_req, form = infer_request(body, request.headers.get(HEADER_LENGTH), name, version)
         reply = await self.servicer.infer(infer_req, _call_of(request))
         payload, header_length = infer_response_body(reply, form)
@@ -547,15 +549,29 @@ def _call_of(request: web.Request) -> CallContext:
     return CallContext(None, tuple((key, headers[key]) for key in _FORWARDED_HEADERS if key in headers))
 
 
-async def _body(request: web.Request) -> bytes:
-    """The whole body, decompressed (aiohttp undoes `Content-Encoding`) and bounded by the size limit."""
+#: `Content-Encoding`s of request bodies, as Triton accepts them, and their zlib window bits.
+_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+async def _body(request: web.Request, limit: int) -> bytes:
+    """The whole body, decompressed, and at most `limit` bytes either way."""
+    body = await request.read()  # bounded by the application's client_max_size
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    wbits = _ENCODINGS.get(encoding)
+    if wbits is None:
+        raise InvalidInput(f"Content-Encoding '{encoding[:20]}' is not supported (gzip, deflate or identity)")
+    decoder = zlib.decompressobj(wbits)
     try:
-        return await request.read()
-    except web.HTTPException:
-        raise
-    except Exception as err:  # a body that does not decompress, or a connection cut mid-body
-        encoding = request.headers.get("Content-Encoding", "identity")
-        raise InvalidInput(f"cannot read the request body (Content-Encoding {encoding}): {err}") from None
+        data = decoder.decompress(body, limit + 1)  # NOTE: never more than the limit, whatever the ratio
+    except zlib.error as err:
+        raise InvalidInput(f"the request body is not valid Content-Encoding {encoding}: {err}") from None
+    if len(data) > limit:
+        raise web.HTTPRequestEntityTooLarge(limit)
+    if not decoder.eof:
+        raise InvalidInput(f"the request body is not valid Content-Encoding {encoding}: it is truncated")
+    return data
 
 
 # --- serving -------------------------------------------------------------------------------------------
@@ -576,7 +592,10 @@ class RestServer:
         if port is None:
             return None
         ssl_context = server_ssl_context_of(args)
-        runner = web.AppRunner(self.front_door.app(), access_log=None, shutdown_timeout=self.grace)
+        # Request bodies are decompressed by `_body`, within the size limit and with the protocol's errors.
+        runner = web.AppRunner(
+            self.front_door.app(), access_log=None, shutdown_timeout=self.grace, auto_decompress=False
+        )
         await runner.setup()
         site = web.TCPSite(runner, args.host, port, ssl_context=ssl_context)
         try:

@@ -293,6 +293,13 @@ async def test_compressed_requests_and_responses(served, http):
         served.url("/v2/models/scaled/infer"), data=b"\x1f\x8bnot gzip", headers=headers
     ) as reply:
         assert reply.status == 400 and "Content-Encoding gzip" in (await reply.json())["error"]
+    # A small body that inflates beyond the size limit is stopped at the limit.
+    bomb = gzip.compress(b"{" + b" " * (MAX_MESSAGE_MB << 20) + b"}")
+    async with http.post(served.url("/v2/models/scaled/infer"), data=bomb, headers=headers) as reply:
+        assert reply.status == 413 and "larger than this server accepts" in (await reply.json())["error"]
+    headers["Content-Encoding"] = "zstd"
+    async with http.post(served.url("/v2/models/scaled/infer"), data=request, headers=headers) as reply:
+        assert reply.status == 400 and "'zstd' is not supported" in (await reply.json())["error"]
     await good_request(served, http)
 
 
