@@ -556,3 +556,28 @@ def test_the_error_table_covers_every_status():
 
     assert set(HTTP_STATUS) == set(grpc.StatusCode)
     assert HTTP_STATUS[grpc.StatusCode.INTERNAL] == 500 and HTTP_STATUS[grpc.StatusCode.NOT_FOUND] == 404
+
+
+# --- pipeline bench over HTTP --------------------------------------------------------------------------
+
+
+async def test_bench_drives_the_http_side(served):
+    from pipeline.bench import BenchError, BenchOptions, run_bench
+
+    options = BenchOptions(
+        # `shouted`: any random bytes are good input (`scaled` refuses negative numbers)
+        url=served.http,
+        model="shouted",
+        protocol="http",
+        concurrency=(1, 3),
+        warmup=0.2,
+        duration=0.5,
+    )
+    options.progress = False
+    report = await run_bench(options)
+    assert report.statistics  # read over HTTP too
+    for result in report.results:
+        assert result.ok > 0 and not result.errors
+        assert result.stages is not None and result.stages["shouted"]["inference_count"] > 0
+    with pytest.raises(BenchError, match="HTTP_404"):
+        await run_bench(BenchOptions(url=served.http, model="nope", protocol="http", progress=False))
