@@ -232,6 +232,18 @@ def infer_request(
 ) -> tuple[pb.ModelInferRequest, OutputForm]:
     """A REST inference request as the protocol's `ModelInferRequest` (every input as raw contents), and
     the form each output is wanted in."""
+    try:
+        return _infer_request(body, header_length, model, version)
+    except UnicodeEncodeError as err:  # JSON may escape lone surrogates, which no UTF-8 string can hold
+        raise InvalidInput(
+            f"the request holds a string that is not valid Unicode: {err.object[err.start : err.end]!r} "
+            "(a lone surrogate)"
+        ) from None
+
+
+def _infer_request(
+    body: bytes, header_length: str | None, model: str, version: str
+) -> tuple[pb.ModelInferRequest, OutputForm]:
     text, binary = _split_body(body, header_length)
     doc = _json_object(text, "request body" if header_length is None else "JSON header of the request")
     what = "request"

@@ -405,6 +405,14 @@ FP32_INPUT = {"name": "X", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3
         ("/v2/models/scaled/infer", {"inputs": [FP32_INPUT]}, {HEADER: "100000"}, 400, HEADER),
         ("/v2/models/scaled/infer", {"inputs": [FP32_INPUT]}, {HEADER: "ten"}, 400, HEADER),
         ("/v2/models/scaled/infer", b"", {}, 400, "no 'inputs'"),
+        ("/v2/models/scaled/infer", b'{"id": "\\ud800", "inputs": []}', {}, 400, "not valid Unicode"),
+        (
+            "/v2/models/shouted/infer",
+            b'{"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": ["\\udfff"]}]}',
+            {},
+            400,
+            "not valid Unicode",
+        ),
     ],
 )
 async def test_bad_requests_get_a_4xx_naming_the_problem(served, http, path, body, headers, status, words):

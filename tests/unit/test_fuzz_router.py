@@ -325,6 +325,13 @@ def test_http_infer_never_fails_inside(
     _check_answer(*_post(http_address, path, body, headers))
 
 
+def _with_surrogate(where: str) -> bytes:
+    """Valid JSON with a lone surrogate escaped in place of the string `where`: no UTF-8 string holds it."""
+    doc = {"id": "i", "parameters": {"k": 1}}
+    doc["inputs"] = [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": ["x"]}]
+    return json.dumps(doc).replace(f'"{where}"', '"\\ud800"', 1).encode()
+
+
 bodies = st.one_of(
     st.binary(max_size=300),
     st.recursive(
@@ -333,6 +340,7 @@ bodies = st.one_of(
         max_leaves=20,
     ).map(lambda v: json.dumps(v).encode()),
     st.just(b"[" * 100_000),  # nested deeper than any parser's recursion
+    st.sampled_from(["i", "k", "TEXT", "BYTES", "x"]).map(_with_surrogate),
 )
 
 
