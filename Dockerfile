@@ -86,7 +86,7 @@ HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 CMD ["pyth
 
 FROM serve AS router
 ENV PIPELINE_SERVICE=router
-EXPOSE 8001
+EXPOSE 8001 8000
 CMD ["pipeline", "router"]
 
 FROM serve AS preprocess

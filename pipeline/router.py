@@ -31,6 +31,7 @@ from pipeline.errors import InvalidInput, ModelNotFound, PipelineError, StageErr
 from pipeline.executor import ENSEMBLE_VERSION, Executor, batch_items
 from pipeline.metrics import Metrics
 from pipeline.plan import Catalog, EnsemblePlan, PlanStep, check_signatures
+from pipeline.rest import RestFrontDoor, RestServer, add_http_arguments
 from pipeline.security import (
     AuthInterceptor,
     SecurityConfigError,
@@ -636,6 +637,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="items (dimension 0) one request may carry, whatever the model allows "
         "(env PIPELINE_MAX_BATCH_ITEMS; default %(default)s)",
     )
+    add_http_arguments(parser)
     add_auth_arguments(parser)
     add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
 
@@ -648,10 +650,12 @@ async def serve_router(
     bound: Callable[[int], None] | None = None,
     telemetry: Telemetry | None = None,
     metrics: Metrics | None = None,
+    http_bound: Callable[[int], None] | None = None,
 ) -> None:
     """Serve the ensembles until a signal (or `stopping`): listen, wait for the stages and check the plans,
-    then SERVING. `bound` is called with the port once the server listens. `telemetry` defaults to tracing
-    configured by the environment, `metrics` to a registry of this server's own."""
+    then SERVING. `bound` is called with the port once the server listens (`http_bound` with the HTTP
+    port, first). `telemetry` defaults to tracing configured by the environment, `metrics` to a registry
+    of this server's own."""
     if catalog is None:
         catalog = router_catalog(args)
     owned = telemetry is None
@@ -673,9 +677,16 @@ async def serve_router(
     )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
+    servicer = InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics)
+    rest = RestServer(
+        RestFrontDoor(
+            servicer, authenticator=authenticator, max_body_bytes=args.max_message_mb * 1024 * 1024
+        ),
+        grace=args.grace_period,
+    )
     server, port = await create_server(
         f"{args.host}:{args.port}",
-        InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics),
+        servicer,
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=server_credentials_of(args),
@@ -695,6 +706,7 @@ async def serve_router(
     async def start() -> None:
         nonlocal monitor
         start_metrics(metrics, args)
+        await rest.start(args, http_bound)
         write_port(args.port_file, port)
         if bound is not None:
             bound(port)
@@ -709,6 +721,7 @@ async def serve_router(
     async def stop() -> None:
         if monitor is not None:
             monitor.cancel()
+        await rest.stop()
         await plane.close()
         metrics.close()
         if owned:

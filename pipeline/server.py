@@ -127,12 +127,15 @@ async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
     except grpc.aio.AbortError:
         raise
     except Exception:
-        incident = uuid.uuid4().hex[:12]
-        log.exception("internal error, incident %s", incident)
-        await context.abort(
-            grpc.StatusCode.INTERNAL, f"internal error (incident {incident} in the server log)"
-        )
+        await context.abort(grpc.StatusCode.INTERNAL, internal_error())
     raise AssertionError("unreachable: abort raises")
+
+
+def internal_error() -> str:
+    """Log the exception being handled under a new incident id; return what the client is told instead."""
+    incident = uuid.uuid4().hex[:12]
+    log.exception("internal error, incident %s", incident)
+    return f"internal error (incident {incident} in the server log)"
 
 
 def outcome_of(err: BaseException) -> str:
@@ -160,9 +163,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
 
-    async def _infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         """One inference through the plane: the request's server span (continuing the caller's trace)
-        and its count and latency."""
+        and its count and latency. Every front door (gRPC here, HTTP in `pipeline.rest`) infers through
+        this one path."""
         model = request.model_name
         started = time.perf_counter()
         outcome = "OK"
@@ -214,7 +218,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
-        return await _guarded(context, self._infer(request, CallContext.of(context)))
+        return await _guarded(context, self.infer(request, CallContext.of(context)))
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext):
         return await _guarded(context, self.plane.statistics(request.name, request.version))
@@ -252,7 +256,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def one(request: pb.ModelInferRequest) -> None:
             try:
-                response = await self._infer(request, call)
+                response = await self.infer(request, call)
                 await done.put(pb.ModelStreamInferResponse(infer_response=response))
             except PipelineError as err:
                 failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
