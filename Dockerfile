@@ -74,17 +74,20 @@ RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
 FROM python AS serve
 COPY --from=build /opt/venv /opt/venv
 COPY ensembles/ /app/ensembles/
+# The example repository's python stages (model.py and config.pbtxt files); a mounted repository replaces it.
+COPY model_repository/ /app/model_repository/
 COPY scripts/healthcheck.py /app/healthcheck.py
 WORKDIR /app
 # Bind every interface inside the container; each port also comes from PIPELINE_<SERVICE>_PORT.
 ENV PIPELINE_HOST=0.0.0.0 \
-    PIPELINE_ENSEMBLES=/app/ensembles
+    PIPELINE_ENSEMBLES=/app/ensembles \
+    PIPELINE_MODEL_DIR=/app/model_repository
 USER pipeline
 HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py"]
 
 FROM serve AS router
 ENV PIPELINE_SERVICE=router
-EXPOSE 8001
+EXPOSE 8001 8000
 CMD ["pipeline", "router"]
 
 FROM serve AS preprocess

@@ -93,7 +93,16 @@ class Pipeline:
     def __init__(self, ensembles: Path, log: Path, timeout: float = 240.0) -> None:
         self.log = log
         command = [sys.executable, "-m", "pipeline", "run", "--ensembles", str(ensembles), "--port", "0"]
-        command += ["--preprocess-port", "0", "--model-port", "0", "--postprocess-port", "0"]
+        command += [
+            "--preprocess-port",
+            "0",
+            "--model-port",
+            "0",
+            "--postprocess-port",
+            "0",
+            "--http-port",
+            "0",
+        ]
         with open(log, "wb") as out:
             self.process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from opentelemetry.trace import Link, Span, SpanKind, set_span_in_context, use_span
 
@@ -85,10 +85,15 @@ class BatchingConfig:
 
 
 class Clock:
-    """Monotonic time and waiting; tests substitute `ManualClock`."""
+    """Monotonic time, waiting and timers; tests substitute `ManualClock`."""
 
     def now(self) -> float:
         return time.monotonic()
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> _Timer:
+        """Run `callback` on the event loop at the time `when` (on this clock) unless cancelled first."""
+        loop = asyncio.get_running_loop()
+        return loop.call_at(loop.time() + (when - self.now()), callback)
 
     async def wait(self, event: asyncio.Event, until: float | None) -> None:
         """Wait until `event` is set or the time `until` comes, whichever is first."""
@@ -103,9 +108,15 @@ class ManualClock(Clock):
     def __init__(self, start: float = 1000.0) -> None:
         self.time = start
         self._waiters: list[tuple[float, asyncio.Event]] = []
+        self._timers: list[_ManualTimer] = []
 
     def now(self) -> float:
         return self.time
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> _Timer:
+        timer = _ManualTimer(when, callback)
+        self._timers.append(timer)
+        return timer
 
     async def wait(self, event: asyncio.Event, until: float | None) -> None:
         if until is not None and until <= self.time:
@@ -118,11 +129,34 @@ class ManualClock(Clock):
             self._waiters.remove(entry)
 
     def advance(self, seconds: float) -> None:
-        """Move time forward, waking every wait whose time has come."""
+        """Move time forward, running every timer and waking every wait whose time has come."""
         self.time += seconds
+        due = [t for t in self._timers if t.when <= self.time]
+        self._timers = [t for t in self._timers if t.when > self.time]
+        for timer in sorted(due, key=lambda t: t.when):
+            if not timer.cancelled:
+                timer.callback()
         for until, event in list(self._waiters):
             if until <= self.time:
                 event.set()
+
+
+class _Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class _ManualTimer:
+    when: float
+    callback: Callable[[], None]
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+#: A `_Pending`'s states: waiting in its queue, taken into a batch, or dropped (cancelled, expired).
+_QUEUED, _TAKEN, _DROPPED = 0, 1, 2
 
 
 @dataclass(slots=True, eq=False)
@@ -137,6 +171,31 @@ class _Pending(Generic[In, Out]):
     future: asyncio.Future[Out]
     span: Span | None = None
     enqueued_ns: int = 0  # wall clock, for the queue span
+    state: int = _QUEUED
+    timer: _Timer | None = None
+
+
+class _KeyQueue(Generic[In, Out]):
+    """The requests of one batching key: a FIFO per priority level, and the items (dimension 0) and
+    requests they hold that are still queued. Dropped requests stay in their FIFO until they reach its head
+    (lazy removal), so no request is ever searched for."""
+
+    __slots__ = ("fifos", "items", "requests")
+
+    def __init__(self, levels: int) -> None:
+        self.fifos: list[deque[_Pending[In, Out]]] = [deque() for _ in range(levels)]
+        self.items = 0
+        self.requests = 0
+
+    def heads(self) -> list[_Pending[In, Out]]:
+        """The first queued request of each priority level that has one (dropped heads are discarded)."""
+        found = []
+        for fifo in self.fifos:
+            while fifo and fifo[0].state != _QUEUED:
+                fifo.popleft()
+            if fifo:
+                found.append(fifo[0])
+        return found
 
 
 @dataclass(slots=True)
@@ -173,8 +232,8 @@ class DynamicBatcher(Generic[In, Out]):
         self.config = config
         self._execute = execute
         self._clock = clock or Clock()
-        levels = max(1, config.priority_levels)
-        self._queues: list[deque[_Pending[In, Out]]] = [deque() for _ in range(levels)]
+        self._levels = max(1, config.priority_levels)
+        self._keys: dict[Hashable, _KeyQueue[In, Out]] = {}
         self._queued = 0
         self._seq = itertools.count()
         self._wake = asyncio.Event()
@@ -198,12 +257,16 @@ class DynamicBatcher(Generic[In, Out]):
             self._scheduler.cancel()
             await asyncio.gather(self._scheduler, return_exceptions=True)
             self._scheduler = None
-        for queue in self._queues:
-            while queue:
-                pending = queue.popleft()
-                if not pending.future.done():
-                    self.stats.request_failed(int((self._clock.now() - pending.enqueued) * 1e9))
-                    pending.future.set_exception(Unavailable(f"{self.name}: shutting down"))
+        for queue in self._keys.values():
+            for fifo in queue.fifos:
+                for pending in fifo:
+                    if pending.state == _QUEUED:
+                        pending.state = _DROPPED
+                        self._cancel_timer(pending)
+                        if not pending.future.done():
+                            self.stats.request_failed(int((self._clock.now() - pending.enqueued) * 1e9))
+                            pending.future.set_exception(Unavailable(f"{self.name}: shutting down"))
+        self._keys.clear()
         self._queued = 0
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
@@ -284,12 +347,52 @@ class DynamicBatcher(Generic[In, Out]):
                 self._busy -= 1
                 self._wake.set()
             return future.result()
-        self._queues[priority].append(pending)
+        queue = self._keys.get(key)
+        if queue is None:
+            queue = self._keys[key] = _KeyQueue(self._levels)
+        queue.fifos[priority].append(pending)
+        queue.items += size
+        queue.requests += 1
         self._queued += 1
+        if deadline is not None:
+            pending.timer = self._clock.call_at(deadline, lambda: self._expire(pending))
         self._wake.set()
-        # NOTE: if the caller is cancelled (the client went away) the future is cancelled with it and the
-        # scheduler drops the request before the stage sees it.
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # The caller went away (the client cancelled): drop the request before the stage sees it.
+            if pending.state == _QUEUED:
+                self._drop(pending)
+                self.counters.dropped_cancelled += 1
+            raise
+
+    def _drop(self, pending: _Pending[In, Out]) -> None:
+        """Take a queued request out of the counts; its FIFO forgets it when it reaches the head."""
+        pending.state = _DROPPED
+        self._cancel_timer(pending)
+        queue = self._keys[pending.key]
+        queue.items -= pending.size
+        queue.requests -= 1
+        self._queued -= 1
+
+    @staticmethod
+    def _cancel_timer(pending: _Pending[In, Out]) -> None:
+        if pending.timer is not None:
+            pending.timer.cancel()
+            pending.timer = None
+
+    def _expire(self, pending: _Pending[In, Out]) -> None:
+        """A queued request's deadline came: fail it now, wherever it is in its queue."""
+        pending.timer = None
+        if pending.state != _QUEUED:
+            return
+        self._drop(pending)
+        self.counters.dropped_deadline += 1
+        self.stats.request_failed(int((self._clock.now() - pending.enqueued) * 1e9))
+        if not pending.future.done():
+            pending.future.set_exception(
+                DeadlineExceeded(f"{self.name}: the request's deadline passed while it was queued")
+            )
 
     # --- scheduling ----------------------------------------------------------------------------------
 
@@ -297,70 +400,80 @@ class DynamicBatcher(Generic[In, Out]):
         while True:
             self._wake.clear()
             now = self._clock.now()
-            self._drop_expired(now)
-            wake_at = self._next_deadline()
+            wake_at = None
             while self._queued and self._busy < self.config.max_inflight_batches:
-                batch, wait_until = self._form(now)
+                batch, wake_at = self._form(now)
                 if batch is None:
-                    if wait_until is not None:
-                        wake_at = wait_until if wake_at is None else min(wake_at, wait_until)
                     break
                 self._dispatch(batch, now)
             await self._clock.wait(self._wake, wake_at)
 
-    def _drop_expired(self, now: float) -> None:
-        for queue in self._queues:
-            if not queue:
-                continue
-            kept: deque[_Pending[In, Out]] = deque()
-            for pending in queue:
-                if pending.future.done():
-                    self.counters.dropped_cancelled += 1
-                elif pending.deadline is not None and pending.deadline <= now:
-                    self.counters.dropped_deadline += 1
-                    self.stats.request_failed(int((now - pending.enqueued) * 1e9))
-                    pending.future.set_exception(
-                        DeadlineExceeded(f"{self.name}: the request's deadline passed while it was queued")
-                    )
-                else:
-                    kept.append(pending)
-                    continue
-                self._queued -= 1
-            queue.clear()
-            queue.extend(kept)
-
-    def _next_deadline(self) -> float | None:
-        deadlines = [p.deadline for q in self._queues for p in q if p.deadline is not None]
-        return min(deadlines) if deadlines else None
-
     def _form(self, now: float) -> tuple[list[_Pending[In, Out]] | None, float | None]:
-        """The batch to send now, or (None, when to look again)."""
+        """The batch to send now, or (None, when to look again).
+
+        Keys are considered in the order of their first request (highest priority, then oldest); the first
+        key whose batch should go now goes. A key still waiting out its delay does not hold back another
+        key's full batch. The work is proportional to the number of keys and the batch's size, never to the
+        length of the queue."""
         config = self.config
-        head = next(q[0] for q in self._queues if q)  # the oldest request of the highest priority waiting
-        # Gather, highest priority first and in arrival order, the requests that fit beside the head.
-        chosen: list[_Pending[In, Out]] = []
-        total = queued_total = 0
-        for queue in self._queues:
-            for pending in queue:
-                if pending.key != head.key:
-                    continue
-                queued_total += pending.size
-                if total + pending.size <= config.max_batch_size:
-                    chosen.append(pending)
-                    total += pending.size
         largest_preferred = max(config.preferred_batch_size, default=0)
-        oldest = min(p.enqueued for p in chosen)
-        if total >= config.max_batch_size or queued_total > total:
-            pass  # as large as this batch can get
-        elif largest_preferred and total >= largest_preferred:
-            chosen = _trim(chosen, largest_preferred)
-        elif not config.idle_dispatch and now < oldest + config.max_delay:
-            # NOTE: the same expression decides and schedules, so a wake-up at that time always sends.
-            return None, oldest + config.max_delay
+        candidates = []
+        for key, queue in list(self._keys.items()):
+            heads = queue.heads()
+            if not heads:
+                del self._keys[key]
+                continue
+            first = min(heads, key=lambda p: (p.priority, p.seq))
+            candidates.append(((first.priority, first.seq), min(p.enqueued for p in heads), queue))
+        candidates.sort(key=lambda c: c[0])
+        wake_at = None
+        for _, oldest, queue in candidates:
+            if queue.items >= config.max_batch_size:
+                return self._take(queue, config.max_batch_size), None
+            if largest_preferred and queue.items >= largest_preferred:
+                return self._take(queue, largest_preferred), None
+            due = oldest + config.max_delay
+            if config.idle_dispatch or now >= due:
+                # NOTE: the same expression decides and schedules, so a wake-up at that time always sends.
+                return self._take(queue, config.max_batch_size), None
+            wake_at = due if wake_at is None else min(wake_at, due)
+        return None, wake_at
+
+    def _take(self, queue: _KeyQueue[In, Out], limit: int) -> list[_Pending[In, Out]]:
+        """Take requests of one key, highest priority first and in arrival order, up to `limit` items; a
+        request that does not fit is passed over (never split) and keeps its place."""
+        chosen: list[_Pending[In, Out]] = []
+        total = 0
+        for fifo in queue.fifos:
+            passed: list[_Pending[In, Out]] = []
+            # Look at most `limit` requests past the first that does not fit: the work stays bounded.
+            budget = limit
+            while fifo and total < limit and budget > 0:
+                pending = fifo.popleft()
+                if pending.state != _QUEUED:
+                    continue
+                if total + pending.size > limit:
+                    passed.append(pending)
+                    budget -= 1
+                    continue
+                chosen.append(pending)
+                total += pending.size
+            fifo.extendleft(reversed(passed))
+            if total >= limit:
+                break
+        if not chosen:  # a lone request larger than a preferred size: it goes alone
+            for fifo in queue.fifos:
+                while fifo and not chosen:
+                    pending = fifo.popleft()
+                    if pending.state == _QUEUED:
+                        chosen.append(pending)
         for pending in chosen:
-            self._queues[pending.priority].remove(pending)
+            pending.state = _TAKEN
+            self._cancel_timer(pending)
+            queue.items -= pending.size
+            queue.requests -= 1
         self._queued -= len(chosen)
-        return chosen, None
+        return chosen
 
     def _chain(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
         """The previous batch's completion to wait for (with preserve_ordering), and this batch's."""
@@ -480,15 +593,3 @@ class DynamicBatcher(Generic[In, Out]):
                 if pending is not members[0]:  # the first member's trace holds the batch span itself
                     member.add_link(context, {"pipeline.link": "batch"})
         return span
-
-
-def _trim(chosen: list[_Pending[In, Out]], size: int) -> list[_Pending[In, Out]]:
-    """The first requests of `chosen` that fit in `size`."""
-    kept: list[_Pending[In, Out]] = []
-    total = 0
-    for pending in chosen:
-        if total + pending.size > size:
-            break
-        kept.append(pending)
-        total += pending.size
-    return kept or chosen[:1]

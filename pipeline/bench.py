@@ -1,4 +1,4 @@
-"""`pipeline bench`: load any Open Inference Protocol gRPC endpoint and report what it sustains.
+"""`pipeline bench`: load any Open Inference Protocol endpoint, gRPC or HTTP/REST, and report what it sustains.
 
 In the spirit of Triton's perf_analyzer. Closed loop (`--concurrency 1,8,32`: N workers, each sending its next
 request as soon as the previous one returns) or open loop (`--rate 500,1000`: arrivals at a set rate, Poisson
@@ -32,16 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline.bench_endpoints import PROTOCOLS, Call, EndpointError, GrpcEndpoint, HttpEndpoint, open_endpoint
 from pipeline.convert import Tensor
 from pipeline.datatypes import DATATYPES
 
-#: The RPC the load is made of, called with pre-serialised bytes.
-MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 #: The `ServerMetadata.extensions` entry that says `ModelStatistics` is served.
 STATISTICS_EXTENSION = "statistics"
 ARRIVALS = ("poisson", "constant")
@@ -70,6 +67,7 @@ class BenchOptions:
     url: str
     model: str
     model_version: str = ""
+    protocol: str = "grpc"
     concurrency: Sequence[int] = (1,)
     rates: Sequence[float] = ()
     arrival: str = "poisson"
@@ -97,6 +95,8 @@ class BenchOptions:
             raise BenchError("--rate values must be > 0")
         if not self.rates and (not self.concurrency or any(c < 1 for c in self.concurrency)):
             raise BenchError("--concurrency values must be >= 1")
+        if self.protocol not in PROTOCOLS:
+            raise BenchError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         if self.arrival not in ARRIVALS:
             raise BenchError(f"--arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
         if self.duration <= 0 or self.warmup < 0:
@@ -189,6 +189,7 @@ class BenchReport:
         return {
             "tool": "pipeline bench",
             "url": o.url,
+            "protocol": o.protocol,
             "model": o.model,
             "model_version": o.model_version,
             "mode": "rate" if o.rates else "concurrency",
@@ -279,7 +280,7 @@ def synthesize_inputs(
     for tensor in metadata.inputs:
         path = files.get(tensor.name)
         if path is not None and path.suffix == ".npy":
-            arrays[tensor.name] = np.load(path, allow_pickle=tensor.datatype == "BYTES")
+            arrays[tensor.name] = _load_npy(path, tensor.datatype)
             continue
         shape = _resolve_shape(tensor, batching, batch, shapes.get(tensor.name))
         if path is None:
@@ -292,6 +293,28 @@ def synthesize_inputs(
             array.reshape(-1)[:] = [data] * array.size
             arrays[tensor.name] = array
     return arrays
+
+
+def _load_npy(path: Path, datatype: str) -> np.ndarray:
+    """A `.npy` file's tensor, read without pickle. BYTES come from an array of fixed-width byte strings
+    (`np.array([b"...", ...])`, dtype `S`) or of text (dtype `U`, sent as UTF-8)."""
+    try:
+        array = np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise BenchError(
+            f"--input-file {path}: {exc}; BYTES inputs must be saved as byte strings (dtype S) or text "
+            "(dtype U), not as Python objects"
+        ) from None
+    if datatype != "BYTES":
+        return array
+    if array.dtype.kind not in ("S", "U"):
+        raise BenchError(
+            f"--input-file {path}: a BYTES input needs byte strings or text, got dtype {array.dtype}"
+        )
+    elements = [e.encode() if isinstance(e, str) else bytes(e) for e in array.reshape(-1).tolist()]
+    objects = np.empty(array.shape, dtype=object)
+    objects.reshape(-1)[:] = elements
+    return objects
 
 
 def build_request(model: str, version: str, arrays: Mapping[str, np.ndarray]) -> pb.ModelInferRequest:
@@ -332,14 +355,14 @@ class _Tally:
 
 
 def _error_code(err: BaseException) -> str:
-    if isinstance(err, grpc.aio.AioRpcError):
-        return err.code().name
+    if isinstance(err, EndpointError):
+        return err.code
     return f"CLIENT_{type(err).__name__}"
 
 
 async def drive(
-    call: Callable[..., Any],
-    payload: bytes,
+    call: Call,
+    payload: Any,
     level: Level,
     *,
     start: float,
@@ -438,9 +461,9 @@ def _share(level: Level, processes: int) -> list[Level]:
 # Server statistics
 
 
-async def read_statistics(stub: pb_grpc.GRPCInferenceServiceStub) -> dict[str, pb.ModelStatistics]:
+async def read_statistics(endpoint: GrpcEndpoint | HttpEndpoint) -> dict[str, pb.ModelStatistics]:
     """Every model's cumulative statistics, by "name" (or "name:version" past the first version)."""
-    response = await stub.ModelStatistics(pb.ModelStatisticsRequest(), timeout=10)
+    response = await endpoint.statistics()
     out: dict[str, pb.ModelStatistics] = {}
     for stats in response.model_stats:
         key = stats.name if stats.name not in out else f"{stats.name}:{stats.version}"
@@ -499,18 +522,17 @@ def statistics_delta(
 # Worker processes (--processes N)
 
 
-def _child_main(conn: Any, url: str, payload: bytes, max_message_bytes: int) -> None:
+def _child_main(conn: Any, options: BenchOptions, payload: Any) -> None:
     """A load process: connects, says "ready", then runs each level it is sent until it is sent None."""
-    asyncio.run(_child_loop(conn, url, payload, max_message_bytes))
+    asyncio.run(_child_loop(conn, options, payload))
 
 
-async def _child_loop(conn: Any, url: str, payload: bytes, max_message_bytes: int) -> None:
-    from pipeline.server import server_options
-
+async def _child_loop(conn: Any, options: BenchOptions, payload: Any) -> None:
     loop = asyncio.get_running_loop()
-    async with grpc.aio.insecure_channel(url, options=server_options(max_message_bytes)) as channel:
-        call = channel.unary_unary(MODEL_INFER)
-        await channel.channel_ready()
+    endpoint = _endpoint(options)
+    try:
+        call = endpoint.call()
+        await endpoint.ready()
         conn.send("ready")
         while (command := await loop.run_in_executor(None, conn.recv)) is not None:
             level, start_wall, kwargs = command
@@ -518,20 +540,20 @@ async def _child_loop(conn: Any, url: str, payload: bytes, max_message_bytes: in
             start = time.perf_counter() + (start_wall - time.time())
             tally = await drive(call, payload, level, start=start, **kwargs)
             conn.send(tally.raw())
+    finally:
+        await endpoint.close()
 
 
 class _Pool:
     """Worker processes that run each level's share of the load, started once for the whole run."""
 
-    def __init__(self, count: int, url: str, payload: bytes, max_message_bytes: int) -> None:
+    def __init__(self, count: int, options: BenchOptions, payload: Any) -> None:
         context = multiprocessing.get_context("spawn")  # fork and gRPC's threads do not mix
         self.conns = []
         self.processes = []
         for _ in range(count):
             parent, child = context.Pipe()
-            process = context.Process(
-                target=_child_main, args=(child, url, payload, max_message_bytes), daemon=True
-            )
+            process = context.Process(target=_child_main, args=(child, options, payload), daemon=True)
             process.start()
             self.conns.append(parent)
             self.processes.append(process)
@@ -563,18 +585,26 @@ class _Pool:
 # The run
 
 
-async def _server_info(stub: pb_grpc.GRPCInferenceServiceStub, model: str, version: str) -> tuple:
+def _endpoint(options: BenchOptions) -> GrpcEndpoint | HttpEndpoint:
+    return open_endpoint(
+        options.protocol,
+        options.url,
+        model=options.model,
+        version=options.model_version,
+        max_message_bytes=options.max_message_mb * 1024 * 1024,
+    )
+
+
+async def _server_info(endpoint: GrpcEndpoint | HttpEndpoint, model: str, version: str) -> tuple:
     try:
-        server = await stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=10)
-        metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name=model, version=version), timeout=10)
-    except grpc.aio.AioRpcError as err:
-        raise BenchError(
-            f"cannot read the metadata of '{model}': {err.code().name}: {err.details()}"
-        ) from None
+        server = await endpoint.server_metadata()
+        metadata = await endpoint.model_metadata(model, version)
+    except EndpointError as err:
+        raise BenchError(f"cannot read the metadata of '{model}': {err.code}: {err.message}") from None
     batching: bool | None = None
-    with contextlib.suppress(grpc.aio.AioRpcError):  # ModelConfig is Triton's extension, not core OIP
-        config = await stub.ModelConfig(pb.ModelConfigRequest(name=model, version=version), timeout=10)
-        batching = config.config.max_batch_size > 0
+    with contextlib.suppress(EndpointError):  # ModelConfig is Triton's extension, not core OIP
+        config = await endpoint.model_config(model, version)
+        batching = config.max_batch_size > 0
     if batching is None:
         batching = bool(metadata.inputs) and all(t.shape and t.shape[0] == -1 for t in metadata.inputs)
     return server, metadata, batching
@@ -582,13 +612,10 @@ async def _server_info(stub: pb_grpc.GRPCInferenceServiceStub, model: str, versi
 
 async def run_bench(options: BenchOptions) -> BenchReport:
     """Measure every level of `options` and return the report (nothing printed but the progress bar)."""
-    from pipeline.server import server_options
-
     options.check()
-    max_bytes = options.max_message_mb * 1024 * 1024
-    async with grpc.aio.insecure_channel(options.url, options=server_options(max_bytes)) as channel:
-        stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        server, metadata, batching = await _server_info(stub, options.model, options.model_version)
+    endpoint = _endpoint(options)
+    try:
+        server, metadata, batching = await _server_info(endpoint, options.model, options.model_version)
         arrays = synthesize_inputs(
             metadata,
             batching=batching,
@@ -598,7 +625,7 @@ async def run_bench(options: BenchOptions) -> BenchReport:
             seed=options.seed,
         )
         batch = options.batch if batching else 1
-        payload = build_request(options.model, options.model_version, arrays).SerializeToString()
+        payload = endpoint.payload(build_request(options.model, options.model_version, arrays))
         with_stats = STATISTICS_EXTENSION in server.extensions
         server_info = {
             "name": server.name,
@@ -610,9 +637,8 @@ async def run_bench(options: BenchOptions) -> BenchReport:
             {"name": name, "datatype": Tensor.from_array(name, a).datatype, "shape": list(a.shape)}
             for name, a in arrays.items()
         ]
-        # Raw bytes in and out: no protobuf is built or parsed per request.
-        call = channel.unary_unary(MODEL_INFER)
-        pool = _Pool(options.processes, options.url, payload, max_bytes) if options.processes > 1 else None
+        call = endpoint.call()
+        pool = _Pool(options.processes, options, payload) if options.processes > 1 else None
         try:
             if pool is not None:
                 await pool.ready()
@@ -621,22 +647,26 @@ async def run_bench(options: BenchOptions) -> BenchReport:
             with _Progress(options, levels) as progress:
                 for i, level in enumerate(levels):
                     result = await _run_level(
-                        options, level, call, payload, stub if with_stats else None, pool, progress, i
+                        options, level, call, payload, endpoint if with_stats else None, pool, progress, i
                     )
                     result.batch = batch
                     results.append(result)
         finally:
             if pool is not None:
                 pool.close()
+    except OSError as err:  # the server cannot be reached at all
+        raise BenchError(f"cannot reach {options.url} over {options.protocol}: {err}") from None
+    finally:
+        await endpoint.close()
     return BenchReport(options, server_info, inputs, results)
 
 
 async def _run_level(
     options: BenchOptions,
     level: Level,
-    call: Callable[..., Any],
-    payload: bytes,
-    stats_stub: pb_grpc.GRPCInferenceServiceStub | None,
+    call: Call,
+    payload: Any,
+    stats_endpoint: GrpcEndpoint | HttpEndpoint | None,
     pool: _Pool | None,
     progress: _Progress,
     index: int,
@@ -654,18 +684,18 @@ async def _run_level(
     stats_error: list[str] = []
 
     async def statistics() -> dict[str, dict[str, Any]] | None:
-        if stats_stub is None:
+        if stats_endpoint is None:
             return None
         try:
             await asyncio.sleep(max(0.0, start + options.warmup - time.perf_counter()))
-            before = await read_statistics(stats_stub)
+            before = await read_statistics(stats_endpoint)
             await asyncio.sleep(max(0.0, start + options.warmup + options.duration - time.perf_counter()))
             # Responses still in flight at the end belong to the interval by the server's clock: wait for them.
             while pool is None and tally.sent > tally.ok + sum(tally.errors.values()):
                 await asyncio.sleep(0.01)
-            return statistics_delta(before, await read_statistics(stats_stub))
-        except grpc.aio.AioRpcError as err:  # the load goes on; only the server's side is missing
-            stats_error.append(f"ModelStatistics failed: {err.code().name}: {err.details()}")
+            return statistics_delta(before, await read_statistics(stats_endpoint))
+        except EndpointError as err:  # the load goes on; only the server's side is missing
+            stats_error.append(f"ModelStatistics failed: {err.code}: {err.message}")
             return None
 
     stats_task = asyncio.create_task(statistics())
@@ -745,7 +775,7 @@ def format_report(report: BenchReport) -> str:
     o = report.options
     kind = "rate/s" if o.rates else "concurrency"
     lines = [
-        f"{o.model} at {o.url}: batch {report.results[0].batch if report.results else o.batch}, "
+        f"{o.model} at {o.url} ({o.protocol}): batch {report.results[0].batch if report.results else o.batch}, "
         f"{o.warmup:g} s warm-up + {o.duration:g} s measured per level"
         + (f", {o.arrival} arrivals" if o.rates else "")
         + (f", {o.processes} processes" if o.processes > 1 else ""),
@@ -849,7 +879,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--url",
         "-u",
         default=os.environ.get("PIPELINE_URL", "127.0.0.1:8001"),
-        help="host:port of any OIP gRPC endpoint: the router or a stage (env PIPELINE_URL)",
+        help="host:port of any OIP endpoint: the router or a stage over gRPC, the router's HTTP port over "
+        "http (env PIPELINE_URL)",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="grpc",
+        help="the protocol's gRPC side, or its HTTP/REST side with binary tensor data (default grpc)",
     )
     parser.add_argument("--model", "-m", required=True, help="model or ensemble name")
     parser.add_argument("--model-version", default="", help="version (default: the server's default)")
@@ -904,6 +941,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         url=args.url,
         model=args.model,
         model_version=args.model_version,
+        protocol=args.protocol,
         concurrency=args.concurrency,
         rates=args.rate,
         arrival=args.arrival,

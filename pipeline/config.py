@@ -1,13 +1,16 @@
-"""Ensemble YAML files: load, validate, and compile into the immutable plan of `pipeline.plan`.
+"""Ensembles: load, validate, and compile into the immutable plan of `pipeline.plan`.
 
-An ensemble file uses Triton's vocabulary: `inputs`, `outputs` and `steps`, each step calling a stage model
-and mapping its tensors with `input_map` / `output_map` (stage tensor name: ensemble tensor name). Stage
-endpoints are declared once under `stages` and referred to by key. Data dependencies define the DAG.
+Two front ends feed one compiler. An ensemble YAML file uses Triton's vocabulary: `inputs`, `outputs` and
+`steps`, each step calling a stage model and mapping its tensors with `input_map` / `output_map` (stage
+tensor name: ensemble tensor name). Stage endpoints are declared once under `stages` and referred to by key;
+a step that names none is served by whichever of the router's stages serves its model. Triton's own
+definition, a repository model's `config.pbtxt` with `platform: "ensemble"` and `ensemble_scheduling`,
+becomes the same schema (`compile_model_config`). Data dependencies define the DAG.
 
 Validation happens in three layers, each raising `ConfigError` with the file, the step and the tensor:
 
-1. the schema (pydantic, unknown keys rejected, values typed) - `load_ensemble`;
-2. the graph (one producer per tensor, everything consumed is produced, no cycle) - `load_ensemble`;
+1. the schema (pydantic, unknown keys rejected, values typed) - `compile_ensemble`;
+2. the graph (one producer per tensor, everything consumed is produced, no cycle) - `compile_ensemble`;
 3. the stages' real signatures, learnt from `ModelMetadata` at start-up - `check_signatures` (defined in
    `pipeline.plan`, re-exported here).
 """
@@ -38,18 +41,25 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.batching import BatchingConfig
 from pipeline.datatypes import DATATYPES
 from pipeline.plan import Catalog, EnsemblePlan, ModelSignature, PlanStep, StageEndpoint, check_signatures
+from pipeline.repository import ModelRepository, RepositoryError, log_ignored, tensor_specs
 from pipeline.stage import TensorSpec
 
 __all__ = [
     "ConfigError",
     "ModelSignature",
+    "build_catalog",
     "check_signatures",
     "compile_ensemble",
+    "compile_model_config",
+    "load_catalog",
     "load_ensemble",
     "load_ensembles",
+    "load_repository_ensembles",
+    "stage_endpoints",
 ]
 
 logger = logging.getLogger(__name__)
@@ -164,7 +174,8 @@ class StepConfig(_Schema):
     model_name: Name
     #: -1 = the stage's default version; OIP versions are strings, so a string is accepted too.
     model_version: int | str = -1
-    stage: Name
+    #: A key of `stages`; without it the router finds the stage that serves the model (`RepositoryIndex`).
+    stage: Name | None = None
     input_map: dict[Name, Name]
     output_map: dict[Name, Name]
     #: Overrides the stage's `dynamic_batching` for this step's model; `false` turns batching off.
@@ -188,7 +199,8 @@ class EnsembleConfig(_Schema):
     #: Defaults to the file's stem.
     name: Name | None = None
     max_batch_size: Annotated[int, Field(strict=True, ge=0)] = 64
-    stages: dict[Name, StageConfig]
+    #: May be left out when no step names a stage (the router's own stages, `--stage`, serve them).
+    stages: dict[Name, StageConfig] = Field(default_factory=dict)
     inputs: tuple[TensorConfig, ...]
     outputs: tuple[TensorConfig, ...]
     steps: tuple[StepConfig, ...]
@@ -399,7 +411,7 @@ class _Compiler:
         if step.dynamic_batching is False:
             return None
         chosen = step.dynamic_batching
-        if chosen is None:
+        if chosen is None and step.stage is not None:
             stage = self.config.stages.get(step.stage)
             chosen = stage.dynamic_batching if stage is not None else None
         return None if chosen is None else chosen.compile()
@@ -419,7 +431,7 @@ class _Compiler:
 
         producers: dict[str, _Producer] = {tensor: _Producer(None, tensor) for tensor in inputs}
         for i, step in enumerate(config.steps):
-            if step.stage not in config.stages:
+            if step.stage is not None and step.stage not in config.stages:
                 declared = ", ".join(sorted(config.stages)) or "none"
                 self.fail(
                     f"{labels[i]}: stage '{step.stage}' is not declared under 'stages' (declared: {declared})"
@@ -510,11 +522,12 @@ class _Compiler:
                 index=i,
                 model_name=config.steps[i].model_name,
                 model_version=_version(config.steps[i].model_version),
-                stage=config.steps[i].stage,
+                stage=config.steps[i].stage or "",
                 inputs=tuple(config.steps[i].input_map.items()),
                 outputs=tuple(config.steps[i].output_map.items()),
                 depends_on=depends_on[i],
                 batching=self._batching(i),
+                model_batching=config.steps[i].dynamic_batching is not False,
             )
             for i in order
         )
@@ -601,12 +614,92 @@ class _Compiler:
         return f"the steps form a cycle: {' → '.join(hops)}"
 
 
-def _describe(batching: BatchingConfig | None) -> str:
-    return "off" if batching is None else f"({batching})"
+def _describe(batching: BatchingConfig | None, model_batching: bool) -> str:
+    if batching is None:
+        return "the model's own (none set)" if model_batching else "off"
+    return f"({batching})"
 
 
 def _version(value: int | str) -> str:
     return "" if value == -1 else str(value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton's ensemble definition (config.pbtxt)
+
+#: The fields of an ensemble's `config.pbtxt` that the router acts on; any other is logged as ignored.
+ENSEMBLE_FIELDS = frozenset(
+    {"name", "platform", "backend", "max_batch_size", "input", "output", "ensemble_scheduling"}
+)
+
+
+def compile_model_config(config: mc.ModelConfig, source: str) -> EnsemblePlan:
+    """Compile a Triton ensemble (`platform: "ensemble"` with `ensemble_scheduling { step [...] }`) into a
+    plan, exactly as a YAML ensemble: it becomes the same schema and goes through the same compiler, so the
+    same errors name `source`, the step and the tensor.
+
+    Inputs and outputs come from the config's `input`/`output` (`TYPE_*` datatypes; `dims` without the
+    batch dimension when `max_batch_size > 0`). No step names a stage: the router finds each model's.
+    """
+    try:
+        inputs, outputs = tensor_specs(config, source)
+    except RepositoryError as exc:
+        raise ConfigError(exc.message) from None
+
+    def tensors(specs: tuple[TensorSpec, ...]) -> list[dict[str, Any]]:
+        return [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in specs]
+
+    data = {
+        "name": config.name,
+        "max_batch_size": config.max_batch_size,
+        "inputs": tensors(inputs),
+        "outputs": tensors(outputs),
+        "steps": [
+            {
+                "model_name": step.model_name,
+                # Triton's -1 (or, unset in the text, 0) is the model's default version.
+                "model_version": step.model_version if step.model_version > 0 else -1,
+                "input_map": dict(step.input_map),
+                "output_map": dict(step.output_map),
+            }
+            for step in config.ensemble_scheduling.step
+        ],
+    }
+    return compile_ensemble(data, source, default_name=config.name)
+
+
+def load_repository_ensembles(root: str | os.PathLike[str]) -> list[EnsemblePlan]:
+    """Compile every ensemble (`platform: "ensemble"`) of a Triton model repository, sorted by name.
+
+    An entry the repository cannot read is logged and skipped: it may be a stage's model, which its own
+    service refuses with the same message.
+    """
+    plans = []
+    for name, entry in ModelRepository(root).entries({"ensemble"}).items():
+        if isinstance(entry, RepositoryError):
+            logger.warning("model repository %s: skipping model '%s': %s", root, name, entry.message)
+            continue
+        log_ignored(entry.config, ENSEMBLE_FIELDS, entry.source)
+        plans.append(compile_model_config(entry.config, entry.source))
+    return plans
+
+
+def stage_endpoints(
+    addresses: Mapping[str, str], *, environ: Mapping[str, str] | None = None
+) -> dict[str, StageEndpoint]:
+    """Stage endpoints given to the router by key (`--stage NAME=ADDRESS`), each address checked as an
+    ensemble file's `stages` entry is."""
+    endpoints = {}
+    for key, address in addresses.items():
+        try:
+            stage = StageConfig.model_validate(
+                {"address": address}, context={"environ": os.environ if environ is None else environ}
+            )
+        except ValidationError as exc:
+            causes = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+            raise ConfigError(f"stage '{key}': {causes}") from None
+        endpoints[key] = StageEndpoint(key, stage.address)
+    return endpoints
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -623,16 +716,7 @@ def load_ensemble(path: str | os.PathLike[str], *, environ: Mapping[str, str] | 
     return compile_ensemble(_read_yaml(file, source), source, default_name=file.stem, environ=environ)
 
 
-def load_ensembles(
-    paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
-    *,
-    environ: Mapping[str, str] | None = None,
-) -> Catalog:
-    """Load every ensemble of a directory (its `*.yaml` and `*.yml`, sorted) or of a list of files and dirs.
-
-    Checks what no single file can: unique ensemble names, one address per stage key, one stage per model
-    name, and no ensemble named like a stage model (the router serves both in one namespace).
-    """
+def _ensemble_files(paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[str]:
     if isinstance(paths_or_dir, str | os.PathLike):
         paths_or_dir = [paths_or_dir]
     files: list[str] = []
@@ -645,14 +729,61 @@ def load_ensembles(
             files.extend(os.fspath(p) for p in found)
         else:
             files.append(os.fspath(entry))
+    return files
+
+
+def load_ensembles(
+    paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> Catalog:
+    """Load every ensemble of a directory (its `*.yaml` and `*.yml`, sorted) or of a list of files and dirs.
+
+    Checks what no single file can (see `build_catalog`).
+    """
+    files = _ensemble_files(paths_or_dir)
     if not files:
         raise ConfigError("no ensemble files given")
+    return build_catalog([load_ensemble(file, environ=environ) for file in files])
 
-    plans = [load_ensemble(file, environ=environ) for file in files]
+
+def load_catalog(
+    ensembles: Iterable[str | os.PathLike[str]] = (),
+    *,
+    repository: str | os.PathLike[str] | None = None,
+    stages: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Catalog:
+    """What the router serves: the YAML ensembles of `ensembles` (files or folders), the `config.pbtxt`
+    ensembles of the model `repository`, and the stage endpoints `stages` (key: address) beside those the
+    YAML files declare."""
+    plans = [load_ensemble(file, environ=environ) for file in _ensemble_files(ensembles)]
+    if repository is not None:
+        plans += load_repository_ensembles(repository)
+    endpoints = stage_endpoints(stages or {}, environ=environ)
+    if not plans and not endpoints:
+        raise ConfigError(
+            "nothing to serve: no ensemble files, no ensemble in the model repository, and no stages"
+        )
+    return build_catalog(plans, endpoints)
+
+
+def build_catalog(
+    plans: Iterable[EnsemblePlan], stages: Mapping[str, StageEndpoint] | None = None
+) -> Catalog:
+    """A catalog of compiled ensembles (from YAML files and model repositories alike) and the router's own
+    `stages`. Checks what no single file can: unique ensemble names, one address per stage key, one stage
+    per model name, one batching setting per model, and no ensemble named like a stage model (the router
+    serves both in one namespace).
+    """
+    plans = list(plans)
     ensembles: dict[str, EnsemblePlan] = {}
-    stages: dict[str, tuple[StageEndpoint, str]] = {}
+    endpoints: dict[str, tuple[StageEndpoint, str]] = {
+        key: (endpoint, "--stage") for key, endpoint in (stages or {}).items()
+    }
     models: dict[str, tuple[str, str, str]] = {}  # model name -> (stage, file, step label)
-    batching: dict[str, tuple[BatchingConfig | None, str]] = {}  # model name -> (its batching, where)
+    # model name -> (its batching, whether the model's own applies, where)
+    batching: dict[str, tuple[BatchingConfig | None, bool, str]] = {}
     errors: list[str] = []
     for plan in plans:
         if plan.name in ensembles:
@@ -663,29 +794,35 @@ def load_ensembles(
         else:
             ensembles[plan.name] = plan
         for key, endpoint in plan.stages.items():
-            if key not in stages:
-                stages[key] = (endpoint, plan.source)
-            elif stages[key][0].address != endpoint.address:
-                first, first_file = stages[key]
+            first, first_file = endpoints.get(key, (None, ""))
+            if first is None or (first_file == "--stage" and first.address == endpoint.address):
+                # A file may say more of a stage given by `--stage` (its limits).
+                endpoints[key] = (endpoint, plan.source)
+            elif first.address != endpoint.address:
                 errors.append(
                     f"{plan.source}: stage '{key}' has address '{endpoint.address}', "
                     f"but {first_file} declares it with address '{first.address}'; "
                     "a stage key must name one endpoint"
                 )
-            elif stages[key][0].max_inflight_requests != endpoint.max_inflight_requests:
-                first, first_file = stages[key]
+            elif first.max_inflight_requests != endpoint.max_inflight_requests:
                 errors.append(
                     f"{plan.source}: stage '{key}' has max_inflight_requests {endpoint.max_inflight_requests}, "
                     f"but {first_file} declares {first.max_inflight_requests}; a stage has one limit"
                 )
         for step in sorted(plan.steps, key=lambda s: s.index):
             where = f"{plan.source} ({step.label})"
-            first_batching, first_where = batching.setdefault(step.model_name, (step.batching, where))
-            if first_batching != step.batching:
+            first_batching, first_model, first_where = batching.setdefault(
+                step.model_name, (step.batching, step.model_batching, where)
+            )
+            if (first_batching, first_model) != (step.batching, step.model_batching):
                 errors.append(
-                    f"{where}: model '{step.model_name}' has dynamic_batching {_describe(step.batching)} here but "
-                    f"{_describe(first_batching)} in {first_where}; a model has one batcher, so one setting"
+                    f"{where}: model '{step.model_name}' has dynamic_batching "
+                    f"{_describe(step.batching, step.model_batching)} here but "
+                    f"{_describe(first_batching, first_model)} in {first_where}; a model has one batcher, "
+                    "so one setting"
                 )
+            if not step.stage:
+                continue
             if step.model_name not in models:
                 models[step.model_name] = (step.stage, plan.source, step.label)
             elif models[step.model_name][0] != step.stage:
@@ -695,9 +832,10 @@ def load_ensembles(
                     f"is served by stage '{step.stage}' here but by stage '{stage}' in {file} ({label}); "
                     "a model name must have one stage"
                 )
+    step_models = {step.model_name: (plan.source, step.label) for plan in plans for step in plan.steps}
     for plan in plans:
-        if plan.name in models and models[plan.name][1] != plan.source:
-            _, file, label = models[plan.name]
+        if plan.name in step_models and step_models[plan.name][0] != plan.source:
+            file, label = step_models[plan.name]
             errors.append(
                 f"{plan.source}: ensemble name '{plan.name}' is also a stage model name ({file}, {label}); "
                 f"the router serves ensembles and stage models in one namespace"
@@ -706,5 +844,5 @@ def load_ensembles(
         raise ConfigError("\n".join(errors))
     return Catalog(
         ensembles=types.MappingProxyType(ensembles),
-        stages=types.MappingProxyType({key: endpoint for key, (endpoint, _) in stages.items()}),
+        stages=types.MappingProxyType({key: endpoint for key, (endpoint, _) in endpoints.items()}),
     )

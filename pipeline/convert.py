@@ -15,6 +15,7 @@ import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.batching import BatchingConfig
 from pipeline.datatypes import DATATYPES, array_from_raw, array_to_raw, datatype_of, element_count
 from pipeline.errors import InvalidInput, ModelNotFound
 from pipeline.stage import TensorSpec
@@ -318,3 +319,24 @@ def pad_values(config: mc.ModelConfig) -> dict[str, float]:
         for key, param in config.parameters.items()
         if key.startswith(PAD_VALUE_PARAMETER)
     }
+
+
+def batching_of_config(config: mc.ModelConfig) -> BatchingConfig | None:
+    """The router's batching of a model whose `ModelConfig` sets Triton's `dynamic_batching`, with the
+    model's `max_batch_size` as the largest batch; None where it sets none or the model does not batch.
+    Raises `ValueError` for settings that do not fit together (a preferred size above max_batch_size)."""
+    if config.WhichOneof("scheduling_choice") != "dynamic_batching" or config.max_batch_size <= 0:
+        return None
+    batching = config.dynamic_batching
+    policy = batching.default_queue_policy
+    return BatchingConfig(
+        max_batch_size=config.max_batch_size,
+        max_queue_delay_microseconds=batching.max_queue_delay_microseconds,
+        preferred_batch_size=tuple(batching.preferred_batch_size),
+        max_queue_size=policy.max_queue_size,
+        default_timeout_microseconds=policy.default_timeout_microseconds,
+        allow_timeout_override=policy.allow_timeout_override,
+        priority_levels=batching.priority_levels,
+        default_priority_level=batching.default_priority_level,
+        preserve_ordering=batching.preserve_ordering,
+    )

@@ -28,6 +28,10 @@ from pipeline.security import channel_credentials
 log = logging.getLogger("pipeline.launcher")
 
 
+class _Stop(Exception):
+    """SIGTERM or SIGINT asked the launcher to stop."""
+
+
 @dataclass
 class Service:
     """One process of the pipeline."""
@@ -135,6 +139,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=int(env("PIPELINE_ROUTER_PORT", 8001)),
         help="router port (env PIPELINE_ROUTER_PORT)",
+    )
+    parser.add_argument(
+        "--http-port",
+        type=metrics_port,
+        default=metrics_port(env("PIPELINE_HTTP_PORT", "8000")),
+        help="router's HTTP/REST port, 0 for one the OS picks, 'off' for none (env PIPELINE_HTTP_PORT; "
+        "default 8000)",
     )
     for name, port in (("preprocess", 8101), ("model", 8102), ("postprocess", 8103)):
         parser.add_argument(
@@ -255,24 +266,33 @@ def run(args: argparse.Namespace) -> int:
                 Service(name, ["-m", f"services.{kind}"], port if i == 0 else 0, [*extra, *metrics])
             )
     router_metrics = ["--metrics-port", "off" if args.metrics_port is None else str(args.metrics_port)]
+    ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
+    http_port_file = ports / "router.http"
+    router_http = ["--http-port", "off" if args.http_port is None else str(args.http_port)]
+    router_http += ["--http-port-file", str(http_port_file)]
     router = Service(
         "router",
         ["-m", "pipeline", "router"],
         args.port,
-        ["--ensembles", str(args.ensembles), *grace, *router_metrics, *router_tls],
+        ["--ensembles", str(args.ensembles), *grace, *router_metrics, *router_http, *router_tls],
     )
+    router.args += ["--model-dir", str(args.model_dir)]  # its config.pbtxt ensembles, the stages' models
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
 
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stopping
+        if stopping:
+            return  # already stopping: a second signal must not interrupt the orderly stop
         stopping = True
+        # NOTE: raised in the main thread wherever it is (starting a process, waiting for a port or for
+        # health), so a signal stops the launcher at once, not after the start-up timeout.
+        raise _Stop
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
     try:
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
         for service in stages:
             service.start(host, ports / service.name)
         for service in stages:
@@ -286,12 +306,16 @@ def run(args: argparse.Namespace) -> int:
         router.start(host, ports / router.name)
         router.wait_port(ports / router.name, args.startup_timeout)
         for service in [*stages, router]:
+            log.info("waiting for %s to become healthy", service.name)
             wait_healthy(service, f"{connect}:{service.port}", args.startup_timeout, credentials)
-            if stopping:
-                return 0
+        http = ""
+        if http_port_file.exists():  # written before the router's gRPC port, so there by now
+            scheme = "https" if tls_dir else "http"
+            http = f" and {scheme}://{connect}:{int(http_port_file.read_text())} (HTTP/REST)"
         print(
             f"pipeline: serving {', '.join(sorted(p.stem for p in args.ensembles.glob('*.y*ml')))} on "
-            f"{connect}:{router.port} (gRPC{' over TLS' if tls_dir else ''}, Open Inference Protocol); stages: "
+            f"{connect}:{router.port} (gRPC{' over TLS' if tls_dir else ''}){http}, Open Inference Protocol; "
+            "stages: "
             + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.process.pid})" for s in stages)  # type: ignore[union-attr]
             + ". Ctrl-C stops it.",
             flush=True,
@@ -317,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
                     )  # type: ignore[union-attr]
                     return 1
             time.sleep(0.2)
+        return 0
+    except _Stop:
         return 0
     except RuntimeError as err:
         log.error("%s; stopping the pipeline", err)

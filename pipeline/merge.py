@@ -2,7 +2,7 @@
 
 Fixed-shape tensors merge by concatenating their raw bytes and split by byte offsets: no element is
 decoded. Only tensors a stage declares padded (`TensorSpec.pad_value`) are touched element-wise: requests
-whose variable dimensions differ are padded to the batch's largest, and outputs whose variable dimensions
+whose variable dimensions differ are padded to the batch's largest (BYTES with empty elements), and outputs whose variable dimensions
 follow those inputs are cut back to each request's own extent.
 """
 
@@ -86,14 +86,17 @@ class TensorBatching:
                 merged.append(Tensor(name, tensors[0].datatype, (total, *trailing), raw))
                 continue
             # Only padded inputs get here: the key keeps other shapes apart.
+            datatype = tensors[0].datatype
             trailing = tuple(max(t.shape[d] for t in tensors) for d in range(1, len(trailing) + 1))
-            out = np.full((total, *trailing), self.pad[name], dtype=DATATYPES[tensors[0].datatype])
+            # BYTES elements are padded with empty strings (a numeric pad value means nothing for them).
+            fill = b"" if datatype == "BYTES" else self.pad[name]
+            out = np.full((total, *trailing), fill, dtype=DATATYPES[datatype])
             row = 0
             for tensor in tensors:
                 array = tensor.to_array()
                 out[(slice(row, row + array.shape[0]), *(slice(0, n) for n in array.shape[1:]))] = array
                 row += array.shape[0]
-            merged.append(Tensor(name, tensors[0].datatype, out.shape, out.tobytes()))
+            merged.append(Tensor(name, datatype, out.shape, array_to_raw(out)))
         return merged
 
     def split(self, outputs: Mapping[str, Tensor], calls: Sequence[StageCall]) -> list[dict[str, Tensor]]:

@@ -38,7 +38,8 @@ class PlanStep:
     model_name: str
     #: "" means the stage's default version (YAML `model_version: -1` or absent).
     model_version: str
-    #: Key of the `StageEndpoint` that serves `model_name`.
+    #: Key of the `StageEndpoint` that serves `model_name`; "" where the ensemble names none (always in a
+    #: `config.pbtxt` ensemble): the router then finds the stage whose `RepositoryIndex` lists the model.
     stage: str
     #: (stage tensor, ensemble tensor) pairs, in YAML order: what Triton calls `input_map`.
     inputs: tuple[tuple[str, str], ...]
@@ -47,8 +48,11 @@ class PlanStep:
     #: YAML indices of the steps whose outputs this step consumes, sorted and unique; empty when the step
     #: reads ensemble inputs only.
     depends_on: tuple[int, ...]
-    #: How the router batches calls of this model (None: one request per stage call).
+    #: How the router batches calls of this model, as the ensemble sets it (None: the ensemble sets none).
     batching: BatchingConfig | None = None
+    #: Where `batching` is None: whether the stage model's own `dynamic_batching` (from its `ModelConfig`)
+    #: applies. False where the ensemble turned batching off (`dynamic_batching: false`).
+    model_batching: bool = True
 
     @property
     def label(self) -> str:
@@ -79,17 +83,24 @@ class EnsemblePlan:
 
 @dataclass(frozen=True, slots=True)
 class Catalog:
-    """Every ensemble the router serves and every stage endpoint they use (both read-only)."""
+    """Every ensemble the router serves and every stage endpoint it knows (both read-only): those given
+    to the router (`--stage`) first, then those the ensemble files declare, in the order declared."""
 
     ensembles: Mapping[str, EnsemblePlan]
     stages: Mapping[str, StageEndpoint]
 
     def stage_models(self) -> dict[str, str]:
-        """Stage model name -> key of the stage that serves it, across all ensembles.
+        """Stage model name -> key of the stage that serves it, across all ensembles, for the steps that name
+        a stage.
 
         The loader rejects a model name used with two different stage keys, so this is well defined.
         """
-        return {step.model_name: step.stage for plan in self.ensembles.values() for step in plan.steps}
+        return {
+            step.model_name: step.stage
+            for plan in self.ensembles.values()
+            for step in plan.steps
+            if step.stage
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +112,9 @@ class ModelSignature:
     outputs: tuple[TensorSpec, ...]
     #: From `ModelConfig`; 0 means the model does not batch.
     max_batch_size: int
+    #: The model's own `dynamic_batching` from its `ModelConfig` (None where it sets none): how the router
+    #: batches its calls where no ensemble says otherwise.
+    batching: BatchingConfig | None = None
 
 
 def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature]) -> None:

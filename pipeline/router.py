@@ -1,61 +1,37 @@
-"""The router: serves every ensemble as a model and runs its steps on the stage services.
+"""The router's entry point: serves every ensemble as a model, and the stage models behind them.
 
-Each step runs as soon as the tensors it consumes exist, so independent steps run concurrently (fan-out)
-and a step that consumes several steps' outputs waits for all of them (fan-in). Tensors move between
-stages as raw bytes; the router never decodes elements. The client's deadline and metadata go with every
-stage call. As Triton does for an ensemble's composing models, the stage models named in steps are served
-here too, by forwarding to their stage.
+`RouterPlane` answers the protocol: it looks models up, answers their metadata, configuration, readiness
+and statistics, and hands inference to the DAG executor (`pipeline.executor`), which calls the stages
+through their clients (`pipeline.stage_client`). As Triton does for an ensemble's composing models, the
+stage models named in steps are served here too, by forwarding to their stage. `serve_router` and
+`run_router` are the process around it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
-import random
-import re
-import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+import types
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from opentelemetry.trace import Span, SpanKind
+from grpc_health.v1 import health, health_pb2
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.batching import BatchingConfig, DynamicBatcher
-from pipeline.config import ConfigError, load_ensembles
-from pipeline.convert import (
-    Tensor,
-    infer_response,
-    metadata_response,
-    model_config,
-    pad_values,
-    request_tensors,
-    requested_outputs,
-    response_tensors,
-    select_version,
-    specs_from_metadata,
-    validate_inputs,
-)
-from pipeline.errors import (
-    DeadlineExceeded,
-    InvalidInput,
-    ModelNotFound,
-    PipelineError,
-    StageError,
-    Unavailable,
-)
-from pipeline.merge import StageCall, TensorBatching
+from pipeline.batching import BatchingConfig
+from pipeline.config import ConfigError, load_catalog
+from pipeline.convert import metadata_response, model_config, select_version
+from pipeline.errors import InvalidInput, ModelNotFound, PipelineError, StageError, Unavailable
+from pipeline.executor import ENSEMBLE_VERSION, Executor, batch_items
 from pipeline.metrics import Metrics
-from pipeline.plan import Catalog, EnsemblePlan, ModelSignature, PlanStep, StageEndpoint, check_signatures
+from pipeline.plan import Catalog, EnsemblePlan, PlanStep, check_signatures
+from pipeline.rest import RestFrontDoor, RestServer, add_http_arguments
 from pipeline.security import (
     AuthInterceptor,
     SecurityConfigError,
@@ -75,213 +51,15 @@ from pipeline.server import (
     create_server,
     positive_int,
     serve,
-    server_options,
     set_serving,
     start_metrics,
     write_port,
 )
+from pipeline.stage_client import StageClient
 from pipeline.statistics import ModelStats
-from pipeline.telemetry import (
-    ENSEMBLE,
-    MODEL,
-    NO_SPAN,
-    PEER,
-    REQUEST_ID,
-    STAGE,
-    STEP,
-    Telemetry,
-)
+from pipeline.telemetry import ENSEMBLE, NO_SPAN, Telemetry
 
 log = logging.getLogger(__name__)
-
-ENSEMBLE_VERSION = "1"
-
-
-#: How the router reaches a stage's replicas. A target that resolves to several addresses (a `dns:///`
-#: name of a scaled service, or `ipv4:a:p,b:p`) is spread round robin; a call that finds a replica gone
-#: (UNAVAILABLE: nothing was processed) is retried on another, within the request's deadline. Stage calls
-#: are idempotent, so a retry is safe. gRPC's client-side health checking watches each replica's health
-#: service: a replica that says NOT_SERVING (loading, or draining after SIGTERM) gets no new calls until it
-#: says SERVING again; a server without the Watch RPC counts as healthy.
-STAGE_SERVICE_CONFIG = {
-    "loadBalancingConfig": [{"round_robin": {}}],
-    # Round robin skips a replica whose health service says NOT_SERVING (one that is draining).
-    "healthCheckConfig": {"serviceName": ""},
-    "methodConfig": [
-        {
-            "name": [{"service": "inference.GRPCInferenceService"}],
-            "retryPolicy": {
-                "maxAttempts": 4,
-                "initialBackoff": "0.05s",
-                "maxBackoff": "1s",
-                "backoffMultiplier": 2,
-                "retryableStatusCodes": ["UNAVAILABLE"],
-            },
-        }
-    ],
-}
-STAGE_CHANNEL_OPTIONS = [
-    ("grpc.service_config", json.dumps(STAGE_SERVICE_CONFIG)),
-    ("grpc.enable_retries", 1),
-    # Look the name up again soon after a replica goes away or a connection is recycled.
-    ("grpc.dns_min_time_between_resolutions_ms", 1000),
-]
-
-
-@dataclass(frozen=True, slots=True)
-class StageRetry:
-    """The router's own retries of a stage call that failed UNAVAILABLE, on top of gRPC's retry policy.
-
-    gRPC retries transparently only calls that never reached a server, or whose request still fits its
-    retry buffer (256 KiB) and whose server never answered; a call in flight to a replica that dies with a
-    larger request (a batch of images) fails UNAVAILABLE ("Socket closed"). Stage calls are idempotent, so
-    the router calls again, on whichever replica the balancer picks, with backoff, within the deadline.
-    """
-
-    #: Calls in all, the first included.
-    attempts: int = 4
-    initial_backoff: float = 0.05
-    max_backoff: float = 0.5
-    multiplier: float = 2.0
-
-    def backoff(self, retry: int) -> float:
-        """Seconds to wait before retry number `retry` (1, 2, ...): exponential, with jitter so that the
-        calls that failed together do not return together."""
-        ceiling = min(self.max_backoff, self.initial_backoff * self.multiplier ** (retry - 1))
-        return random.uniform(ceiling / 2, ceiling)
-
-
-def _tls_name(address: str) -> str | None:
-    """The name a stage's certificate must carry when the target itself names none: an `ipv4:a,b` list's
-    authority is the whole list, so its first host stands for every replica."""
-    if not address.startswith(("ipv4:", "ipv6:")):
-        return None
-    first = address.split(":", 1)[1].split(",", 1)[0]
-    host = first.rsplit(":", 1)[0] if first.count(":") == 1 or first.startswith("[") else first
-    return host.strip("[]")
-
-
-class StageClient:
-    """One stage endpoint: a channel, its stubs, and the mapping of its failures to router errors."""
-
-    def __init__(
-        self,
-        endpoint: StageEndpoint,
-        *,
-        max_message_bytes: int,
-        metrics: Metrics | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
-        retry: StageRetry | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self.metrics = metrics
-        self.retry = retry or StageRetry()
-        options = [*server_options(max_message_bytes), *STAGE_CHANNEL_OPTIONS]
-        if credentials is None:
-            self.channel = grpc.aio.insecure_channel(endpoint.address, options=options)
-        else:
-            override = _tls_name(endpoint.address)
-            if override is not None:
-                options.append(("grpc.ssl_target_name_override", override))
-            self.channel = grpc.aio.secure_channel(endpoint.address, credentials, options=options)
-        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.healthy = False
-        limit = endpoint.max_inflight_requests
-        self._slots = asyncio.Semaphore(limit) if limit > 0 else None
-
-    async def call(
-        self,
-        method: str,
-        request: object,
-        *,
-        timeout: float | None,
-        metadata: Sequence[tuple[str, str | bytes]] = (),
-        what: str,
-    ):
-        """Call an RPC of the stage within `timeout` (retries included); `what` names the step or model in
-        errors. `ModelInfer` calls wait for one of the stage's `max_inflight_requests` slots first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        slots = self._slots if method == "ModelInfer" else None
-        if slots is not None:
-            await self._acquire(slots, deadline, what)
-        try:
-            return await self._call(method, request, deadline, tuple(metadata), what)
-        finally:
-            if slots is not None:
-                slots.release()
-
-    async def _acquire(self, slots: asyncio.Semaphore, deadline: float | None, what: str) -> None:
-        if deadline is None:
-            await slots.acquire()
-            return
-        try:
-            await asyncio.wait_for(slots.acquire(), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"deadline exceeded waiting for stage '{self.endpoint.name}' "
-                f"(max_inflight_requests {self.endpoint.max_inflight_requests}) for {what}"
-            ) from None
-
-    async def _call(
-        self,
-        method: str,
-        request: object,
-        deadline: float | None,
-        metadata: tuple[tuple[str, str | bytes], ...],
-        what: str,
-    ):
-        name, address = self.endpoint.name, self.endpoint.address
-        attempt = 0
-        while True:
-            attempt += 1
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'")
-            try:
-                reply = await getattr(self.stub, method)(request, timeout=remaining, metadata=metadata)
-            except grpc.aio.AioRpcError as err:
-                code, details = err.code(), err.details() or ""
-                if self.metrics is not None:
-                    self.metrics.stage_calls.labels(name, code.name).inc()
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    delay = self.retry.backoff(attempt)
-                    if (
-                        attempt < self.retry.attempts
-                        and (deadline is None or time.monotonic() + delay < deadline)
-                        and self._may_answer()
-                    ):
-                        log.debug("retrying %s on stage '%s' in %.3fs: %s", what, name, delay, details)
-                        await asyncio.sleep(delay)
-                        continue
-                    self.healthy = False
-                    raise Unavailable(
-                        f"stage '{name}' ({address}) is unavailable for {what}: {details}"
-                    ) from None
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
-                raise StageError(f"{what} on stage '{name}': {details}", code) from None
-            if self.metrics is not None:
-                self.metrics.stage_calls.labels(name, "OK").inc()
-            return reply
-
-    def _may_answer(self) -> bool:
-        """Whether a retry can reach a replica: not when every replica is down (the channel is in
-        TRANSIENT_FAILURE), so that a stage that is down fails its requests fast."""
-        state = self.channel.get_state(try_to_connect=False)
-        return state != grpc.ChannelConnectivity.TRANSIENT_FAILURE
-
-    async def check_health(self, timeout: float) -> bool:
-        """Ask the stage's health service; remember and return whether it is SERVING."""
-        try:
-            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-            self.healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            self.healthy = False
-        return self.healthy
-
-    async def close(self) -> None:
-        await self.channel.close()
 
 
 class RouterPlane(DataPlane):
@@ -317,12 +95,26 @@ class RouterPlane(DataPlane):
             for key, endpoint in catalog.stages.items()
         }
         self.stage_of_model: dict[str, str] = catalog.stage_models()
-        self.signatures: dict[str, ModelSignature] = {}
-        self.batchers: dict[str, tuple[DynamicBatcher[StageCall, dict[str, Tensor]], TensorBatching]] = {}
-        # Per ensemble, and per stage model called without batching (batchers keep their own).
-        self.stats: dict[str, ModelStats] = {
-            name: ModelStats() for name in (*catalog.ensembles, *self.stage_of_model)
+        #: The ensembles served, each step's stage found once `discover` has found it.
+        self.ensembles: dict[str, EnsemblePlan] = dict(catalog.ensembles)
+        #: Models of steps that name no stage, until a stage's `RepositoryIndex` lists them.
+        self._unresolved = {
+            step.model_name
+            for plan in catalog.ensembles.values()
+            for step in plan.steps
+            if not step.stage and step.model_name not in self.stage_of_model
         }
+        #: Stage key -> the models its `RepositoryIndex` lists as READY; None for a stage without the RPC.
+        self.indexes: dict[str, frozenset[str] | None] = {}
+        #: Every model of the stages' repositories -> the first declared stage that serves it.
+        self.repository_models: dict[str, str] = {}
+        self._refreshing: asyncio.Future[None] | None = None
+        self.executor = Executor(self.clients, telemetry=self.telemetry, metrics=self.metrics)
+        self.signatures = self.executor.signatures
+        self.batchers = self.executor.batchers
+        # Per ensemble, and per stage model called without batching (batchers keep their own).
+        self.stats = self.executor.stats
+        self.stats.update((name, ModelStats()) for name in (*catalog.ensembles, *self.stage_of_model))
         batchers = self.batchers
         clients = self.clients
         self.metrics.gauge(
@@ -347,71 +139,137 @@ class RouterPlane(DataPlane):
     # --- start-up and health -------------------------------------------------------------------------
 
     async def discover(self, *, retry_interval: float = 0.5) -> None:
-        """Learn every stage model's signature from its stage, waiting for stages that are not up yet,
-        then check every ensemble against them (a mismatch raises `ConfigError`)."""
+        """Find the stage of every step that names none, learn every stage model's signature from its
+        stage, waiting for stages that are not up yet, then check every ensemble against them (a mismatch
+        raises `ConfigError`) and start the batchers."""
+        await self._find_stages(retry_interval)
         waiting_since = time.monotonic()
         reported: set[str] = set()
-        while len(self.signatures) < len(self.stage_of_model):
-            for model, key in self.stage_of_model.items():
-                if model in self.signatures:
-                    continue
+        # NOTE: `signatures` may also hold repository models that clients called meanwhile.
+        while missing := [model for model in self.stage_of_model if model not in self.signatures]:
+            for model in missing:
+                key = self.stage_of_model[model]
                 try:
-                    self.signatures[model] = await self._signature(model, self.clients[key])
+                    self.signatures[model] = await self.clients[key].signature(model)
                 except PipelineError as err:
                     if model not in reported or time.monotonic() - waiting_since > 30:
                         log.info("waiting for model '%s' on stage '%s': %s", model, key, err.message)
                         reported.add(model)
-            if len(self.signatures) < len(self.stage_of_model):
+            if any(model not in self.signatures for model in missing):
                 await asyncio.sleep(retry_interval)
-        for plan in self.catalog.ensembles.values():
+        for plan in self.ensembles.values():
             check_signatures(plan, self.signatures)
-        for plan in self.catalog.ensembles.values():
+        for plan in self.ensembles.values():
             for step in plan.steps:
-                if step.batching is not None and step.model_name not in self.batchers:
-                    self._add_batcher(step.model_name, step.batching)
+                batching = self._batching(step)
+                if batching is not None and step.model_name not in self.batchers:
+                    self.executor.add_batcher(step.model_name, self.clients[step.stage], batching)
         # Metadata answers before a stage has loaded its models: wait for every stage to be SERVING too.
         while not all(await asyncio.gather(*(c.check_health(timeout=2.0) for c in self.clients.values()))):
             await asyncio.sleep(retry_interval)
 
-    def _add_batcher(self, model: str, config: BatchingConfig) -> None:
-        signature = self.signatures[model]
-        if signature.max_batch_size and config.max_batch_size > signature.max_batch_size:
-            raise ConfigError(
-                f"model '{model}': dynamic_batching max_batch_size {config.max_batch_size} is larger than the "
-                f"stage model's own max_batch_size {signature.max_batch_size}"
-            )
-        client = self.clients[self.stage_of_model[model]]
-        tensors = TensorBatching(signature)
-        name = f"stage '{client.endpoint.name}' (model '{model}')"
+    def _batching(self, step: PlanStep) -> BatchingConfig | None:
+        """How a step's model is batched: as the ensemble says, else as the model's own config says."""
+        if step.batching is not None or not step.model_batching:
+            return step.batching
+        own = self.signatures[step.model_name].batching
+        if own is not None and step.model_name not in self.batchers:
+            log.info("model '%s': batched as its own dynamic_batching says (%s)", step.model_name, own)
+        return own
 
-        async def execute(calls: Sequence[StageCall]) -> list[dict[str, Tensor] | BaseException]:
-            return await self._execute_batch(model, client, tensors, calls)
+    async def _find_stages(self, retry_interval: float) -> None:
+        """Give each step that names no stage the stage whose `RepositoryIndex` lists its model as READY
+        (the first declared where several do), waiting for stages that are down or still loading."""
+        waiting_since: float | None = None
+        while True:
+            await self.refresh_index()
+            for model in sorted(self._unresolved):
+                # In declaration order, whichever stage answered first.
+                found = [key for key in self.clients if model in (self.indexes.get(key) or ())]
+                if not found:
+                    continue
+                if len(found) > 1:
+                    log.info(
+                        "model '%s' is served by stages %s: using '%s', the first declared",
+                        model,
+                        ", ".join(found),
+                        found[0],
+                    )
+                else:
+                    log.info("model '%s' is served by stage '%s'", model, found[0])
+                self.stage_of_model[model] = found[0]
+                self.stats.setdefault(model, ModelStats())
+                self._unresolved.discard(model)
+            if not self._unresolved:
+                break
+            if not self.clients:
+                raise ConfigError(
+                    f"no stage to serve model(s) {', '.join(sorted(self._unresolved))}: a step names no stage "
+                    "and the router has none (give them with --stage NAME=ADDRESS)"
+                )
+            if len(self.indexes) == len(self.clients) and all(m is None for m in self.indexes.values()):
+                raise ConfigError(
+                    f"no stage can say whether it serves model(s) {', '.join(sorted(self._unresolved))}: "
+                    f"none of {', '.join(self.clients)} implements RepositoryIndex; name the stage in the step"
+                )
+            now = time.monotonic()
+            if waiting_since is None or now - waiting_since > 30:
+                waiting_since = now
+                asked = ", ".join(f"'{key}' ({c.endpoint.address})" for key, c in self.clients.items())
+                log.info(
+                    "waiting for a stage that serves model(s) %s: no RepositoryIndex of %s lists them as "
+                    "READY yet",
+                    ", ".join(sorted(self._unresolved)),
+                    asked,
+                )
+            await asyncio.sleep(retry_interval)
+        self.ensembles = {name: self._resolved(plan) for name, plan in self.ensembles.items()}
 
-        batcher: DynamicBatcher[StageCall, dict[str, Tensor]] = DynamicBatcher(
-            name, execute, config, telemetry=self.telemetry, metrics=self.metrics, model=model
+    def _resolved(self, plan: EnsemblePlan) -> EnsemblePlan:
+        """`plan` with the stage found for each step that names none."""
+        if all(step.stage for step in plan.steps):
+            return plan
+        steps = tuple(
+            step if step.stage else replace(step, stage=self.stage_of_model[step.model_name])
+            for step in plan.steps
         )
-        batcher.start()
-        self.batchers[model] = (batcher, tensors)
+        stages = {**plan.stages, **{step.stage: self.catalog.stages[step.stage] for step in steps}}
+        return replace(plan, steps=steps, stages=types.MappingProxyType(stages))
 
-    async def _signature(self, model: str, client: StageClient) -> ModelSignature:
-        what = f"model '{model}'"
-        meta = await client.call("ModelMetadata", pb.ModelMetadataRequest(name=model), timeout=2.0, what=what)
-        inputs, outputs = specs_from_metadata(meta.inputs), specs_from_metadata(meta.outputs)
+    async def refresh_index(self) -> None:
+        """Ask every stage for its `RepositoryIndex` (READY models) now; calls made meanwhile share one."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh_index())
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh_index(self) -> None:
+        keys = list(self.clients)
+        found = await asyncio.gather(*(self._index_of(self.clients[key]) for key in keys))
+        for key, models in zip(keys, found, strict=True):
+            if not isinstance(models, PipelineError):  # a stage that is down keeps what it said last
+                self.indexes[key] = models
+        served: dict[str, str] = {}
+        for key in keys:
+            for model in sorted(self.indexes.get(key) or ()):
+                served.setdefault(model, key)
+        self.repository_models = served
+
+    @staticmethod
+    async def _index_of(client: StageClient) -> frozenset[str] | PipelineError | None:
+        """The models a stage's `RepositoryIndex` lists as READY; None for a stage without the RPC (a
+        plain OIP server); the error for a stage that cannot answer now."""
         try:
             reply = await client.call(
-                "ModelConfig", pb.ModelConfigRequest(name=model), timeout=2.0, what=what
+                "RepositoryIndex",
+                pb.RepositoryIndexRequest(ready=True),
+                timeout=2.0,
+                what="its repository index",
             )
-            max_batch_size = reply.config.max_batch_size
-            padding = pad_values(reply.config)
-            inputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in inputs)
-            outputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in outputs)
         except StageError as err:
-            if err.code != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            # A plain OIP server without Triton's ModelConfig: a leading -1 everywhere means it batches.
-            batching = all(spec.shape[:1] == (-1,) for spec in (*inputs, *outputs))
-            max_batch_size = sys.maxsize if batching else 0
-        return ModelSignature(model, inputs, outputs, max_batch_size)
+            return None if err.code == grpc.StatusCode.UNIMPLEMENTED else err
+        except PipelineError as err:
+            return err
+        return frozenset(model.name for model in reply.models if model.state == "READY")
 
     async def monitor(
         self, interval: float = 1.0, on_ready: Callable[[bool], Awaitable[None]] | None = None
@@ -432,28 +290,50 @@ class RouterPlane(DataPlane):
             await asyncio.sleep(interval)
 
     def ready(self) -> bool:
-        return len(self.signatures) == len(self.stage_of_model) and all(
-            c.healthy for c in self.clients.values()
+        return (
+            not self._unresolved
+            and all(model in self.signatures for model in self.stage_of_model)
+            and all(c.healthy for c in self.clients.values())
         )
 
     async def close(self) -> None:
-        await asyncio.gather(*(batcher.aclose() for batcher, _ in self.batchers.values()))
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+        await self.executor.close()
         await asyncio.gather(*(c.close() for c in self.clients.values()))
 
     # --- model lookup --------------------------------------------------------------------------------
 
     def _ensemble(self, name: str, version: str) -> EnsemblePlan | None:
-        plan = self.catalog.ensembles.get(name)
+        plan = self.ensembles.get(name)
         if plan is not None:
             select_version(name, (ENSEMBLE_VERSION,), version)
         return plan
 
-    def _stage_client(self, name: str) -> StageClient:
-        key = self.stage_of_model.get(name)
+    async def _stage_client(self, name: str) -> StageClient:
+        """The client of the stage that serves a stage model: the one its steps name or were given, else
+        the first declared stage whose repository holds it (asked again for a model not seen yet)."""
+        key = self.stage_of_model.get(name) or self.repository_models.get(name)
+        # Ask again only where a stage has a repository index, or has not answered yet.
+        if key is None and self.indexes and any(self.indexes.get(k, ()) is not None for k in self.clients):
+            await self.refresh_index()
+            key = self.repository_models.get(name)
         if key is None:
-            served = sorted([*self.catalog.ensembles, *self.stage_of_model])
+            served = sorted({*self.ensembles, *self.stage_of_model, *self.repository_models})
             raise ModelNotFound(f"unknown model '{name}' (served here: {', '.join(served)})")
         return self.clients[key]
+
+    async def _learn(self, name: str, client: StageClient) -> None:
+        """A repository model that no ensemble names, called for the first time: learn its signature and,
+        where its config sets `dynamic_batching`, batch its calls as that says."""
+        signature = await client.signature(name)
+        if name in self.signatures:  # learnt by a concurrent call meanwhile
+            return
+        self.signatures[name] = signature
+        self.stats.setdefault(name, ModelStats())
+        if signature.batching is not None:
+            log.info("model '%s': batched as its own dynamic_batching says (%s)", name, signature.batching)
+            self.executor.add_batcher(name, client, signature.batching)
 
     async def model_ready(self, name: str, version: str) -> bool:
         try:
@@ -462,10 +342,12 @@ class RouterPlane(DataPlane):
             return False
         if plan is not None:
             return self.ready() and all(self.clients[step.stage].healthy for step in plan.steps)
-        if name not in self.stage_of_model:
+        try:
+            client = await self._stage_client(name)
+        except ModelNotFound:
             return False
         try:
-            reply = await self._stage_client(name).call(
+            reply = await client.call(
                 "ModelReady",
                 pb.ModelReadyRequest(name=name, version=version),
                 timeout=2.0,
@@ -480,7 +362,8 @@ class RouterPlane(DataPlane):
         if plan is not None:
             return metadata_response(plan.name, (ENSEMBLE_VERSION,), "ensemble", plan.inputs, plan.outputs)
         request = pb.ModelMetadataRequest(name=name, version=version)
-        return await self._stage_client(name).call(
+        client = await self._stage_client(name)
+        return await client.call(
             "ModelMetadata", request, timeout=call.timeout, metadata=call.metadata, what=f"model '{name}'"
         )
 
@@ -489,7 +372,8 @@ class RouterPlane(DataPlane):
         if plan is not None:
             return ensemble_config(plan)
         request = pb.ModelConfigRequest(name=name, version=version)
-        reply = await self._stage_client(name).call(
+        client = await self._stage_client(name)
+        reply = await client.call(
             "ModelConfig", request, timeout=call.timeout, metadata=call.metadata, what=f"model '{name}'"
         )
         return reply.config
@@ -526,9 +410,21 @@ class RouterPlane(DataPlane):
     async def _infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         plan = self._ensemble(request.model_name, request.model_version)
         name = request.model_name
+        client: StageClient | None = None
         if plan is not None:
+            if self._unresolved and not all(step.stage for step in plan.steps):
+                raise Unavailable(
+                    f"ensemble '{name}' is not ready: waiting for a stage that serves "
+                    f"{', '.join(sorted(self._unresolved))}"
+                )
             self._check_items(request, plan.max_batch_size > 0)
-        elif (signature := self.signatures.get(name)) is not None:
+        else:
+            client = await self._stage_client(name)
+            # An ensemble member is learnt (and batched as its steps say) by `discover`.
+            member = name in self.stage_of_model or name in self._unresolved
+            if not member and name not in self.signatures:
+                await self._learn(name, client)
+        if plan is None and (signature := self.signatures.get(name)) is not None:
             self._check_items(request, signature.max_batch_size > 0)
         batched = plan is None and name in self.batchers
         started = time.perf_counter_ns()
@@ -538,12 +434,12 @@ class RouterPlane(DataPlane):
             if plan is not None:
                 if self.telemetry.enabled and (span := self.telemetry.current_span()) is not None:
                     span.set_attribute(ENSEMBLE, plan.name)
-                response, items = await self._run(plan, request, call)
+                response, items = await self.executor.run(plan, request, call)
             elif batched:
-                response, items = await self._infer_batched(request, call)
+                response, items = await self.executor.infer_batched(request, call)
             else:
-                client = self._stage_client(name)
-                with self._stage_call_span(name, client) if self.telemetry.enabled else NO_SPAN:
+                assert client is not None
+                with self.executor.stage_call_span(name, client) if self.telemetry.enabled else NO_SPAN:
                     response = await client.call(
                         "ModelInfer",
                         request,
@@ -551,7 +447,7 @@ class RouterPlane(DataPlane):
                         metadata=self.telemetry.inject(call.metadata),
                         what=f"model '{name}'",
                     )
-                items = _items(
+                items = batch_items(
                     self.signatures.get(name), response.outputs[0].shape if response.outputs else ()
                 )
         except BaseException:
@@ -565,284 +461,75 @@ class RouterPlane(DataPlane):
             stats.batch_done(items, elapsed)
         return response
 
-    def _stage_call_span(self, model: str, client: StageClient, **attributes: Any):
-        """The span of one unbatched stage call; its context goes to the stage in the call's metadata."""
-        return self.telemetry.span(
-            f"ModelInfer {model}",
-            {MODEL: model, STAGE: client.endpoint.name, PEER: client.endpoint.address, **attributes},
-            kind=SpanKind.CLIENT,
-        )
-
-    async def _infer_batched(
-        self, request: pb.ModelInferRequest, call: CallContext
-    ) -> tuple[pb.ModelInferResponse, int]:
-        """A client's call of a stage model that has a batcher: it queues like the ensembles' calls."""
-        name = request.model_name
-        signature = self.signatures[name]
-        batcher, _ = self.batchers[name]
-        inputs = validate_inputs(
-            name, request_tensors(request), signature.inputs, batcher.config.max_batch_size
-        )
-        wanted = requested_outputs(request, signature.outputs, name)
-        deadline = None if call.timeout is None else time.monotonic() + call.timeout
-        stage_call = StageCall(inputs, tuple(wanted), request.model_version, deadline)
-        outputs = await self._submit(
-            name, stage_call, deadline, request.parameters, self.telemetry.current_span()
-        )
-        response = infer_response(name, request.model_version, request.id, (outputs[n] for n in wanted))
-        return response, stage_call.size
-
-    async def _submit(
-        self,
-        model: str,
-        stage_call: StageCall,
-        deadline: float | None,
-        parameters: Mapping[str, pb.InferParameter],
-        span: Span | None = None,
-    ) -> dict[str, Tensor]:
-        batcher, tensors = self.batchers[model]
-        priority = batcher.priority_of(_int_parameter(parameters, "priority"))
-        return await batcher.submit(
-            stage_call,
-            size=stage_call.size,
-            key=tensors.key(stage_call),
-            deadline=batcher.deadline_of(deadline, _int_parameter(parameters, "timeout")),
-            priority=priority,
-            span=span,
-        )
-
-    async def _execute_batch(
-        self, model: str, client: StageClient, tensors: TensorBatching, calls: Sequence[StageCall]
-    ) -> list[dict[str, Tensor] | BaseException]:
-        """One stage call for a batch of requests; an item the stage refuses fails only its request."""
-        request = pb.ModelInferRequest(model_name=model, model_version=calls[0].version)
-        for tensor in tensors.merge(calls):
-            request.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
-            request.raw_input_contents.append(tensor.raw)
-        for name in dict.fromkeys(name for call in calls for name in call.outputs):
-            request.outputs.add(name=name)
-        what = f"a batch of {len(calls)} requests for model '{model}'"
-        metadata: Sequence[tuple[str, str | bytes]] = ()
-        if self.telemetry.enabled:
-            # The batcher made the batch span current: the stage continues it.
-            span = self.telemetry.current_span()
-            if span is not None:
-                span.set_attributes({STAGE: client.endpoint.name, PEER: client.endpoint.address})
-            metadata = self.telemetry.inject(())
-        # The batch's deadline is its last member's: the stage works on while anyone still waits for it.
-        deadlines = [call.deadline for call in calls]
-        timeout = None
-        if all(d is not None for d in deadlines):
-            timeout = max(deadlines) - time.monotonic()  # type: ignore[type-var]
-            if timeout <= 0:
-                raise DeadlineExceeded(f"deadline exceeded before {what} was sent")
-        try:
-            response = await client.call("ModelInfer", request, timeout=timeout, metadata=metadata, what=what)
-        except StageError as err:
-            culprit = _item_error(err, calls) if len(calls) > 1 else None
-            if culprit is None:
-                raise
-            # Answer the request whose item was refused, and run the others again without it.
-            index, error = culprit
-            if self.telemetry.enabled and (span := self.telemetry.current_span()) is not None:
-                span.add_event("item refused; the rest sent again", {"pipeline.batch.item": index})
-            rest = [call for i, call in enumerate(calls) if i != index]
-            results = await self._execute_batch(model, client, tensors, rest)
-            results.insert(index, error)
-            return results
-        return list(tensors.split(response_tensors(response), calls))
-
-    async def _run(
-        self, plan: EnsemblePlan, request: pb.ModelInferRequest, call: CallContext
-    ) -> tuple[pb.ModelInferResponse, int]:
-        inputs = validate_inputs(plan.name, request_tensors(request), plan.inputs, plan.max_batch_size)
-        wanted = requested_outputs(request, plan.outputs, plan.name)
-        deadline = None if call.timeout is None else time.monotonic() + call.timeout
-        values: dict[str, Tensor] = dict(inputs)
-        finished = {step.index: asyncio.Event() for step in plan.steps}
-
-        telemetry = self.telemetry
-
-        async def run_step(step: PlanStep) -> None:
-            for producer in step.depends_on:
-                await finished[producer].wait()
-            if telemetry.enabled:
-                attributes = {
-                    ENSEMBLE: plan.name,
-                    STEP: step.index,
-                    MODEL: step.model_name,
-                    STAGE: step.stage,
-                    REQUEST_ID: request.id,
-                }
-                with telemetry.span(f"step {step.model_name}", attributes):
-                    outputs = await self._call_step(step, values, request, deadline, call.metadata)
-            else:
-                outputs = await self._call_step(step, values, request, deadline, call.metadata)
-            values.update(outputs)
-            finished[step.index].set()
-
-        try:
-            # NOTE: a failing step makes the TaskGroup cancel every other step of this request, so no
-            # stage call outlives the request it belongs to.
-            async with asyncio.TaskGroup() as group:
-                for step in plan.steps:
-                    group.create_task(run_step(step))
-        except BaseExceptionGroup as failure:
-            raise _first_error(failure) from None
-        response = infer_response(plan.name, ENSEMBLE_VERSION, request.id, (values[name] for name in wanted))
-        items = next(iter(inputs.values())).shape[0] if plan.max_batch_size > 0 and inputs else 1
-        return response, items
-
-    async def _call_step(
-        self,
-        step: PlanStep,
-        values: Mapping[str, Tensor],
-        request: pb.ModelInferRequest,
-        deadline: float | None,
-        metadata: Sequence[tuple[str, str | bytes]],
-    ) -> dict[str, Tensor]:
-        if step.model_name in self.batchers:
-            stage_call = StageCall(
-                {stage_tensor: values[name] for stage_tensor, name in step.inputs},
-                tuple(stage_tensor for stage_tensor, _ in step.outputs),
-                step.model_version,
-                deadline,
-            )
-            try:
-                produced = await self._submit(
-                    step.model_name, stage_call, deadline, request.parameters, self.telemetry.current_span()
-                )
-            except StageError as err:
-                raise StageError(f"{step.label}: {err.message}", err.code) from None
-        else:
-            produced = await self._call_stage(step, values, request.id, deadline, metadata)
-        outputs = {}
-        for stage_tensor, tensor_name in step.outputs:
-            tensor = produced.get(stage_tensor)
-            if tensor is None:
-                raise StageError(
-                    f"{step.label} on stage '{step.stage}' returned no output '{stage_tensor}'",
-                    grpc.StatusCode.INTERNAL,
-                )
-            outputs[tensor_name] = Tensor(tensor_name, tensor.datatype, tensor.shape, tensor.raw)
-        return outputs
-
-    async def _call_stage(
-        self,
-        step: PlanStep,
-        values: Mapping[str, Tensor],
-        request_id: str,
-        deadline: float | None,
-        metadata: Sequence[tuple[str, str | bytes]],
-    ) -> dict[str, Tensor]:
-        """One request, one stage call: the step's model has no batcher."""
-        stage_request = pb.ModelInferRequest(
-            model_name=step.model_name, model_version=step.model_version, id=request_id
-        )
-        for stage_tensor, tensor_name in step.inputs:
-            tensor = values[tensor_name]
-            stage_request.inputs.add(name=stage_tensor, datatype=tensor.datatype, shape=tensor.shape)
-            stage_request.raw_input_contents.append(tensor.raw)
-        for stage_tensor, _ in step.outputs:
-            stage_request.outputs.add(name=stage_tensor)
-        timeout = None
-        if deadline is not None:
-            timeout = deadline - time.monotonic()
-            if timeout <= 0:
-                raise DeadlineExceeded(f"deadline exceeded before {step.label}")
-        client = self.clients[step.stage]
-        stats = self.stats[step.model_name]
-        first = stage_request.inputs[0].shape if stage_request.inputs else ()
-        items = _items(self.signatures.get(step.model_name), first)
-        started = time.perf_counter_ns()
-        try:
-            if self.telemetry.enabled:
-                with self._stage_call_span(step.model_name, client, **{REQUEST_ID: request_id}):
-                    response = await client.call(
-                        "ModelInfer",
-                        stage_request,
-                        timeout=timeout,
-                        metadata=self.telemetry.inject(metadata),
-                        what=step.label,
-                    )
-            else:
-                response = await client.call(
-                    "ModelInfer", stage_request, timeout=timeout, metadata=metadata, what=step.label
-                )
-        except BaseException:
-            stats.request_failed(time.perf_counter_ns() - started)
-            raise
-        elapsed = time.perf_counter_ns() - started
-        stats.request_done(items=items, total_ns=elapsed, compute_ns=elapsed)
-        stats.batch_done(items, elapsed)
-        self.metrics.compute_duration.labels(step.model_name).observe(elapsed / 1e9)
-        self.metrics.batch_size.labels(step.model_name).observe(items)
-        return response_tensors(response)
-
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
-        names = [name] if name else sorted(self.stats)
+        names = [name] if name else sorted({*self.stats, *self.repository_models})
         reply = pb.ModelStatisticsResponse()
         for model in names:
             if model in self.batchers:
                 stats = self.batchers[model][0].stats
             elif model in self.stats:
                 stats = self.stats[model]
+            elif model in self.repository_models:
+                stats = ModelStats()  # served here, not called yet
             else:
                 raise ModelNotFound(f"unknown model '{model}'")
             reply.model_stats.append(stats.proto(model, version or ENSEMBLE_VERSION))
         return reply
 
+    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
+        """The ensembles, then every stage's models as its own `RepositoryIndex` lists them (a model that
+        several stages hold, as the stage that serves it here); a stage without the RPC lists the models
+        the ensembles name on it."""
+        reply = pb.RepositoryIndexResponse()
+        ready = self.ready()
+        for name in sorted(self.ensembles):
+            if ready:
+                reply.models.add(name=name, version=ENSEMBLE_VERSION, state="READY")
+            elif not ready_only:
+                reply.models.add(
+                    name=name, version=ENSEMBLE_VERSION, state="UNAVAILABLE", reason="waiting for its stages"
+                )
+        keys = list(self.clients)
+        answers = await asyncio.gather(
+            *(self._stage_index(key, ready_only) for key in keys), return_exceptions=False
+        )
+        owner: dict[str, str] = {}
+        for key, models in zip(keys, answers, strict=True):
+            for model in models:
+                serving = self.stage_of_model.get(model.name) or owner.setdefault(model.name, key)
+                if serving == key and model.name not in self.ensembles:
+                    reply.models.append(model)
+        return reply
 
-def _items(signature: ModelSignature | None, shape: Sequence[int]) -> int:
-    """Batch items in a tensor of `shape` for a model: dimension 0 if the model batches, else 1."""
-    if signature is not None and signature.max_batch_size > 0 and len(shape) > 0:
-        return int(shape[0])
-    return 1
-
-
-_ITEM = re.compile(r"\b[A-Za-z_][\w.]*\[(\d+)\]")
-
-
-def _item_error(err: StageError, calls: Sequence[StageCall]) -> tuple[int, StageError] | None:
-    """Which request of a batch a stage's INVALID_ARGUMENT `NAME[i]: ...` is about, with i made its own."""
-    if err.code != grpc.StatusCode.INVALID_ARGUMENT:
-        return None
-    match = _ITEM.search(err.message)
-    if match is None:
-        return None
-    row = int(match.group(1))
-    offset = 0
-    for index, call in enumerate(calls):
-        if row < offset + call.size:
-            local = err.message[: match.start(1)] + str(row - offset) + err.message[match.end(1) :]
-            return index, StageError(local, err.code)
-        offset += call.size
-    return None
-
-
-def _int_parameter(parameters: Mapping[str, pb.InferParameter], key: str) -> int | None:
-    """A request parameter given as int64 or uint64 (`priority`, `timeout`), or None."""
-    if key not in parameters:
-        return None
-    param = parameters[key]
-    choice = param.WhichOneof("parameter_choice")
-    if choice in ("int64_param", "uint64_param"):
-        return int(getattr(param, choice))
-    raise InvalidInput(f"request parameter '{key}' must be an integer, got {choice}")
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The error to report for a failed ensemble: the first `PipelineError` a step raised (it says what was
-    wrong), else the first error of any kind."""
-    leaves: list[BaseException] = []
-    pending: list[BaseException] = [group]
-    while pending:
-        err = pending.pop(0)
-        if isinstance(err, BaseExceptionGroup):
-            pending[:0] = err.exceptions
-        else:
-            leaves.append(err)
-    return next((e for e in leaves if isinstance(e, PipelineError)), leaves[0] if leaves else group)
+    async def _stage_index(self, key: str, ready_only: bool) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+        client = self.clients[key]
+        problem = ""
+        try:
+            answer = await client.call(
+                "RepositoryIndex",
+                pb.RepositoryIndexRequest(ready=ready_only),
+                timeout=2.0,
+                what="its repository index",
+            )
+            return list(answer.models)
+        except StageError as err:
+            if err.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        except Unavailable as err:
+            problem = err.message
+        # A plain OIP server, or a stage that is down: the models the ensembles name on it.
+        models = []
+        for model in sorted(m for m, k in self.stage_of_model.items() if k == key):
+            ready = not problem and await self.model_ready(model, "")
+            if ready:
+                models.append(pb.RepositoryIndexResponse.ModelIndex(name=model, state="READY"))
+            elif not ready_only:
+                models.append(
+                    pb.RepositoryIndexResponse.ModelIndex(
+                        name=model, state="UNAVAILABLE", reason=problem or "not ready"
+                    )
+                )
+        return models
 
 
 def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
@@ -868,14 +555,73 @@ def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
 # --- process entry point -----------------------------------------------------------------------------
 
 
+#: The stages of a router given a model repository and no `--stage`: the environment variables that the
+#: example ensembles and `pipeline run` use, and their defaults.
+DEFAULT_STAGES = (
+    ("preprocess", "PREPROCESS_ADDRESS", "127.0.0.1:8101"),
+    ("model", "MODEL_ADDRESS", "127.0.0.1:8102"),
+    ("postprocess", "POSTPROCESS_ADDRESS", "127.0.0.1:8103"),
+)
+
+
+def stage_argument(value: str) -> tuple[str, str]:
+    """An argparse type: `NAME=ADDRESS`."""
+    name, sep, address = value.partition("=")
+    if not sep or not name.strip() or not address.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=ADDRESS (e.g. model=127.0.0.1:8102), got {value!r}")
+    return name.strip(), address.strip()
+
+
+def router_catalog(args: argparse.Namespace) -> Catalog:
+    """What the router's flags say to serve: the YAML ensembles, the model repository's ensembles and the
+    stages. Without `--stage`, a router given a repository calls the stages `DEFAULT_STAGES` names."""
+    model_dir: Path | None = getattr(args, "model_dir", None)
+    if model_dir is not None and not model_dir.is_dir():
+        raise ConfigError(f"--model-dir {model_dir}: no such folder")
+    stages: dict[str, str] = {}
+    for key, address in getattr(args, "stage", None) or ():
+        if key in stages:
+            raise ConfigError(f"--stage {key}: given twice ({stages[key]} and {address})")
+        stages[key] = address
+    if not stages and model_dir is not None:
+        # Like the ensemble files' ${VAR:-default}: an empty variable counts as unset.
+        stages = {key: os.environ.get(var) or default for key, var, default in DEFAULT_STAGES}
+    ensembles = args.ensembles
+    if ensembles is None:
+        default = Path(os.environ.get("PIPELINE_ENSEMBLES", "ensembles"))
+        # A router serving a repository needs no ensemble files, unless they are asked for.
+        quiet = model_dir is not None and "PIPELINE_ENSEMBLES" not in os.environ and not default.exists()
+        ensembles = [] if quiet else [default]
+    return load_catalog(ensembles, repository=model_dir, stages=stages)
+
+
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, service="router", default_port=8001, default_metrics_port=8002)
     parser.add_argument(
         "--ensembles",
         type=Path,
         nargs="+",
-        default=[Path(os.environ.get("PIPELINE_ENSEMBLES", "ensembles"))],
-        help="ensemble YAML files or folders of them (env PIPELINE_ENSEMBLES)",
+        default=None,
+        help="ensemble YAML files or folders of them (env PIPELINE_ENSEMBLES; default: ensembles, which a "
+        "router given --model-dir may lack)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        "--model-repository",
+        type=Path,
+        default=Path(os.environ["PIPELINE_MODEL_DIR"]) if os.environ.get("PIPELINE_MODEL_DIR") else None,
+        help="the Triton model repository the stages serve: its config.pbtxt ensembles (platform "
+        '"ensemble") are served beside the YAML ones (env PIPELINE_MODEL_DIR)',
+    )
+    parser.add_argument(
+        "--stage",
+        type=stage_argument,
+        action="append",
+        metavar="NAME=ADDRESS",
+        help="a stage service the router calls (repeatable): it serves the steps that name it, and the steps "
+        "that name no stage whose model its RepositoryIndex lists; every model of its repository is served "
+        "here too. Default with --model-dir: "
+        + ", ".join(f"{key}=${var} (else {default})" for key, var, default in DEFAULT_STAGES),
     )
     parser.add_argument(
         "--max-inflight-requests",
@@ -891,6 +637,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="items (dimension 0) one request may carry, whatever the model allows "
         "(env PIPELINE_MAX_BATCH_ITEMS; default %(default)s)",
     )
+    add_http_arguments(parser)
     add_auth_arguments(parser)
     add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
 
@@ -903,12 +650,14 @@ async def serve_router(
     bound: Callable[[int], None] | None = None,
     telemetry: Telemetry | None = None,
     metrics: Metrics | None = None,
+    http_bound: Callable[[int], None] | None = None,
 ) -> None:
     """Serve the ensembles until a signal (or `stopping`): listen, wait for the stages and check the plans,
-    then SERVING. `bound` is called with the port once the server listens. `telemetry` defaults to tracing
-    configured by the environment, `metrics` to a registry of this server's own."""
+    then SERVING. `bound` is called with the port once the server listens (`http_bound` with the HTTP
+    port, first). `telemetry` defaults to tracing configured by the environment, `metrics` to a registry
+    of this server's own."""
     if catalog is None:
-        catalog = load_ensembles(args.ensembles)
+        catalog = router_catalog(args)
     owned = telemetry is None
     telemetry = Telemetry.from_env("router") if telemetry is None else telemetry
     metrics = Metrics() if metrics is None else metrics
@@ -928,9 +677,16 @@ async def serve_router(
     )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
+    servicer = InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics)
+    rest = RestServer(
+        RestFrontDoor(
+            servicer, authenticator=authenticator, max_body_bytes=args.max_message_mb * 1024 * 1024
+        ),
+        grace=args.grace_period,
+    )
     server, port = await create_server(
         f"{args.host}:{args.port}",
-        InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics),
+        servicer,
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=server_credentials_of(args),
@@ -950,6 +706,7 @@ async def serve_router(
     async def start() -> None:
         nonlocal monitor
         start_metrics(metrics, args)
+        await rest.start(args, http_bound)
         write_port(args.port_file, port)
         if bound is not None:
             bound(port)
@@ -964,6 +721,7 @@ async def serve_router(
     async def stop() -> None:
         if monitor is not None:
             monitor.cancel()
+        await rest.stop()
         await plane.close()
         metrics.close()
         if owned:

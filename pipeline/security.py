@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import logging
 import os
+import ssl
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from enum import IntEnum
 from pathlib import Path
@@ -122,6 +123,33 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
 def server_credentials_of(args: argparse.Namespace) -> grpc.ServerCredentials | None:
     """The server credentials that a service's parsed flags ask for (None: plaintext)."""
     return server_credentials(
+        getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None)
+    )
+
+
+def server_ssl_context(
+    cert: str | os.PathLike[str] | None,
+    key: str | os.PathLike[str] | None,
+    ca: str | os.PathLike[str] | None = None,
+) -> ssl.SSLContext | None:
+    """The same TLS as `server_credentials`, for an HTTP server: None (plaintext) when no certificate is
+    given; with `ca`, clients must present a certificate signed by it (mutual TLS)."""
+    if server_credentials(cert, key, ca) is None:  # the same checks and messages as the gRPC side
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(str(cert), str(key))
+        if ca:
+            context.load_verify_locations(str(ca))
+            context.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as err:
+        raise SecurityConfigError(f"cannot use the TLS certificate '{cert}' and key '{key}': {err}") from None
+    return context
+
+
+def server_ssl_context_of(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The TLS context that a service's parsed flags ask for (None: plaintext)."""
+    return server_ssl_context(
         getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None)
     )
 

@@ -127,12 +127,15 @@ async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
     except grpc.aio.AbortError:
         raise
     except Exception:
-        incident = uuid.uuid4().hex[:12]
-        log.exception("internal error, incident %s", incident)
-        await context.abort(
-            grpc.StatusCode.INTERNAL, f"internal error (incident {incident} in the server log)"
-        )
+        await context.abort(grpc.StatusCode.INTERNAL, internal_error())
     raise AssertionError("unreachable: abort raises")
+
+
+def internal_error() -> str:
+    """Log the exception being handled under a new incident id; return what the client is told instead."""
+    incident = uuid.uuid4().hex[:12]
+    log.exception("internal error, incident %s", incident)
+    return f"internal error (incident {incident} in the server log)"
 
 
 def outcome_of(err: BaseException) -> str:
@@ -160,9 +163,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
 
-    async def _infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         """One inference through the plane: the request's server span (continuing the caller's trace)
-        and its count and latency."""
+        and its count and latency. Every front door (gRPC here, HTTP in `pipeline.rest`) infers through
+        this one path."""
         model = request.model_name
         started = time.perf_counter()
         outcome = "OK"
@@ -214,7 +218,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
-        return await _guarded(context, self._infer(request, CallContext.of(context)))
+        return await _guarded(context, self.infer(request, CallContext.of(context)))
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext):
         return await _guarded(context, self.plane.statistics(request.name, request.version))
@@ -252,7 +256,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def one(request: pb.ModelInferRequest) -> None:
             try:
-                response = await self._infer(request, call)
+                response = await self.infer(request, call)
                 await done.put(pb.ModelStreamInferResponse(infer_response=response))
             except PipelineError as err:
                 failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
@@ -435,6 +439,36 @@ def add_server_arguments(
         default=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
         help="logging level (env PIPELINE_LOG_LEVEL)",
     )
+
+
+def add_repository_arguments(parser: argparse.ArgumentParser, *, service: str) -> None:
+    """The model repository flags, in Triton's spelling too: `--model-dir` (alias `--model-repository`, env
+    `PIPELINE_MODEL_DIR`) and `--load-model NAME` (repeatable; env `PIPELINE_<SERVICE>_LOAD_MODEL`, names
+    separated by commas), which serves only the models named instead of every one the service runs."""
+    env = f"PIPELINE_{service.upper()}_LOAD_MODEL"
+    parser.add_argument(
+        "--model-dir",
+        "--model-repository",
+        dest="model_dir",
+        type=Path,
+        default=Path(os.environ.get("PIPELINE_MODEL_DIR", "model_repository")),
+        help="the model repository, in Triton's layout (env PIPELINE_MODEL_DIR; default %(default)s)",
+    )
+    parser.add_argument(
+        "--load-model",
+        action="append",
+        metavar="NAME",
+        default=None,
+        help=f"serve only this repository model (repeatable; env {env}, comma-separated); without it, "
+        "every model of the repository that this service runs",
+    )
+    parser.set_defaults(load_model_env=[n for n in os.environ.get(env, "").split(",") if n.strip()])
+
+
+def repository_models(args: argparse.Namespace) -> list[str] | None:
+    """The models `--load-model` (or its environment variable) names, or None for all of them."""
+    names = args.load_model if args.load_model is not None else args.load_model_env
+    return [name.strip() for name in names] or None
 
 
 def configure_logging(level: str, service: str) -> None:

@@ -1,7 +1,21 @@
 """What a stage model is: named, typed tensors in and out, and batch inference on numpy arrays.
 
-A stage service (preprocess, model, postprocess, or one of your own) subclasses `Stage` and hands its
-instances to `pipeline.server.serve_stages`; the runtime does the protocol, validation, health and errors.
+A stage is a `Stage` subclass in a model repository's `<model>/<version>/model.py`, which the stage
+services serve through the python backend (`pipeline.python_backend`), or a `Stage` object handed to
+`pipeline.server.serve_stages` directly; the runtime does the protocol, validation, health and errors.
+
+From a repository, the model is named after its folder, and an optional `config.pbtxt` beside the version
+folders may declare the tensors, `max_batch_size` and `instance_group` (see `pipeline.python_backend`).
+Its `parameters` reach the stage as `Stage.parameters`, plain strings set before `load()`:
+
+    parameters { key: "max_image_pixels" value { string_value: "1000000" } }
+
+    class Digits(Stage):
+        def load(self) -> None:
+            self.max_image_pixels = int(self.parameters.get("max_image_pixels", "16000000"))
+
+`load` is where a stage reads them: an error raised there refuses the model with a message naming the
+`model.py`, and the service goes on serving its other models.
 """
 
 from __future__ import annotations
@@ -9,6 +23,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -70,6 +85,9 @@ class Stage(abc.ABC):
     #: numpy arithmetic), where two thread hand-offs per call would cost more than the work itself; anything
     #: that can take longer must leave it False, or it stalls every other request of the process.
     inline: bool = False
+    #: The `parameters` of the model's `config.pbtxt` (string values), set before `load()` when the stage is
+    #: served from a repository; empty otherwise.
+    parameters: Mapping[str, str] = MappingProxyType({})
 
     def load(self) -> None:  # noqa: B027 - loading is optional
         """Prepare the model (read weights, warm up). Health turns SERVING only after every load returns."""

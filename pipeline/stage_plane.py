@@ -385,19 +385,20 @@ class StagePlane(DataPlane):
 
     async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
         """Every model version this service serves or would serve, with its state (READY / UNAVAILABLE)
-        and why; models of other services' backends are not listed."""
+        and why; models of other services' backends are not listed. A service without a repository answers
+        UNIMPLEMENTED, as a plain OIP server does."""
+        repository = self._require_repository()
         reply = pb.RepositoryIndexResponse()
         on_disk: dict[str, tuple[str, ...]] = {}
         problems: dict[str, str] = {}
-        if self.repository is not None:
-            for name in self._wanted_names():
-                try:
-                    entry = self.repository.read(name)
-                except RepositoryError as exc:
-                    problems[name] = exc.message
-                    continue
-                if entry.backend in self.backends:
-                    on_disk[name] = entry.versions
+        for name in self._wanted_names():
+            try:
+                entry = repository.read(name)
+            except RepositoryError as exc:
+                problems[name] = exc.message
+                continue
+            if entry.backend in self.backends:
+                on_disk[name] = entry.versions
         for name in sorted(set(on_disk) | set(problems) | set(self._models)):
             model = self._models.get(name)
             served = model.versions if model else {}

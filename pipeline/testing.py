@@ -33,6 +33,8 @@ class Running:
     address: str
     stopping: asyncio.Event
     task: asyncio.Task[None]
+    #: host:port of the router's HTTP/REST side (None for a stage server, or with `http_port` off).
+    http_address: str | None = None
 
     async def stop(self) -> None:
         """Drain and stop the server (what SIGTERM does to a service process)."""
@@ -130,15 +132,27 @@ async def serving_router(
     metrics_port: int | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Running]:
-    """Serve a catalog's ensembles on 127.0.0.1 and a port the OS picks (`telemetry`, `metrics`,
-    `metrics_port` and `options` as for `serving_stages`; router flags such as `max_inflight_requests`,
-    `auth_tokens_file` or `stage_tls_ca` by their attribute names)."""
+    """Serve a catalog's ensembles on 127.0.0.1 and a port the OS picks, gRPC at `address` and HTTP/REST
+    at `http_address` (`telemetry`, `metrics`, `metrics_port` and `options` as for `serving_stages`;
+    router flags such as `max_inflight_requests`, `auth_tokens_file`, `stage_tls_ca` or `http_port` by
+    their attribute names)."""
     from pipeline.router import serve_router
 
-    args = _args(max_message_mb, grace, metrics_port=metrics_port, options=options)
+    args = _args(
+        max_message_mb, grace, metrics_port=metrics_port, options={"http_port": 0, **(options or {})}
+    )
+    http_ports: list[int] = []
     async with _running(
         lambda stopping, bound: serve_router(
-            args, catalog=catalog, stopping=stopping, bound=bound, telemetry=telemetry, metrics=metrics
+            args,
+            catalog=catalog,
+            stopping=stopping,
+            bound=bound,
+            telemetry=telemetry,
+            metrics=metrics,
+            http_bound=http_ports.append,
         )
     ) as running:
+        if http_ports:  # the HTTP site listens before the gRPC port is reported
+            running.http_address = f"127.0.0.1:{http_ports[0]}"
         yield running

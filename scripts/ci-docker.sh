@@ -8,12 +8,14 @@
 #
 # Env: PYTHON (default .venv/bin/python: has tritonclient[grpc] and scikit-learn; `make install` makes it),
 #      COMPOSE_PROJECT_NAME (default pipelineci), PIPELINE_ROUTER_PUBLISHED_PORT (default 18001),
+#      PIPELINE_HTTP_PUBLISHED_PORT (default 18000),
 #      KEEP_UP=1 leaves the pipeline running at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-pipelineci}
 export PIPELINE_ROUTER_PUBLISHED_PORT=${PIPELINE_ROUTER_PUBLISHED_PORT:-18001}
+export PIPELINE_HTTP_PUBLISHED_PORT=${PIPELINE_HTTP_PUBLISHED_PORT:-18000}
 # Stages recycle connections every 5 s here (30 s by default), so the router finds a new replica quickly.
 export PIPELINE_MAX_CONNECTION_AGE_S=${PIPELINE_MAX_CONNECTION_AGE_S:-5}
 PYTHON=${PYTHON:-.venv/bin/python}

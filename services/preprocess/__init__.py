@@ -1,1 +1,2 @@
-"""Preprocess stage service: decodes and normalises raw inputs (images) into model tensors."""
+"""Preprocess stage service: serves the python models (stages) of a model repository, such as the example
+ensembles' decoding, normalising and tokenising stages."""

@@ -26,6 +26,8 @@ class Process:
     name: str
     popen: subprocess.Popen[bytes]
     address: str
+    #: The router's HTTP/REST host:port (None for a stage).
+    http_address: str | None = None
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
         if self.popen.poll() is None:
@@ -36,12 +38,25 @@ class Process:
 def start_service(
     name: str, command: list[str], tmp: Path, env: dict[str, str] | None = None, timeout: float = 60
 ) -> Process:
-    """Start `python <command> --port 0`; return once it listens (not yet necessarily SERVING)."""
+    """Start `python <command> --port 0`; return once it listens (not yet necessarily SERVING). The router
+    serves HTTP/REST on a port the OS picks too."""
     port_file = tmp / f"{name}.port"
     port_file.unlink(missing_ok=True)
+    http_file = tmp / f"{name}.http-port"
+    http = ["--http-port", "0", "--http-port-file", str(http_file)] if "router" in command else []
     log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115 - the process owns it while it runs
     popen = subprocess.Popen(
-        [sys.executable, *command, "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)],
+        [
+            sys.executable,
+            *command,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            *http,
+        ],
         cwd=REPO,
         env={**os.environ, **(env or {})},
         stdout=log,
@@ -55,7 +70,9 @@ def start_service(
             popen.kill()
             raise TimeoutError(f"{name} did not listen within {timeout}s")
         time.sleep(0.05)
-    return Process(name, popen, f"127.0.0.1:{int(port_file.read_text())}")
+    # The HTTP port is written before the gRPC one.
+    http_address = f"127.0.0.1:{int(http_file.read_text())}" if http else None
+    return Process(name, popen, f"127.0.0.1:{int(port_file.read_text())}", http_address)
 
 
 def wait_serving(process: Process, timeout: float = 90) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 
@@ -194,3 +196,129 @@ def test_bad_requests_through_the_router(pipeline):
             assert info.value.code() == code, info.value.details()
             assert words in (info.value.details() or "")
         assert client.server_ready(timeout=5)
+
+
+TRITON_HTTP_CLIENT = r"""
+import json, sys
+import numpy as np
+import tritonclient.http as triton
+
+url, listing, form = sys.argv[1:]
+paths = json.load(open(listing))
+binary = form == "binary"
+client = triton.InferenceServerClient(url)
+report = {"live": client.is_server_live(), "ready": client.is_server_ready(),
+          "model_ready": client.is_model_ready("digits")}
+meta = client.get_model_metadata("digits")
+report["inputs"], report["outputs"] = meta["inputs"], meta["outputs"]
+config = client.get_model_config("digits")
+report["steps"] = [s["model_name"] for s in config["ensemble_scheduling"]["step"]]
+
+
+def infer(model, name, datatype, array, outputs, **kwargs):
+    tensor = triton.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array, binary_data=binary or datatype == "BYTES")
+    wanted = [triton.InferRequestedOutput(o, binary_data=binary) for o in outputs]
+    return client.infer(model, [tensor], outputs=wanted, **kwargs)
+
+
+labels = []
+for start in range(0, len(paths), 64):
+    images = np.array([[open(p, "rb").read()] for p in paths[start : start + 64]], dtype=np.object_)
+    if binary:  # the ensemble, images and outputs as binary tensor data
+        result = infer("digits", "IMAGE", "BYTES", images, ["LABEL", "SCORES"])
+        assert result.as_numpy("SCORES").shape == (len(images), 10)
+    else:  # image files are not UTF-8 text, so they go binary; from there on every tensor is JSON
+        pixels = infer("digits_preprocess", "IMAGE", "BYTES", images, ["PIXELS"]).as_numpy("PIXELS")
+        logits = infer("digits_cnn", "INPUT", "FP32", pixels, ["LOGITS"]).as_numpy("LOGITS")
+        result = infer("digits_postprocess", "LOGITS", "FP32", logits, ["LABEL"])
+    labels += result.as_numpy("LABEL")[:, 0].tolist()
+report["labels"] = labels
+# Compressed both ways, as tritonclient offers it.
+images = np.array([[open(paths[0], "rb").read()]], dtype=np.object_)
+squeezed = infer("digits", "IMAGE", "BYTES", images, ["LABEL"],
+                 request_compression_algorithm="gzip", response_compression_algorithm="deflate")
+report["compressed_label"] = int(squeezed.as_numpy("LABEL")[0, 0])
+stats = client.get_inference_statistics("digits")["model_stats"][0]
+report["inference_count"] = stats["inference_count"]
+try:
+    client.infer("nope", [triton.InferInput("IMAGE", [1, 1], "BYTES").set_data_from_numpy(images)])
+except triton.InferenceServerException as err:
+    report["unknown_model"] = [err.status(), err.message()]
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("form", ["binary", "json"])
+def test_tritons_http_client_classifies_as_well_as_grpc(pipeline, tmp_path, form):
+    _, _, x_test, y_test = load_split()
+    paths = []
+    for i, x in enumerate(x_test):
+        path = tmp_path / f"digit-{i}.{'jpg' if VARIANTS[i % len(VARIANTS)].get('fmt') == 'JPEG' else 'png'}"
+        path.write_bytes(encode(x, **VARIANTS[i % len(VARIANTS)]))
+        paths.append(str(path))
+    listing = tmp_path / "paths.json"
+    listing.write_text(json.dumps(paths))
+    grpc_labels = []
+    with InferenceClient(pipeline.router.address) as client:
+        for start in range(0, len(paths), 64):
+            chunk = [open(p, "rb").read() for p in paths[start : start + 64]]  # noqa: SIM115
+            out = client.infer("digits", {"IMAGE": bytes_batch(chunk, (-1, 1))}, timeout=60)
+            grpc_labels.extend(out["LABEL"][:, 0].tolist())
+    # A separate process, as for Triton's gRPC client.
+    done = subprocess.run(
+        [sys.executable, "-c", TRITON_HTTP_CLIENT, pipeline.router.http_address, str(listing), form],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["live"] and report["ready"] and report["model_ready"]
+    assert report["inputs"] == [{"name": "IMAGE", "datatype": "BYTES", "shape": [-1, 1]}]
+    assert [o["name"] for o in report["outputs"]] == ["LABEL", "SCORES"]
+    assert report["steps"] == ["digits_preprocess", "digits_cnn", "digits_postprocess"]
+    http_accuracy = float(np.mean(np.array(report["labels"]) == y_test))
+    grpc_accuracy = float(np.mean(np.array(grpc_labels) == y_test))
+    print(f"digits held-out accuracy over HTTP ({form}): {http_accuracy:.2%}, over gRPC: {grpc_accuracy:.2%}")
+    assert report["labels"] == grpc_labels and http_accuracy >= 0.95
+    assert report["compressed_label"] == grpc_labels[0]
+    assert report["inference_count"] >= 1
+    status, message = report["unknown_model"]
+    assert str(status) == "404", status
+    assert "unknown model 'nope'" in message
+
+
+def test_the_readmes_http_examples_work_as_written(pipeline, tmp_path):
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    text = (REPO / "README.md").read_text()
+    start = text.index("\n## HTTP/REST\n")
+    section = text[start : text.index("\n## ", start + 1)]
+    [shell] = re.findall(r"```sh\n(.*?)```", section, re.S)
+    [python] = re.findall(r"```python\n(.*?)```", section, re.S)
+    _, _, x_test, y_test = load_split()
+    (tmp_path / "three.png").write_bytes(encode(x_test[np.flatnonzero(y_test == 3)[0]], scale=4))
+    at = pipeline.router.http_address  # the README's commands, on this pipeline's port
+    done = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", shell.replace("127.0.0.1:8000", at)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.startswith("200\n")
+    assert '"name": "digits"' in out and '"platform": "ensemble"' in out
+    assert out.count('"name":"LABEL","datatype":"INT64","shape":[1,1],"data":[3]') == 2
+    assert '"name":"LABEL","datatype":"INT64","shape":[1,1],"data":[1]' in out  # the compressed call
+    done = subprocess.run(
+        [sys.executable, "-c", python.replace("127.0.0.1:8000", at)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[[3]]"

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from typing import NamedTuple
 
 import grpc
@@ -55,6 +56,7 @@ def test_a_killed_stage_is_named_and_the_pipeline_recovers_when_it_returns(tmp_p
 class Launched(NamedTuple):
     process: subprocess.Popen[str]
     address: str  # the router's
+    http: str  # the router's HTTP/REST base URL
     pids: dict[str, int]  # by stage process name
     addresses: dict[str, str]  # by stage process name
 
@@ -74,6 +76,8 @@ def launch(tmp_path, model_dir, *extra: str) -> Launched:
             "--model-port",
             "0",
             "--postprocess-port",
+            "0",
+            "--http-port",
             "0",
             "--model-dir",
             str(model_dir),
@@ -96,9 +100,14 @@ def launch(tmp_path, model_dir, *extra: str) -> Launched:
     else:
         raise AssertionError(f"pipeline run exited early:\n{''.join(lines)}")
     address = re.search(r" on (\S+) \(gRPC", line).group(1)
+    http = re.search(r" and (\S+) \(HTTP/REST\)", line).group(1)
     stages = re.findall(r"([\w-]+) (\S+) \(pid (\d+)\)", line)
     return Launched(
-        process, address, {name: int(pid) for name, _, pid in stages}, {name: at for name, at, _ in stages}
+        process,
+        address,
+        http,
+        {name: int(pid) for name, _, pid in stages},
+        {name: at for name, at, _ in stages},
     )
 
 
@@ -119,10 +128,12 @@ def wait_gone(pids, timeout: float = 30) -> None:
 
 def test_pipeline_run_trains_serves_and_stops_cleanly_on_sigterm(tmp_path):
     models = tmp_path / "models"  # empty: the first run must train the model
-    process, address, pids, _ = launch(tmp_path, models)
+    process, address, http, pids, _ = launch(tmp_path, models)
     assert set(pids) == {"preprocess", "model", "postprocess"}
     try:
         assert (models / "digits_cnn" / "1" / "model.pt").exists()
+        with urllib.request.urlopen(f"{http}/v2/models/digits/ready", timeout=10) as reply:
+            assert reply.status == 200  # the HTTP/REST side is served too
         _, _, x_test, y_test = load_split()
         with InferenceClient(address) as client:
             out = client.infer("digits", {"IMAGE": bytes_batch([encode(x_test[1])], (-1, 1))}, timeout=30)
@@ -137,7 +148,7 @@ def test_pipeline_run_trains_serves_and_stops_cleanly_on_sigterm(tmp_path):
 
 
 def test_pipeline_run_reports_a_dead_stage_by_name(tmp_path, model_dir):
-    process, _, pids, _ = launch(tmp_path, model_dir)
+    process, _, _, pids, _ = launch(tmp_path, model_dir)
     try:
         os.kill(pids["model"], signal.SIGKILL)
         rest, _ = process.communicate(timeout=60)
@@ -150,7 +161,7 @@ def test_pipeline_run_reports_a_dead_stage_by_name(tmp_path, model_dir):
 
 
 def test_pipeline_run_spreads_calls_over_stage_replicas(tmp_path, model_dir):
-    process, address, pids, addresses = launch(tmp_path, model_dir, "--replicas", "preprocess=2")
+    process, address, _, pids, addresses = launch(tmp_path, model_dir, "--replicas", "preprocess=2")
     try:
         assert set(pids) == {"preprocess-1", "preprocess-2", "model", "postprocess"}
         _, _, x_test, y_test = load_split()

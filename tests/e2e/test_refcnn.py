@@ -13,9 +13,8 @@ import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.client import InferenceClient
-from services.postprocess.refcnn import RefCNNPostprocess
-from services.preprocess.refcnn import RefCNNPreprocess
 from tests.e2e.conftest import REPO
+from tests.stages import example_stage
 
 pytestmark = pytest.mark.e2e
 
@@ -36,9 +35,9 @@ def _in_process(images: np.ndarray, model_dir: Path) -> dict[str, np.ndarray]:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(model_dir / "refcnn_cnn" / "1" / "model.onnx"))
-    pixels = RefCNNPreprocess().infer({"IMAGE": images})["PIXELS"]
+    pixels = example_stage("refcnn_preprocess").infer({"IMAGE": images})["PIXELS"]
     (logits,) = session.run(["LOGITS"], {"INPUT": pixels})
-    return RefCNNPostprocess().infer({"LOGITS": logits})
+    return example_stage("refcnn_postprocess").infer({"LOGITS": logits})
 
 
 @pytest.mark.parametrize("batch", [1, 5, 64])

@@ -177,6 +177,21 @@ def test_inputs_follow_the_metadata_and_the_shape_flags(tmp_path: Path) -> None:
         parse_shape("A=")
 
 
+def test_bytes_inputs_from_npy_files_are_read_without_pickle(tmp_path: Path) -> None:
+    meta = pb.ModelMetadataResponse(
+        name="m", inputs=[pb.ModelMetadataResponse.TensorMetadata(name="B", datatype="BYTES", shape=[-1])]
+    )
+    np.save(tmp_path / "bytes.npy", np.array([b"ab", b"c"]))
+    np.save(tmp_path / "text.npy", np.array(["é", "xyz"]))
+    for name, expected in (("bytes.npy", [b"ab", b"c"]), ("text.npy", ["é".encode(), b"xyz"])):
+        arrays = synthesize_inputs(meta, batching=True, files={"B": tmp_path / name})
+        assert arrays["B"].dtype == object and list(arrays["B"]) == expected
+    # A pickled object array is refused, not unpickled.
+    np.save(tmp_path / "objects.npy", np.array([b"x", 1], dtype=object))  # np.save pickles objects
+    with pytest.raises(BenchError, match="byte strings"):
+        synthesize_inputs(meta, batching=True, files={"B": tmp_path / "objects.npy"})
+
+
 def test_statistics_deltas_give_perf_analyzers_figures() -> None:
     def stats(inferences: int, executions: int, queue_ns: int, infer_ns: int, b8: int) -> pb.ModelStatistics:
         s = pb.ModelStatistics(name="m", version="1", inference_count=inferences, execution_count=executions)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import pytest
 from grpc_health.v1 import health, health_pb2
 from PIL import Image
 
@@ -20,6 +19,8 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.config import load_ensembles
 from pipeline.convert import Tensor, infer_response, metadata_response, response_tensors
 from pipeline.errors import ModelNotFound
+from pipeline.python_backend import PythonBackend
+from pipeline.repository import ModelRepository, read_config
 from pipeline.server import (
     INFERENCE_SERVICE,
     CallContext,
@@ -31,6 +32,7 @@ from pipeline.server import (
 from pipeline.stage import Stage, TensorSpec
 from pipeline.testing import serving_router, serving_stages
 from tests.conftest import health_status, inference_stub, request_for, rpc_error, wait_serving
+from tests.stages import EXAMPLE_REPOSITORY, example_repository
 
 ANY = (-1, -1)
 
@@ -340,21 +342,19 @@ async def test_max_batch_items_refuses_a_request_carrying_more(tmp_path):
         await server.stop(0)
 
 
-def test_the_preprocess_limits_are_flags():
-    from services.preprocess.__main__ import build_parser
-
-    args = build_parser().parse_args(["--max-image-pixels", "1000", "--max-text-bytes", "64"])
-    assert (args.max_image_pixels, args.max_text_bytes) == (1000, 64)
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--max-text-bytes", "0"])
+def test_the_preprocess_limits_are_config_parameters() -> None:
+    for name, key in (("digits_preprocess", "max_image_pixels"), ("embeddings_tokenize", "max_text_bytes")):
+        config = read_config(EXAMPLE_REPOSITORY / name / "config.pbtxt")
+        assert int(config.parameters[key].string_value) > 0
 
 
 async def test_limits_refuse_bombs_long_text_and_huge_messages(tmp_path):
-    from services.preprocess.digits import DigitsPreprocess
-    from services.preprocess.text import TextTokenize
-
-    stages = [DigitsPreprocess(max_image_pixels=100 * 100), TextTokenize(max_text_bytes=32)]
-    async with serving_stages(stages) as pre:
+    repository = example_repository(
+        tmp_path / "repository",
+        ["digits_preprocess", "embeddings_tokenize"],
+        {"digits_preprocess": {"max_image_pixels": 100 * 100}, "embeddings_tokenize": {"max_text_bytes": 32}},
+    )
+    async with serving_stages([], repository=ModelRepository(repository), backends=[PythonBackend()]) as pre:
         await wait_serving(pre.address, timeout=60)
         (tmp_path / "e.yaml").write_text(
             f"""

@@ -301,3 +301,42 @@ def test_batched_results_equal_unbatched_results(arrivals, max_batch_size, infli
         assert sum(size for _, size, _ in batch) <= max_batch_size
         assert len({key for _, _, key in batch}) == 1
     assert sum(len(b) for b in seen) == len(arrivals)
+
+
+async def test_a_full_batch_of_one_key_does_not_wait_for_another_keys_delay():
+    clock = ManualClock()
+    stage = Stage()
+    config = BatchingConfig(max_batch_size=2, max_queue_delay_microseconds=10**6, idle_dispatch=False)
+    batcher = make(config, stage, clock)
+    waiting = asyncio.ensure_future(batcher.submit(1, key="a"))
+    full = [asyncio.ensure_future(batcher.submit(p, key="b")) for p in (2, 3)]
+    await settle()
+    assert stage.batches == [[2, 3]], "key b's batch is full: it goes while key a waits out its delay"
+    assert [t.result() for t in full] == [20, 30] and not waiting.done()
+    clock.advance(1.0)
+    await settle()
+    assert stage.batches[1] == [1] and waiting.result() == 10
+    await batcher.aclose()
+
+
+async def test_a_request_expires_where_it_waits_not_only_at_the_head():
+    clock = ManualClock()
+    stage = Stage(gated=True)
+    config = BatchingConfig(max_batch_size=1, max_inflight_batches=1)
+    batcher = make(config, stage, clock)
+    first = await submit_all(batcher, [1])  # holds the only slot
+    queued = [asyncio.ensure_future(batcher.submit(p, deadline=clock.now() + d)) for p, d in ((2, 5), (3, 1))]
+    await settle()
+    assert batcher.queue_depth == 2
+    clock.advance(1.0)  # the second queued request expires behind the first
+    await settle()
+    with pytest.raises(DeadlineExceeded):
+        queued[1].result()
+    assert batcher.queue_depth == 1 and batcher.counters.dropped_deadline == 1
+    stage.release(0)
+    await settle()
+    stage.release(1)
+    await settle()
+    assert first[0].result() == 10 and queued[0].result() == 20
+    assert stage.batches == [[1], [2]], "the expired request never reached the stage"
+    await batcher.aclose()

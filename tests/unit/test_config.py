@@ -210,10 +210,10 @@ def test_unknown_key_in_tensor_and_stage(tmp_path: Path) -> None:
 
 def test_missing_required_keys(tmp_path: Path) -> None:
     data = base()
-    del data["steps"][2]["stage"]
+    del data["steps"][2]["output_map"]
     del data["inputs"]
     message = error(tmp_path, data)
-    assert "step 2 (digits_post): steps[2]: missing required key 'stage'" in message
+    assert "step 2 (digits_post): steps[2]: missing required key 'output_map'" in message
     assert "top level: missing required key 'inputs'" in message
 
 

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from pipeline.errors import InvalidInput
-from pipeline.repository import ModelRepository, tensor_specs
+from pipeline.repository import ModelRepository, RepositoryError, tensor_specs
+from pipeline.stage import Stage
 from services.minilm_files import package_model_dir
 from services.model.backend import ModelBackend, ServiceSettings
-from services.postprocess.pooling import MeanPoolStage, mean_pool_normalize
-from services.preprocess.text import TextTokenize
+from tests.stages import example_stage
+
+#: The example repository's `embeddings_pool`, loaded through the python backend.
+POOL = example_stage("embeddings_pool")
+mean_pool_normalize = sys.modules[type(POOL).__module__].mean_pool_normalize
 
 CLS, SEP = 101, 102
 
@@ -29,10 +35,8 @@ def text_batch(texts: list[str | bytes]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> TextTokenize:
-    stage = TextTokenize()
-    stage.load()
-    return stage
+def tokenizer() -> Stage:
+    return example_stage("embeddings_tokenize")
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +72,10 @@ def oracle():
     return SentenceTransformer(str(package_model_dir()), device="cpu", local_files_only=True)
 
 
-def embed(tokenizer: TextTokenize, encoder, texts: list[str]) -> np.ndarray:
+def embed(tokenizer: Stage, encoder, texts: list[str]) -> np.ndarray:
     tokens = tokenizer.infer({"TEXT": text_batch(texts)})
     hidden = encoder.run(tokens)["TOKEN_EMBEDDINGS"]
-    return MeanPoolStage().infer({"TOKEN_EMBEDDINGS": hidden, "ATTENTION_MASK": tokens["ATTENTION_MASK"]})[
-        "EMBEDDING"
-    ]
+    return POOL.infer({"TOKEN_EMBEDDINGS": hidden, "ATTENTION_MASK": tokens["ATTENTION_MASK"]})["EMBEDDING"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -120,18 +122,25 @@ def test_invalid_utf8_is_named_by_its_index(tokenizer) -> None:
 
 
 def test_text_over_the_byte_limit_is_refused() -> None:
-    stage = TextTokenize(max_text_bytes=10)
-    stage.load()
+    stage = example_stage("embeddings_tokenize", max_text_bytes=10)
     assert stage.infer({"TEXT": text_batch(["0123456789"])})["INPUT_IDS"].shape[0] == 1
     with pytest.raises(InvalidInput, match=r"TEXT\[1\]: text too long: 11 bytes, the limit is 10"):
         stage.infer({"TEXT": text_batch(["ok", "01234567890"])})
 
 
-def test_bad_settings_fail_at_construction() -> None:
-    with pytest.raises(ValueError, match="max_text_bytes"):
-        TextTokenize(max_text_bytes=0)
-    with pytest.raises(ValueError, match="max_tokens"):
-        TextTokenize(max_tokens=1)
+def test_bad_parameters_refuse_the_model_naming_them() -> None:
+    with pytest.raises(
+        RepositoryError, match=r"model\.py: .*parameter max_text_bytes must be an integer >= 1"
+    ):
+        example_stage("embeddings_tokenize", max_text_bytes=0)
+    with pytest.raises(RepositoryError, match=r"model\.py: .*parameter max_tokens must be an integer >= 2"):
+        example_stage("embeddings_tokenize", max_tokens=1)
+
+
+def test_max_tokens_truncates(tokenizer) -> None:
+    stage = example_stage("embeddings_tokenize", max_tokens=4)
+    out = stage.infer({"TEXT": text_batch(["one two three four five six"])})
+    assert out["INPUT_IDS"].shape == (1, 4) and out["INPUT_IDS"][0, -1] == SEP
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -142,7 +151,7 @@ def test_pooling_averages_only_unmasked_tokens() -> None:
     rng = np.random.default_rng(0)
     tokens = rng.normal(size=(3, 6, 384)).astype(np.float32)
     mask = np.array([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]], dtype=np.int64)
-    out = MeanPoolStage().infer({"TOKEN_EMBEDDINGS": tokens, "ATTENTION_MASK": mask})["EMBEDDING"]
+    out = POOL.infer({"TOKEN_EMBEDDINGS": tokens, "ATTENTION_MASK": mask})["EMBEDDING"]
     assert out.shape == (3, 384) and out.dtype == np.float32
     for row, length in enumerate(mask.sum(axis=1)):
         mean = tokens[row, :length].astype(np.float64).mean(axis=0)
@@ -158,21 +167,21 @@ def test_pooling_ignores_extra_padding_whatever_it_holds() -> None:
     padded_tokens = np.concatenate([tokens, np.zeros((2, 5, 384), np.float32)], axis=1)
     padded_tokens[1, 2:] = np.nan  # padded positions may hold anything
     padded_mask = np.concatenate([mask, np.zeros((2, 5), np.int64)], axis=1)
-    out = MeanPoolStage().infer({"TOKEN_EMBEDDINGS": padded_tokens, "ATTENTION_MASK": padded_mask})
+    out = POOL.infer({"TOKEN_EMBEDDINGS": padded_tokens, "ATTENTION_MASK": padded_mask})
     np.testing.assert_allclose(out["EMBEDDING"], base, rtol=1e-6, atol=1e-7)
 
 
 def test_all_zero_mask_gives_the_zero_vector_not_nan() -> None:
     tokens = np.ones((2, 3, 384), np.float32)
     mask = np.array([[0, 0, 0], [1, 1, 0]], dtype=np.int64)
-    out = MeanPoolStage().infer({"TOKEN_EMBEDDINGS": tokens, "ATTENTION_MASK": mask})["EMBEDDING"]
+    out = POOL.infer({"TOKEN_EMBEDDINGS": tokens, "ATTENTION_MASK": mask})["EMBEDDING"]
     assert np.isfinite(out).all()
     assert not out[0].any()
     np.testing.assert_allclose(np.linalg.norm(out[1]), 1.0, rtol=1e-6)
 
 
 def test_pooling_refuses_disagreeing_shapes_and_non_finite_tokens() -> None:
-    stage = MeanPoolStage()
+    stage = POOL
     with pytest.raises(InvalidInput, match="must agree"):
         stage.infer(
             {"TOKEN_EMBEDDINGS": np.zeros((2, 3, 384), np.float32), "ATTENTION_MASK": np.ones((2, 4))}
@@ -184,7 +193,7 @@ def test_pooling_refuses_disagreeing_shapes_and_non_finite_tokens() -> None:
 
 
 def test_pooling_declares_padded_inputs() -> None:
-    stage = MeanPoolStage()
+    stage = POOL
     assert [(s.name, s.shape, s.pad_value) for s in stage.inputs] == [
         ("TOKEN_EMBEDDINGS", (-1, -1, 384), 0.0),
         ("ATTENTION_MASK", (-1, -1), 0),

@@ -4,12 +4,19 @@ Random model names, versions, input names, datatypes, shapes (huge, negative, em
 with lying length prefixes, corrupt images, invalid UTF-8, typed contents and parameters. Every case must
 be answered OK, INVALID_ARGUMENT or NOT_FOUND within its deadline: never INTERNAL, never a crash or a hang;
 and the router must then still serve a good request.
+
+The HTTP/REST side gets the same requests in JSON and binary form, mutated JSON, random bodies, lying
+`Inference-Header-Content-Length` headers and broken compression: every answer must be 200, 400, 404 or
+413 with an `{"error": ...}` that says something.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
+import http.client
 import io
+import json
 import os
 import queue
 import struct
@@ -29,9 +36,12 @@ from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.config import load_ensembles
 from pipeline.convert import response_tensors
 from pipeline.datatypes import DATATYPES
+from pipeline.python_backend import PythonBackend
+from pipeline.repository import ModelRepository
 from pipeline.server import server_options
 from pipeline.testing import serving_router, serving_stages
 from tests.conftest import request_for, wait_serving
+from tests.stages import example_repository
 
 EXAMPLES = int(os.environ.get("PIPELINE_FUZZ_EXAMPLES", "300"))
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
@@ -67,24 +77,38 @@ steps:
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory) -> Iterator[str]:
-    """The router and real stages in an event loop of their own (hypothesis drives a sync client)."""
-    from services.postprocess.classify import ClassifyStage
-    from services.preprocess.digits import DigitsPreprocess
-    from services.preprocess.text import TextTokenize
-
+def served(tmp_path_factory) -> Iterator[tuple[str, str]]:
+    """The router (its gRPC and HTTP addresses) and real stages in an event loop of their own
+    (hypothesis drives sync clients)."""
     folder: Path = tmp_path_factory.mktemp("fuzz")
-    started: queue.Queue[str | BaseException] = queue.Queue()
+    repository = ModelRepository(
+        example_repository(
+            tmp_path_factory.mktemp("repository"),
+            ["digits_preprocess", "embeddings_tokenize", "digits_postprocess"],
+            {
+                "digits_preprocess": {"max_image_pixels": 512 * 512},
+                "embeddings_tokenize": {"max_text_bytes": 256},
+            },
+        )
+    )
+    started: queue.Queue[tuple[str, str] | BaseException] = queue.Queue()
     stop = threading.Event()
 
     async def main() -> None:
-        pre_stages = [DigitsPreprocess(max_image_pixels=512 * 512), TextTokenize(max_text_bytes=256)]
-        async with serving_stages(pre_stages) as pre, serving_stages([ClassifyStage()]) as post:
+        pre_models = ["digits_preprocess", "embeddings_tokenize"]
+        backends = [PythonBackend()]
+        async with (
+            serving_stages([], repository=repository, backends=backends, models=pre_models) as pre,
+            serving_stages(
+                [], repository=repository, backends=backends, models=["digits_postprocess"]
+            ) as post,
+        ):
             for i, text in enumerate(ENSEMBLES.split("---\n")):
                 (folder / f"e{i}.yaml").write_text(text.format(pre=pre.address, post=post.address))
             async with serving_router(load_ensembles([folder]), max_message_mb=4) as running:
                 await wait_serving(running.address, timeout=120)
-                started.put(running.address)
+                assert running.http_address is not None
+                started.put((running.address, running.http_address))
                 while not stop.is_set():
                     await asyncio.sleep(0.05)
 
@@ -96,14 +120,24 @@ def router(tmp_path_factory) -> Iterator[str]:
 
     thread = threading.Thread(target=run, name="fuzzed-router", daemon=True)
     thread.start()
-    address = started.get(timeout=180)
-    if isinstance(address, BaseException):
-        raise address
+    addresses = started.get(timeout=180)
+    if isinstance(addresses, BaseException):
+        raise addresses
     try:
-        yield address
+        yield addresses
     finally:
         stop.set()
         thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def router(served: tuple[str, str]) -> str:
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def http_address(served: tuple[str, str]) -> str:
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -234,4 +268,123 @@ def test_huge_images_are_refused_by_their_header(stub: pb_grpc.GRPCInferenceServ
 
 
 def test_still_serving_after_the_fuzzing(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+    _good(stub)
+
+
+# --- the HTTP/REST side --------------------------------------------------------------------------------
+
+HTTP_ALLOWED = {200, 400, 404, 413}
+
+
+def _parameter_json(param: pb.InferParameter) -> object:
+    return getattr(param, param.WhichOneof("parameter_choice") or "string_param")
+
+
+def _rest_form(request: pb.ModelInferRequest, binary: bool) -> tuple[str, bytes, dict[str, str]]:
+    """A fuzzed `ModelInferRequest` as a REST request: its raw contents as binary data or as JSON lists."""
+    doc: dict = {"id": request.id, "inputs": [], "outputs": [{"name": o.name} for o in request.outputs]}
+    doc["parameters"] = {
+        k: v
+        for k, v in ((k, _parameter_json(p)) for k, p in request.parameters.items())
+        if not (isinstance(v, float) and not np.isfinite(v))  # JSON has no NaN or infinity
+    }
+    blobs = []
+    for i, tensor in enumerate(request.inputs):
+        entry: dict = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+        raw = request.raw_input_contents[i] if i < len(request.raw_input_contents) else b""
+        if binary:
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            entry["data"] = list(raw[:64])  # numbers of the wrong kind, count or range for most tensors
+        doc["inputs"].append(entry)
+    text = json.dumps(doc).encode()
+    headers = {"Inference-Header-Content-Length": str(len(text))} if binary else {}
+    version = f"/versions/{request.model_version}" if request.model_version else ""
+    path = f"/v2/models/{request.model_name}{version}/infer"
+    return path, text + b"".join(blobs), headers
+
+
+def _post(address: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("POST", path, body=body, headers=headers)
+        reply = connection.getresponse()
+        return reply.status, reply.read()
+    finally:
+        connection.close()
+
+
+def _check_answer(status: int, body: bytes) -> None:
+    assert status in HTTP_ALLOWED, f"{status}: {body[:300]!r}"
+    if status != 200:
+        message = json.loads(body)["error"]
+        assert message and "internal" not in message, message
+
+
+def _quoted(name: str) -> str:
+    from urllib.parse import quote
+
+    return quote(name, safe="") or "x"
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(request=requests(), binary=st.booleans())
+def test_http_infer_never_fails_inside(
+    http_address: str, request: pb.ModelInferRequest, binary: bool
+) -> None:
+    request.model_name = _quoted(request.model_name)
+    request.model_version = _quoted(request.model_version) if request.model_version else ""
+    path, body, headers = _rest_form(request, binary)
+    _check_answer(*_post(http_address, path, body, headers))
+
+
+def _with_surrogate(where: str) -> bytes:
+    """Valid JSON with a lone surrogate escaped in place of the string `where`: no UTF-8 string holds it."""
+    doc = {"id": "i", "parameters": {"k": 1}}
+    doc["inputs"] = [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": ["x"]}]
+    return json.dumps(doc).replace(f'"{where}"', '"\\ud800"', 1).encode()
+
+
+bodies = st.one_of(
+    st.binary(max_size=300),
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=20,
+    ).map(lambda v: json.dumps(v).encode()),
+    st.just(b"[" * 100_000),  # nested deeper than any parser's recursion
+    st.sampled_from(["i", "k", "TEXT", "BYTES", "x"]).map(_with_surrogate),
+)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    body=bodies,
+    model=st.sampled_from(NAMES),
+    header=st.none() | st.integers(-5, 400).map(str) | st.text(max_size=5),
+    encoding=st.sampled_from([None, None, "gzip", "deflate", "gzip-lie"]),
+)
+def test_http_random_bodies_get_a_clear_answer(
+    http_address: str, body: bytes, model: str, header: str | None, encoding: str | None
+) -> None:
+    headers = {}
+    if header is not None and header.isascii() and header.isprintable():
+        headers["Inference-Header-Content-Length"] = header
+    if encoding == "gzip":
+        body = gzip.compress(body)
+    if encoding is not None:
+        headers["Content-Encoding"] = encoding.removesuffix("-lie")  # "gzip-lie": says gzip, is not
+    _check_answer(*_post(http_address, f"/v2/models/{model}/infer", body, headers))
+
+
+def test_http_still_serving_after_the_fuzzing(
+    http_address: str, stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
+    text = json.dumps(
+        {"inputs": [{"name": "LOGITS", "datatype": "FP32", "shape": [1, 10], "data": [0.0] * 9 + [5.0]}]}
+    )
+    status, body = _post(http_address, "/v2/models/cls/infer", text.encode(), {})
+    assert status == 200 and json.loads(body)["outputs"][0]["data"] == [9]
     _good(stub)

@@ -82,3 +82,18 @@ def test_fixed_shapes_merge_by_bytes_and_keys_separate_shapes():
     assert merged.shape == (3, 3) and merged.raw == a.inputs["X"].raw + b.inputs["X"].raw
     shares = batching.split({"Y": Tensor("Y", "FP32", merged.shape, merged.raw)}, [a, b])
     assert shares[0]["Y"].raw == a.inputs["X"].raw and shares[1]["Y"].shape == (2, 3)
+
+
+def test_padded_bytes_inputs_merge_with_empty_elements_not_pointers():
+    words = ModelSignature(
+        "w", (TensorSpec("WORDS", "BYTES", (-1, -1), pad_value=0),), (TensorSpec("N", "INT64", (-1, 1)),), 8
+    )
+    batching = TensorBatching(words)
+    short = StageCall({"WORDS": Tensor.from_array("WORDS", np.array([[b"a"]], dtype=object))}, ("N",))
+    long = StageCall(
+        {"WORDS": Tensor.from_array("WORDS", np.array([[b"bb", b"c", "é".encode()]], dtype=object))}, ("N",)
+    )
+    assert batching.key(short) == batching.key(long)
+    (merged,) = batching.merge([short, long])
+    assert merged.shape == (2, 3)
+    assert merged.to_array().tolist() == [[b"a", b"", b""], [b"bb", b"c", "é".encode()]]

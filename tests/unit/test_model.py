@@ -15,8 +15,7 @@ from examples.models.build import EXAMPLES, build, main, missing
 from examples.models.digits import load_split, train
 from pipeline.repository import ModelRepository
 from services.model.backend import ModelBackend, ServiceSettings
-from services.postprocess.classify import ClassifyStage
-from services.preprocess.digits import DigitsPreprocess
+from tests.stages import example_stage
 
 
 @pytest.fixture
@@ -114,7 +113,7 @@ def test_whole_chain_in_process_on_held_out_images(repository: Path) -> None:
             images[i, 0] = _png(
                 digit, size=(8, 32, 100)[variant], dark_ink=i % 2 == 0, mode=("L", "RGB")[i % 2]
             )
-    preprocess, postprocess = DigitsPreprocess(), ClassifyStage()
+    preprocess, postprocess = example_stage("digits_preprocess"), example_stage("digits_postprocess")
     entry = ModelRepository(repository).read("digits_cnn")
     prepared = ModelBackend(ServiceSettings(device="cpu")).prepare(entry, "1")
     (model,) = prepared.instances

@@ -55,7 +55,7 @@ def test_stage_models_across_ensembles() -> None:
 
 def test_a_failed_ensemble_reports_the_step_error_that_says_what_was_wrong():
     from pipeline.errors import InvalidInput
-    from pipeline.router import _first_error
+    from pipeline.executor import _first_error
 
     said = InvalidInput("IMAGE[2]: cannot decode image")
     group = BaseExceptionGroup("steps", [RuntimeError("bug"), BaseExceptionGroup("inner", [said])])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -9,12 +11,16 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from pipeline.errors import InvalidInput
-from services.postprocess.classify import ClassifyStage, softmax
+from tests.stages import example_stage
+
+#: The example repository's `digits_postprocess`, loaded through the python backend.
+CLASSIFY = example_stage("digits_postprocess")
+softmax = sys.modules[type(CLASSIFY).__module__].softmax
 
 
 def test_labels_and_scores_match_a_float64_reference() -> None:
     logits = np.random.default_rng(0).normal(scale=5.0, size=(64, 10)).astype(np.float32)
-    out = ClassifyStage().infer({"LOGITS": logits})
+    out = CLASSIFY.infer({"LOGITS": logits})
 
     assert out["LABEL"].dtype == np.int64 and out["LABEL"].shape == (64, 1)
     assert out["SCORES"].dtype == np.float32 and out["SCORES"].shape == (64, 10)
@@ -38,7 +44,7 @@ def test_huge_logits_do_not_overflow() -> None:
 def test_input_is_not_modified() -> None:
     logits = np.arange(20, dtype=np.float32).reshape(2, 10)
     logits.flags.writeable = False  # the runtime hands over read-only views of the request bytes
-    ClassifyStage().infer({"LOGITS": logits})
+    CLASSIFY.infer({"LOGITS": logits})
     np.testing.assert_array_equal(logits, np.arange(20, dtype=np.float32).reshape(2, 10))
 
 
@@ -46,7 +52,7 @@ def test_input_is_not_modified() -> None:
     arrays(np.float32, st.tuples(st.integers(1, 16), st.just(10)), elements=st.floats(-1e4, 1e4, width=32))
 )
 def test_rows_are_distributions_and_agree_with_argmax(logits: np.ndarray) -> None:
-    out = ClassifyStage().infer({"LOGITS": logits})
+    out = CLASSIFY.infer({"LOGITS": logits})
     scores, labels = out["SCORES"], out["LABEL"][:, 0]
     assert np.all(scores >= 0.0) and np.all(scores <= 1.0)
     np.testing.assert_allclose(scores.sum(axis=1), 1.0, atol=1e-5)
@@ -59,11 +65,11 @@ def test_non_finite_logits_are_refused_naming_the_row(bad: float) -> None:
     logits = np.zeros((4, 10), dtype=np.float32)
     logits[2, 5] = bad
     with pytest.raises(InvalidInput, match=r"^LOGITS\[2\]: logits must be finite"):
-        ClassifyStage().infer({"LOGITS": logits})
+        CLASSIFY.infer({"LOGITS": logits})
 
 
 def test_declaration() -> None:
-    stage = ClassifyStage("digits_postprocess", num_classes=10)
+    stage = CLASSIFY
     assert stage.name == "digits_postprocess"
     assert stage.max_batch_size == 256
     assert [(t.name, t.datatype, t.shape) for t in stage.inputs] == [("LOGITS", "FP32", (-1, 10))]
@@ -71,5 +77,3 @@ def test_declaration() -> None:
         ("LABEL", "INT64", (-1, 1)),
         ("SCORES", "FP32", (-1, 10)),
     ]
-    with pytest.raises(ValueError):
-        ClassifyStage(num_classes=0)

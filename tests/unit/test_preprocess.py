@@ -12,7 +12,16 @@ from PIL import Image
 
 from examples.models.digits import load_split
 from pipeline.errors import InvalidInput
-from services.preprocess.digits import DigitsPreprocess, images_to_pixels
+from pipeline.repository import RepositoryError
+from pipeline.stage import Stage
+from tests.stages import example_module, example_stage
+
+images_to_pixels = example_module("digits_preprocess").images_to_pixels
+
+
+def digits_preprocess(**parameters: object) -> Stage:
+    """The example repository's `digits_preprocess`, loaded through the python backend."""
+    return example_stage("digits_preprocess", **parameters)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +75,7 @@ CASES = [
 def test_encoded_digits_decode_to_the_originals(
     digits: np.ndarray, fmt: str, mode: str, size: int, dark_ink: bool
 ) -> None:
-    stage = DigitsPreprocess()
+    stage = digits_preprocess()
     images = [encode(to_grey(d, dark_ink=dark_ink), fmt=fmt, mode=mode, size=size) for d in digits]
     pixels = stage.infer(batch(*images))["PIXELS"]
 
@@ -84,7 +93,7 @@ def test_encoded_digits_decode_to_the_originals(
 
 
 def test_both_polarities_give_the_same_pixels(digits: np.ndarray) -> None:
-    stage = DigitsPreprocess()
+    stage = digits_preprocess()
     light = stage.infer(batch(*(encode(to_grey(d, dark_ink=False), size=40) for d in digits)))["PIXELS"]
     dark = stage.infer(batch(*(encode(to_grey(d, dark_ink=True), size=40) for d in digits)))["PIXELS"]
     np.testing.assert_allclose(light, dark, atol=0.1)
@@ -163,7 +172,7 @@ def test_undecodable_image_is_refused_naming_its_index(digits: np.ndarray, kind:
     images = [encode(to_grey(d, dark_ink=False)) for d in digits[:5]]
     images[index] = data
     with pytest.raises(InvalidInput, match=rf"^IMAGE\[{index}\]: ") as caught:
-        DigitsPreprocess().infer(batch(*images))
+        digits_preprocess().infer(batch(*images))
     assert reason in caught.value.message
 
 
@@ -191,22 +200,24 @@ def test_decompression_bomb_over_the_cap_is_refused_before_decoding() -> None:
     # 25 megapixels is over the 16-megapixel default; the pixel data is missing, so only a check made from
     # the header (before decoding) can report "too large" rather than "cannot decode".
     with pytest.raises(InvalidInput, match=r"^IMAGE\[1\]: image too large: 5000×5000 = 25000000 pixels"):
-        DigitsPreprocess().infer(batch(encode(np.zeros((8, 8), np.uint8)), _png_header_only(5000, 5000)))
+        digits_preprocess().infer(batch(encode(np.zeros((8, 8), np.uint8)), _png_header_only(5000, 5000)))
     with pytest.raises(InvalidInput, match=r"^IMAGE\[0\]: image too large"):
         images_to_pixels([_png_header_only(100_000, 100_000)])
 
 
 def test_pixel_cap_is_configurable(digits: np.ndarray) -> None:
     image = encode(to_grey(digits[0], dark_ink=False), size=64)
-    DigitsPreprocess(max_image_pixels=64 * 64).infer(batch(image))
+    digits_preprocess(max_image_pixels=64 * 64).infer(batch(image))
     with pytest.raises(InvalidInput, match=r"^IMAGE\[0\]: image too large: 64×64 = 4096 pixels"):
-        DigitsPreprocess(max_image_pixels=64 * 64 - 1).infer(batch(image))
-    with pytest.raises(ValueError):
-        DigitsPreprocess(max_image_pixels=0)
+        digits_preprocess(max_image_pixels=64 * 64 - 1).infer(batch(image))
+    with pytest.raises(
+        RepositoryError, match=r"model\.py: .*parameter max_image_pixels must be an integer >= 1"
+    ):
+        digits_preprocess(max_image_pixels=0)
 
 
 def test_declaration() -> None:
-    stage = DigitsPreprocess()
+    stage = digits_preprocess()
     assert stage.name == "digits_preprocess"
     assert stage.max_batch_size == 256
     assert [(t.name, t.datatype, t.shape) for t in stage.inputs] == [("IMAGE", "BYTES", (-1, 1))]

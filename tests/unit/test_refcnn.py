@@ -11,9 +11,9 @@ from examples.models.build import build
 from examples.models.refcnn import build_refcnn
 from pipeline.errors import InvalidInput
 from pipeline.repository import ModelRepository
+from pipeline.stage import Stage
 from services.model.backend import ModelBackend, ServiceSettings
-from services.postprocess.refcnn import RefCNNPostprocess
-from services.preprocess.refcnn import RefCNNPreprocess
+from tests.stages import example_stage
 
 # The oracle: the reference model that TorchServe, MLServer and Ray Serve serve in the comparison
 # benchmarks, written out independently of the stages under test.
@@ -47,13 +47,13 @@ def _reference_pipeline(model: torch.nn.Module, x_uint8: torch.Tensor) -> tuple[
 
 
 @pytest.fixture(scope="module")
-def stages(tmp_path_factory: pytest.TempPathFactory):
+def stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Stage, object, Stage]:
     root = tmp_path_factory.mktemp("repository")
     build(root, ["refcnn_cnn"], progress=False, report=lambda _: None)
     entry = ModelRepository(root).read("refcnn_cnn")
     (model,) = ModelBackend(ServiceSettings(device="cpu")).prepare(entry, "1").instances
     model.load()
-    return RefCNNPreprocess(), model, RefCNNPostprocess()
+    return example_stage("refcnn_preprocess"), model, example_stage("refcnn_postprocess")
 
 
 @pytest.mark.parametrize("batch", [1, 7, 64])
@@ -99,7 +99,7 @@ def test_building_the_network_is_deterministic_and_leaves_the_rng_alone() -> Non
 def test_preprocess_does_not_modify_its_input() -> None:
     images = np.full((2, 3, 64, 64), 200, dtype=np.uint8)
     images.flags.writeable = False
-    pixels = RefCNNPreprocess().infer({"IMAGE": images})["PIXELS"]
+    pixels = example_stage("refcnn_preprocess").infer({"IMAGE": images})["PIXELS"]
     assert (images == 200).all()
     np.testing.assert_allclose(
         pixels[0, :, 0, 0], (200 / 255 - np.array([0.485, 0.456, 0.406])) / [0.229, 0.224, 0.225], rtol=1e-6
@@ -107,7 +107,7 @@ def test_preprocess_does_not_modify_its_input() -> None:
 
 
 def test_postprocess_refuses_non_finite_logits_and_survives_huge_ones() -> None:
-    post = RefCNNPostprocess()
+    post = example_stage("refcnn_postprocess")
     huge = np.array([[1000.0, -1000.0] + [0.0] * 8, [-3e38] * 9 + [3e38]], dtype=np.float32)
     out = post.infer({"LOGITS": huge})
     np.testing.assert_array_equal(out["LABEL"][:, 0], [0, 9])

@@ -9,6 +9,9 @@ import numpy as np
 from pipeline.errors import InvalidInput
 from pipeline.stage import Stage, TensorSpec
 
+#: The digits: 0 to 9.
+NUM_CLASSES = 10
+
 
 def check_finite(logits: np.ndarray, name: str = "LOGITS") -> np.ndarray:
     """Return `logits` if every row is finite; otherwise refuse the first bad row, naming its index."""
@@ -35,27 +38,16 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class ClassifyStage(Stage):
-    """Turns `LOGITS` [N, C] into `LABEL` [N, 1] (argmax, INT64) and `SCORES` [N, C] (softmax, FP32).
-
-    Args:
-        name: the model name clients and ensemble steps use.
-        num_classes: C, the number of classes the logits cover.
-    """
+    """Turns `LOGITS` [N, 10] into `LABEL` [N, 1] (argmax, INT64) and `SCORES` [N, 10] (softmax, FP32)."""
 
     inline = True  # a few microseconds of numpy per call
 
     max_batch_size = 256
-
-    def __init__(self, name: str = "digits_postprocess", *, num_classes: int = 10) -> None:
-        if num_classes < 1:
-            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-        self.name = name
-        self.num_classes = num_classes
-        self.inputs = (TensorSpec("LOGITS", "FP32", (-1, num_classes)),)
-        self.outputs = (
-            TensorSpec("LABEL", "INT64", (-1, 1)),
-            TensorSpec("SCORES", "FP32", (-1, num_classes)),
-        )
+    inputs = (TensorSpec("LOGITS", "FP32", (-1, NUM_CLASSES)),)
+    outputs = (
+        TensorSpec("LABEL", "INT64", (-1, 1)),
+        TensorSpec("SCORES", "FP32", (-1, NUM_CLASSES)),
+    )
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Classify a batch; a row with NaN or infinite logits is refused, naming its index."""

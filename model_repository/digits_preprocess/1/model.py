@@ -8,6 +8,9 @@ with a box (area) filter, which is what counting ink per block is.
 
 Contrast mapping is affine and the box filter is linear, so they commute: each image is reduced to 8×8 in its
 own grey levels while decoding, and the mapping runs afterwards on the whole batch at once.
+
+Parameter (config.pbtxt): `max_image_pixels`, the largest width × height accepted per image, checked from
+the header before any pixel is decoded (decompression bombs).
 """
 
 from __future__ import annotations
@@ -42,22 +45,19 @@ _HIGH_DEPTH_MODES = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N", "F"})
 
 
 class DigitsPreprocess(Stage):
-    """Decodes a batch of PNG/JPEG digit images into `PIXELS` [N, 1, 8, 8], ink counts 0..16 as float32.
+    """Decodes a batch of PNG/JPEG digit images into `PIXELS` [N, 1, 8, 8], ink counts 0..16 as float32."""
 
-    Args:
-        max_image_pixels: largest width × height accepted per image, checked from the header before any
-            pixel is decoded; a larger image is refused as `InvalidInput` (decompression bombs).
-    """
-
-    name = "digits_preprocess"
     inputs = (TensorSpec("IMAGE", "BYTES", (-1, 1)),)
     outputs = (TensorSpec("PIXELS", "FP32", (-1, 1, SIZE, SIZE)),)
     max_batch_size = 256
+    max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS
 
-    def __init__(self, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
-        if max_image_pixels < 1:
-            raise ValueError(f"max_image_pixels must be >= 1, got {max_image_pixels}")
-        self.max_image_pixels = max_image_pixels
+    def load(self) -> None:
+        """Read the `max_image_pixels` parameter."""
+        value = self.parameters.get("max_image_pixels", str(DEFAULT_MAX_IMAGE_PIXELS))
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"parameter max_image_pixels must be an integer >= 1, got {value!r}")
+        self.max_image_pixels = int(value)
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Decode every image of the batch; the first one that cannot be used fails the batch."""

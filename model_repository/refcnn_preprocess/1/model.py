@@ -38,7 +38,6 @@ class RefCNNPreprocess(Stage):
 
     inline = True  # a few microseconds of numpy per call
 
-    name = "refcnn_preprocess"
     inputs = (TensorSpec("IMAGE", "UINT8", (-1, CHANNELS, SIZE, SIZE)),)
     outputs = (TensorSpec("PIXELS", "FP32", (-1, CHANNELS, SIZE, SIZE)),)
     max_batch_size = 256

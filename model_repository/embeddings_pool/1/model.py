@@ -14,6 +14,8 @@ import numpy as np
 from pipeline.errors import InvalidInput
 from pipeline.stage import Stage, TensorSpec
 
+#: The width of MiniLM-L6's token embeddings.
+DIM = 384
 # The floors `sentence-transformers` uses (a token count clamped at 1e-9, F.normalize's eps): a sentence
 # with no unmasked token comes out as the zero vector instead of NaN.
 _MIN_COUNT = 1e-9
@@ -35,28 +37,18 @@ def mean_pool_normalize(token_embeddings: np.ndarray, attention_mask: np.ndarray
 
 
 class MeanPoolStage(Stage):
-    """`TOKEN_EMBEDDINGS` [N, L, H] (FP32) and `ATTENTION_MASK` [N, L] (INT64) → `EMBEDDING` [N, H] (FP32).
+    """`TOKEN_EMBEDDINGS` [N, L, 384] (FP32) and `ATTENTION_MASK` [N, L] (INT64) → `EMBEDDING` [N, 384] (FP32).
 
     Both inputs declare `pad_value` 0, so the router may batch requests of different lengths.
-
-    Args:
-        name: the model name clients and ensemble steps use.
-        dim: H, the width of the token embeddings.
     """
 
     # Matches the encoder's, whose output this stage takes whole.
     max_batch_size = 128
-
-    def __init__(self, name: str = "embeddings_pool", *, dim: int = 384) -> None:
-        if dim < 1:
-            raise ValueError(f"dim must be >= 1, got {dim}")
-        self.name = name
-        self.dim = dim
-        self.inputs = (
-            TensorSpec("TOKEN_EMBEDDINGS", "FP32", (-1, -1, dim), pad_value=0.0),
-            TensorSpec("ATTENTION_MASK", "INT64", (-1, -1), pad_value=0),
-        )
-        self.outputs = (TensorSpec("EMBEDDING", "FP32", (-1, dim)),)
+    inputs = (
+        TensorSpec("TOKEN_EMBEDDINGS", "FP32", (-1, -1, DIM), pad_value=0.0),
+        TensorSpec("ATTENTION_MASK", "INT64", (-1, -1), pad_value=0),
+    )
+    outputs = (TensorSpec("EMBEDDING", "FP32", (-1, DIM)),)
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Pool a batch; rows whose shapes disagree or whose unmasked vectors are not finite are refused."""

@@ -6,10 +6,19 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from pipeline.errors import InvalidInput
 from pipeline.stage import Stage, TensorSpec
-from services.postprocess.classify import check_finite
 
 NUM_CLASSES = 10
+
+
+def check_finite(logits: np.ndarray, name: str = "LOGITS") -> np.ndarray:
+    """Return `logits` if every row is finite; otherwise refuse the first bad row, naming its index."""
+    finite = np.isfinite(logits).all(axis=1)
+    if not finite.all():
+        index = int(np.flatnonzero(~finite)[0])
+        raise InvalidInput(f"{name}[{index}]: logits must be finite, got {logits[index].tolist()}")
+    return logits
 
 
 def top1(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -34,7 +43,6 @@ class RefCNNPostprocess(Stage):
 
     inline = True  # a few microseconds of numpy per call
 
-    name = "refcnn_postprocess"
     inputs = (TensorSpec("LOGITS", "FP32", (-1, NUM_CLASSES)),)
     outputs = (TensorSpec("LABEL", "INT64", (-1, 1)), TensorSpec("PROB", "FP32", (-1, 1)))
     max_batch_size = 256

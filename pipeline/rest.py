@@ -1,0 +1,644 @@
+"""The Open Inference Protocol's HTTP/REST side, served by the router beside gRPC.
+
+aiohttp serves it on the router's own asyncio loop. The handlers only translate: JSON (and Triton's binary
+tensor data extension) in, a `pb.ModelInferRequest` or a plane call out, and back. Inference goes through
+`InferenceServicer.infer`, the gRPC side's own path (span, metrics), so both front doors share one data
+plane: the same validation, errors, limits, batching and statistics. A `PipelineError`'s gRPC status is
+mapped once to an HTTP status (`HTTP_STATUS`) with a `{"error": "..."}` body.
+
+Binary tensor data (Triton's extension, what `tritonclient.http` sends by default): the body is a JSON
+header of `Inference-Header-Content-Length` bytes followed by each input's raw bytes (`binary_data_size` in
+its parameters), in order; outputs asked for with `binary_data: true` (or every output, with the request
+parameter `binary_data_output: true`) come back the same way. Request bodies may be gzip- or
+deflate-compressed (`Content-Encoding`, decompressed here within the size limit); responses are compressed
+when the client's `Accept-Encoding` asks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import zlib
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from aiohttp import web
+from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+import pipeline
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.convert import Tensor, response_tensors
+from pipeline.datatypes import DATATYPES, element_count
+from pipeline.errors import InvalidInput, PipelineError
+from pipeline.metrics import metrics_port
+from pipeline.security import UNAUTHENTICATED_MESSAGE, Scope, TokenAuthenticator, server_ssl_context_of
+from pipeline.server import CallContext, InferenceServicer, internal_error, write_port
+
+log = logging.getLogger(__name__)
+
+#: The header that says how many bytes of the body are the JSON part (Triton's binary data extension).
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+#: A `PipelineError`'s gRPC status as an HTTP status. RESOURCE_EXHAUSTED raised by a plane is a quota
+#: (429); a body over the size limit is refused by the HTTP server itself, with 413.
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNKNOWN: 500,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DATA_LOSS: 500,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+}
+
+#: Request headers passed on to the stages: the W3C trace context, which the plane continues. Other HTTP
+#: headers are not gRPC metadata and stay at this hop.
+_FORWARDED_HEADERS = ("traceparent", "tracestate")
+
+#: Paths anyone may call: liveness and readiness probes need no token (as on the gRPC side).
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+
+#: Route names that change what is served: they need the admin scope.
+_ADMIN_ROUTES = frozenset({"repository_load", "repository_unload"})
+
+_INT64 = frozenset(
+    {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+)
+
+
+def error_response(status: int, message: str) -> web.Response:
+    """The protocol's error answer: an HTTP status and `{"error": message}`."""
+    return web.json_response({"error": message}, status=status)
+
+
+# --- request decoding ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OutputForm:
+    """How the client wants each output: as binary data (True) or as JSON (False)."""
+
+    default: bool
+    asked: Mapping[str, bool]
+
+    def binary(self, name: str) -> bool:
+        return self.asked.get(name, self.default)
+
+
+def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """The JSON part of a request body and the binary data after it."""
+    if header_length is None:
+        return body, memoryview(b"")
+    try:
+        length = int(header_length)
+    except ValueError:
+        raise InvalidInput(f"{HEADER_LENGTH} must be a number of bytes, got '{header_length[:40]}'") from None
+    if not 0 <= length <= len(body):
+        raise InvalidInput(f"{HEADER_LENGTH} is {length}, but the request body has {len(body)} bytes")
+    return body[:length], memoryview(body)[length:]
+
+
+def _json_object(text: bytes, what: str) -> dict[str, Any]:
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise InvalidInput(f"the {what} is JSON nested too deeply") from None
+    except ValueError as err:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
+        raise InvalidInput(f"the {what} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise InvalidInput(f"the {what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _field(obj: Mapping[str, Any], key: str, kind: type, what: str, default: Any) -> Any:
+    """`obj[key]` when it is of `kind` (a JSON boolean is no integer), `default` when absent."""
+    value = obj.get(key, default)
+    if value is default:
+        return value
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise InvalidInput(f"{what}: '{key}' must be {_JSON_KINDS[kind]}, got {json.dumps(value)[:60]}")
+    return value
+
+
+_JSON_KINDS = {list: "a list", dict: "an object", str: "a string", bool: "a boolean", int: "an integer"}
+
+
+def _parameter(key: str, value: Any, what: str) -> pb.InferParameter:
+    """A JSON parameter value as the protocol's `InferParameter`."""
+    if isinstance(value, bool):
+        return pb.InferParameter(bool_param=value)
+    if isinstance(value, int):
+        if -(2**63) <= value < 2**63:
+            return pb.InferParameter(int64_param=value)
+        if 0 <= value < 2**64:
+            return pb.InferParameter(uint64_param=value)
+        raise InvalidInput(f"{what}: parameter '{key}' is outside the 64-bit integer range")
+    if isinstance(value, float):
+        return pb.InferParameter(double_param=value)
+    if isinstance(value, str):
+        return pb.InferParameter(string_param=value)
+    raise InvalidInput(f"{what}: parameter '{key}' must be a boolean, number or string")
+
+
+def _copy_parameters(
+    target: Any, parameters: Mapping[str, Any], what: str, skip: frozenset[str] = frozenset()
+) -> None:
+    for key, value in parameters.items():
+        if key not in skip:
+            target[key].CopyFrom(_parameter(key, value, what))
+
+
+def _shape(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+        raise InvalidInput(f"{what}: 'shape' must be a list of integers, got {json.dumps(value)[:60]}")
+    if any(d < 0 for d in value):
+        raise InvalidInput(f"{what}: shape {value} has a negative dimension")
+    if any(d >= 2**63 for d in value):
+        raise InvalidInput(f"{what}: shape {value} has a dimension beyond the 64-bit range")
+    return value
+
+
+def _json_tensor_raw(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
+    """The raw bytes of an input sent as JSON `data` (flat or nested, row-major)."""
+    what = f"input '{name}'"
+    if not isinstance(data, list):
+        raise InvalidInput(f"{what}: 'data' must be a list, got {json.dumps(data)[:60]}")
+    count = element_count(shape)
+    if datatype == "BYTES":
+        try:
+            elements = np.array(data, dtype=object).reshape(-1)
+        except ValueError as err:
+            raise InvalidInput(f"{what}: 'data' is not a regular array: {err}") from None
+        if not all(isinstance(e, str) for e in elements):
+            raise InvalidInput(f"{what}: BYTES data in JSON must be strings")
+        array = elements
+    else:
+        try:
+            array = np.asarray(data)
+        except (ValueError, OverflowError) as err:
+            raise InvalidInput(f"{what}: 'data' is not a regular array of numbers: {err}") from None
+        if array.size:
+            _check_kind(array, datatype, what)
+    if array.size != count:
+        raise InvalidInput(f"{what}: shape {shape} needs {count} elements, 'data' has {array.size}")
+    if datatype == "BYTES":
+        return Tensor.from_array(name, array.reshape(shape)).raw
+    return np.ascontiguousarray(array, dtype=DATATYPES[datatype]).tobytes()
+
+
+def _check_kind(array: np.ndarray, datatype: str, what: str) -> None:
+    """Refuse JSON values that the datatype cannot hold: no silent truncation or wrap-around."""
+    dtype = DATATYPES[datatype]
+    kinds = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "V": "iuf"}.get(dtype.kind, "iuf")
+    if array.dtype.kind not in kinds:
+        raise InvalidInput(f"{what}: {datatype} data must be {_KIND_WORDS[dtype.kind]}")
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if int(array.min()) < info.min or int(array.max()) > info.max:
+            raise InvalidInput(f"{what}: data has values outside the range of {datatype}")
+
+
+_KIND_WORDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers", "V": "numbers"}
+
+
+def infer_request(
+    body: bytes, header_length: str | None, model: str, version: str
+) -> tuple[pb.ModelInferRequest, OutputForm]:
+    """A REST inference request as the protocol's `ModelInferRequest` (every input as raw contents), and
+    the form each output is wanted in."""
+    try:
+        return _infer_request(body, header_length, model, version)
+    except UnicodeEncodeError as err:  # JSON may escape lone surrogates, which no UTF-8 string can hold
+        raise InvalidInput(
+            f"the request holds a string that is not valid Unicode: {err.object[err.start : err.end]!r} "
+            "(a lone surrogate)"
+        ) from None
+
+
+def _infer_request(
+    body: bytes, header_length: str | None, model: str, version: str
+) -> tuple[pb.ModelInferRequest, OutputForm]:
+    text, binary = _split_body(body, header_length)
+    doc = _json_object(text, "request body" if header_length is None else "JSON header of the request")
+    what = "request"
+    request = pb.ModelInferRequest(model_name=model, model_version=version)
+    request.id = _field(doc, "id", str, what, "")
+    parameters = _field(doc, "parameters", dict, what, {})
+    _copy_parameters(request.parameters, parameters, what, frozenset({"binary_data_output"}))
+    default_binary = _field(parameters, "binary_data_output", bool, "request parameters", False)
+    inputs = _field(doc, "inputs", list, what, None)
+    if inputs is None:
+        raise InvalidInput("the request has no 'inputs'")
+    offset = 0
+    for index, entry in enumerate(inputs):
+        if not isinstance(entry, dict):
+            raise InvalidInput(f"inputs[{index}] must be a JSON object")
+        name = _field(entry, "name", str, f"inputs[{index}]", None)
+        if name is None:
+            raise InvalidInput(f"inputs[{index}] has no 'name'")
+        where = f"input '{name}'"
+        datatype = _field(entry, "datatype", str, where, None)
+        if datatype not in DATATYPES:
+            raise InvalidInput(
+                f"{where}: unknown datatype '{datatype}' (expected one of {', '.join(DATATYPES)})"
+            )
+        shape = _shape(entry.get("shape"), where)
+        params = _field(entry, "parameters", dict, where, {})
+        size = _field(params, "binary_data_size", int, f"{where} parameters", None)
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=shape)
+        _copy_parameters(tensor.parameters, params, where, frozenset({"binary_data_size"}))
+        if size is not None:
+            if "data" in entry:
+                raise InvalidInput(f"{where}: has both 'data' and binary_data_size; send one")
+            if size < 0 or offset + size > len(binary):
+                raise InvalidInput(
+                    f"{where}: binary_data_size {size} at byte {offset} of the binary data, which has "
+                    f"{len(binary)} bytes (check {HEADER_LENGTH})"
+                )
+            request.raw_input_contents.append(bytes(binary[offset : offset + size]))
+            offset += size
+        elif "data" in entry:
+            request.raw_input_contents.append(_json_tensor_raw(name, datatype, shape, entry["data"]))
+        else:
+            raise InvalidInput(f"{where}: has neither 'data' nor a binary_data_size parameter")
+    if offset != len(binary):
+        raise InvalidInput(
+            f"{len(binary)} bytes of binary data follow the JSON header ({HEADER_LENGTH}), but the "
+            f"inputs' binary_data_size add up to {offset}"
+        )
+    asked: dict[str, bool] = {}
+    for index, entry in enumerate(_field(doc, "outputs", list, what, [])):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise InvalidInput(f"outputs[{index}] must be a JSON object with a 'name'")
+        where = f"output '{entry['name']}'"
+        params = _field(entry, "parameters", dict, where, {})
+        if "classification" in params:
+            raise InvalidInput(f"{where}: the classification extension is not supported here")
+        asked[entry["name"]] = _field(params, "binary_data", bool, f"{where} parameters", default_binary)
+        output = request.outputs.add(name=entry["name"])
+        _copy_parameters(output.parameters, params, where, frozenset({"binary_data"}))
+    return request, OutputForm(default_binary, asked)
+
+
+# --- response encoding ---------------------------------------------------------------------------------
+
+
+def _json_data(tensor: Tensor) -> list[Any]:
+    flat = tensor.to_array().reshape(-1)
+    if tensor.datatype != "BYTES":
+        return flat.tolist()
+    try:
+        return [bytes(e).decode("utf-8") for e in flat]
+    except UnicodeDecodeError:
+        raise InvalidInput(
+            f"output '{tensor.name}' holds bytes that are not UTF-8 text: ask for it with binary_data"
+        ) from None
+
+
+def infer_response_body(response: pb.ModelInferResponse, form: OutputForm) -> tuple[bytes, int | None]:
+    """A `ModelInferResponse` as a REST body: the JSON, then the binary outputs' bytes. Returns the body
+    and the length of its JSON part when binary data follows (None: all JSON)."""
+    doc: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
+    if response.id:
+        doc["id"] = response.id
+    outputs = []
+    binary: list[bytes] = []
+    for tensor in response_tensors(response).values():
+        out: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+        if form.binary(tensor.name):
+            out["parameters"] = {"binary_data_size": len(tensor.raw)}
+            binary.append(tensor.raw)
+        else:
+            out["data"] = _json_data(tensor)
+        outputs.append(out)
+    doc["outputs"] = outputs
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    if not binary:
+        return header, None
+    return b"".join([header, *binary]), len(header)
+
+
+def message_json(message: Message) -> dict[str, Any]:
+    """A protobuf message as Triton's REST JSON: proto field names, and 64-bit integers as numbers (the
+    proto3 JSON mapping would write them as strings)."""
+    return _int64_as_numbers(message, json_format.MessageToDict(message, preserving_proto_field_name=True))
+
+
+def _int64_as_numbers(message: Message, data: dict[str, Any]) -> dict[str, Any]:
+    for field, value in message.ListFields():
+        key = field.name
+        if key not in data:
+            continue
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value_field = field.message_type.fields_by_name["value"]
+            for map_key, item in value.items():
+                if value_field.message_type is not None:
+                    _int64_as_numbers(item, data[key][str(map_key)])
+                elif value_field.type in _INT64:
+                    data[key][str(map_key)] = int(item)
+        elif field.message_type is not None:
+            if field.is_repeated:
+                for item, entry in zip(value, data[key], strict=True):
+                    _int64_as_numbers(item, entry)
+            else:
+                _int64_as_numbers(value, data[key])
+        elif field.type in _INT64:
+            data[key] = [int(v) for v in data[key]] if field.is_repeated else int(data[key])
+    return data
+
+
+def _metadata_json(reply: pb.ModelMetadataResponse) -> dict[str, Any]:
+    def tensors(items: Any) -> list[dict[str, Any]]:
+        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in items]
+
+    return {
+        "name": reply.name,
+        "versions": list(reply.versions),
+        "platform": reply.platform,
+        "inputs": tensors(reply.inputs),
+        "outputs": tensors(reply.outputs),
+    }
+
+
+# --- the application -----------------------------------------------------------------------------------
+
+
+class RestFrontDoor:
+    """The REST endpoints over the gRPC servicer's data plane (`servicer.plane`) and inference path."""
+
+    def __init__(
+        self,
+        servicer: InferenceServicer,
+        *,
+        authenticator: TokenAuthenticator | None = None,
+        max_body_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.servicer = servicer
+        self.plane = servicer.plane
+        self.authenticator = authenticator
+        self.max_body_bytes = max_body_bytes
+
+    def app(self) -> web.Application:
+        """The aiohttp application: every endpoint, error mapping, then authentication."""
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors, self._auth])
+        get, post = web.get, web.post
+        model = "/v2/models/{model}"
+        versioned = "/v2/models/{model}/versions/{version}"
+        routes = [
+            get("/v2/health/live", self.live),
+            get("/v2/health/ready", self.ready),
+            get("/v2", self.server_metadata),
+            get("/v2/models/stats", self.statistics),
+            post("/v2/repository/index", self.repository_index),
+            post("/v2/repository/models/{model}/load", self.repository_load, name="repository_load"),
+            post("/v2/repository/models/{model}/unload", self.repository_unload, name="repository_unload"),
+        ]
+        for base in (model, versioned):
+            routes += [
+                get(base, self.model_metadata),
+                get(base + "/ready", self.model_ready),
+                get(base + "/config", self.model_config),
+                get(base + "/stats", self.statistics),
+                post(base + "/infer", self.infer),
+            ]
+        app.add_routes(routes)
+        return app
+
+    # --- middleware ------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every failure as the protocol's error answer: a status and `{"error": ...}`."""
+        try:
+            return await handler(request)
+        except PipelineError as err:
+            response = error_response(HTTP_STATUS.get(err.code, 500), err.message)
+        except web.HTTPRequestEntityTooLarge:
+            response = error_response(
+                413,
+                f"the request body is larger than this server accepts ({self.max_body_bytes} bytes, "
+                f"--max-message-mb)",
+            )
+        except web.HTTPException as err:  # aiohttp's own answers: unknown path, wrong method, ...
+            if err.status < 400:
+                raise
+            response = error_response(err.status, f"{err.reason}: {request.method} {request.path}")
+        except Exception:
+            response = error_response(500, internal_error())
+        if not request.content.is_eof():
+            # The body was refused before its end (too large, not decompressible): the connection cannot
+            # carry another request, and the client must know not to send one on it.
+            response.force_close()
+        return response
+
+    @web.middleware
+    async def _auth(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Bearer tokens as on the gRPC side: health stays open, repository changes need the admin scope."""
+        if (
+            self.authenticator is None
+            or request.path in OPEN_PATHS
+            or request.match_info.http_exception is not None  # no such endpoint: 404 or 405 as it is
+        ):
+            return await handler(request)
+        header = request.headers.get("Authorization")
+        scope = self.authenticator.scope_of((("authorization", header),) if header is not None else ())
+        if scope is None:
+            response = error_response(401, UNAUTHENTICATED_MESSAGE)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        if request.match_info.route.name in _ADMIN_ROUTES and scope < Scope.ADMIN:
+            return error_response(403, "changing the model repository needs an admin token")
+        return await handler(request)
+
+    # --- endpoints -------------------------------------------------------------------------------------
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        # The protocol: 200 for true, a 4xx for false (Triton answers 400).
+        return web.Response(status=200 if self.plane.ready() else 400)
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "name": self.servicer.name,
+                "version": pipeline.__version__,
+                "extensions": ["binary_tensor_data", *self.plane.extensions],
+            }
+        )
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        name, version = _model_of(request)
+        reply = await self.plane.model_metadata(name, version, _call_of(request))
+        return web.json_response(_metadata_json(reply))
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        name, version = _model_of(request)
+        return web.Response(status=200 if await self.plane.model_ready(name, version) else 400)
+
+    async def model_config(self, request: web.Request) -> web.Response:
+        name, version = _model_of(request)
+        config = await self.plane.model_config(name, version, _call_of(request))
+        return web.json_response(message_json(config))
+
+    async def statistics(self, request: web.Request) -> web.Response:
+        name, version = _model_of(request)
+        return web.json_response(message_json(await self.plane.statistics(name, version)))
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        doc = _json_object(await _body(request, self.max_body_bytes), "request body")
+        ready = _field(doc, "ready", bool, "request", False)
+        reply = await self.plane.repository_index(ready)
+        return web.json_response([message_json(model) for model in reply.models])
+
+    async def repository_load(self, request: web.Request) -> web.Response:
+        doc = _json_object(await _body(request, self.max_body_bytes), "request body")
+        await self.plane.repository_load(
+            request.match_info["model"], _field(doc, "parameters", dict, "request", {})
+        )
+        return web.Response(status=200)
+
+    async def repository_unload(self, request: web.Request) -> web.Response:
+        doc = _json_object(await _body(request, self.max_body_bytes), "request body")
+        await self.plane.repository_unload(
+            request.match_info["model"], _field(doc, "parameters", dict, "request", {})
+        )
+        return web.Response(status=200)
+
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        name, version = _model_of(request)
+        body = await _body(request, self.max_body_bytes)
+        infer_req, form = infer_request(body, request.headers.get(HEADER_LENGTH), name, version)
+        reply = await self.servicer.infer(infer_req, _call_of(request))
+        payload, header_length = infer_response_body(reply, form)
+        response = web.Response(
+            body=payload,
+            content_type="application/json" if header_length is None else "application/octet-stream",
+        )
+        if header_length is not None:
+            response.headers[HEADER_LENGTH] = str(header_length)
+        response.enable_compression()  # only when Accept-Encoding asks for gzip or deflate
+        return response
+
+
+def _model_of(request: web.Request) -> tuple[str, str]:
+    return request.match_info.get("model", ""), request.match_info.get("version", "")
+
+
+def _call_of(request: web.Request) -> CallContext:
+    headers = request.headers
+    return CallContext(None, tuple((key, headers[key]) for key in _FORWARDED_HEADERS if key in headers))
+
+
+#: `Content-Encoding`s of request bodies, as Triton accepts them, and their zlib window bits.
+_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+async def _body(request: web.Request, limit: int) -> bytes:
+    """The whole body, decompressed, and at most `limit` bytes either way."""
+    body = await request.read()  # bounded by the application's client_max_size
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    wbits = _ENCODINGS.get(encoding)
+    if wbits is None:
+        raise InvalidInput(f"Content-Encoding '{encoding[:20]}' is not supported (gzip, deflate or identity)")
+    decoder = zlib.decompressobj(wbits)
+    try:
+        data = decoder.decompress(body, limit + 1)  # NOTE: never more than the limit, whatever the ratio
+    except zlib.error as err:
+        raise InvalidInput(f"the request body is not valid Content-Encoding {encoding}: {err}") from None
+    if len(data) > limit:
+        raise web.HTTPRequestEntityTooLarge(limit)
+    if not decoder.eof:
+        raise InvalidInput(f"the request body is not valid Content-Encoding {encoding}: it is truncated")
+    return data
+
+
+# --- serving -------------------------------------------------------------------------------------------
+
+
+class RestServer:
+    """The HTTP site of a server: started beside the gRPC server on the same event loop."""
+
+    def __init__(self, front_door: RestFrontDoor, *, grace: float = 10.0) -> None:
+        self.front_door = front_door
+        self.grace = grace
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, args: argparse.Namespace, bound: Callable[[int], None] | None = None) -> int | None:
+        """Listen where `--http-port` says, with the server's TLS flags; None when it is off. Writes
+        `--http-port-file` and calls `bound` with the port once listening."""
+        port = getattr(args, "http_port", None)
+        if port is None:
+            return None
+        ssl_context = server_ssl_context_of(args)
+        # Request bodies are decompressed by `_body`, within the size limit and with the protocol's errors.
+        runner = web.AppRunner(
+            self.front_door.app(), access_log=None, shutdown_timeout=self.grace, auto_decompress=False
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, port, ssl_context=ssl_context)
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        bound_port = int(runner.addresses[0][1])
+        write_port(getattr(args, "http_port_file", None), bound_port)
+        if bound is not None:
+            bound(bound_port)
+        log.info("HTTP/REST on %s://%s:%d/v2", "https" if ssl_context else "http", args.host, bound_port)
+        return bound_port
+
+    async def stop(self) -> None:
+        """Stop listening and let in-flight requests finish (within the grace period)."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+
+def add_http_arguments(parser: argparse.ArgumentParser, default_port: int = 8000) -> None:
+    """`--http-port` and `--http-port-file` (env `PIPELINE_HTTP_PORT`)."""
+    parser.add_argument(
+        "--http-port",
+        type=metrics_port,
+        default=metrics_port(os.environ.get("PIPELINE_HTTP_PORT", str(default_port))),
+        help="port of the HTTP/REST side of the protocol, 0 for one the OS picks, 'off' for none "
+        "(env PIPELINE_HTTP_PORT; default %(default)s)",
+    )
+    parser.add_argument(
+        "--http-port-file", type=Path, default=None, help="write the bound HTTP port to this file"
+    )

@@ -1,0 +1,58 @@
+"""A stage service process serving a repository of python models, as a user starts it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline.convert import response_tensors
+from tests.conftest import request_for
+from tests.e2e.conftest import start_service, wait_serving
+from tests.stages import TRITON_ADD_SUB_CONFIG, TRITON_ADD_SUB_MODEL, example_repository, write_model
+
+pytestmark = pytest.mark.e2e
+
+LOAD = ["--load-model", "add_sub", "--load-model", "refcnn_postprocess"]
+
+
+def test_a_stage_process_serves_the_models_it_is_told_to(tmp_path: Path) -> None:
+    root = example_repository(tmp_path / "repository", ["refcnn_postprocess", "digits_postprocess"])
+    write_model(root, "add_sub", TRITON_ADD_SUB_MODEL, TRITON_ADD_SUB_CONFIG)
+    write_model(root, "broken", "raise ImportError('not today')\n")
+    process = start_service(
+        "postprocess",
+        ["-m", "services.postprocess", "--model-repository", str(root), *LOAD],
+        tmp_path,
+    )
+    try:
+        wait_serving(process)
+        with grpc.insecure_channel(process.address) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            index = stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=10)
+            assert {(m.name, m.state) for m in index.models} == {
+                ("add_sub", "READY"),
+                ("refcnn_postprocess", "READY"),
+            }
+            a, b = np.random.default_rng(1).random((2, 4), dtype=np.float32)
+            reply = stub.ModelInfer(request_for("add_sub", INPUT0=a, INPUT1=b), timeout=10)
+            np.testing.assert_allclose(response_tensors(reply)["OUTPUT1"].to_array(), a - b)
+
+            # Named or not at start, a model of the repository loads on request; a bad one is refused.
+            stub.RepositoryModelLoad(
+                pb.RepositoryModelLoadRequest(model_name="digits_postprocess"), timeout=30
+            )
+            logits = np.eye(10, dtype=np.float32)[[3]]
+            reply = stub.ModelInfer(request_for("digits_postprocess", LOGITS=logits), timeout=10)
+            assert response_tensors(reply)["LABEL"].to_array().tolist() == [[3]]
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="broken"), timeout=30)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert str(root / "broken" / "1" / "model.py") in caught.value.details()
+            assert "ImportError: not today" in caught.value.details()
+    finally:
+        assert process.stop() == 0

@@ -1,0 +1,394 @@
+"""The router over a model repository: Triton's config.pbtxt ensembles, stages found through their
+RepositoryIndex, every stage model served, and each model's own dynamic_batching."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.config import ConfigError, load_catalog
+from pipeline.convert import response_tensors
+from pipeline.python_backend import PythonBackend
+from pipeline.repository import ModelRepository
+from pipeline.router import add_router_arguments, router_catalog, serve_router
+from pipeline.testing import serving_router, serving_stages
+from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
+from tests.stages import HOLD, Scale, write_model
+
+ROWS = (-1, 3)
+
+
+#: A stage model.py: Y = X * SCALE + OFFSET on rows of 3.
+AFFINE = """
+from pipeline.stage import Stage, TensorSpec
+
+class Affine(Stage):
+    max_batch_size = 16
+    inputs = (TensorSpec("X", "FP32", (-1, 3)),)
+    outputs = (TensorSpec("Y", "FP32", (-1, 3)),)
+
+    def infer(self, inputs):
+        return {{"Y": inputs["X"] * {scale} + {offset}}}
+"""
+
+#: A stage model.py that holds each call until the test releases it, so that the router's queue fills.
+GATED = """
+from pipeline.stage import Stage, TensorSpec
+from tests.stages import HOLD
+
+class Gate(Stage):
+    max_batch_size = 4
+    inputs = (TensorSpec("X", "FP32", (-1, 3)),)
+    outputs = (TensorSpec("Y", "FP32", (-1, 3)),)
+
+    def infer(self, inputs):
+        HOLD["entered"].set()
+        assert HOLD["release"].wait(20)
+        return {"Y": inputs["X"]}
+"""
+
+#: A stage model.py whose load waits until the test says the model has loaded.
+SLOW = """
+from pipeline.stage import Stage, TensorSpec
+from tests.stages import HOLD
+
+class Slow(Stage):
+    max_batch_size = 16
+    inputs = (TensorSpec("X", "FP32", (-1, 3)),)
+    outputs = (TensorSpec("Y", "FP32", (-1, 3)),)
+
+    def load(self):
+        assert HOLD["loaded"].wait(30)
+
+    def infer(self, inputs):
+        return {"Y": inputs["X"] + 1}
+"""
+
+
+def scale_model(factor: float = 2.0) -> str:
+    return AFFINE.format(scale=factor, offset=0)
+
+
+def offset_model() -> str:
+    return AFFINE.format(scale=1, offset=1)
+
+
+def stage_repository(
+    root: Path, models: Mapping[str, str], batching: Mapping[str, str] | None = None
+) -> Path:
+    """A repository of python stages: `models` maps a name to its model.py; `batching` to the text of its
+    config's `dynamic_batching` block."""
+    for name, source in models.items():
+        own = (batching or {}).get(name)
+        config = f'backend: "python"\ndynamic_batching {{ {own} }}\n' if own is not None else None
+        write_model(root, name, source, config)
+    return root
+
+
+def serving_repository(root: Path):
+    """A real stage service serving the python stages of `root`."""
+    return serving_stages([], repository=ModelRepository(root), backends=[PythonBackend()])
+
+
+CHAIN = """
+name: "chain"
+platform: "ensemble"
+max_batch_size: 16
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 3 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 3 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "scale" model_version: -1
+      input_map { key: "X" value: "X" } output_map { key: "Y" value: "doubled" } },
+    { model_name: "offset" model_version: -1
+      input_map { key: "X" value: "doubled" } output_map { key: "Y" value: "OUT" } }
+  ]
+}
+"""
+
+# Both stages serve 'twice'; the first declared ('a') must get its calls.
+TWICE = """
+name: "twice_ensemble"
+platform: "ensemble"
+max_batch_size: 16
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 3 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 3 ] } ]
+ensemble_scheduling { step [
+  { model_name: "twice" input_map { key: "X" value: "X" } output_map { key: "Y" value: "Y" } },
+  { model_name: "gate" input_map { key: "X" value: "X" } output_map { key: "Y" value: "unused" } }
+] }
+"""
+
+# A YAML ensemble beside them: it names its stages, one of which ('plain') has no RepositoryIndex.
+YAML = """
+name: yamlchain
+stages:
+  a: {{address: "{a}"}}
+  plain: {{address: "{plain}"}}
+inputs: [{{name: X, datatype: FP32, shape: [-1, 3]}}]
+outputs: [{{name: Y, datatype: FP32, shape: [-1, 3]}}]
+steps:
+  - {{model_name: plain_scale, stage: plain, input_map: {{X: X}}, output_map: {{Y: mid}}}}
+  - {{model_name: own_off, stage: a, input_map: {{X: mid}}, output_map: {{Y: Y}}, dynamic_batching: false}}
+"""
+
+
+def write_config(root: Path, name: str, text: str) -> Path:
+    folder = root / name
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(text)
+    return folder / "config.pbtxt"
+
+
+#: The gate model's own dynamic_batching: a queue of two, two priority levels.
+GATE_BATCHING = "priority_levels: 2 default_priority_level: 2 default_queue_policy { max_queue_size: 2 }"
+
+
+class Served:
+    def __init__(self, router, a, b, plain) -> None:
+        self.router, self.a, self.b, self.plain = router, a, b, plain
+
+
+@pytest.fixture(scope="module")
+async def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repository")
+    write_config(root, "chain", CHAIN)
+    write_config(root, "twice_ensemble", TWICE)
+    own = {"gate": GATE_BATCHING, "own_off": GATE_BATCHING, "lonely": ""}
+    repo_a = stage_repository(
+        tmp_path_factory.mktemp("a"),
+        {"scale": scale_model(), "twice": scale_model(), "gate": GATED, "own_off": offset_model()},
+        own,
+    )
+    repo_b = stage_repository(
+        tmp_path_factory.mktemp("b"),
+        {"offset": offset_model(), "twice": offset_model(), "lonely": offset_model()},
+        own,
+    )
+    async with (
+        serving_repository(repo_a) as a,
+        serving_repository(repo_b) as b,
+        serving_stages([Scale("plain_scale"), Scale("hidden")]) as plain,
+    ):
+        folder = tmp_path_factory.mktemp("ensembles")
+        (folder / "yamlchain.yaml").write_text(YAML.format(a=a.address, plain=plain.address))
+        catalog = load_catalog(
+            [folder], repository=root, stages={"a": a.address, "b": b.address, "plain": plain.address}
+        )
+        async with serving_router(catalog) as router:
+            await wait_serving(router.address)
+            yield Served(router.address, a, b, plain)
+
+
+X = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+
+async def stage_executions(address: str, model: str) -> int:
+    async with inference_stub(address) as stub:
+        reply = await stub.ModelStatistics(pb.ModelStatisticsRequest(name=model))
+    return reply.model_stats[0].execution_count
+
+
+async def router_batches(address: str, model: str) -> dict[int, int]:
+    """Batch size -> executions of a model, from the router's ModelStatistics."""
+    async with inference_stub(address) as stub:
+        reply = await stub.ModelStatistics(pb.ModelStatisticsRequest(name=model))
+    return {b.batch_size: b.compute_infer.count for b in reply.model_stats[0].batch_stats}
+
+
+async def test_a_config_pbtxt_ensemble_is_served_end_to_end(served):
+    async with inference_stub(served.router) as stub:
+        reply = await stub.ModelInfer(request_for("chain", X=X), timeout=20)
+        np.testing.assert_array_equal(response_tensors(reply)["OUT"].to_array(), 2 * X + 1)
+        meta = await stub.ModelMetadata(pb.ModelMetadataRequest(name="chain"))
+        config = (await stub.ModelConfig(pb.ModelConfigRequest(name="chain"))).config
+    assert meta.platform == "ensemble"
+    assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [("X", "FP32", [-1, 3])]
+    assert config.platform == "ensemble" and [list(t.dims) for t in config.output] == [[3]]
+    assert [s.model_name for s in config.ensemble_scheduling.step] == ["scale", "offset"]
+
+
+async def test_a_model_two_stages_serve_goes_to_the_first_declared(served):
+    before = await stage_executions(served.a.address, "twice")
+    async with inference_stub(served.router) as stub:
+        HOLD["release"].set()
+        try:
+            reply = await stub.ModelInfer(request_for("twice_ensemble", X=X), timeout=20)
+        finally:
+            HOLD["release"].clear()
+    np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * X)  # Scale, not Offset
+    assert await stage_executions(served.a.address, "twice") == before + 1
+    assert await stage_executions(served.b.address, "twice") == 0
+
+
+async def test_every_model_of_the_stages_repositories_is_served(served):
+    async with inference_stub(served.router) as stub:
+        # 'lonely' is in no ensemble: stage b's RepositoryIndex is how the router knows it.
+        meta = await stub.ModelMetadata(pb.ModelMetadataRequest(name="lonely"))
+        assert [t.name for t in meta.inputs] == ["X"]
+        config = (await stub.ModelConfig(pb.ModelConfigRequest(name="lonely"))).config
+        assert config.name == "lonely" and config.max_batch_size == 16
+        assert (await stub.ModelReady(pb.ModelReadyRequest(name="lonely"))).ready
+        reply = await stub.ModelInfer(request_for("lonely", X=X), timeout=20)
+        np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), X + 1)
+        stats = (await stub.ModelStatistics(pb.ModelStatisticsRequest(name="lonely"))).model_stats[0]
+        assert stats.inference_count == 2 and stats.inference_stats.success.count == 1
+        index = await stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True))
+        # A plain OIP stage (no RepositoryIndex) serves only what the ensembles name on it.
+        err = await rpc_error(stub.ModelInfer(request_for("hidden", X=X), timeout=20))
+        assert err.code() == grpc.StatusCode.NOT_FOUND and "lonely" in err.details()
+        assert not (await stub.ModelReady(pb.ModelReadyRequest(name="hidden"))).ready
+    listed = {(m.name, m.state) for m in index.models}
+    expected = {"chain", "twice_ensemble", "yamlchain", "scale", "twice", "gate", "own_off"}
+    expected |= {"offset", "lonely", "plain_scale"}
+    assert listed == {(name, "READY") for name in expected}
+    assert [m.name for m in index.models].count("twice") == 1
+
+
+async def test_the_models_own_dynamic_batching_is_used(served):
+    x = np.ones((1, 3), np.float32)
+    HOLD["entered"].clear()
+    before = await router_batches(served.router, "gate")
+    async with inference_stub(served.router) as stub:
+        # Its own priority_levels (2): a third level is refused by the router's batcher.
+        bad = request_for("gate", X=x)
+        bad.parameters["priority"].int64_param = 3
+        err = await rpc_error(stub.ModelInfer(bad, timeout=20))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside 1..2" in err.details()
+
+        first = asyncio.ensure_future(stub.ModelInfer(request_for("gate", X=x), timeout=30))
+        assert await asyncio.to_thread(HOLD["entered"].wait, 10)
+        queued = [
+            asyncio.ensure_future(stub.ModelInfer(request_for("gate", X=x), timeout=30)) for _ in range(2)
+        ]
+        refused = None
+        for _ in range(100):  # its own queue policy (max_queue_size 2) is full once both have arrived
+            try:
+                await stub.ModelInfer(request_for("gate", X=x), timeout=30)
+            except grpc.aio.AioRpcError as error:
+                refused = error
+                break
+            await asyncio.sleep(0.05)
+        HOLD["release"].set()
+        try:
+            await asyncio.gather(first, *queued)
+        finally:
+            HOLD["release"].clear()
+    assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert "(model 'gate') is saturated" in refused.details()
+    # The first went alone; the two queued behind it went to the stage as one batch.
+    after = await router_batches(served.router, "gate")
+    assert {size: after[size] - before.get(size, 0) for size in after} == {1: 1, 2: 1}
+
+
+async def test_dynamic_batching_false_on_a_step_turns_the_models_own_off(served):
+    request = request_for("yamlchain", X=X)
+    request.parameters["priority"].int64_param = 7  # no batcher, so no priority levels to refuse it
+    async with inference_stub(served.router) as stub:
+        reply = await stub.ModelInfer(request, timeout=20)
+        stats = (await stub.ModelStatistics(pb.ModelStatisticsRequest(name="own_off"))).model_stats[0]
+    np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * X + 1)
+    assert stats.inference_stats.queue.ns == 0  # never queued: one stage call per request
+
+
+async def test_the_router_waits_for_a_stage_that_is_still_loading_the_model(tmp_path, caplog):
+    write_config(tmp_path, "late", CHAIN.replace('"chain"', '"late"').replace('"offset"', '"slow"'))
+    repository = stage_repository(tmp_path / "stage", {"scale": scale_model(), "slow": SLOW})
+    HOLD["loaded"].clear()
+    try:
+        async with serving_repository(repository) as stage:
+            catalog = load_catalog(repository=tmp_path, stages={"only": stage.address})
+            with caplog.at_level(logging.INFO, logger="pipeline.router"):
+                async with serving_router(catalog) as router, inference_stub(router.address) as stub:
+                    waiting = re.compile(r"waiting for a stage that serves model\(s\) (\w+, )*slow\b")
+                    for _ in range(200):
+                        if waiting.search(caplog.text):
+                            break
+                        await asyncio.sleep(0.05)
+                    assert waiting.search(caplog.text), caplog.text
+                    assert stage.address in caplog.text
+                    assert not (await stub.ServerReady(pb.ServerReadyRequest())).ready
+                    err = await rpc_error(stub.ModelInfer(request_for("late", X=X), timeout=20))
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE and "slow" in err.details()
+
+                    HOLD["loaded"].set()  # the stage has loaded it
+                    await wait_serving(router.address)
+                    reply = await stub.ModelInfer(request_for("late", X=X), timeout=20)
+                    np.testing.assert_array_equal(response_tensors(reply)["OUT"].to_array(), 2 * X + 1)
+            assert "model 'slow' is served by stage 'only'" in caplog.text
+    finally:
+        HOLD["loaded"].set()
+
+
+async def test_a_mismatch_with_the_stage_names_the_config_pbtxt(tmp_path):
+    config = write_config(
+        tmp_path,
+        "chain",
+        CHAIN.replace("TYPE_FP32, dims: [ 3 ] } ]\noutput", "TYPE_INT32, dims: [ 3 ] } ]\noutput"),
+    )
+    repository = stage_repository(tmp_path / "stage", {"scale": scale_model(), "offset": offset_model()})
+    async with serving_repository(repository) as stage:
+        args = argparse.Namespace(host="127.0.0.1", port=0, port_file=None, max_message_mb=4, grace_period=1)
+        catalog = load_catalog(repository=tmp_path, stages={"only": stage.address})
+        with pytest.raises(ConfigError) as info:
+            await asyncio.wait_for(serve_router(args, catalog=catalog, stopping=asyncio.Event()), 20)
+    message = str(info.value)
+    assert str(config) in message and "step 0 (scale)" in message and "'X'" in message and "INT32" in message
+
+
+async def test_no_stage_with_a_repository_index_is_a_clear_error(tmp_path):
+    write_config(tmp_path, "chain", CHAIN)
+    async with serving_stages([Scale(), Scale("offset")]) as plain:
+        args = argparse.Namespace(host="127.0.0.1", port=0, port_file=None, max_message_mb=4, grace_period=1)
+        catalog = load_catalog(repository=tmp_path, stages={"plain": plain.address})
+        with pytest.raises(ConfigError) as info:
+            await asyncio.wait_for(serve_router(args, catalog=catalog, stopping=asyncio.Event()), 20)
+    assert "none of plain implements RepositoryIndex" in str(info.value)
+    assert "offset, scale" in str(info.value)
+
+
+def test_router_flags_read_the_repository_and_the_stages(tmp_path, monkeypatch):
+    write_config(tmp_path, "chain", CHAIN)
+    parser = argparse.ArgumentParser()
+    add_router_arguments(parser)
+    monkeypatch.setenv("MODEL_ADDRESS", "10.0.0.2:7000")
+    monkeypatch.delenv("PREPROCESS_ADDRESS", raising=False)
+    monkeypatch.setenv("POSTPROCESS_ADDRESS", "")
+    monkeypatch.chdir(tmp_path)  # no ensembles/ folder here: a router with a repository needs none
+    catalog = router_catalog(parser.parse_args(["--model-repository", str(tmp_path)]))
+    assert list(catalog.ensembles) == ["chain"]
+    assert {key: e.address for key, e in catalog.stages.items()} == {
+        "preprocess": "127.0.0.1:8101",
+        "model": "10.0.0.2:7000",
+        "postprocess": "127.0.0.1:8103",
+    }
+    args = parser.parse_args(
+        ["--model-dir", str(tmp_path), "--stage", "x=127.0.0.1:9", "--stage", "y=[::1]:8"]
+    )
+    assert {key: e.address for key, e in router_catalog(args).stages.items()} == {
+        "x": "127.0.0.1:9",
+        "y": "[::1]:8",
+    }
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--stage", "no-address"])
+    with pytest.raises(ConfigError, match="no such folder"):
+        router_catalog(parser.parse_args(["--model-dir", str(tmp_path / "missing")]))
+    write_config(
+        tmp_path,
+        "broken",
+        CHAIN.replace('"chain"', '"broken"').replace('value: "doubled" } }', 'value: "doubeld" } }', 1),
+    )
+    with pytest.raises(ConfigError) as info:
+        router_catalog(parser.parse_args(["--model-dir", str(tmp_path)]))
+    message = str(info.value)
+    assert str(tmp_path / "broken" / "config.pbtxt") in message
+    assert "step 1 (offset): input 'X' ← tensor 'doubled': nothing produces 'doubled'" in message

@@ -1,0 +1,250 @@
+"""Triton's ensemble definition (config.pbtxt) compiled as the YAML is, and the catalog of both front ends."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.batching import BatchingConfig
+from pipeline.config import (
+    ConfigError,
+    build_catalog,
+    compile_ensemble,
+    load_catalog,
+    load_repository_ensembles,
+)
+from pipeline.convert import batching_of_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+ENSEMBLE = """
+name: "chain"
+platform: "ensemble"
+max_batch_size: 8
+input [ {{ name: "TEXT", data_type: TYPE_STRING, dims: [ 1 ] }} ]
+output [ {{ name: "OUT", data_type: TYPE_FP32, dims: [ -1, 4 ] }} ]
+ensemble_scheduling {{
+  step [
+    {{
+      model_name: "encode"
+      model_version: -1
+      input_map {{ key: "IN" value: "TEXT" }}
+      output_map {{ key: "EMB" value: "{embedded}" }}
+    }},
+    {{
+      model_name: "scale"
+      input_map {{ key: "X" value: "{scale_input}" }}
+      output_map {{ key: "Y" value: "{scale_output}" }}
+    }}
+  ]
+}}
+"""
+
+
+def repository(
+    root: Path, *, embedded: str = "emb", scale_input: str = "emb", scale_output: str = "OUT"
+) -> Path:
+    folder = root / "chain"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(
+        ENSEMBLE.format(embedded=embedded, scale_input=scale_input, scale_output=scale_output)
+    )
+    return folder / "config.pbtxt"
+
+
+def test_a_triton_ensemble_becomes_a_plan(tmp_path: Path) -> None:
+    config = repository(tmp_path)
+    (plan,) = load_repository_ensembles(tmp_path)
+    assert plan.name == "chain" and plan.source == str(config) and plan.max_batch_size == 8
+    # TYPE_STRING is BYTES on the wire; dims gain the batch dimension because max_batch_size > 0.
+    assert [(s.name, s.datatype, s.shape) for s in plan.inputs] == [("TEXT", "BYTES", (-1, 1))]
+    assert [(s.name, s.datatype, s.shape) for s in plan.outputs] == [("OUT", "FP32", (-1, -1, 4))]
+    encode, scale = plan.steps
+    assert (encode.model_name, encode.model_version, encode.stage) == ("encode", "", "")
+    assert scale.model_version == "" and scale.depends_on == (0,)  # unset (0) is the default version
+    assert encode.inputs == (("IN", "TEXT"),) and scale.outputs == (("Y", "OUT"),)
+    # No batching set: the model's own dynamic_batching applies.
+    assert all(step.batching is None and step.model_batching for step in plan.steps)
+
+
+def test_the_example_in_the_tree_compiles() -> None:
+    (plan,) = load_repository_ensembles(REPO / "examples" / "triton-ensemble")
+    assert plan.name == "digits_triton"
+    assert [s.model_name for s in plan.steps] == ["digits_preprocess", "digits_cnn", "digits_postprocess"]
+
+
+@pytest.mark.parametrize(
+    ("tensors", "words"),
+    [
+        (
+            {"scale_input": "embedded"},
+            ["step 1 (scale)", "input 'X' ← tensor 'embedded'", "nothing produces 'embedded'"],
+        ),
+        (
+            {"scale_output": "TEXT"},
+            ["step 1 (scale)", "output 'Y' → tensor 'TEXT'", "only one producer"],
+        ),
+        (
+            {"embedded": "OUT"},
+            ["step 1 (scale)", "'OUT' is already produced by step 0 (encode)"],
+        ),
+    ],
+    ids=["missing-producer", "input-produced", "two-producers"],
+)
+def test_graph_errors_name_the_file_the_step_and_the_tensor(
+    tmp_path: Path, tensors: dict[str, str], words: list[str]
+) -> None:
+    config = repository(tmp_path, **tensors)
+    with pytest.raises(ConfigError) as info:
+        load_repository_ensembles(tmp_path)
+    message = str(info.value)
+    assert str(config) in message
+    for word in words:
+        assert word in message, message
+
+
+def test_a_cycle_is_spelled_out(tmp_path: Path) -> None:
+    folder = tmp_path / "loop"
+    folder.mkdir()
+    (folder / "config.pbtxt").write_text(
+        """
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "Z", data_type: TYPE_FP32, dims: [ 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "a" input_map { key: "X" value: "X" } input_map { key: "B" value: "b" }
+    output_map { key: "Y" value: "a" } },
+  { model_name: "b" input_map { key: "X" value: "a" } output_map { key: "Y" value: "b" }
+    output_map { key: "Z" value: "Z" } }
+] }
+"""
+    )
+    with pytest.raises(ConfigError) as info:
+        load_repository_ensembles(tmp_path)
+    assert "the steps form a cycle: step 0 (a) → 'a' → step 1 (b) → 'b' → step 0 (a)" in str(info.value)
+
+
+def test_a_tensor_without_a_datatype_is_refused_naming_it(tmp_path: Path) -> None:
+    repository(tmp_path)
+    config = tmp_path / "chain" / "config.pbtxt"
+    config.write_text(config.read_text().replace("data_type: TYPE_FP32, ", ""))
+    with pytest.raises(ConfigError) as info:
+        load_repository_ensembles(tmp_path)
+    assert str(config) in str(info.value) and "output 'OUT'" in str(info.value)
+
+
+def test_other_models_and_unreadable_entries_are_not_the_routers(tmp_path: Path, caplog) -> None:
+    repository(tmp_path)
+    (tmp_path / "net" / "1").mkdir(parents=True)
+    (tmp_path / "net" / "1" / "model.onnx").write_bytes(b"")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.pbtxt").write_text("platform: {")
+    with caplog.at_level(logging.WARNING, logger="pipeline.config"):
+        plans = load_repository_ensembles(tmp_path)
+    assert [plan.name for plan in plans] == ["chain"]
+    assert "broken" in caplog.text and "config.pbtxt" in caplog.text
+
+
+def test_yaml_and_repository_ensembles_share_one_catalog(tmp_path: Path) -> None:
+    repository(tmp_path / "models")
+    (tmp_path / "solo.yaml").write_text(
+        """
+stages: {math: {address: "127.0.0.1:9001", max_inflight_requests: 4}}
+inputs: [{name: A, datatype: FP32, shape: [-1, 4]}]
+outputs: [{name: S, datatype: FP32, shape: [-1, 4]}]
+steps: [{model_name: add, stage: math, input_map: {A: A}, output_map: {S: S}}]
+"""
+    )
+    catalog = load_catalog(
+        [tmp_path / "solo.yaml"],
+        repository=tmp_path / "models",
+        stages={"model": "127.0.0.1:9002", "math": "127.0.0.1:9001"},
+    )
+    assert sorted(catalog.ensembles) == ["chain", "solo"]
+    # The router's stages come first; the file says more of 'math' (its limit) than the flag.
+    assert list(catalog.stages) == ["model", "math"]
+    assert catalog.stages["math"].max_inflight_requests == 4
+    assert catalog.stage_models() == {"add": "math"}  # chain's steps name no stage
+
+    with pytest.raises(ConfigError) as info:
+        load_catalog([tmp_path / "solo.yaml"], stages={"math": "127.0.0.1:9009"})
+    assert (
+        "stage 'math' has address '127.0.0.1:9001', but --stage declares it with address '127.0.0.1:9009'"
+        in (str(info.value))
+    )
+    with pytest.raises(ConfigError, match="stage 'model': address 'nowhere'"):
+        load_catalog([tmp_path / "solo.yaml"], stages={"model": "nowhere"})
+
+
+def test_a_step_turning_batching_off_and_one_leaving_it_to_the_model_disagree() -> None:
+    def plan(name: str, batching: object) -> object:
+        step = {"model_name": "m", "input_map": {"X": "X"}, "output_map": {"Y": "Y"}}
+        if batching is not None:
+            step["dynamic_batching"] = batching
+        data = {
+            "inputs": [{"name": "X", "datatype": "FP32", "shape": [-1, 1]}],
+            "outputs": [{"name": "Y", "datatype": "FP32", "shape": [-1, 1]}],
+            "steps": [step],
+        }
+        return compile_ensemble(data, f"{name}.yaml", default_name=name)
+
+    build_catalog([plan("a", None), plan("b", None)])
+    with pytest.raises(ConfigError) as info:
+        build_catalog([plan("a", None), plan("b", False)])
+    assert "b.yaml (step 0 (m)): model 'm' has dynamic_batching off here but the model's own" in str(
+        info.value
+    )
+
+
+def test_a_models_own_dynamic_batching_becomes_the_routers_batching() -> None:
+    config = mc.ModelConfig(name="m", max_batch_size=16)
+    assert batching_of_config(config) is None  # none set: one request per stage call
+    config.dynamic_batching.SetInParent()
+    assert batching_of_config(config) == BatchingConfig(
+        max_batch_size=16, max_queue_delay_microseconds=0, allow_timeout_override=False, max_queue_size=0
+    )
+    config.ClearField("dynamic_batching")
+    text_format.Merge(
+        """
+        dynamic_batching {
+          preferred_batch_size: [4, 8] max_queue_delay_microseconds: 500 preserve_ordering: true
+          priority_levels: 3 default_priority_level: 2
+          default_queue_policy { max_queue_size: 100 default_timeout_microseconds: 7000 allow_timeout_override: true }
+        }""",
+        config,
+    )
+    batching = batching_of_config(config)
+    assert batching is not None
+    assert (
+        batching.max_batch_size,
+        batching.preferred_batch_size,
+        batching.max_queue_delay_microseconds,
+    ) == (
+        16,
+        (4, 8),
+        500,
+    )
+    assert (batching.priority_levels, batching.default_priority_level, batching.preserve_ordering) == (
+        3,
+        2,
+        True,
+    )
+    assert (
+        batching.max_queue_size,
+        batching.default_timeout_microseconds,
+        batching.allow_timeout_override,
+    ) == (
+        100,
+        7000,
+        True,
+    )
+    config.max_batch_size = 0  # a model that does not batch gets no batcher
+    assert batching_of_config(config) is None
+    config.max_batch_size = 6
+    with pytest.raises(ValueError, match=r"preferred_batch_size 8 is outside 1\.\.max_batch_size"):
+        batching_of_config(config)
