@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import logging
+import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
@@ -55,7 +56,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 #: A gauge source: returns (label value, value) pairs when scraped.
 GaugeSource = Callable[[], Iterable[tuple[str, float]]]
 #: A server's `ModelStatistics` (its data plane's `statistics(name, version)`), every model when name is "".
-StatisticsSource = Callable[[str, str], Awaitable[pb.ModelStatisticsResponse]]
+StatisticsSource = Callable[[str, str], Coroutine[Any, Any, pb.ModelStatisticsResponse]]
 
 #: The gauge whose sources say how many requests of each model wait now (Triton's pending request count).
 QUEUE_DEPTH = "pipeline_queue_depth"
@@ -220,7 +221,7 @@ class Metrics:
         future = asyncio.run_coroutine_threadsafe(source("", ""), loop)
         try:
             return list(future.result(STATISTICS_TIMEOUT_S).model_stats)
-        except (concurrent.futures.TimeoutError, RuntimeError) as err:
+        except Exception as err:  # a scrape must not fail for it: the other metrics still come
             future.cancel()
             log.warning("metrics: cannot read the model statistics for Triton's metrics: %r", err)
             return []
@@ -246,7 +247,9 @@ class Metrics:
         except RuntimeError:
             self._loop = None
         try:
-            server = ThreadingHTTPServer((host, port), _handler(self))
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            server_class = type("MetricsServer", (ThreadingHTTPServer,), {"address_family": family})
+            server = server_class((host, port), _handler(self))
         except OSError as err:
             log.error("cannot serve metrics on %s:%d: %s; serving without them", host, port, err)
             return None
