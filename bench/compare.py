@@ -37,6 +37,8 @@ LEVELS = (1, 8, 32)
 DEFAULT_BATCHING = {"max_batch_size": 64, "max_queue_delay_microseconds": 2000, "max_inflight_batches": 1}
 _SERVING = re.compile(r"pipeline: serving .* on (\S+) \(gRPC")
 _STAGE = re.compile(r"(\w+) (\S+:\d+) \(pid \d+\)")
+_METRICS = re.compile(r"pipeline: Prometheus metrics: (.*)")
+_METRIC_URL = re.compile(r"([\w-]+) (http://\S+/metrics)")
 
 
 def ceiling(levels: tuple[int, ...], seconds: float) -> list[dict[str, Any]]:
@@ -102,6 +104,8 @@ class Pipeline:
             "0",
             "--http-port",
             "0",
+            "--metrics-port",
+            "0",
         ]
         with open(log, "wb") as out:
             self.process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -113,6 +117,12 @@ class Pipeline:
                 self.router = found.group(1)
                 line = text[found.start() :].splitlines()[0]
                 self.stages = dict(_STAGE.findall(line.split("stages:", 1)[1]))
+                # Every process's Prometheus endpoint, for the CPU each request costs in it.
+                while (metrics := _METRICS.search(log.read_text(errors="replace"))) is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("`pipeline run` printed no metrics addresses")
+                    time.sleep(0.1)
+                self.metrics = dict(_METRIC_URL.findall(metrics.group(1)))
                 return
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
@@ -146,12 +156,26 @@ async def wait_ready(url: str, model: str, timeout: float = 180.0) -> None:
             await asyncio.sleep(0.2)
 
 
-def measure(url: str, model: str, levels: tuple[int, ...], warmup: float, duration: float) -> list[dict]:
-    """`pipeline bench` at each concurrency: throughput, p50, p99, errors, and the server's per-stage figures."""
+def measure(
+    url: str,
+    model: str,
+    levels: tuple[int, ...],
+    warmup: float,
+    duration: float,
+    cpu_metrics: dict[str, str] | None = None,
+) -> list[dict]:
+    """`pipeline bench` at each concurrency: throughput, p50, p99, errors, the server's per-stage figures and
+    the CPU each request cost in each process."""
     from pipeline.bench import BenchOptions, format_report, run_bench
 
     options = BenchOptions(
-        url=url, model=model, concurrency=levels, warmup=warmup, duration=duration, progress=False
+        url=url,
+        model=model,
+        concurrency=levels,
+        warmup=warmup,
+        duration=duration,
+        progress=False,
+        cpu_metrics=cpu_metrics or {},
     )
     report = asyncio.run(run_bench(options))
     print(format_report(report), flush=True)
@@ -163,13 +187,85 @@ def measure(url: str, model: str, levels: tuple[int, ...], warmup: float, durati
             "p99_ms": r.percentile_ms(99),
             "errors": dict(r.errors),
             "stages": r.stages,
+            "cpu_us_per_request": r.cpu_us_per_request(),
         }
         for r in report.results
     ]
 
 
+# --------------------------------------------------------------------------------------------------------
+# The peers (shared/peers laid out and set up in a folder: its install.sh and setup.sh), side by side
+
+
+def peer_loadgen(
+    peers: Path, mode: str, url: str, label: str, out: Path, warmup: float, duration: float, *extra: str
+) -> list[dict[str, Any]]:
+    """The peers' own closed-loop load generator against `url` at concurrency 32 (rows of concurrency,
+    throughput, p50_ms, p99_ms, errors)."""
+    command = [str(peers / "loadgen" / "venv" / "bin" / "python"), str(peers / "loadgen" / "loadgen.py")]
+    command += ["--mode", mode, "--url", url, "--concurrency", "32", "--label", label, "--json-out", str(out)]
+    command += ["--warmup", str(warmup), "--duration", str(duration), "--quiet-wait", "30", *extra]
+    subprocess.run(command, check=True, timeout=warmup + duration + 120)
+    return json.loads(out.read_text())
+
+
+def peer_baseline(peers: Path, out: Path) -> list[dict[str, Any]]:
+    """The peers' in-process baseline with one torch thread: images/s at batches of 1, 8 and 32."""
+    python = peers / "baseline" / "venv" / "bin" / "python"
+    subprocess.run(
+        [str(python), str(peers / "baseline" / "bench.py"), "1", str(out)], check=True, timeout=300
+    )
+    return json.loads(out.read_text())
+
+
+def peer_torchserve(peers: Path, out: Path, warmup: float, duration: float) -> list[dict[str, Any]]:
+    """TorchServe as the peers run it (batch 32, 5 ms, one worker, one torch thread), loaded over HTTP."""
+    folder = peers / "torchserve"
+    (folder / "model_store").mkdir(exist_ok=True)
+    if not (folder / "model_store" / "refcnn.mar").exists():
+        archiver = folder / "venv" / "bin" / "torch-model-archiver"
+        extra = str(peers / "common" / "refmodel.py")
+        archive = [
+            "--model-name",
+            "refcnn",
+            "--version",
+            "1.0",
+            "--handler",
+            "handler.py",
+            "--extra-files",
+            extra,
+        ]
+        subprocess.run(
+            [str(archiver), *archive, "--export-path", "model_store", "--force"], cwd=folder, check=True
+        )
+    env = {**os.environ, "REF_TORCH_THREADS": "1", "SERVER_TIMEOUT": "900"}
+    subprocess.run(["bash", "serve.sh"], cwd=folder, env=env, check=True, timeout=180)
+    try:
+        return peer_loadgen(
+            peers,
+            "http",
+            "http://127.0.0.1:8085/predictions/refcnn",
+            "torchserve http",
+            out,
+            warmup,
+            duration,
+            "--server-pidfile",
+            str(folder / "server.pid"),
+        )
+    finally:
+        subprocess.run(
+            ["bash", str(peers / "common" / "stop_group.sh"), str(folder / "server.pid")], check=False
+        )
+
+
 def run_pipeline_variant(
-    name: str, batching: bool, work: Path, out: Path, warmup: float, duration: float
+    name: str,
+    batching: bool,
+    work: Path,
+    out: Path,
+    warmup: float,
+    duration: float,
+    peers: Path | None = None,
 ) -> dict[str, Any]:
     """Start the pipeline with batching OFF or ON, load it, stop it; the figures or why there are none."""
     print(f"\n== pipeline, batching {name}", flush=True)
@@ -181,12 +277,30 @@ def run_pipeline_variant(
         return {"error": str(err)}
     try:
         asyncio.run(wait_ready(running.router, "refcnn"))
-        result: dict[str, Any] = {"levels": measure(running.router, "refcnn", LEVELS, warmup, duration)}
+        levels = measure(running.router, "refcnn", LEVELS, warmup, duration, running.metrics)
+        result: dict[str, Any] = {"levels": levels}
         if not batching:
             # The router's own cost: the same stage model called directly and through the router.
             direct = measure(running.stages["model"], "refcnn_cnn", (1,), warmup / 2, duration / 2)
             routed = measure(running.router, "refcnn_cnn", (1,), warmup / 2, duration / 2)
             result["hop"] = {"model": "refcnn_cnn", "direct": direct[0], "through_router": routed[0]}
+        if peers is not None:
+            print("\n== the pipeline under the peers' load generator (OIP gRPC, concurrency 32)", flush=True)
+            result["peers_loadgen"] = peer_loadgen(
+                peers,
+                "v2grpc",
+                running.router,
+                f"pipeline batching {name}",
+                out / f"loadgen-pipeline-{name.lower()}.json",
+                warmup,
+                duration,
+                "--model",
+                "refcnn",
+                "--input-name",
+                "IMAGE",
+                "--output-name",
+                "LABEL",
+            )
         return result
     finally:
         running.stop()
@@ -231,6 +345,17 @@ def summarise(results: dict[str, Any]) -> str:
         f"- p50 at c=1: ceiling {_at(ceil, 1, 'p50_ms'):.2f} ms, OFF {_at(off, 1, 'p50_ms'):.2f} ms, "
         f"ON {_at(on, 1, 'p50_ms'):.2f} ms",
     ]
+    peers = results.get("peers")
+    if peers:
+        ours = _at(results["on"].get("peers_loadgen"), 32, "throughput")
+        torchserve = _at(peers.get("torchserve"), 32, "throughput")
+        baseline = max((row["images_per_s"] for row in peers.get("baseline", [])), default=math.nan)
+        lines += [
+            f"- the peers' load generator at c=32: pipeline (batching ON) {ours:,.0f} req/s, TorchServe "
+            f"{torchserve:,.0f} req/s: **{_ratio(ours, torchserve)}×** TorchServe",
+            f"- the peers' in-process baseline, one thread, best of batch 1/8/32: {baseline:,.0f} images/s; the "
+            f"pipeline reaches **{_ratio(ours, baseline)}** of it",
+        ]
     hop = results["off"].get("hop")
     if hop:
         direct, routed = hop["direct"]["p50_ms"], hop["through_router"]["p50_ms"]
@@ -290,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", type=Path, help="folder for results.json, summary.md and the logs")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each measured level")
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per level")
+    parser.add_argument(
+        "--peers",
+        type=Path,
+        help="a folder where shared/peers was laid out and set up (its install.sh, then setup.sh): also load "
+        "the pipeline with the peers' load generator, and run TorchServe and the in-process baseline beside it",
+    )
     args = parser.parse_args(argv)
     out = args.results
     out.mkdir(parents=True, exist_ok=True)
@@ -305,7 +436,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     with tempfile.TemporaryDirectory(prefix="refcnn-bench-") as work:
         results["off"] = run_pipeline_variant("OFF", False, Path(work), out, args.warmup, args.duration)
-        results["on"] = run_pipeline_variant("ON", True, Path(work), out, args.warmup, args.duration)
+        results["on"] = run_pipeline_variant(
+            "ON", True, Path(work), out, args.warmup, args.duration, args.peers
+        )
+    if args.peers is not None:
+        print("\n== peers: the in-process baseline (one thread), then TorchServe", flush=True)
+        results["peers"] = {
+            "baseline": peer_baseline(args.peers, out / "peers-baseline.json"),
+            "torchserve": peer_torchserve(
+                args.peers, out / "peers-torchserve.json", args.warmup, args.duration
+            ),
+        }
     results["seconds"] = time.monotonic() - started
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     summary = summarise(results)

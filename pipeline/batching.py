@@ -63,6 +63,10 @@ class BatchingConfig:
     max_inflight_batches: int = 1
     #: Send queued requests at once when a slot is free instead of waiting out the delay.
     idle_dispatch: bool = True
+    #: With a free slot, still wait (never past the delay) while requests that the router already holds
+    #: are on their way here, until the batch reaches the largest preferred size (else max_batch_size) or
+    #: they have all come. A lone request never waits; under load the batches grow.
+    batch_upcoming: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -235,6 +239,8 @@ class DynamicBatcher(Generic[In, Out]):
         self._levels = max(1, config.priority_levels)
         self._keys: dict[Hashable, _KeyQueue[In, Out]] = {}
         self._queued = 0
+        #: Requests the router holds that will be submitted here (`expect`), not yet submitted.
+        self._upcoming = 0
         self._seq = itertools.count()
         self._wake = asyncio.Event()
         self._inflight: set[asyncio.Task[None]] = set()
@@ -281,6 +287,16 @@ class DynamicBatcher(Generic[In, Out]):
 
     # --- requests ------------------------------------------------------------------------------------
 
+    def expect(self) -> None:
+        """Say that a request the router holds will be submitted here (`submit(..., expected=True)`), so
+        that a partial batch may wait for it (`batch_upcoming`)."""
+        self._upcoming += 1
+
+    def unexpect(self) -> None:
+        """An expected request will not be submitted after all (its request failed, or skipped the step)."""
+        self._upcoming -= 1
+        self._wake.set()
+
     def priority_of(self, requested: int | None) -> int:
         """The queue index for a request's `priority` parameter (1 is highest)."""
         levels = self.config.priority_levels
@@ -311,10 +327,14 @@ class DynamicBatcher(Generic[In, Out]):
         deadline: float | None = None,
         priority: int = 0,
         span: Span | None = None,
+        expected: bool = False,
     ) -> Out:
         """Queue one request and wait for its result. `deadline` is on the batcher's clock; `span` is the
-        request's span that the batch span links to (ignored with tracing off)."""
+        request's span that the batch span links to (ignored with tracing off); `expected`: announced by
+        `expect()`."""
         config = self.config
+        if expected:
+            self._upcoming -= 1
         if size > config.max_batch_size:
             raise InvalidInput(
                 f"{self.name}: the request's batch size {size} exceeds max_batch_size {config.max_batch_size}"
@@ -334,7 +354,12 @@ class DynamicBatcher(Generic[In, Out]):
         if span is not None and self._telemetry is not None:
             pending.span = span
             pending.enqueued_ns = time.time_ns()
-        if config.idle_dispatch and not self._queued and self._busy < config.max_inflight_batches:
+        if (
+            config.idle_dispatch
+            and not self._queued
+            and self._busy < config.max_inflight_batches
+            and not (config.batch_upcoming and self._upcoming > 0)
+        ):
             # NOTE: nothing waits and a slot is free (every request at low load): the batch of one runs in
             # the caller's task, saving the scheduler's wake-up and a task per request.
             if deadline is not None and deadline <= now:
@@ -417,6 +442,7 @@ class DynamicBatcher(Generic[In, Out]):
         length of the queue."""
         config = self.config
         largest_preferred = max(config.preferred_batch_size, default=0)
+        goal = largest_preferred or config.max_batch_size
         candidates = []
         for key, queue in list(self._keys.items()):
             heads = queue.heads()
@@ -433,9 +459,13 @@ class DynamicBatcher(Generic[In, Out]):
             if largest_preferred and queue.items >= largest_preferred:
                 return self._take(queue, largest_preferred), None
             due = oldest + config.max_delay
-            if config.idle_dispatch or now >= due:
-                # NOTE: the same expression decides and schedules, so a wake-up at that time always sends.
+            # NOTE: the same expression decides and schedules, so a wake-up at that time always sends.
+            if now >= due:
                 return self._take(queue, config.max_batch_size), None
+            if config.idle_dispatch:
+                awaited = min(goal, queue.items + self._upcoming) if config.batch_upcoming else 0
+                if queue.items >= awaited:
+                    return self._take(queue, config.max_batch_size), None
             wake_at = due if wake_at is None else min(wake_at, due)
         return None, wake_at
 

@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,6 +83,9 @@ class BenchOptions:
     max_message_mb: int = 64
     seed: int = 0
     progress: bool = True
+    #: Prometheus endpoints (name -> URL of /metrics) whose `process_cpu_seconds_total` is read around each
+    #: measured interval: the CPU each request costs in each server process.
+    cpu_metrics: Mapping[str, str] = field(default_factory=dict)
 
     def levels(self) -> list[Level]:
         """The levels to run, in order: the rates when any are given, else the concurrencies."""
@@ -125,6 +129,20 @@ class LevelResult:
     stages: dict[str, dict[str, Any]] | None = None
     #: Why `stages` is None although the server lists `statistics` (the RPC failed).
     stages_error: str | None = None
+    #: CPU seconds each `cpu_metrics` process used over the measured interval (None: it could not be read).
+    cpu_seconds: dict[str, float | None] = field(default_factory=dict)
+
+    def cpu_us_per_request(self) -> dict[str, float | None]:
+        """CPU microseconds per successful request in the measured interval, by process, and in all."""
+        if not self.cpu_seconds or not self.window_ok:
+            return {}
+        per = {
+            name: None if cpu is None else cpu * 1e6 / self.window_ok
+            for name, cpu in self.cpu_seconds.items()
+        }
+        known = [v for v in per.values() if v is not None]
+        per["all"] = sum(known) if len(known) == len(per) else None
+        return per
 
     @property
     def responses(self) -> int:
@@ -167,6 +185,7 @@ class LevelResult:
             },
             "stages": self.stages,
             "stages_error": self.stages_error,
+            "cpu_us_per_request": self.cpu_us_per_request(),
         }
 
 
@@ -661,6 +680,26 @@ async def run_bench(options: BenchOptions) -> BenchReport:
     return BenchReport(options, server_info, inputs, results)
 
 
+async def read_process_cpu(endpoints: Mapping[str, str]) -> dict[str, float | None]:
+    """`process_cpu_seconds_total` of each Prometheus endpoint (name -> /metrics URL); None where it cannot
+    be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def read(url: str) -> float | None:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                text = reply.read().decode()
+        except (OSError, ValueError):
+            return None
+        for family in text_string_to_metric_families(text):
+            if family.name == "process_cpu_seconds":
+                return sum(sample.value for sample in family.samples)
+        return None
+
+    values = await asyncio.gather(*(asyncio.to_thread(read, url) for url in endpoints.values()))
+    return dict(zip(endpoints, values, strict=True))
+
+
 async def _run_level(
     options: BenchOptions,
     level: Level,
@@ -698,7 +737,20 @@ async def _run_level(
             stats_error.append(f"ModelStatistics failed: {err.code}: {err.message}")
             return None
 
+    async def cpu() -> dict[str, float | None]:
+        if not options.cpu_metrics:
+            return {}
+        await asyncio.sleep(max(0.0, start + options.warmup - time.perf_counter()))
+        before = await read_process_cpu(options.cpu_metrics)
+        await asyncio.sleep(max(0.0, start + options.warmup + options.duration - time.perf_counter()))
+        after = await read_process_cpu(options.cpu_metrics)
+        return {
+            name: None if before[name] is None or after[name] is None else after[name] - before[name]  # type: ignore[operator]
+            for name in before
+        }
+
     stats_task = asyncio.create_task(statistics())
+    cpu_task = asyncio.create_task(cpu())
     ticker = asyncio.create_task(progress.follow(index, start, tally if pool is None else None))
     try:
         if pool is None:
@@ -709,10 +761,12 @@ async def _run_level(
             start_wall = time.time() + lead
             raws = await pool.run(shares, start_wall, {**kwargs, "seed": options.seed})
         stages = await stats_task
+        cpu_seconds = await cpu_task
     finally:
         ticker.cancel()
         stats_task.cancel()
-    result = LevelResult(level, options.duration, options.batch, stages=stages)
+        cpu_task.cancel()
+    result = LevelResult(level, options.duration, options.batch, stages=stages, cpu_seconds=cpu_seconds)
     result.stages_error = stats_error[0] if stats_error else None
     for raw in raws:
         result.sent += raw["sent"]
@@ -792,6 +846,14 @@ def format_report(report: BenchReport) -> str:
             f"{_fmt(r.percentile_ms(50), 2):>8} {_fmt(r.percentile_ms(90), 2):>8} "
             f"{_fmt(r.percentile_ms(99), 2):>8} {r.sent:>8} {r.ok:>8}  {errors}"
         )
+    for r in report.results:
+        per = r.cpu_us_per_request()
+        if per:
+            lines += [
+                "",
+                f"CPU per request over the measured interval, {r.level.label} (process_cpu_seconds_total):",
+                "  " + ", ".join(f"{name} {_fmt(us, 0)} us" for name, us in per.items()),
+            ]
     if not report.statistics:
         lines += ["", "(the server does not list 'statistics' in its extensions: client-side figures only)"]
         return "\n".join(lines)
@@ -924,6 +986,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-message-mb", type=int, default=64, help="largest message, in MiB")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs and arrivals")
+    parser.add_argument(
+        "--cpu",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="a server process's Prometheus /metrics URL (repeatable; `pipeline run` prints them): its "
+        "process_cpu_seconds_total is read around each measured interval, giving CPU microseconds per request",
+    )
     parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
     parser.add_argument("--plot", type=Path, help="write throughput and p99 latency against load as a PNG")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -937,6 +1007,12 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         if not sep or not name or not path:
             raise BenchError(f"--input-file expects NAME=PATH, got {item!r}")
         files[name] = Path(path)
+    cpu = {}
+    for item in args.cpu:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url:
+            raise BenchError(f"--cpu expects NAME=URL, got {item!r}")
+        cpu[name] = url if "://" in url else f"http://{url}/metrics"
     return BenchOptions(
         url=args.url,
         model=args.model,
@@ -956,6 +1032,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         max_message_mb=args.max_message_mb,
         seed=args.seed,
         progress=args.progress,
+        cpu_metrics=cpu,
     )
 
 

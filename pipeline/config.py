@@ -128,6 +128,7 @@ class DynamicBatchingConfig(_Schema):
     preserve_ordering: bool = False
     max_inflight_batches: PositiveInt = 1
     idle_dispatch: bool = True
+    batch_upcoming: bool = True
 
     @model_validator(mode="after")
     def _consistent(self) -> DynamicBatchingConfig:

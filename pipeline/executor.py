@@ -112,16 +112,26 @@ class Executor:
         deadline: float | None,
         parameters: Mapping[str, pb.InferParameter],
         span: Span | None = None,
+        *,
+        expected: bool = False,
     ) -> dict[str, Tensor]:
         batcher, tensors = self.batchers[model]
-        priority = batcher.priority_of(_int_parameter(parameters, "priority"))
+        try:
+            priority = batcher.priority_of(_int_parameter(parameters, "priority"))
+            queue_deadline = batcher.deadline_of(deadline, _int_parameter(parameters, "timeout"))
+            key = tensors.key(stage_call)
+        except BaseException:
+            if expected:
+                batcher.unexpect()
+            raise
         return await batcher.submit(
             stage_call,
             size=stage_call.size,
-            key=tensors.key(stage_call),
-            deadline=batcher.deadline_of(deadline, _int_parameter(parameters, "timeout")),
+            key=key,
+            deadline=queue_deadline,
             priority=priority,
             span=span,
+            expected=expected,
         )
 
     async def _execute_batch(
@@ -174,6 +184,15 @@ class Executor:
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
         values: dict[str, Tensor] = dict(inputs)
         finished = {step.index: asyncio.Event() for step in plan.steps}
+        # Tell each batched step's batcher that this request is on its way, so that under load a partial
+        # batch may wait for it (`BatchingConfig.batch_upcoming`); whatever never arrives is taken back.
+        awaited = {
+            step.index: self.batchers[step.model_name][0]
+            for step in plan.steps
+            if step.model_name in self.batchers
+        }
+        for batcher in awaited.values():
+            batcher.expect()
 
         telemetry = self.telemetry
 
@@ -189,9 +208,9 @@ class Executor:
                     REQUEST_ID: request.id,
                 }
                 with telemetry.span(f"step {step.model_name}", attributes):
-                    outputs = await self._call_step(step, values, request, deadline, call.metadata)
+                    outputs = await self._call_step(step, values, request, deadline, call.metadata, awaited)
             else:
-                outputs = await self._call_step(step, values, request, deadline, call.metadata)
+                outputs = await self._call_step(step, values, request, deadline, call.metadata, awaited)
             values.update(outputs)
             finished[step.index].set()
 
@@ -203,6 +222,9 @@ class Executor:
                     group.create_task(run_step(step))
         except BaseExceptionGroup as failure:
             raise _first_error(failure) from None
+        finally:
+            for batcher in awaited.values():
+                batcher.unexpect()
         response = infer_response(plan.name, ENSEMBLE_VERSION, request.id, (values[name] for name in wanted))
         items = next(iter(inputs.values())).shape[0] if plan.max_batch_size > 0 and inputs else 1
         return response, items
@@ -214,6 +236,7 @@ class Executor:
         request: pb.ModelInferRequest,
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
+        awaited: dict[int, DynamicBatcher[StageCall, dict[str, Tensor]]],
     ) -> dict[str, Tensor]:
         if step.model_name in self.batchers:
             stage_call = StageCall(
@@ -222,9 +245,15 @@ class Executor:
                 step.model_version,
                 deadline,
             )
+            expected = awaited.pop(step.index, None) is not None
             try:
                 produced = await self.submit(
-                    step.model_name, stage_call, deadline, request.parameters, self.telemetry.current_span()
+                    step.model_name,
+                    stage_call,
+                    deadline,
+                    request.parameters,
+                    self.telemetry.current_span(),
+                    expected=expected,
                 )
             except StageError as err:
                 raise StageError(f"{step.label}: {err.message}", err.code) from None

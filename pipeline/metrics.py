@@ -15,18 +15,37 @@ health) are read from their owners only when Prometheus scrapes, so they cost no
 | `pipeline_queue_depth` | model | requests waiting now |
 | `pipeline_inflight_batches` | model | executions running now |
 | `pipeline_stage_healthy` | stage | 1 when the stage's health check says SERVING (router) |
+
+Beside them, Triton's per-model metrics with Triton's names, types, help texts and labels (`model`,
+`version`), so dashboards and autoscalers written for Triton read ours as they are: `nv_inference_request_success`,
+`nv_inference_request_failure`, `nv_inference_count`, `nv_inference_exec_count`, the cumulative microsecond
+counters `nv_inference_request_duration_us`, `nv_inference_queue_duration_us` and
+`nv_inference_compute_{input,infer,output}_duration_us`, and the gauge `nv_inference_pending_request_count`.
+They are read at scrape time from the server's own `ModelStatistics` (pipeline/statistics.py), so the two
+views always agree. Triton's counters carry no `_total` suffix, which prometheus_client's exposition adds to
+every counter; these families are therefore written by `_triton_text`, after the registry's, and `/metrics`
+always answers in the Prometheus text format (version 0.0.4), whose counters need no suffix. The registry
+also holds Prometheus' standard process collector (`process_cpu_seconds_total`, memory, open files, ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
-from collections.abc import Callable, Iterable
+import socket
+import threading
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +55,69 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 #: A gauge source: returns (label value, value) pairs when scraped.
 GaugeSource = Callable[[], Iterable[tuple[str, float]]]
+#: A server's `ModelStatistics` (its data plane's `statistics(name, version)`), every model when name is "".
+StatisticsSource = Callable[[str, str], Coroutine[Any, Any, pb.ModelStatisticsResponse]]
+
+#: The gauge whose sources say how many requests of each model wait now (Triton's pending request count).
+QUEUE_DEPTH = "pipeline_queue_depth"
+#: The Prometheus text format, as Triton serves it: counters need no `_total` suffix there.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: How long a scrape waits for the event loop to read the statistics.
+STATISTICS_TIMEOUT_S = 5.0
+
+#: Triton's per-model counters: name, help text (Triton's own), and the value read from one model's
+#: `ModelStatistics`. Durations are cumulative microseconds, from the nanoseconds the statistics keep.
+TRITON_COUNTERS: tuple[tuple[str, str, Callable[[pb.ModelStatistics], int]], ...] = (
+    (
+        "nv_inference_request_success",
+        "Number of successful inference requests, all batch sizes",
+        lambda s: s.inference_stats.success.count,
+    ),
+    (
+        "nv_inference_request_failure",
+        "Number of failed inference requests, all batch sizes",
+        lambda s: s.inference_stats.fail.count,
+    ),
+    (
+        "nv_inference_count",
+        "Number of inferences performed (does not include cached requests)",
+        lambda s: s.inference_count,
+    ),
+    (
+        "nv_inference_exec_count",
+        "Number of model executions performed (does not include cached requests)",
+        lambda s: s.execution_count,
+    ),
+    (
+        "nv_inference_request_duration_us",
+        "Cumulative inference request duration in microseconds (includes cached requests)",
+        lambda s: s.inference_stats.success.ns // 1000,
+    ),
+    (
+        "nv_inference_queue_duration_us",
+        "Cumulative inference queuing duration in microseconds (includes cached requests)",
+        lambda s: s.inference_stats.queue.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_input_duration_us",
+        "Cumulative compute input duration in microseconds (does not include cached requests)",
+        lambda s: s.inference_stats.compute_input.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_infer_duration_us",
+        "Cumulative compute inference duration in microseconds (does not include cached requests)",
+        lambda s: s.inference_stats.compute_infer.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_output_duration_us",
+        "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+        lambda s: s.inference_stats.compute_output.ns // 1000,
+    ),
+)
+TRITON_PENDING = (
+    "nv_inference_pending_request_count",
+    "Instantaneous number of pending requests awaiting execution per-model.",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,25 +194,67 @@ class Metrics:
         )
         self._gauges = _Gauges()
         r.register(self._gauges)
-        self._server: object | None = None
+        ProcessCollector(registry=r)
+        self._statistics: StatisticsSource | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: ThreadingHTTPServer | None = None
         self.port: int | None = None
 
     def gauge(self, name: str, documentation: str, label: str, source: GaugeSource) -> None:
         """Add a gauge read from `source` at scrape time (several sources may share a name)."""
         self._gauges.gauges.append(_Gauge(name, documentation, label, source))
 
+    def export_statistics(self, source: StatisticsSource) -> None:
+        """Export Triton's `nv_inference_*` metrics of every model `source` (a data plane's statistics)
+        reports; read on the event loop that calls `serve()`, where the statistics are kept."""
+        self._statistics = source
+
+    def exposition(self) -> bytes:
+        """The `/metrics` page: the registry's metrics, then Triton's (Prometheus text format 0.0.4)."""
+        return generate_latest(self.registry) + _triton_text(self._read_statistics(), self._pending())
+
+    def _read_statistics(self) -> list[pb.ModelStatistics]:
+        source, loop = self._statistics, self._loop
+        if source is None or loop is None or loop.is_closed():
+            return []
+        # NOTE: scrapes run on the HTTP server's thread; the statistics belong to the event loop's.
+        future = asyncio.run_coroutine_threadsafe(source("", ""), loop)
+        try:
+            return list(future.result(STATISTICS_TIMEOUT_S).model_stats)
+        except Exception as err:  # a scrape must not fail for it: the other metrics still come
+            future.cancel()
+            log.warning("metrics: cannot read the model statistics for Triton's metrics: %r", err)
+            return []
+
+    def _pending(self) -> dict[str, float]:
+        pending: dict[str, float] = {}
+        for gauge in self._gauges.gauges:
+            if gauge.name == QUEUE_DEPTH:
+                for model, value in gauge.source():
+                    pending[model] = pending.get(model, 0) + value
+        return pending
+
     def serve(self, host: str, port: int | None) -> int | None:
         """Serve `/metrics` on a thread; returns the bound port, or None when off or the port is taken.
 
-        A port that cannot be bound is logged, not fatal: metrics must not keep a server from serving.
+        Called on the server's event loop (Triton's metrics are read there). A port that cannot be bound is
+        logged, not fatal: metrics must not keep a server from serving.
         """
         if port is None or port < 0:
             return None
         try:
-            server, _ = start_http_server(port, addr=host, registry=self.registry)
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            server_class = type("MetricsServer", (ThreadingHTTPServer,), {"address_family": family})
+            server = server_class((host, port), _handler(self))
         except OSError as err:
             log.error("cannot serve metrics on %s:%d: %s; serving without them", host, port, err)
             return None
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         self._server = server
         self.port = server.server_port
         log.info("metrics on http://%s:%d/metrics", host, self.port)
@@ -140,8 +264,52 @@ class Metrics:
         """Stop the HTTP server, if one runs."""
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()  # type: ignore[attr-defined]
-            server.server_close()  # type: ignore[attr-defined]
+            server.shutdown()
+            server.server_close()
+
+
+def _handler(metrics: Metrics) -> type[BaseHTTPRequestHandler]:
+    class MetricsHandler(BaseHTTPRequestHandler):
+        """GET /metrics (or /): the exposition; anything else: 404."""
+
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                self.send_error(404, "only /metrics is served here")
+                return
+            body = metrics.exposition()
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # a scrape every few seconds is not news
+
+    return MetricsHandler
+
+
+def _label(value: str) -> str:
+    """A label value escaped for the text format."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _triton_text(stats: Iterable[pb.ModelStatistics], pending: dict[str, float]) -> bytes:
+    """Triton's families in the Prometheus text format, one sample per model and version."""
+    stats = list(stats)
+    lines = []
+    for name, documentation, value in TRITON_COUNTERS:
+        lines += [f"# HELP {name} {documentation}", f"# TYPE {name} counter"]
+        lines += [
+            f'{name}{{model="{_label(s.name)}",version="{_label(s.version)}"}} {value(s)}' for s in stats
+        ]
+    name, documentation = TRITON_PENDING
+    lines += [f"# HELP {name} {documentation}", f"# TYPE {name} gauge"]
+    lines += [
+        f'{name}{{model="{_label(s.name)}",version="{_label(s.version)}"}} {pending.get(s.name, 0):g}'
+        for s in stats
+    ]
+    return ("\n".join(lines) + "\n").encode()
 
 
 def metrics_port(text: str) -> int | None:

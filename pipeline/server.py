@@ -162,6 +162,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.name = name
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
+        # Triton's nv_inference_* metrics: read from the same statistics ModelStatistics answers with.
+        self.metrics.export_statistics(plane.statistics)
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         """One inference through the plane: the request's server span (continuing the caller's trace)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # CI for the containers: install Docker's engine if missing, build the images offline, start the pipeline
-# with Compose, classify digits through the router from the host with Triton's client, scale preprocess to
-# two replicas and show both serve, stop one under load and check no request failed, then tear down.
+# with Compose, classify digits through the router from the host with Triton's client and with the Go
+# client of examples/go, scale preprocess to two replicas and show both serve, start Prometheus (the
+# observability profile) and check during a bench run that it scrapes every replica and that every query of
+# the Grafana dashboard returns data, stop one replica under load and check no request failed, tear down.
 # Prints each step's time. About 5 minutes from nothing on 2 cores (most of it the first image build).
 #
 #   bash scripts/ci-docker.sh            # as root on a Debian machine (CI here), from anywhere
@@ -9,6 +11,7 @@
 # Env: PYTHON (default .venv/bin/python: has tritonclient[grpc] and scikit-learn; `make install` makes it),
 #      COMPOSE_PROJECT_NAME (default pipelineci), PIPELINE_ROUTER_PUBLISHED_PORT (default 18001),
 #      PIPELINE_HTTP_PUBLISHED_PORT (default 18000),
+#      PIPELINE_PROMETHEUS_PUBLISHED_PORT (default 19090),
 #      KEEP_UP=1 leaves the pipeline running at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,10 +19,13 @@ cd "$(dirname "$0")/.."
 export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-pipelineci}
 export PIPELINE_ROUTER_PUBLISHED_PORT=${PIPELINE_ROUTER_PUBLISHED_PORT:-18001}
 export PIPELINE_HTTP_PUBLISHED_PORT=${PIPELINE_HTTP_PUBLISHED_PORT:-18000}
+export PIPELINE_PROMETHEUS_PUBLISHED_PORT=${PIPELINE_PROMETHEUS_PUBLISHED_PORT:-19090}
 # Stages recycle connections every 5 s here (30 s by default), so the router finds a new replica quickly.
 export PIPELINE_MAX_CONNECTION_AGE_S=${PIPELINE_MAX_CONNECTION_AGE_S:-5}
 PYTHON=${PYTHON:-.venv/bin/python}
 ROUTER=127.0.0.1:$PIPELINE_ROUTER_PUBLISHED_PORT
+PROMETHEUS=http://127.0.0.1:$PIPELINE_PROMETHEUS_PUBLISHED_PORT
+work=$(mktemp -d)
 ci_start=$(date +%s)
 
 say() { printf '\nci-docker: %s\n' "$*"; }
@@ -51,8 +57,9 @@ finish() {
             $COMPOSE logs --no-color --tail=40 || true
         fi
         say "== teardown: compose down -v"
-        $COMPOSE down -v --remove-orphans >/dev/null 2>&1 || true
+        $COMPOSE --profile observability down -v --remove-orphans >/dev/null 2>&1 || true
     fi
+    rm -rf "$work"
     if [[ -n "$started_dockerd" ]]; then
         kill "$started_dockerd" 2>/dev/null || true
         wait "$started_dockerd" 2>/dev/null || true
@@ -68,12 +75,17 @@ trap finish EXIT
 [[ -x "$PYTHON" ]] || die "no $PYTHON with tritonclient: run 'make install' first (or set PYTHON)"
 
 # --- 1. the engine ---------------------------------------------------------------------------------------
-step "engine: Docker and Compose"
+# And Debian's Go toolchain, gRPC and protobuf for Go, and protoc: the Go client is built offline from them.
+# (protobuf's APIv1 at 1.5: gRPC's codec under 1.3 cannot marshal the messages protoc-gen-go writes today.)
+go_packages=(golang-go golang-google-grpc-dev golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev
+    protoc-gen-go protoc-gen-go-grpc protobuf-compiler)
+step "engine: Docker and Compose (and the Go client's toolchain)"
 if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null \
-    || ! { command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1; }; then
-    [[ $(id -u) == 0 ]] || die "Docker is not installed and this is not root: apt-get install docker.io docker-compose debootstrap"
+    || ! { command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1; } \
+    || ! dpkg -s "${go_packages[@]}" >/dev/null 2>&1; then
+    [[ $(id -u) == 0 ]] || die "not installed and this is not root: apt-get install docker.io docker-compose debootstrap ${go_packages[*]}"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io docker-compose debootstrap >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io docker-compose debootstrap "${go_packages[@]}" >/dev/null
 fi
 if ! docker info >/dev/null 2>&1; then
     say "starting dockerd in the background (log: /tmp/ci-dockerd.log)"
@@ -85,15 +97,15 @@ fi
 if docker compose version >/dev/null 2>&1; then COMPOSE="docker compose"; else COMPOSE="docker-compose"; fi
 say "engine $(docker version -f '{{.Server.Version}}'), compose: $($COMPOSE version --short 2>/dev/null || $COMPOSE version | head -1)"
 # A previous run's leftovers (an interrupted CI) would hold the port.
-$COMPOSE down -v --remove-orphans >/dev/null 2>&1 || true
+$COMPOSE --profile observability down -v --remove-orphans >/dev/null 2>&1 || true
 
 # --- 2. the base image, made locally (no registry here) ------------------------------------------------
 step "base image (debootstrap + docker import; skipped when present)"
 bash scripts/offline-base-image.sh
 
 # --- 3. the images -------------------------------------------------------------------------------------
-step "build the images"
-$COMPOSE build >/tmp/ci-docker-build.log 2>&1 || { tail -40 /tmp/ci-docker-build.log >&2; die "compose build failed (log above)"; }
+step "build the images (Prometheus' too)"
+$COMPOSE --profile observability build >/tmp/ci-docker-build.log 2>&1 || { tail -40 /tmp/ci-docker-build.log >&2; die "compose build failed (log above)"; }
 docker image prune -f >/dev/null # the intermediate build stages
 docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^pipeline-' | sed 's/^/  image /'
 
@@ -150,6 +162,33 @@ accuracy = float(np.mean(np.array(labels) == digits.target[-count:]))
 print(f"classified {count} digits through the router: accuracy {accuracy:.1%}; first ten {labels[:10]}")
 assert accuracy >= 0.9, f"accuracy {accuracy:.1%} is below 90%"
 EOF
+
+# --- 5b. the Go client, built offline from protos/ with Debian's packages --------------------------------
+step "build the Go client (examples/go) and classify digits through the router with it"
+examples/go/build.sh "$work/digits-client"
+"$PYTHON" - "$work/digits" <<'EOF'
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from sklearn.datasets import load_digits
+
+folder = Path(sys.argv[1])
+folder.mkdir()
+digits = load_digits()
+for i in range(1, 41):  # 8x8, 0..16: dark ink on light paper, scaled up; the label in the name
+    grey = (255 - digits.images[-i] * 255 / 16).astype(np.uint8)
+    Image.fromarray(grey).resize((32, 32), Image.NEAREST).save(folder / f"{i:02d}-label{digits.target[-i]}.png")
+EOF
+"$work/digits-client" -url "$ROUTER" "$work"/digits/*.png >"$work/go-client.txt" || die "the Go client failed"
+head -12 "$work/go-client.txt" | sed 's/^/  /'
+grep -q '^config: digits platform ensemble max_batch_size 64$' "$work/go-client.txt" || die "the Go client read no ensemble config"
+[[ $(grep -c '^  step ' "$work/go-client.txt") == 3 ]] || die "the Go client did not list the ensemble's 3 steps"
+grep -q '^  input  IMAGE BYTES \[-1 1\]$' "$work/go-client.txt" || die "the Go client read no metadata"
+right=$(grep -cE 'label([0-9])\.png: digit \1 ' "$work/go-client.txt" || true)
+say "the Go client classified $right of 40 digits right"
+((right >= 36)) || die "the Go client's accuracy is below 90% ($right of 40)"
 
 # --- 6. two preprocess replicas, both serving -----------------------------------------------------------
 # Per-replica counts: inside the router's container (on the stages' network), resolve `preprocess` to every
@@ -244,6 +283,19 @@ for _ in $(seq 6); do
 done
 say "preprocess replicas after: $after"
 ((served)) || die "both preprocess replicas did not serve within 60s of load (counts: $before -> $after)"
+
+# --- 6b. Prometheus and the dashboard, during a bench run ---------------------------------------------------
+step "observability: Prometheus scrapes every replica; every dashboard query returns data during a bench run"
+$COMPOSE --profile observability up -d --no-deps prometheus
+bench_image=$(ls "$work"/digits/*.png | head -1)
+"$PYTHON" -m pipeline bench --url "$ROUTER" --model digits --input-file "IMAGE=$bench_image" --concurrency 4 \
+    --warmup 1 --duration 20 --no-progress >"$work/bench.txt" 2>&1 &
+bench=$!
+"$PYTHON" scripts/check-observability.py --prometheus "$PROMETHEUS" \
+    --dashboard observability/grafana/dashboards/pipeline.json --timeout 90 \
+    --targets router=1 preprocess=2 model=1 postprocess=1 prometheus=1 || { kill "$bench" 2>/dev/null; die "observability check failed"; }
+wait "$bench" || { cat "$work/bench.txt"; die "the bench run failed"; }
+tail -4 "$work/bench.txt" | sed 's/^/  /'
 
 # --- 7. stop one replica under load ----------------------------------------------------------------------
 step "stop one preprocess replica under load; no request may fail"

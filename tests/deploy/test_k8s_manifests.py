@@ -205,6 +205,20 @@ def test_ports_agree_between_env_container_and_probes() -> None:
             )
 
 
+def test_every_pod_is_annotated_for_scraping_its_metrics_port() -> None:
+    for deployment in of_kind("Deployment"):
+        name = deployment["metadata"]["name"]
+        (container,) = containers(deployment)
+        port = int(env_of(container)[f"PIPELINE_{name.upper()}_METRICS_PORT"])
+        assert container_port(container, "metrics") == port, f"{name}: metrics containerPort vs env"
+        annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true", f"{name}: pods are not marked for scraping"
+        assert annotations.get("prometheus.io/port") == str(port), f"{name}: prometheus.io/port"
+        assert annotations.get("prometheus.io/path") == "/metrics", f"{name}: prometheus.io/path"
+        service = named("Service", name)
+        assert port in {p["port"] for p in service["spec"]["ports"]}, f"Service {name} has no metrics port"
+
+
 def test_every_deployment_has_an_hpa_with_cpu_requests_to_scale_on() -> None:
     hpas = {hpa["spec"]["scaleTargetRef"]["name"]: hpa for hpa in of_kind("HorizontalPodAutoscaler")}
     for deployment in of_kind("Deployment"):

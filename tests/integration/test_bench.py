@@ -211,3 +211,26 @@ def test_statistics_deltas_give_perf_analyzers_figures() -> None:
     assert m["inference_count"] == 80 and m["execution_count"] == 10
     assert m["mean_batch_size"] == 8.0 and m["batch_sizes"] == {8: 10}
     assert m["queue_us"] == pytest.approx(1.0) and m["compute_infer_us"] == pytest.approx(5.0)
+
+
+async def test_cpu_per_request_is_read_from_each_process_metrics() -> None:
+    from pipeline.metrics import Metrics
+
+    metrics = Metrics()
+    async with serving_stages([Double()], metrics=metrics, metrics_port=0) as running:
+        await wait_serving(running.address)
+        url = f"http://127.0.0.1:{metrics.port}/metrics"
+        options = _options(
+            running.address,
+            "double",
+            concurrency=(2,),
+            cpu_metrics={"stage": url, "gone": "http://127.0.0.1:9/metrics"},
+        )
+        report = await run_bench(options)
+    (result,) = report.results
+    per = result.cpu_us_per_request()
+    # This test's process is the server: its CPU over the interval, shared out over the requests.
+    assert per["stage"] is not None and per["stage"] > 0
+    assert per["gone"] is None and per["all"] is None, "a process that cannot be read leaves the sum unknown"
+    assert report.to_dict()["results"][0]["cpu_us_per_request"]["stage"] == per["stage"]
+    assert "CPU per request" in format_report(report) and "gone - us" in format_report(report)

@@ -340,3 +340,51 @@ async def test_a_request_expires_where_it_waits_not_only_at_the_head():
     assert first[0].result() == 10 and queued[0].result() == 20
     assert stage.batches == [[1], [2]], "the expired request never reached the stage"
     await batcher.aclose()
+
+
+async def test_under_load_a_free_slot_waits_for_requests_already_on_their_way():
+    clock = ManualClock()
+    stage = Stage()
+    config = BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=1000, preferred_batch_size=(4,))
+    batcher = make(config, stage, clock)
+    for _ in range(5):
+        batcher.expect()  # five requests the router holds will come here
+    tasks = [asyncio.ensure_future(batcher.submit(p, expected=True)) for p in (1, 2, 3)]
+    await settle()
+    assert stage.batches == [], "three of the five have come: the slot waits for the preferred size"
+    tasks.append(asyncio.ensure_future(batcher.submit(4, expected=True)))
+    await settle()
+    assert stage.batches == [[1, 2, 3, 4]], "the preferred size is reached: it goes at once"
+    tasks.append(asyncio.ensure_future(batcher.submit(5, expected=True)))
+    await settle()
+    assert stage.batches[1:] == [[5]], "nothing more is on its way: the last one goes alone, at once"
+    assert [t.result() for t in tasks] == [10, 20, 30, 40, 50]
+
+    batcher.expect()
+    batcher.expect()
+    waiting = asyncio.ensure_future(batcher.submit(6, expected=True))
+    await settle()
+    assert len(stage.batches) == 2
+    batcher.unexpect()  # the other request failed on its way: nothing to wait for
+    await settle()
+    assert stage.batches[2:] == [[6]] and waiting.result() == 60
+
+    batcher.expect()
+    batcher.expect()
+    late = asyncio.ensure_future(batcher.submit(7, expected=True))
+    await settle()
+    clock.advance(0.001)  # never past the delay
+    await settle()
+    assert stage.batches[3:] == [[7]] and late.result() == 70
+    batcher.unexpect()
+    await batcher.aclose()
+
+
+async def test_a_lone_request_never_waits_for_the_batch():
+    stage = Stage()
+    config = BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=10**6, preferred_batch_size=(4,))
+    batcher = make(config, stage)
+    batcher.expect()
+    assert await batcher.submit(1, expected=True) == 10
+    assert stage.batches == [[1]]
+    await batcher.aclose()
