@@ -290,11 +290,16 @@ class TorchInstance(ArtifactInstance):
             self._check_ranges(feeds)
         with torch.inference_mode():
             tensors = {b: self._tensor(a) for b, a in feeds.items()}
-            with torch.autocast("cuda", dtype=torch.float16, enabled=self.fp16):
-                if self._by_keyword and self._keyword_names:
-                    result = module(**{b.model_name: t for b, t in tensors.items()})
-                else:
-                    result = module(*(tensors[b] for b in self._order if b in tensors))
+            try:
+                with torch.autocast("cuda", dtype=torch.float16, enabled=self.fp16):
+                    if self._by_keyword and self._keyword_names:
+                        result = module(**{b.model_name: t for b, t in tensors.items()})
+                    else:
+                        result = module(*(tensors[b] for b in self._order if b in tensors))
+            except IndexError as exc:
+                # An index the model looks up that is out of its range (a token id past the vocabulary):
+                # the request's content, not the server, is at fault.
+                raise InvalidInput(f"the model cannot take these inputs: {first_line(exc)}") from None
             return {b.name: self._output(result, b) for b in self.bindings.outputs}
 
     def _tensor(self, array: np.ndarray):

@@ -256,6 +256,22 @@ async def refused(
         return error.details()
 
 
+async def test_a_config_pbtxt_with_a_syntax_error(tmp_path: Path) -> None:
+    config = KINDS["onnx"][1].format(name="typo").replace("max_batch_size: 8", "max_batch_size 8 }")
+    folder = add_model(tmp_path, "onnx", "typo", {"1": 1}, config=config)
+    await refused(tmp_path, "typo", grpc.StatusCode.INVALID_ARGUMENT, str(folder / "config.pbtxt"), "line 4")
+
+
+async def test_a_default_model_filename_inside_the_version_folder(tmp_path: Path) -> None:
+    config = KINDS["onnx"][1].format(name="named") + 'default_model_filename: "classifier.onnx"\n'
+    folder = add_model(tmp_path, "onnx", "named", {}, config=config)
+    write_onnx(folder / "1" / "classifier.onnx", 4)
+    async with serving(tmp_path) as stub:
+        _, outputs = await infer(stub, "named", X=X)
+        close(outputs["Y"], reference(folder / "1" / "classifier.onnx", {"X": X})["Y"])
+        assert (await model_config(stub, "named")).default_model_filename == "classifier.onnx"
+
+
 @pytest.mark.parametrize("kind", KIND_NAMES)
 async def test_a_truncated_model_file(tmp_path: Path, kind: str) -> None:
     folder = add_model(tmp_path, kind, "broken", {"1": 1})

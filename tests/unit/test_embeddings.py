@@ -239,6 +239,8 @@ def test_encoder_refuses_what_the_program_cannot_take(encoder) -> None:
     mask = np.ones_like(ids)
     with pytest.raises(InvalidInput, match="ATTENTION_MASK: dimension 1 is 2, INPUT_IDS's is 3"):
         encoder.run({"INPUT_IDS": ids, "ATTENTION_MASK": mask[:, :2]})
+    with pytest.raises(InvalidInput, match="the model cannot take these inputs: index out of range"):
+        encoder.run({"INPUT_IDS": np.array([[CLS, 30522, SEP]]), "ATTENTION_MASK": np.ones((1, 3), np.int64)})
     with pytest.raises(InvalidInput, match=r"dimension 1 is 513, the model takes 1..512"):
         long = np.zeros((1, 513), np.int64)
         encoder.run({"INPUT_IDS": long, "ATTENTION_MASK": long})
