@@ -321,6 +321,8 @@ def choose_runner(
     from services.model.tensorrt import tensorrt_status
 
     on_gpu = device.startswith("cuda")
+    # An engine file runs at the precision it was built with; an engine built here, at the config's.
+    at = "" if kind == TENSORRT_PLAN else f" at {options.precision}"
     own = "onnxruntime" if kind == ONNX else "torch" if kind in (TORCHSCRIPT, TORCH_EXPORT) else "tensorrt"
     pinned = options.runner
     if pinned == "auto" and options.tensorrt and on_gpu:
@@ -339,17 +341,14 @@ def choose_runner(
             )
         if not usable:
             raise RepositoryError(f"{artifact}: TensorRT was asked for but cannot run: {why}")
-        return (
-            "tensorrt",
-            device,
-            f"tensorrt on {device} at {options.precision}: {'asked for' if options.runner == 'tensorrt' or options.tensorrt else 'a TensorRT engine file'}; {why}",
-        )
+        because = "a TensorRT engine file" if kind == TENSORRT_PLAN else "asked for"
+        return "tensorrt", device, f"tensorrt on {device}{at}: {because}; {why}"
     if on_gpu and pinned == "auto":
         usable, why = tensorrt_status()
         if usable and unbounded:
             usable, why = False, f"{why}, but {unbounded} varies without a bound an engine profile needs"
         if usable:
-            return "tensorrt", device, f"tensorrt on {device} at {options.precision}: auto: {why}"
+            return "tensorrt", device, f"tensorrt on {device}{at}: auto: {why}"
         fallback = f"auto: TensorRT is not usable ({why})"
     else:
         fallback = f"{pinned}: " + ("the instance is on the CPU" if not on_gpu else "asked for")

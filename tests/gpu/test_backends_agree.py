@@ -143,6 +143,6 @@ def test_a_plan_file_is_served_as_it_is(examples: Path, tmp_path: Path) -> None:
 def test_auto_takes_tensorrt_where_it_runs_and_says_why_not_elsewhere(examples: Path) -> None:
     _, reason = run(examples, "refcnn_cnn", inputs_for("refcnn_cnn", 1), device="cuda:0")
     if TRT_USABLE:
-        assert reason.startswith("tensorrt on cuda:0: auto"), reason
+        assert reason.startswith("tensorrt on cuda:0 at fp32: auto"), reason
     else:
         assert "TensorRT is not usable" in reason, reason
