@@ -389,7 +389,14 @@ class TensorRTInstance(ArtifactInstance):  # pragma: no cover - needs TensorRT a
             plan = build_engine(
                 onnx_path, self._profile, precision=self.precision, workspace_bytes=self.workspace_bytes
             )
-        log.info("%s: engine built and cached at %s", self.artifact, self.cache.store(key, plan))
+        try:
+            log.info("%s: engine built and cached at %s", self.artifact, self.cache.store(key, plan))
+        except OSError as exc:  # a read-only repository: the engine serves, and is built again next time
+            log.warning(
+                "%s: engine built but not cached (%s); set --engine-cache to a writable folder",
+                self.artifact,
+                exc,
+            )
         return plan
 
     def _allocate(self, trt: Any, device: Any) -> None:
