@@ -321,3 +321,62 @@ def test_pytorch_files_export_to_onnx_with_a_dynamic_batch(tmp_path: Path, kind:
             iter(reference(artifact, {input_name if kind == "torch_export" else "x": x}).values())
         )
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- completing and checking configs ----------------------------------------------------------------------------
+
+
+def reconciled(config: str, signature, kind: str = ONNX, **settings):
+    from services.model.artifacts import reconcile
+
+    parsed = config_of(config)
+    bindings = reconcile(
+        parsed,
+        signature,
+        artifact=Path("m/1/model"),
+        kind=kind,
+        source="m/config.pbtxt",
+        auto_complete=settings.get("auto_complete", True),
+        default_max_batch_size=4,
+    )
+    return parsed, bindings
+
+
+def test_an_input_declared_optional_must_be_optional_in_the_model(tmp_path: Path) -> None:
+    signature = onnx_signature(write_onnx(tmp_path / "m.onnx", 1))
+    tensors = 'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 3 ] } ] max_batch_size: 4 '
+    x = 'input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] optional: true } ] '
+    with pytest.raises(RepositoryError, match="input 'X' is declared optional, but the model needs it"):
+        reconciled(x + tensors, signature)
+    scale = 'input [ { name: "SCALE" data_type: TYPE_FP32 dims: [ 1 ] } ] '
+    with pytest.raises(RepositoryError, match=r"the model needs input 'X' \(#0\)"):
+        reconciled(scale + tensors, signature)
+
+
+def test_pytorch_tensors_bind_by_name_by_index_or_by_order() -> None:
+    from services.model.artifacts import Signature, Tensor
+
+    signature = Signature(inputs=(Tensor("image"), Tensor("scale", optional=True)), outputs_known=False)
+    outputs = 'output [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 1 ] } ]'
+    by_name = 'input [ { name: "scale" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "image" data_type: TYPE_FP32 dims: [ 1 ] } ]'
+    _, bindings = reconciled(by_name + outputs, signature, TORCHSCRIPT)
+    assert [(b.name, b.model_name, b.index) for b in bindings.inputs] == [
+        ("scale", "scale", 1),
+        ("image", "image", 0),
+    ]
+    by_index = 'input [ { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]'
+    indexed = 'output [ { name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 1 ] } ]'
+    _, bindings = reconciled(by_index + indexed, signature, TORCHSCRIPT)
+    assert [(b.model_name, b.index) for b in bindings.inputs] == [("scale", 1), ("image", 0)]
+    assert [(b.name, b.index) for b in bindings.outputs] == [("OUTPUT__1", 1)]
+    by_order = 'input [ { name: "PIXELS" data_type: TYPE_FP32 dims: [ 1 ] } ]'
+    _, bindings = reconciled(by_order + outputs, signature, TORCHSCRIPT)
+    assert [(b.name, b.model_name) for b in bindings.inputs] == [("PIXELS", "image")]
+    assert [(b.name, b.index) for b in bindings.outputs] == [("A", 0), ("B", 1)]
+    with pytest.raises(RepositoryError, match="input 'other' is not one of the model's inputs"):
+        reconciled(
+            'input [ { name: "image" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "other" data_type: TYPE_FP32 dims: [ 1 ] } ]'
+            + outputs,
+            signature,
+            TORCHSCRIPT,
+        )
