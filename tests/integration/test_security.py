@@ -270,10 +270,18 @@ UNSAFE = [
     ),
     (re.compile(r"shell\s*=\s*True"), "shell=True"),
     (re.compile(r"\bos\.system\("), "os.system"),
-    (re.compile(r"(?<![.\w])(eval|exec)\("), "eval/exec"),
+    (re.compile(r"(?<![.\w])(?<!def )(eval|exec)\("), "eval/exec"),
     (re.compile(r"allow_pickle\s*=\s*(?!False\b)"), "numpy allow_pickle that is not literally False"),
     (re.compile(r"\bpickle\.(load|Unpickler)\b|\bcloudpickle\b|\bjoblib\.load\("), "pickle"),
 ]
+
+
+#: Deliberate code execution, each with its reason: (file, the matched text).
+ALLOWED = {
+    # The python backend runs a repository's model.py: serving user code is its purpose, the folder must be
+    # trusted (README), and paths are confined to it.
+    ("pipeline/python_backend.py", "exec("),
+}
 
 
 def test_no_unsafe_deserialisation_in_the_source_tree():
@@ -289,7 +297,8 @@ def test_no_unsafe_deserialisation_in_the_source_tree():
             flat = re.sub(r",\s*\n\s*", ", ", flat)
             for pattern, what in UNSAFE:
                 for match in pattern.finditer(flat):
-                    found.append(f"{path.relative_to(REPO)}: {what}: {match.group(0)!r}")
+                    if (str(path.relative_to(REPO)), match.group(0)) not in ALLOWED:
+                        found.append(f"{path.relative_to(REPO)}: {what}: {match.group(0)!r}")
     assert not found, "\n".join(found)
 
 
