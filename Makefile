@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## run: serve every ensemble in ensembles/ (router on 127.0.0.1:8001); ARGS="--port 9001" to override
+## run: build the example models that are missing, then serve every ensemble (router on 127.0.0.1:8001)
 run: $(STAMP)
+	$(BIN)/python -m examples.models.build --model-dir $(MODEL_DIR) --missing
 	$(BIN)/pipeline run --model-dir $(MODEL_DIR) $(ARGS)
 
 ## model: write the example models' files into $(MODEL_DIR) (the first `make run` writes the missing ones too)

@@ -1,6 +1,6 @@
 """`pipeline run`: the whole pipeline on this machine as processes, no containers.
 
-Builds the model if it is missing, starts the three stage services and the router, waits until each is
+Starts the three stage services and the router on one model repository (`--model-dir`), waits until each is
 healthy, and supervises them: a process that dies is reported by name and the rest are stopped. Ctrl-C or
 SIGTERM stops the router first (it drains in-flight requests while the stages still serve), then the stages.
 """
@@ -118,15 +118,14 @@ def stop(services: list[Service], grace: float) -> None:
             process.wait()
 
 
-def ensure_model(model_dir: Path) -> None:
-    """Write the example models whose files are missing from the repository (seconds on a CPU)."""
-    from examples.models.build import EXAMPLES, build, missing
+def _ensembles(folder: Path, model_dir: Path) -> list[str]:
+    """The ensembles the router serves: the YAML files' and the repository's `platform: "ensemble"` ones."""
+    from pipeline.repository import ModelRepository, RepositoryEntry
 
-    # A repository that does not exist yet gets every example; an existing one, the files its configs lack.
-    names = missing(model_dir) if model_dir.is_dir() else list(EXAMPLES)
-    if names:
-        print(f"pipeline: building the example model(s) {', '.join(names)} into {model_dir}", flush=True)
-        build(model_dir, names, report=lambda line: print(f"pipeline: {line}", flush=True))
+    names = {path.stem for path in folder.glob("*.y*ml")}
+    entries = ModelRepository(model_dir).entries({"ensemble"})
+    names |= {name for name, entry in entries.items() if isinstance(entry, RepositoryEntry)}
+    return sorted(names)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -216,7 +215,6 @@ def _replicas(text: str) -> dict[str, int]:
 def run(args: argparse.Namespace) -> int:
     """Start the pipeline and supervise it until a signal or a death; returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
-    ensure_model(args.model_dir)
     host = args.host
     connect = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
     grace = ["--grace-period", str(args.grace_period)]
@@ -244,10 +242,12 @@ def run(args: argparse.Namespace) -> int:
         router_tls += ["--stage-tls-ca", ca, "--stage-tls-cert", client_cert, "--stage-tls-key", client_key]
         # The launcher's own health checks present the client certificate wherever one is asked for.
         credentials = channel_credentials(ca, client_cert, client_key)
+    # One repository for every service: each serves the entries whose backend it runs.
+    repository = ["--model-dir", str(args.model_dir)]
     kinds = [
-        ("preprocess", args.preprocess_port, [*grace, *stage_tls]),
-        ("model", args.model_port, ["--model-dir", str(args.model_dir), *grace, *stage_tls]),
-        ("postprocess", args.postprocess_port, [*grace, *stage_tls]),
+        ("preprocess", args.preprocess_port, [*repository, *grace, *stage_tls]),
+        ("model", args.model_port, [*repository, *grace, *stage_tls]),
+        ("postprocess", args.postprocess_port, [*repository, *grace, *stage_tls]),
     ]
     replicas = args.replicas
     stages: list[Service] = []
@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
             scheme = "https" if tls_dir else "http"
             http = f" and {scheme}://{connect}:{int(http_port_file.read_text())} (HTTP/REST)"
         print(
-            f"pipeline: serving {', '.join(sorted(p.stem for p in args.ensembles.glob('*.y*ml')))} on "
+            f"pipeline: serving {', '.join(_ensembles(args.ensembles, args.model_dir))} on "
             f"{connect}:{router.port} (gRPC{' over TLS' if tls_dir else ''}){http}, Open Inference Protocol; "
             "stages: "
             + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.process.pid})" for s in stages)  # type: ignore[union-attr]

@@ -157,12 +157,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("models", nargs="*", metavar="MODEL", help=f"of {', '.join(EXAMPLES)}; default: all")
     parser.add_argument("--force", action="store_true", help="rewrite artifacts that exist")
+    parser.add_argument(
+        "--missing",
+        action="store_true",
+        help="only the examples whose config.pbtxt the repository holds and whose model file it lacks",
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     args = parser.parse_args(argv)
     unknown = [name for name in args.models if name not in EXAMPLES]
     if unknown:
         parser.error(f"unknown example(s) {', '.join(unknown)}; known: {', '.join(EXAMPLES)}")
-    build(args.model_dir, args.models or None, force=args.force, progress=args.progress)
+    names = args.models or None
+    if args.missing:
+        names = [name for name in missing(args.model_dir) if not args.models or name in args.models]
+        if not names:
+            return
+    build(args.model_dir, names, force=args.force, progress=args.progress)
 
 
 if __name__ == "__main__":

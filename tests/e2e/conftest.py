@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,9 +98,7 @@ class Pipeline:
     tmp: Path
 
     def start_stage(self, name: str, port: int | None = None) -> Process:
-        command = ["-m", f"services.{name}"]
-        if name == "model":
-            command += ["--model-dir", str(self.tmp / "models")]
+        command = ["-m", f"services.{name}", "--model-dir", str(self.tmp / "models")]
         process = start_service(name, command, self.tmp)
         if port is not None:  # bring it back where the router expects it
             process.stop()
@@ -125,11 +124,17 @@ def _start_on_port(name: str, command: list[str], tmp: Path, port: int) -> Proce
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
+    """A copy of the tree's model repository (its stages and configs) with the example models built."""
     from examples.models.build import build
 
     folder = tmp_path_factory.mktemp("models")
+    shutil.copytree(REPO / "model_repository", folder, dirs_exist_ok=True, ignore=ARTIFACTS)
     build(folder, progress=False, report=lambda _: None)
     return folder
+
+
+#: What a copy of the tree's repository leaves out: files `make model` writes, and caches.
+ARTIFACTS = shutil.ignore_patterns("model.pt", "model.pt2", "model.onnx", ".engines", "__pycache__")
 
 
 def start_pipeline(tmp: Path, model_dir: Path, *, max_message_mb: int = 16) -> Pipeline:

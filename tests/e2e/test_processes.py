@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 from examples.models.digits import load_split
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.client import InferenceClient, bytes_batch
-from tests.e2e.conftest import REPO, encode, start_pipeline
+from tests.e2e.conftest import ARTIFACTS, REPO, encode, start_pipeline
 
 pytestmark = pytest.mark.e2e
 
@@ -126,8 +127,21 @@ def wait_gone(pids, timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
-def test_pipeline_run_trains_serves_and_stops_cleanly_on_sigterm(tmp_path):
-    models = tmp_path / "models"  # empty: the first run must train the model
+def test_make_run_builds_the_models_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    # What `make run` does on a fresh clone: the repository holds configs and stages, not model files.
+    models = tmp_path / "models"
+    shutil.copytree(REPO / "model_repository", models, ignore=ARTIFACTS)
+    assert not (models / "digits_cnn" / "1" / "model.pt").exists()
+    build = [
+        sys.executable,
+        "-m",
+        "examples.models.build",
+        "--model-dir",
+        str(models),
+        "--missing",
+        "--no-progress",
+    ]
+    subprocess.run(build, cwd=REPO, check=True, timeout=600)
     process, address, http, pids, _ = launch(tmp_path, models)
     assert set(pids) == {"preprocess", "model", "postprocess"}
     try:
