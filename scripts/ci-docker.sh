@@ -123,6 +123,9 @@ wait_healthy() {
         sleep 1
     done
 }
+step "the example models' files in ./model_repository (the repository every service mounts)"
+"$PYTHON" -m examples.models.build --model-dir model_repository --missing --no-progress
+
 step "compose up; wait until every container is healthy"
 compose_up=1
 $COMPOSE up -d

@@ -128,9 +128,29 @@ def stage_deployments() -> Iterator[Doc]:
 
 def test_manifests_exist() -> None:
     kinds = sorted({doc["kind"] for _, doc in DOCS})
-    assert kinds == ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "Service"], kinds
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "HorizontalPodAutoscaler",
+        "PersistentVolumeClaim",
+        "Service",
+    ], kinds
     names = {d["metadata"]["name"] for d in of_kind("Deployment")}
     assert names == {"router", "preprocess", "model", "postprocess"}
+
+
+def test_every_service_mounts_the_model_repository_read_only() -> None:
+    (claim,) = of_kind("PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+    for deployment in of_kind("Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+        assert volume["persistentVolumeClaim"] == {"claimName": claim["metadata"]["name"], "readOnly": True}
+        (container,) = pod["containers"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts[volume["name"]]["mountPath"] == "/models" and mounts[volume["name"]]["readOnly"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["PIPELINE_MODEL_DIR"] == "/models", deployment["metadata"]["name"]
 
 
 @pytest.mark.parametrize("version", [OLDEST_KUBERNETES, "latest"])
