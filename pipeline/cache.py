@@ -104,6 +104,8 @@ class ResponseCache:
         self.metrics = metrics
         self.bytes = 0
         self.evictions = 0
+        #: Requests waiting now for an identical request's response.
+        self.waiting = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._by_version: dict[Version, set[bytes]] = {}
         self._inflight: dict[bytes, asyncio.Future[object]] = {}
@@ -188,6 +190,7 @@ class ResponseCache:
                 break
             waited = time.perf_counter_ns()
             remaining = None if deadline is None else deadline - time.monotonic()
+            self.waiting += 1
             try:
                 # Shielded: a waiter that gives up must not cancel the computation the others wait for.
                 result = await asyncio.wait_for(asyncio.shield(pending), remaining)
@@ -195,6 +198,8 @@ class ResponseCache:
                 raise DeadlineExceeded(
                     "deadline exceeded waiting for an identical request's response to be computed"
                 ) from None
+            finally:
+                self.waiting -= 1
             started += time.perf_counter_ns() - waited  # the wait is not time spent in the cache
             if isinstance(result, bytes):
                 return result, True, time.perf_counter_ns() - started

@@ -18,7 +18,8 @@ health) are read from their owners only when Prometheus scrapes, so they cost no
 | `pipeline_branch_requests_total` | ensemble, step, taken | requests that ran (`true`) or skipped (`false`) each step of an ensemble with conditions (router) |
 | `pipeline_cache_requests_total` | model, result | lookups in the response cache: `hit` or `miss` (router) |
 | `pipeline_cache_evictions_total` | | entries the response cache dropped to stay within its size (router) |
-| `pipeline_cache_bytes`, `pipeline_cache_entries` | | what the response cache holds now (router) |
+| `pipeline_cache_bytes`, `pipeline_cache_entries` | cache | what the response cache holds now (router) |
+| `pipeline_cache_waiting` | cache | requests waiting now for an identical request's response (router) |
 """
 
 from __future__ import annotations

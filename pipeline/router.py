@@ -147,6 +147,12 @@ class RouterPlane(DataPlane):
                 lambda: [("responses", cache.bytes)],
             )
             self.metrics.gauge(
+                "pipeline_cache_waiting",
+                "Requests waiting now for an identical request's response",
+                "cache",
+                lambda: [("responses", cache.waiting)],
+            )
+            self.metrics.gauge(
                 "pipeline_cache_entries",
                 "Responses the cache holds now",
                 "cache",
