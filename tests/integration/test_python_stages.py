@@ -38,6 +38,8 @@ EXAMPLES = [
     "digits_postprocess",
     "embeddings_pool",
     "refcnn_postprocess",
+    "digits_ink",
+    "digits_blank",
 ]
 
 SCALE = """
@@ -345,6 +347,19 @@ async def test_the_ensembles_of_the_tree_run_unchanged_over_the_repository_stage
             expected = chain("digits_preprocess", models[0], "digits_postprocess", {"IMAGE": images})
             np.testing.assert_array_equal(out["LABEL"], expected["LABEL"])
             np.testing.assert_allclose(out["SCORES"], expected["SCORES"], rtol=1e-6)
+
+            # digits_gated: a digit goes the digits way; a blank image gets the fixed answer.
+            blank = io.BytesIO()
+            Image.fromarray(np.full((24, 24), 255, np.uint8)).save(blank, format="PNG")
+            for data, label, scores in (
+                (png.getvalue(), expected["LABEL"][:1], expected["SCORES"][:1]),
+                (blank.getvalue(), np.array([[-1]]), np.zeros((1, 10), np.float32)),
+            ):
+                image = np.empty((1, 1), object)
+                image[0, 0] = data
+                out = outputs(await stub.ModelInfer(request_for("digits_gated", IMAGE=image), timeout=30))
+                np.testing.assert_array_equal(out["LABEL"], label)
+                np.testing.assert_allclose(out["SCORES"], scores, rtol=1e-6)
 
             pictures = np.random.default_rng(3).integers(0, 256, (3, 3, 64, 64), dtype=np.uint8)
             out = outputs(await stub.ModelInfer(request_for("refcnn", IMAGE=pictures), timeout=30))
