@@ -247,7 +247,7 @@ def test_the_example_ensemble_compiles_and_round_trips_through_config_pbtxt():
     plan = compile_ensemble(data, "digits_gated.yaml")
     config = ensemble_config(plan)
     text = text_format.MessageToString(config)
-    assert 'key: "step.2.when"' in text and 'key: "switch.ink"' in text
+    assert 'key: "step.1.when"' in text and 'key: "switch.ink"' in text
     again = compile_model_config(text_format.Parse(text, mc.ModelConfig()), "config.pbtxt")
     assert [(s.index, s.when) for s in again.steps] == [(s.index, s.when) for s in plan.steps]
 
