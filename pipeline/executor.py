@@ -70,6 +70,7 @@ class Executor:
         #: Told (model, version asked for, version that answered) of every stage response: the router's
         #: response cache learns from it which version serves a model now.
         self.on_version: Callable[[str, str, str], None] | None = None
+        self._branch_counters: dict[tuple[str, int, bool], Any] = {}
 
     def add_batcher(self, model: str, client: StageClient, config: BatchingConfig) -> None:
         """Queue the calls of `model` (on `client`'s stage) and send them as batches, as `config` says; raises
@@ -199,9 +200,7 @@ class Executor:
                 await finished[producer].wait()
             if conditional:
                 skipped = self._skip_reason(plan, step, values)
-                self.metrics.branch_requests.labels(
-                    plan.name, f"{step.index}:{step.model_name}", "false" if skipped else "true"
-                ).inc()
+                self._branch_counter(plan.name, step, not skipped).inc()
                 if skipped:
                     if telemetry.enabled:
                         attributes = {
@@ -246,6 +245,16 @@ class Executor:
         )
         items = next(iter(inputs.values())).shape[0] if plan.max_batch_size > 0 and inputs else 1
         return response, items
+
+    def _branch_counter(self, ensemble: str, step: PlanStep, taken: bool) -> Any:
+        """The `pipeline_branch_requests_total` child of a step and outcome, looked up once."""
+        key = (ensemble, step.index, taken)
+        counter = self._branch_counters.get(key)
+        if counter is None:
+            counter = self._branch_counters[key] = self.metrics.branch_requests.labels(
+                ensemble, f"{step.index}:{step.model_name}", "true" if taken else "false"
+            )
+        return counter
 
     @staticmethod
     def _skip_reason(plan: EnsemblePlan, step: PlanStep, values: Mapping[str, Tensor]) -> str:
