@@ -581,15 +581,13 @@ class _Compiler:
                         f"'{tensor}' is an ensemble input, and a tensor can have only one producer"
                     )
                 elif not conditional or previous[-1].step == i:
+                    last = previous[-1]
+                    assert last.step is not None
                     self.fail(
                         f"{labels[i]}: output '{stage_tensor}' → tensor '{tensor}': '{tensor}' is already "
-                        f"produced by {labels[previous[-1].step]} output '{previous[-1].stage_tensor}'; "
+                        f"produced by {labels[last.step]} output '{last.stage_tensor}'; "
                         f"a tensor can have only one producer"
-                        + (
-                            ""
-                            if previous[-1].step == i
-                            else " (unless the producers' conditions exclude each other)"
-                        )
+                        + ("" if last.step == i else " (unless the producers' conditions exclude each other)")
                     )
                 else:
                     # Checked below, path by path: the producers must never run for the same request.
@@ -599,16 +597,17 @@ class _Compiler:
         consumed: set[str] = set()
         for i, step in enumerate(config.steps):
             deps: set[int] = set()
-            needed = list(step.input_map.items())
-            if conditions[i] is not None:
-                needed.append((None, conditions[i].tensor))
-            for stage_tensor, tensor in needed:
+            needed: list[tuple[str | None, str]] = list(step.input_map.items())
+            condition = conditions[i]
+            if condition is not None:
+                needed.append((None, condition.tensor))
+            for reader, tensor in needed:
                 consumed.add(tensor)
                 found = producers.get(tensor)
                 if found is None:
                     close = difflib.get_close_matches(tensor, list(producers), n=1)
                     hint = f"; did you mean '{close[0]}'?" if close else ""
-                    what = "condition" if stage_tensor is None else f"input '{stage_tensor}' ←"
+                    what = "condition" if reader is None else f"input '{reader}' ←"
                     self.fail(
                         f"{labels[i]}: {what} tensor '{tensor}': "
                         f"nothing produces '{tensor}' (it is neither an ensemble input nor any step's output)"
@@ -647,13 +646,13 @@ class _Compiler:
         for tensor in inputs.keys() - consumed - outputs.keys():
             logger.warning("%s: ensemble input '%s' is not used by any step", self.source, tensor)
         for tensor, found in producers.items():
-            for producer in found:
-                if producer.step is not None and tensor not in consumed and tensor not in outputs:
+            for source in found:
+                if source.step is not None and tensor not in consumed and tensor not in outputs:
                     logger.info(
                         "%s: %s output '%s' → tensor '%s' is not used",
                         self.source,
-                        labels[producer.step],
-                        producer.stage_tensor,
+                        labels[source.step],
+                        source.stage_tensor,
                         tensor,
                     )
 

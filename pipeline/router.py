@@ -766,6 +766,7 @@ def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
     # What Triton's ensembles cannot say goes in `parameters`, as a config.pbtxt ensemble writes it.
     config.response_cache.enable = plan.response_cache
     switches = {}
+    text: dict[str, object]
     for step in plan.steps:
         when = step.when
         if when is None:
