@@ -10,6 +10,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.config import ConfigError, load_catalog, load_ensembles
@@ -19,6 +22,7 @@ from pipeline.python_backend import PythonBackend
 from pipeline.repository import ModelRepository
 from pipeline.router import RouterPlane
 from pipeline.stage import Stage, TensorSpec
+from pipeline.telemetry import Telemetry
 from pipeline.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 
@@ -87,8 +91,11 @@ CACHE_SIZE = 4096
 
 
 class Served:
-    def __init__(self, router: str, stage: str, held: Held, metrics: Metrics) -> None:
+    def __init__(
+        self, router: str, stage: str, held: Held, metrics: Metrics, exporter: InMemorySpanExporter
+    ) -> None:
         self.router, self.stage, self.held, self.metrics = router, stage, held, metrics
+        self.exporter = exporter
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
         return self.metrics.registry.get_sample_value(name, labels or {}) or 0.0
@@ -100,13 +107,19 @@ async def served(tmp_path_factory):
     held = Held()
     held.release.set()
     metrics = Metrics()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
     async with serving_stages([Double(), held]) as stage:
         (folder / "cached.yaml").write_text(CACHED.format(address=stage.address))
         async with serving_router(
-            load_ensembles(folder), metrics=metrics, options={"cache_size": CACHE_SIZE}
+            load_ensembles(folder),
+            metrics=metrics,
+            telemetry=Telemetry(provider),
+            options={"cache_size": CACHE_SIZE},
         ) as router:
             await wait_serving(router.address)
-            yield Served(router.address, stage.address, held, metrics)
+            yield Served(router.address, stage.address, held, metrics, exporter)
 
 
 async def statistics(address: str, model: str) -> pb.ModelStatistics:
@@ -135,6 +148,28 @@ async def test_a_repeated_request_is_a_hit_and_runs_nothing(served):
     assert router_after.inference_count - router_before.inference_count == 2
     assert router_after.execution_count - router_before.execution_count == 1
     assert served.sample("pipeline_cache_requests_total", {"model": "cached", "result": "hit"}) >= 1
+
+
+async def test_the_trace_of_a_hit_says_so(served):
+    served.exporter.clear()
+    x = np.full((1, 4), 4.5, np.float32)
+    async with inference_stub(served.router) as stub:
+        await stub.ModelInfer(request_for("cached", "traced-miss", X=x), timeout=10)
+        await stub.ModelInfer(request_for("cached", "traced-hit", X=x), timeout=10)
+    spans = {
+        span.attributes["pipeline.request_id"]: span
+        for span in served.exporter.get_finished_spans()
+        if span.name == "ModelInfer cached"
+    }
+    assert spans["traced-miss"].attributes["pipeline.cache.hit"] is False
+    assert spans["traced-hit"].attributes["pipeline.cache.hit"] is True
+    # The hit ran no step: no step span belongs to its trace.
+    hit_trace = spans["traced-hit"].context.trace_id
+    assert not [
+        s
+        for s in served.exporter.get_finished_spans()
+        if s.context.trace_id == hit_trace and s.name.startswith("step ")
+    ]
 
 
 async def test_what_changes_the_answer_changes_the_key(served):
