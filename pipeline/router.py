@@ -764,7 +764,8 @@ def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
         for stage_tensor, tensor_name in step.outputs:
             entry.output_map[stage_tensor] = tensor_name
     # What Triton's ensembles cannot say goes in `parameters`, as a config.pbtxt ensemble writes it.
-    config.response_cache.enable = plan.response_cache
+    if plan.response_cache:
+        config.response_cache.enable = True
     switches = {}
     text: dict[str, object]
     for step in plan.steps:
