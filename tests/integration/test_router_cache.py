@@ -10,17 +10,21 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.config import ConfigError, load_catalog, load_ensembles
-from pipeline.convert import response_tensors
+from pipeline.convert import Tensor, infer_response, metadata_response, response_tensors
+from pipeline.errors import ModelNotFound
 from pipeline.metrics import Metrics
 from pipeline.python_backend import PythonBackend
 from pipeline.repository import ModelRepository
 from pipeline.router import RouterPlane
+from pipeline.server import DataPlane, InferenceServicer, create_server, set_serving
 from pipeline.stage import Stage, TensorSpec
 from pipeline.telemetry import Telemetry
 from pipeline.testing import serving_router, serving_stages
@@ -368,3 +372,83 @@ async def test_an_ensemble_cache_over_a_non_deterministic_step_is_refused(tmp_pa
     message = str(info.value)
     assert "rolled.yaml: response_cache is enabled, but step 0 (dice) calls model 'dice'" in message
     assert "non-deterministic" in message
+
+
+class Flipping(DataPlane):
+    """A plain OIP stage (no RepositoryIndex) whose model answers as version `version`, X + version; it can
+    stop serving the model (NOT_FOUND)."""
+
+    SPEC = (TensorSpec("X", "FP32", VEC),)
+
+    def __init__(self) -> None:
+        self.version = "1"
+        self.calls = 0
+        self.gone = False
+
+    def ready(self) -> bool:
+        return True
+
+    async def model_ready(self, name, version):
+        return name == "flip" and not self.gone
+
+    async def model_metadata(self, name, version, call):
+        return metadata_response("flip", (self.version,), "python", self.SPEC, self.SPEC)
+
+    async def model_config(self, name, version, call):
+        config = mc.ModelConfig(name="flip", max_batch_size=16)
+        config.response_cache.enable = True
+        return config
+
+    async def infer(self, request, call):
+        if self.gone:
+            raise ModelNotFound("unknown model 'flip'")
+        self.calls += 1
+        x = Tensor("X", "FP32", tuple(request.inputs[0].shape), request.raw_input_contents[0]).to_array()
+        return infer_response(
+            "flip", self.version, request.id, [Tensor.from_array("X", x + float(self.version))]
+        )
+
+
+FLIP = """
+name: flipped
+stages:
+  f: {{address: "{address}"}}
+inputs: [{{name: X, datatype: FP32, shape: [-1, 4]}}]
+outputs: [{{name: Y, datatype: FP32, shape: [-1, 4]}}]
+steps:
+  - {{model_name: flip, stage: f, input_map: {{X: X}}, output_map: {{X: Y}}}}
+"""
+
+
+async def test_a_version_change_or_not_found_drops_entries_of_a_plain_stage(tmp_path: Path):
+    stage = Flipping()
+    stage_health = health.aio.HealthServicer()
+    server, port = await create_server("127.0.0.1:0", InferenceServicer(stage, "flip"), stage_health)
+    await server.start()
+    await set_serving(stage_health, True)
+    (tmp_path / "flipped.yaml").write_text(FLIP.format(address=f"127.0.0.1:{port}"))
+    a, b = np.zeros((1, 4), np.float32), np.ones((1, 4), np.float32)
+    try:
+        async with (
+            serving_router(load_ensembles(tmp_path), options={"cache_size": 1 << 20}) as router,
+            inference_stub(router.address) as stub,
+        ):
+            await wait_serving(router.address)
+            first = await stub.ModelInfer(request_for("flip", X=a), timeout=10)
+            await stub.ModelInfer(request_for("flip", X=a), timeout=10)
+            assert (first.model_version, stage.calls) == ("1", 1)  # the second was a hit
+            # The stage now answers as version 2: the first miss that sees it drops version 1's entries.
+            stage.version = "2"
+            await stub.ModelInfer(request_for("flip", X=b), timeout=10)
+            again = await stub.ModelInfer(request_for("flip", X=a), timeout=10)
+            assert (again.model_version, stage.calls) == ("2", 3)
+            np.testing.assert_array_equal(response_tensors(again)["X"].to_array(), a + 2)
+            # NOT_FOUND from the stage drops the model's entries: the next request asks the stage again.
+            stage.gone = True
+            err = await rpc_error(stub.ModelInfer(request_for("flip", X=b + 1), timeout=10))
+            assert err.code() == grpc.StatusCode.NOT_FOUND
+            stage.gone = False
+            await stub.ModelInfer(request_for("flip", X=a), timeout=10)
+            assert stage.calls == 4
+    finally:
+        await server.stop(None)
