@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.repository import BACKEND_PLATFORMS, RepositoryEntry, set_tensor_specs
+from pipeline.repository import BACKEND_PLATFORMS, RepositoryEntry, check_response_cache, set_tensor_specs
 from pipeline.stage import Stage
 
 
@@ -83,6 +83,11 @@ def stage_config(stage: Stage, name: str | None = None) -> mc.ModelConfig:
         max_batch_size=stage.max_batch_size,
     )
     set_tensor_specs(config, stage.inputs, stage.outputs)
+    if not stage.deterministic:
+        config.parameters["deterministic"].string_value = "false"
+    if stage.response_cache:
+        config.response_cache.enable = True
+        check_response_cache(config, f"stage '{model}'")
     config.instance_group.add(name=f"{model}_0", count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
     return config
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import multiprocessing
 import os
+import struct
 import sys
 import time
 import urllib.request
@@ -76,7 +78,11 @@ class BenchOptions:
     duration: float = 10.0
     batch: int = 1
     shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)
-    input_files: Mapping[str, Path] = field(default_factory=dict)
+    #: Files per input; an input given several files sends them in turn (request i gets file i mod n).
+    input_files: Mapping[str, Sequence[Path]] = field(default_factory=dict)
+    #: The share of requests that send the first request's inputs again; the others send inputs never sent
+    #: before. None: every request sends the same inputs (or the files in turn).
+    repeat_share: float | None = None
     timeout: float = 30.0
     processes: int = 1
     max_inflight: int = 10_000
@@ -107,6 +113,14 @@ class BenchOptions:
             raise BenchError("--duration must be > 0 and --warmup >= 0")
         if self.batch < 1 or self.processes < 1 or self.max_inflight < 1:
             raise BenchError("--batch, --processes and --max-inflight must be >= 1")
+        if self.repeat_share is not None:
+            if not 0.0 <= self.repeat_share <= 1.0:
+                raise BenchError(f"--repeat-share must be between 0 and 1, got {self.repeat_share}")
+            if self.input_files:
+                raise BenchError(
+                    "--repeat-share makes unique inputs by writing a counter into the data, which would break "
+                    "an input file's format: use it with synthesised inputs"
+                )
 
 
 @dataclass
@@ -217,6 +231,7 @@ class BenchReport:
             "warmup_s": o.warmup,
             "duration_s": o.duration,
             "processes": o.processes,
+            "repeat_share": o.repeat_share,
             "server": self.server,
             "inputs": self.inputs,
             "results": [r.to_dict() for r in self.results],
@@ -336,6 +351,41 @@ def _load_npy(path: Path, datatype: str) -> np.ndarray:
     return objects
 
 
+_STAMP = struct.Struct("<Q")
+
+
+@dataclass
+class Payloads:
+    """What the load sends, request by request: `items` in turn; or, with `repeat_share`, the first item
+    again for that share of the requests (drawn at random) and, for the others, the first item with a
+    counter written into its last 8 bytes (the end of the last input's data), so that no two are alike.
+
+    `salt` keeps the counters of several load processes apart.
+    """
+
+    items: Sequence[Any]
+    repeat_share: float | None = None
+    seed: int = 0
+    salt: int = 0
+
+    def __post_init__(self) -> None:
+        self._sent = 0
+        self._rng = np.random.default_rng(self.seed)
+
+    def next(self) -> Any:
+        """The next request's payload."""
+        self._sent += 1
+        if self.repeat_share is None:
+            return self.items[(self._sent - 1) % len(self.items)]
+        first = self.items[0]
+        if self._rng.random() < self.repeat_share:
+            return first
+        stamp = _STAMP.pack((self.salt << 48) | self._sent)
+        if isinstance(first, tuple):  # HTTP: (body, header length)
+            return first[0][: -len(stamp)] + stamp, first[1]
+        return first[: -len(stamp)] + stamp
+
+
 def build_request(model: str, version: str, arrays: Mapping[str, np.ndarray]) -> pb.ModelInferRequest:
     """The request every call sends: all inputs as raw contents."""
     request = pb.ModelInferRequest(model_name=model, model_version=version)
@@ -409,9 +459,11 @@ async def drive(
     if delay > 0:
         await asyncio.sleep(delay)
 
+    payloads = payload if isinstance(payload, Payloads) else Payloads([payload])
+
     async def one(t0: float) -> None:
         try:
-            await call(payload, timeout=timeout)
+            await call(payloads.next(), timeout=timeout)
         except Exception as err:  # every failure is a counted outcome, never a crash of the generator
             code = _error_code(err)
             errors[code] += 1
@@ -532,6 +584,8 @@ def statistics_delta(
             "compute_input_us": mean_us("compute_input"),
             "compute_infer_us": mean_us("compute_infer"),
             "compute_output_us": mean_us("compute_output"),
+            "cache_hits": a.inference_stats.cache_hit.count - b.inference_stats.cache_hit.count,
+            "cache_misses": a.inference_stats.cache_miss.count - b.inference_stats.cache_miss.count,
             "batch_sizes": sizes,
         }
     return report
@@ -570,8 +624,10 @@ class _Pool:
         context = multiprocessing.get_context("spawn")  # fork and gRPC's threads do not mix
         self.conns = []
         self.processes = []
-        for _ in range(count):
+        for index in range(count):
             parent, child = context.Pipe()
+            if isinstance(payload, Payloads):
+                payload = dataclasses.replace(payload, salt=index + 1)
             process = context.Process(target=_child_main, args=(child, options, payload), daemon=True)
             process.start()
             self.conns.append(parent)
@@ -635,16 +691,25 @@ async def run_bench(options: BenchOptions) -> BenchReport:
     endpoint = _endpoint(options)
     try:
         server, metadata, batching = await _server_info(endpoint, options.model, options.model_version)
-        arrays = synthesize_inputs(
-            metadata,
-            batching=batching,
-            batch=options.batch,
-            shapes=options.shapes,
-            files=options.input_files,
-            seed=options.seed,
-        )
+        turns = max((len(paths) for paths in options.input_files.values()), default=1)
+        requests = []
+        for turn in range(turns):
+            arrays = synthesize_inputs(
+                metadata,
+                batching=batching,
+                batch=options.batch,
+                shapes=options.shapes,
+                files={name: paths[turn % len(paths)] for name, paths in options.input_files.items()},
+                seed=options.seed,
+            )
+            requests.append(endpoint.payload(build_request(options.model, options.model_version, arrays)))
         batch = options.batch if batching else 1
-        payload = endpoint.payload(build_request(options.model, options.model_version, arrays))
+        if (
+            options.repeat_share is not None
+            and len(requests[0] if isinstance(requests[0], bytes) else requests[0][0]) < 8
+        ):
+            raise BenchError("--repeat-share needs requests of at least 8 bytes of input data")
+        payload = Payloads(requests, options.repeat_share, options.seed)
         with_stats = STATISTICS_EXTENSION in server.extensions
         server_info = {
             "name": server.name,
@@ -832,7 +897,8 @@ def format_report(report: BenchReport) -> str:
         f"{o.model} at {o.url} ({o.protocol}): batch {report.results[0].batch if report.results else o.batch}, "
         f"{o.warmup:g} s warm-up + {o.duration:g} s measured per level"
         + (f", {o.arrival} arrivals" if o.rates else "")
-        + (f", {o.processes} processes" if o.processes > 1 else ""),
+        + (f", {o.processes} processes" if o.processes > 1 else "")
+        + (f", {o.repeat_share:.0%} repeated inputs" if o.repeat_share is not None else ""),
         "",
         f"{kind:>11} {'infer/s':>10} {'req/s':>10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
         f"{'sent':>8} {'ok':>8}  errors",
@@ -862,7 +928,7 @@ def format_report(report: BenchReport) -> str:
             "",
             f"server statistics over the measured interval, {r.level.label}:",
             f"  {'model':<28} {'requests':>9} {'execs':>8} {'batch':>6} {'queue us':>9} "
-            f"{'compute us':>10} {'infer us':>9}",
+            f"{'compute us':>10} {'infer us':>9} {'cache hit':>9}",
         ]
         if r.stages_error:
             lines[-1] = f"  ({r.stages_error}: client-side figures only)"
@@ -872,9 +938,14 @@ def format_report(report: BenchReport) -> str:
             lines.append(
                 f"  {name:<28} {s['inference_count']:>9} {s['execution_count']:>8} "
                 f"{_fmt(s['mean_batch_size']):>6} {_fmt(s['queue_us']):>9} {_fmt(total):>10} "
-                f"{_fmt(s['compute_infer_us']):>9}"
+                f"{_fmt(s['compute_infer_us']):>9} {_hit_share(s):>9}"
             )
     return "\n".join(lines)
+
+
+def _hit_share(stats: Mapping[str, Any]) -> str:
+    lookups = stats.get("cache_hits", 0) + stats.get("cache_misses", 0)
+    return f"{stats['cache_hits'] / lookups:.0%}" if lookups else "-"
 
 
 def write_json(report: BenchReport, path: Path) -> None:
@@ -977,7 +1048,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="an input's data: a .npy file is the whole tensor; any other file is one BYTES element",
+        help="an input's data: a .npy file is the whole tensor; any other file is one BYTES element. Given "
+        "several times for one input, requests send the files in turn (a mixed workload: repeat a file to "
+        "weigh it)",
+    )
+    parser.add_argument(
+        "--repeat-share",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a workload for a response cache: this share (0..1) of the requests repeats one same input, the "
+        "others send inputs never sent before (synthesised inputs only)",
     )
     parser.add_argument("--timeout", type=float, default=30.0, help="deadline of each request, in seconds")
     parser.add_argument("--processes", type=int, default=1, help="load processes (when one cannot keep up)")
@@ -1001,12 +1082,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     """`BenchOptions` from parsed `pipeline bench` flags."""
-    files = {}
+    files: dict[str, list[Path]] = {}
     for item in args.input_file:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise BenchError(f"--input-file expects NAME=PATH, got {item!r}")
-        files[name] = Path(path)
+        files.setdefault(name, []).append(Path(path))
     cpu = {}
     for item in args.cpu:
         name, sep, url = item.partition("=")
@@ -1026,6 +1107,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         batch=args.batch,
         shapes=dict(parse_shape(s) for s in args.shape),
         input_files=files,
+        repeat_share=args.repeat_share,
         timeout=args.timeout,
         processes=args.processes,
         max_inflight=args.max_inflight,

@@ -21,6 +21,7 @@ import difflib
 import heapq
 import itertools
 import logging
+import math
 import os
 import re
 import types
@@ -34,6 +35,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
     StringConstraints,
     ValidationError,
     ValidationInfo,
@@ -44,7 +48,18 @@ from pydantic import (
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.batching import BatchingConfig
 from pipeline.datatypes import DATATYPES
-from pipeline.plan import Catalog, EnsemblePlan, ModelSignature, PlanStep, StageEndpoint, check_signatures
+from pipeline.plan import (
+    COMPARISONS,
+    Catalog,
+    Comparison,
+    Condition,
+    EnsemblePlan,
+    ModelSignature,
+    PlanStep,
+    StageEndpoint,
+    Switch,
+    check_signatures,
+)
 from pipeline.repository import ModelRepository, RepositoryError, log_ignored, tensor_specs
 from pipeline.stage import TensorSpec
 
@@ -92,6 +107,8 @@ class TensorConfig(_Schema):
     name: Name
     datatype: Name
     shape: tuple[Annotated[int, Field(strict=True)], ...]
+    #: Outputs only: a request may lack it, because no step produces it on some path of the conditions.
+    optional: bool = False
 
     @field_validator("datatype")
     @classmethod
@@ -169,6 +186,97 @@ class StageConfig(_Schema):
         return address
 
 
+Number = StrictInt | StrictFloat
+Operand = StrictInt | StrictFloat | StrictStr
+
+
+class _ComparisonConfig(_Schema):
+    """Exactly one comparison of a request's single value with a constant. Strings compare for equality
+    only (a BYTES tensor's element, as UTF-8); numbers compare every way."""
+
+    equals: Operand | None = None
+    not_equals: Operand | None = None
+    greater_than: Number | None = None
+    greater_equal: Number | None = None
+    less_than: Number | None = None
+    less_equal: Number | None = None
+
+    def comparisons(self) -> list[Comparison]:
+        return [
+            Comparison(op, float(value) if not isinstance(value, str) else value)
+            for op in COMPARISONS
+            if (value := getattr(self, op)) is not None
+        ]
+
+    def comparison(self) -> Comparison:
+        found = self.comparisons()
+        if len(found) != 1:
+            given = ", ".join(c.op for c in found) or "none"
+            raise ValueError(f"give exactly one comparison ({', '.join(COMPARISONS)}); given: {given}")
+        return found[0]
+
+
+class WhenConfig(_ComparisonConfig):
+    """When a step runs: `{tensor: T, <comparison>: value}`, or `{switch: S, case: C}` (a case of a switch
+    declared under `switches`, or its `default`)."""
+
+    tensor: Name | None = None
+    switch: Name | None = None
+    case: Name | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> WhenConfig:
+        if self.switch is not None or self.case is not None:
+            if self.switch is None or self.case is None:
+                raise ValueError("a switch's branch names both 'switch' and 'case'")
+            if self.tensor is not None or self.comparisons():
+                raise ValueError(
+                    "give either {switch, case} or {tensor, <comparison>}, not both (the switch names its "
+                    "tensor and compares it)"
+                )
+            return self
+        if self.tensor is None:
+            raise ValueError("missing 'tensor' (the tensor whose single value the condition reads)")
+        self.comparison()
+        return self
+
+
+class CaseConfig(_ComparisonConfig):
+    """A switch's case: its name and one comparison."""
+
+    name: Name
+
+    @model_validator(mode="after")
+    def _valid(self) -> CaseConfig:
+        if self.name == "default":
+            raise ValueError("'default' is the name of the branch no case takes; give the case another name")
+        self.comparison()
+        return self
+
+
+class SwitchConfig(_Schema):
+    """A switch on one tensor's single value: the cases are tried in order, the first that holds is taken,
+    `default` when none does. Steps choose a branch with `when: {switch: NAME, case: CASE}`."""
+
+    tensor: Name
+    cases: tuple[CaseConfig, ...] = Field(min_length=1)
+
+    @field_validator("cases")
+    @classmethod
+    def _unique(cls, cases: tuple[CaseConfig, ...]) -> tuple[CaseConfig, ...]:
+        names = [case.name for case in cases]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"case name(s) {', '.join(twice)} given more than once")
+        return cases
+
+
+class ResponseCacheConfig(_Schema):
+    """Triton's `response_cache { enable: true }`."""
+
+    enable: bool = False
+
+
 class StepConfig(_Schema):
     """An ensemble step as written in YAML."""
 
@@ -181,6 +289,8 @@ class StepConfig(_Schema):
     output_map: dict[Name, Name]
     #: Overrides the stage's `dynamic_batching` for this step's model; `false` turns batching off.
     dynamic_batching: DynamicBatchingConfig | Literal[False] | None = None
+    #: The step runs only for the requests that meet this condition (and have all its inputs).
+    when: WhenConfig | None = None
 
     @field_validator("model_version", mode="plain")
     @classmethod
@@ -205,6 +315,10 @@ class EnsembleConfig(_Schema):
     inputs: tuple[TensorConfig, ...]
     outputs: tuple[TensorConfig, ...]
     steps: tuple[StepConfig, ...]
+    #: Switches that steps' `when` name, by name.
+    switches: dict[Name, SwitchConfig] = Field(default_factory=dict)
+    #: Cache whole responses of this ensemble in the router (its `--cache-size`).
+    response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
 
 
 def _expand(value: str, environ: Mapping[str, str]) -> str:
@@ -260,6 +374,7 @@ _ALLOWED_KEYS: dict[str, type[_Schema]] = {
     "outputs": TensorConfig,
     "steps": StepConfig,
     "stages": StageConfig,
+    "switches": SwitchConfig,
 }
 
 
@@ -429,8 +544,15 @@ class _Compiler:
         if not config.steps:
             self.fail("steps: there are no steps; an ensemble needs at least one")
         labels = [f"step {i} ({step.model_name})" for i, step in enumerate(config.steps)]
+        for tensor in inputs:
+            if any(t.name == tensor and t.optional for t in config.inputs):
+                self.fail(f"ensemble input '{tensor}': 'optional' applies to outputs only")
+        conditions = [self._condition(i, labels[i]) for i in range(len(config.steps))]
+        conditional = any(condition is not None for condition in conditions)
+        for name in config.switches.keys() - {c.switch.name for c in conditions if c and c.switch}:
+            logger.warning("%s: switch '%s' is not used by any step", self.source, name)
 
-        producers: dict[str, _Producer] = {tensor: _Producer(None, tensor) for tensor in inputs}
+        producers: dict[str, list[_Producer]] = {tensor: [_Producer(None, tensor)] for tensor in inputs}
         for i, step in enumerate(config.steps):
             if step.stage is not None and step.stage not in config.stages:
                 declared = ", ".join(sorted(config.stages)) or "none"
@@ -453,36 +575,47 @@ class _Compiler:
             for stage_tensor, tensor in step.output_map.items():
                 previous = producers.get(tensor)
                 if previous is None:
-                    producers[tensor] = _Producer(i, stage_tensor)
-                elif previous.step is None:
+                    producers[tensor] = [_Producer(i, stage_tensor)]
+                elif previous[0].step is None:
                     self.fail(
                         f"{labels[i]}: output '{stage_tensor}' → tensor '{tensor}': "
                         f"'{tensor}' is an ensemble input, and a tensor can have only one producer"
                     )
-                else:
+                elif not conditional or previous[-1].step == i:
+                    last = previous[-1]
+                    assert last.step is not None
                     self.fail(
                         f"{labels[i]}: output '{stage_tensor}' → tensor '{tensor}': '{tensor}' is already "
-                        f"produced by {labels[previous.step]} output '{previous.stage_tensor}'; "
+                        f"produced by {labels[last.step]} output '{last.stage_tensor}'; "
                         f"a tensor can have only one producer"
+                        + ("" if last.step == i else " (unless the producers' conditions exclude each other)")
                     )
+                else:
+                    # Checked below, path by path: the producers must never run for the same request.
+                    previous.append(_Producer(i, stage_tensor))
 
         depends_on: list[tuple[int, ...]] = []
         consumed: set[str] = set()
         for i, step in enumerate(config.steps):
             deps: set[int] = set()
-            for stage_tensor, tensor in step.input_map.items():
+            needed: list[tuple[str | None, str]] = list(step.input_map.items())
+            condition = conditions[i]
+            if condition is not None:
+                needed.append((None, condition.tensor))
+            for reader, tensor in needed:
                 consumed.add(tensor)
-                producer = producers.get(tensor)
-                if producer is None:
+                found = producers.get(tensor)
+                if found is None:
                     close = difflib.get_close_matches(tensor, list(producers), n=1)
                     hint = f"; did you mean '{close[0]}'?" if close else ""
+                    what = "condition" if reader is None else f"input '{reader}' ←"
                     self.fail(
-                        f"{labels[i]}: input '{stage_tensor}' ← tensor '{tensor}': "
+                        f"{labels[i]}: {what} tensor '{tensor}': "
                         f"nothing produces '{tensor}' (it is neither an ensemble input nor any step's output)"
                         f"{hint}"
                     )
-                elif producer.step is not None:
-                    deps.add(producer.step)
+                    continue
+                deps.update(producer.step for producer in found if producer.step is not None)
             depends_on.append(tuple(sorted(deps)))
 
         for tensor in outputs:
@@ -491,7 +624,7 @@ class _Compiler:
             producer = producers.get(tensor)
             if producer is None:
                 close = difflib.get_close_matches(
-                    tensor, [t for t, p in producers.items() if p.step is not None], n=1
+                    tensor, [t for t, p in producers.items() if p[0].step is not None], n=1
                 )
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 self.fail(
@@ -505,18 +638,24 @@ class _Compiler:
         order = self._topological_order(depends_on, labels)
         if self.errors:
             raise ConfigError("\n".join(self.errors))
+        optional = frozenset(t.name for t in config.outputs if t.optional)
+        if conditional:
+            self._check_paths(order, conditions, labels, inputs, outputs, optional)
+            if self.errors:
+                raise ConfigError("\n".join(self.errors))
 
         for tensor in inputs.keys() - consumed - outputs.keys():
             logger.warning("%s: ensemble input '%s' is not used by any step", self.source, tensor)
-        for tensor, producer in producers.items():
-            if producer.step is not None and tensor not in consumed and tensor not in outputs:
-                logger.info(
-                    "%s: %s output '%s' → tensor '%s' is not used",
-                    self.source,
-                    labels[producer.step],
-                    producer.stage_tensor,
-                    tensor,
-                )
+        for tensor, found in producers.items():
+            for source in found:
+                if source.step is not None and tensor not in consumed and tensor not in outputs:
+                    logger.info(
+                        "%s: %s output '%s' → tensor '%s' is not used",
+                        self.source,
+                        labels[source.step],
+                        source.stage_tensor,
+                        tensor,
+                    )
 
         steps = tuple(
             PlanStep(
@@ -529,6 +668,7 @@ class _Compiler:
                 depends_on=depends_on[i],
                 batching=self._batching(i),
                 model_batching=config.steps[i].dynamic_batching is not False,
+                when=conditions[i],
             )
             for i in order
         )
@@ -544,7 +684,103 @@ class _Compiler:
             outputs=tuple(outputs.values()),
             steps=steps,
             stages=types.MappingProxyType(stages),
+            optional_outputs=optional,
+            response_cache=config.response_cache.enable,
         )
+
+    def _condition(self, index: int, label: str) -> Condition | None:
+        """A step's `when`, with the switch it names looked up."""
+        when = self.config.steps[index].when
+        if when is None:
+            return None
+        if when.switch is None:
+            assert when.tensor is not None
+            return Condition(when.tensor, comparison=when.comparison())
+        switch = self.config.switches.get(when.switch)
+        if switch is None:
+            declared = ", ".join(sorted(self.config.switches)) or "none"
+            self.fail(
+                f"{label}: when: switch '{when.switch}' is not declared under 'switches' (declared: {declared})"
+            )
+            return None
+        cases = tuple((case.name, case.comparison()) for case in switch.cases)
+        if when.case not in {name for name, _ in cases} | {"default"}:
+            names = ", ".join([name for name, _ in cases] + ["default"])
+            self.fail(f"{label}: when: switch '{when.switch}' has no case '{when.case}' (its cases: {names})")
+            return None
+        return Condition(switch.tensor, switch=Switch(when.switch, switch.tensor, cases), case=when.case)
+
+    def _check_paths(
+        self,
+        order: list[int],
+        conditions: list[Condition | None],
+        labels: list[str],
+        inputs: Mapping[str, TensorSpec],
+        outputs: Mapping[str, TensorSpec],
+        optional: frozenset[str],
+    ) -> None:
+        """Follow every path a request can take through the conditions: on each, no tensor may have two
+        producers that run, and every ensemble output that is not optional must be produced.
+
+        The paths are the combinations of one value per condition tensor, taken from a few values that
+        stand for every other: each constant compared with, one on either side of it, and one between each
+        pair (for strings: each string and one other). Every outcome the conditions can have is among them.
+        """
+        operands: dict[str, set[float | str]] = {}
+        for i, condition in enumerate(conditions):
+            if condition is None:
+                continue
+            kinds = operands.setdefault(condition.tensor, set())
+            kinds.update(condition.operands)
+            if len({isinstance(v, str) for v in kinds}) > 1:
+                self.fail(
+                    f"{labels[i]}: conditions on tensor '{condition.tensor}' compare it with strings and with "
+                    "numbers; a tensor holds one or the other"
+                )
+                return
+        samples = {tensor: _samples(values) for tensor, values in operands.items()}
+        paths = math.prod(len(values) for values in samples.values())
+        if paths > _MAX_PATHS:
+            self.fail(
+                f"the conditions make {paths} paths to check (more than {_MAX_PATHS}); use fewer condition "
+                "tensors or fewer distinct constants"
+            )
+            return
+        reported: set[tuple[str, ...]] = set()
+        tensors = list(samples)
+        for values in itertools.product(*(samples[t] for t in tensors)):
+            world = dict(zip(tensors, values, strict=True))
+            exists = set(inputs)
+            producer_of: dict[str, tuple[int, str]] = {}
+            ran: list[int] = []
+            for i in order:
+                step = self.config.steps[i]
+                condition = conditions[i]
+                needed = set(step.input_map.values()) | ({condition.tensor} if condition else set())
+                if not needed <= exists or (
+                    condition is not None and not condition.holds(world[condition.tensor])
+                ):
+                    continue
+                ran.append(i)
+                for stage_tensor, tensor in step.output_map.items():
+                    first = producer_of.get(tensor)
+                    if first is not None and (tensor, str(first[0]), str(i)) not in reported:
+                        reported.add((tensor, str(first[0]), str(i)))
+                        self.fail(
+                            f"{labels[i]}: output '{stage_tensor}' → tensor '{tensor}': '{tensor}' is also "
+                            f"produced by {labels[first[0]]} output '{first[1]}', and both run {_path_words(world, ran, labels)}; "
+                            "a tensor may have several producers only on branches whose conditions exclude "
+                            "each other (a switch's cases, or complementary comparisons)"
+                        )
+                    producer_of.setdefault(tensor, (i, stage_tensor))
+                    exists.add(tensor)
+            for tensor in outputs:
+                if tensor not in exists and tensor not in optional and (tensor,) not in reported:
+                    reported.add((tensor,))
+                    self.fail(
+                        f"ensemble output '{tensor}': no step produces it {_path_words(world, ran, labels)}; "
+                        "produce it on every path, or declare it 'optional: true'"
+                    )
 
     def _tensors(self, configs: tuple[TensorConfig, ...], kind: str) -> dict[str, TensorSpec]:
         specs: dict[str, TensorSpec] = {}
@@ -615,6 +851,30 @@ class _Compiler:
         return f"the steps form a cycle: {' → '.join(hops)}"
 
 
+#: The most paths through the conditions the compiler checks one by one.
+_MAX_PATHS = 4096
+
+
+def _samples(operands: set[float | str]) -> list[float | str]:
+    """Values of a condition tensor that between them give every outcome comparisons with `operands` can
+    have: each constant, one below the smallest, one above the largest, one between each pair (strings:
+    each, and one equal to none)."""
+    if any(isinstance(v, str) for v in operands):
+        strings = sorted(str(v) for v in operands)
+        return [*strings, "\x00" + "".join(strings)]  # longer than any: equal to none
+    numbers = sorted(float(v) for v in operands)
+    values = [numbers[0] - 1.0]
+    for low, high in itertools.pairwise(numbers):
+        values += [low, (low + high) / 2]
+    return [*values, numbers[-1], numbers[-1] + 1.0]
+
+
+def _path_words(world: Mapping[str, float | str], ran: list[int], labels: list[str]) -> str:
+    values = ", ".join(f"'{tensor}' is {value!r}" for tensor, value in world.items())
+    steps = ", ".join(labels[i] for i in ran) or "none"
+    return f"for a request where {values} (the steps that run: {steps})"
+
+
 def _describe(batching: BatchingConfig | None, model_batching: bool) -> str:
     if batching is None:
         return "the model's own (none set)" if model_batching else "off"
@@ -630,8 +890,50 @@ def _version(value: int | str) -> str:
 
 #: The fields of an ensemble's `config.pbtxt` that the router acts on; any other is logged as ignored.
 ENSEMBLE_FIELDS = frozenset(
-    {"name", "platform", "backend", "max_batch_size", "input", "output", "ensemble_scheduling"}
+    {
+        "name",
+        "platform",
+        "backend",
+        "max_batch_size",
+        "input",
+        "output",
+        "ensemble_scheduling",
+        "response_cache",
+        "parameters",
+    }
 )
+
+#: `parameters` of an ensemble's `config.pbtxt` that carry what Triton's ensembles cannot say, each value a
+#: YAML flow text in the YAML files' vocabulary: `step.<N>.when` (step N's condition), `switch.<NAME>` (a
+#: switch), and `optional_outputs` (comma-separated names).
+_STEP_WHEN = re.compile(r"step\.(\d+)\.when")
+_SWITCH = re.compile(r"switch\.(.+)")
+_OPTIONAL_OUTPUTS = "optional_outputs"
+
+
+def _extensions(config: mc.ModelConfig, source: str) -> tuple[dict[int, Any], dict[str, Any], set[str]]:
+    """Conditions, switches and optional outputs from an ensemble config's `parameters`."""
+    when: dict[int, Any] = {}
+    switches: dict[str, Any] = {}
+    optional: set[str] = set()
+    for key, param in sorted(config.parameters.items()):
+        text = param.string_value
+        if key == _OPTIONAL_OUTPUTS:
+            optional.update(name.strip() for name in text.split(",") if name.strip())
+            continue
+        step, switch = _STEP_WHEN.fullmatch(key), _SWITCH.fullmatch(key)
+        if step is None and switch is None:
+            logger.info("%s: parameter '%s' is not one the router acts on", source, key)
+            continue
+        try:
+            value = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: parameter '{key}': invalid YAML: {exc}") from None
+        if step is not None:
+            when[int(step.group(1))] = value
+        elif switch is not None:
+            switches[switch.group(1)] = value
+    return when, switches, optional
 
 
 def compile_model_config(config: mc.ModelConfig, source: str) -> EnsemblePlan:
@@ -647,14 +949,29 @@ def compile_model_config(config: mc.ModelConfig, source: str) -> EnsemblePlan:
     except RepositoryError as exc:
         raise ConfigError(exc.message) from None
 
+    when, switches, optional = _extensions(config, source)
+    steps = config.ensemble_scheduling.step
+    for index in when:
+        if index >= len(steps):
+            raise ConfigError(f"{source}: parameter 'step.{index}.when': there is no step {index}")
+    declared = {spec.name for spec in outputs}
+    for name in optional - declared:
+        raise ConfigError(f"{source}: parameter '{_OPTIONAL_OUTPUTS}': there is no output '{name}'")
+
     def tensors(specs: tuple[TensorSpec, ...]) -> list[dict[str, Any]]:
-        return [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in specs]
+        return [
+            {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
+            | ({"optional": True} if s.name in optional else {})
+            for s in specs
+        ]
 
     data = {
         "name": config.name,
         "max_batch_size": config.max_batch_size,
         "inputs": tensors(inputs),
         "outputs": tensors(outputs),
+        "switches": switches,
+        "response_cache": {"enable": config.response_cache.enable},
         "steps": [
             {
                 "model_name": step.model_name,
@@ -663,7 +980,8 @@ def compile_model_config(config: mc.ModelConfig, source: str) -> EnsemblePlan:
                 "input_map": dict(step.input_map),
                 "output_map": dict(step.output_map),
             }
-            for step in config.ensemble_scheduling.step
+            | ({"when": when[i]} if i in when else {})
+            for i, step in enumerate(steps)
         ],
     }
     return compile_ensemble(data, source, default_name=config.name)

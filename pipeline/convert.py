@@ -321,6 +321,17 @@ def pad_values(config: mc.ModelConfig) -> dict[str, float]:
     }
 
 
+#: `ModelConfig.parameters` key by which a model says whether the same request always gets the same answer
+#: (`"false"`: it may not, so its responses must never be cached).
+DETERMINISTIC_PARAMETER = "deterministic"
+
+
+def is_deterministic(config: mc.ModelConfig) -> bool:
+    """Whether a model's config leaves it deterministic (anything but `deterministic: "false"`)."""
+    param = config.parameters.get(DETERMINISTIC_PARAMETER)
+    return param is None or param.string_value.strip().lower() != "false"
+
+
 def batching_of_config(config: mc.ModelConfig) -> BatchingConfig | None:
     """The router's batching of a model whose `ModelConfig` sets Triton's `dynamic_batching`, with the
     model's `max_batch_size` as the largest batch; None where it sets none or the model does not batch.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -29,6 +29,7 @@ from pipeline.convert import (
     response_tensors,
     validate_inputs,
 )
+from pipeline.datatypes import element_count
 from pipeline.errors import DeadlineExceeded, InvalidInput, PipelineError, StageError
 from pipeline.merge import StageCall, TensorBatching
 from pipeline.metrics import Metrics
@@ -36,7 +37,17 @@ from pipeline.plan import EnsemblePlan, ModelSignature, PlanStep
 from pipeline.server import CallContext
 from pipeline.stage_client import StageClient
 from pipeline.statistics import ModelStats
-from pipeline.telemetry import ENSEMBLE, MODEL, PEER, REQUEST_ID, STAGE, STEP, Telemetry
+from pipeline.telemetry import (
+    ENSEMBLE,
+    MODEL,
+    PEER,
+    REQUEST_ID,
+    SKIP_REASON,
+    STAGE,
+    STEP,
+    STEP_SKIPPED,
+    Telemetry,
+)
 
 #: The version the router reports for every ensemble.
 ENSEMBLE_VERSION = "1"
@@ -56,6 +67,10 @@ class Executor:
         self.signatures: dict[str, ModelSignature] = {}
         self.batchers: dict[str, tuple[DynamicBatcher[StageCall, dict[str, Tensor]], TensorBatching]] = {}
         self.stats: dict[str, ModelStats] = {}
+        #: Told (model, version asked for, version that answered) of every stage response: the router's
+        #: response cache learns from it which version serves a model now.
+        self.on_version: Callable[[str, str, str], None] | None = None
+        self._branch_counters: dict[tuple[str, int, bool], Any] = {}
 
     def add_batcher(self, model: str, client: StageClient, config: BatchingConfig) -> None:
         """Queue the calls of `model` (on `client`'s stage) and send them as batches, as `config` says; raises
@@ -173,6 +188,8 @@ class Executor:
             results = await self._execute_batch(model, client, tensors, rest)
             results.insert(index, error)
             return results
+        if self.on_version is not None:
+            self.on_version(model, calls[0].version, response.model_version)
         return list(tensors.split(response_tensors(response), calls))
 
     async def run(
@@ -195,10 +212,29 @@ class Executor:
             batcher.expect()
 
         telemetry = self.telemetry
+        conditional = plan.conditional
 
         async def run_step(step: PlanStep) -> None:
             for producer in step.depends_on:
                 await finished[producer].wait()
+            if conditional:
+                skipped = self._skip_reason(plan, step, values)
+                self._branch_counter(plan.name, step, not skipped).inc()
+                if skipped:
+                    if telemetry.enabled:
+                        attributes = {
+                            ENSEMBLE: plan.name,
+                            STEP: step.index,
+                            MODEL: step.model_name,
+                            STAGE: step.stage,
+                            REQUEST_ID: request.id,
+                            STEP_SKIPPED: True,
+                            SKIP_REASON: skipped,
+                        }
+                        with telemetry.span(f"step {step.model_name}", attributes):
+                            pass
+                    finished[step.index].set()
+                    return
             if telemetry.enabled:
                 attributes = {
                     ENSEMBLE: plan.name,
@@ -225,9 +261,37 @@ class Executor:
         finally:
             for batcher in awaited.values():
                 batcher.unexpect()
-        response = infer_response(plan.name, ENSEMBLE_VERSION, request.id, (values[name] for name in wanted))
+        # An optional output that no step produced on this request's path is left out of the response.
+        response = infer_response(
+            plan.name, ENSEMBLE_VERSION, request.id, (values[name] for name in wanted if name in values)
+        )
         items = next(iter(inputs.values())).shape[0] if plan.max_batch_size > 0 and inputs else 1
         return response, items
+
+    def _branch_counter(self, ensemble: str, step: PlanStep, taken: bool) -> Any:
+        """The `pipeline_branch_requests_total` child of a step and outcome, looked up once."""
+        key = (ensemble, step.index, taken)
+        counter = self._branch_counters.get(key)
+        if counter is None:
+            counter = self._branch_counters[key] = self.metrics.branch_requests.labels(
+                ensemble, f"{step.index}:{step.model_name}", "true" if taken else "false"
+            )
+        return counter
+
+    @staticmethod
+    def _skip_reason(plan: EnsemblePlan, step: PlanStep, values: Mapping[str, Tensor]) -> str:
+        """Why a request skips a step ("" when it runs): an input that no step produced for it, or a
+        condition that does not hold. A condition tensor holding other than one element is refused."""
+        missing = [tensor for tensor in step.consumed if tensor not in values]
+        if missing:
+            return f"no tensor {', '.join(repr(t) for t in missing)} (its producer was skipped)"
+        when = step.when
+        if when is None:
+            return ""
+        value = condition_value(values[when.tensor], f"ensemble '{plan.name}' {step.label}")
+        if when.holds(value):
+            return ""
+        return f"condition not met: {when} (value {value!r})"
 
     async def _call_step(
         self,
@@ -320,11 +384,31 @@ class Executor:
         stats.batch_done(items, elapsed)
         self.metrics.compute_duration.labels(step.model_name).observe(elapsed / 1e9)
         self.metrics.batch_size.labels(step.model_name).observe(items)
+        if self.on_version is not None:
+            self.on_version(step.model_name, step.model_version, response.model_version)
         return response_tensors(response)
 
     async def close(self) -> None:
         """Stop every batcher (queued requests fail)."""
         await asyncio.gather(*(batcher.aclose() for batcher, _ in self.batchers.values()))
+
+
+def condition_value(tensor: Tensor, where: str) -> float | str:
+    """The single value a condition reads: a number, or a BYTES element as text. A tensor holding any other
+    number of elements (a request of several items, say) is refused: a condition reads one per request."""
+    if element_count(tensor.shape) != 1:
+        raise InvalidInput(
+            f"{where}: condition tensor '{tensor.name}' holds {element_count(tensor.shape)} elements "
+            f"(shape {list(tensor.shape)}); a condition reads exactly one value per request, so send one "
+            "item per request to this ensemble"
+        )
+    value = tensor.to_array().reshape(-1)[0]
+    if tensor.datatype == "BYTES":
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput(f"{where}: condition tensor '{tensor.name}' is not UTF-8 text") from None
+    return float(value)
 
 
 def batch_items(signature: ModelSignature | None, shape: Sequence[int]) -> int:

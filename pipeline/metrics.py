@@ -15,6 +15,11 @@ health) are read from their owners only when Prometheus scrapes, so they cost no
 | `pipeline_queue_depth` | model | requests waiting now |
 | `pipeline_inflight_batches` | model | executions running now |
 | `pipeline_stage_healthy` | stage | 1 when the stage's health check says SERVING (router) |
+| `pipeline_branch_requests_total` | ensemble, step, taken | requests that ran (`true`) or skipped (`false`) each step of an ensemble with conditions (router) |
+| `pipeline_cache_requests_total` | model, result | lookups in the response cache: `hit` or `miss` (router) |
+| `pipeline_cache_evictions_total` | | entries the response cache dropped to stay within its size (router) |
+| `pipeline_cache_bytes`, `pipeline_cache_entries` | cache | what the response cache holds now (router) |
+| `pipeline_cache_waiting` | cache | requests waiting now for an identical request's response (router) |
 
 Beside them, Triton's per-model metrics with Triton's names, types, help texts and labels (`model`,
 `version`), so dashboards and autoscalers written for Triton read ours as they are: `nv_inference_request_success`,
@@ -190,6 +195,23 @@ class Metrics:
             "pipeline_stage_calls",
             "The router's calls of each stage, by gRPC outcome",
             ["stage", "outcome"],
+            registry=r,
+        )
+        self.branch_requests = Counter(
+            "pipeline_branch_requests",
+            "Requests that ran (taken=true) or skipped (taken=false) a step of an ensemble with conditions",
+            ["ensemble", "step", "taken"],
+            registry=r,
+        )
+        self.cache_requests = Counter(
+            "pipeline_cache_requests",
+            "Response cache lookups, by model and result (hit or miss)",
+            ["model", "result"],
+            registry=r,
+        )
+        self.cache_evictions = Counter(
+            "pipeline_cache_evictions",
+            "Entries the response cache dropped to stay within its size",
             registry=r,
         )
         self._gauges = _Gauges()

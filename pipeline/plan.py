@@ -26,6 +26,94 @@ class StageEndpoint:
     max_inflight_requests: int = 0
 
 
+#: The comparisons a condition may make, each with its complement: what `when:` and a switch's cases say.
+COMPARISONS = {
+    "equals": "==",
+    "not_equals": "!=",
+    "greater_than": ">",
+    "greater_equal": ">=",
+    "less_than": "<",
+    "less_equal": "<=",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """One comparison of a request's single value with a constant: `value <op> operand`.
+
+    `op` is a key of `COMPARISONS`. Strings compare only for equality (a BYTES tensor's element, as UTF-8);
+    numbers compare with every operator.
+    """
+
+    op: str
+    operand: float | str
+
+    def holds(self, value: float | str) -> bool:
+        """Whether `value` (of the operand's kind) satisfies the comparison."""
+        operand = self.operand
+        if self.op == "equals":
+            return value == operand
+        if self.op == "not_equals":
+            return value != operand
+        assert isinstance(value, float | int) and isinstance(operand, float | int)
+        if self.op == "greater_than":
+            return value > operand
+        if self.op == "greater_equal":
+            return value >= operand
+        if self.op == "less_than":
+            return value < operand
+        return value <= operand
+
+    def __str__(self) -> str:
+        return f"{COMPARISONS[self.op]} {self.operand!r}"
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """A switch on one tensor's single value: its cases are tried in order, the first that holds is taken,
+    and `default` is taken when none does. The cases therefore exclude each other."""
+
+    name: str
+    tensor: str
+    #: (case name, comparison), in the order they are tried.
+    cases: tuple[tuple[str, Comparison], ...]
+
+    def choose(self, value: float | str) -> str:
+        """The case a value takes (`default` when no case holds)."""
+        return next((case for case, comparison in self.cases if comparison.holds(value)), "default")
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    """When a step runs: a comparison of one tensor's single value (`comparison`), or one case of a switch
+    (`switch` and `case`). The tensor is read once per request; it must hold exactly one element."""
+
+    tensor: str
+    comparison: Comparison | None = None
+    switch: Switch | None = None
+    case: str = ""
+
+    def holds(self, value: float | str) -> bool:
+        """Whether the step runs for a request whose condition tensor holds `value`."""
+        if self.switch is not None:
+            return self.switch.choose(value) == self.case
+        assert self.comparison is not None
+        return self.comparison.holds(value)
+
+    @property
+    def operands(self) -> tuple[float | str, ...]:
+        """Every constant the condition compares with (its switch's cases included)."""
+        if self.switch is not None:
+            return tuple(c.operand for _, c in self.switch.cases)
+        assert self.comparison is not None
+        return (self.comparison.operand,)
+
+    def __str__(self) -> str:
+        if self.switch is not None:
+            return f"switch '{self.switch.name}' on '{self.tensor}' takes case '{self.case}'"
+        return f"'{self.tensor}' {self.comparison}"
+
+
 @dataclass(frozen=True, slots=True)
 class PlanStep:
     """One step of an ensemble: a call of one stage model with tensors mapped in and out.
@@ -53,6 +141,17 @@ class PlanStep:
     #: Where `batching` is None: whether the stage model's own `dynamic_batching` (from its `ModelConfig`)
     #: applies. False where the ensemble turned batching off (`dynamic_batching: false`).
     model_batching: bool = True
+    #: When the step runs (None: whenever its inputs exist). Its tensor counts as one of the step's inputs:
+    #: a request that lacks it skips the step.
+    when: Condition | None = None
+
+    @property
+    def consumed(self) -> tuple[str, ...]:
+        """Every ensemble tensor the step needs: its inputs, and its condition's tensor."""
+        tensors = tuple(tensor for _, tensor in self.inputs)
+        if self.when is not None and self.when.tensor not in tensors:
+            tensors += (self.when.tensor,)
+        return tensors
 
     @property
     def label(self) -> str:
@@ -79,6 +178,16 @@ class EnsemblePlan:
     steps: tuple[PlanStep, ...]
     #: Every stage the file declares, by key (read-only).
     stages: Mapping[str, StageEndpoint]
+    #: Outputs a request may lack (declared `optional: true`): no step produces them on some path.
+    optional_outputs: frozenset[str] = frozenset()
+    #: Triton's `response_cache { enable: true }` for the whole ensemble: a request that matches an earlier
+    #: one gets its response without any step running.
+    response_cache: bool = False
+
+    @property
+    def conditional(self) -> bool:
+        """Whether some request may skip a step (a step has a condition)."""
+        return any(step.when is not None for step in self.steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +224,13 @@ class ModelSignature:
     #: The model's own `dynamic_batching` from its `ModelConfig` (None where it sets none): how the router
     #: batches its calls where no ensemble says otherwise.
     batching: BatchingConfig | None = None
+    #: The versions `ModelMetadata` lists; the last is the one a request naming none gets.
+    versions: tuple[str, ...] = ()
+    #: Triton's `response_cache { enable: true }` in its `ModelConfig`: the router caches its responses.
+    response_cache: bool = False
+    #: False where the model says its answers may differ for the same request (`ModelConfig.parameters`
+    #: `deterministic: "false"`): such a model's responses are never cached.
+    deterministic: bool = True
 
 
 def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature]) -> None:
@@ -132,9 +248,9 @@ def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature
     errors: list[str] = []
     by_index = {step.index: step for step in plan.steps}
     ensemble_inputs = {spec.name: spec for spec in plan.inputs}
-    # ensemble tensor -> (spec at the producing end, how to name that end)
-    produced: dict[str, tuple[TensorSpec, str]] = {
-        name: (spec, "an ensemble input") for name, spec in ensemble_inputs.items()
+    # ensemble tensor -> (spec at the producing end, how to name that end), for each of its producers
+    produced: dict[str, list[tuple[TensorSpec, str]]] = {
+        name: [(spec, "an ensemble input")] for name, spec in ensemble_inputs.items()
     }
     known: dict[int, ModelSignature] = {}
     for step in sorted(plan.steps, key=lambda s: s.index):
@@ -175,9 +291,8 @@ def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature
                     f"no output '{stage_tensor}' (its outputs: {_names(signature.outputs)})"
                 )
             else:
-                produced[tensor] = (
-                    stage_outputs[stage_tensor],
-                    f"produced by {step.label} output '{stage_tensor}'",
+                produced.setdefault(tensor, []).append(
+                    (stage_outputs[stage_tensor], f"produced by {step.label} output '{stage_tensor}'")
                 )
 
     for index, signature in known.items():
@@ -187,20 +302,36 @@ def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature
             if stage_tensor not in stage_inputs or tensor not in produced:
                 # Reported above: an unknown input, or a producer that is unknown or lacks the output.
                 continue
-            source_spec, origin = produced[tensor]
-            mismatch = _mismatch(stage_inputs[stage_tensor], "expected by the stage", source_spec, tensor)
-            if mismatch:
-                errors.append(
-                    f"{plan.source}: {step.label}: input '{stage_tensor}' ← tensor '{tensor}': "
-                    f"{mismatch} ({origin})"
-                )
+            for source_spec, origin in produced[tensor]:
+                mismatch = _mismatch(stage_inputs[stage_tensor], "expected by the stage", source_spec, tensor)
+                if mismatch:
+                    errors.append(
+                        f"{plan.source}: {step.label}: input '{stage_tensor}' ← tensor '{tensor}': "
+                        f"{mismatch} ({origin})"
+                    )
+    for step in sorted(plan.steps, key=lambda s: s.index):
+        if step.when is None or step.when.tensor not in produced:
+            continue
+        strings = {isinstance(operand, str) for operand in step.when.operands}
+        for source_spec, origin in produced[step.when.tensor]:
+            if source_spec.datatype == "BYTES" and False in strings:
+                kind = "compares it with a number"
+            elif source_spec.datatype != "BYTES" and True in strings:
+                kind = "compares it with a string"
+            else:
+                continue
+            errors.append(
+                f"{plan.source}: {step.label}: condition on tensor '{step.when.tensor}': the tensor is "
+                f"{source_spec.datatype} ({origin}) but the condition {kind}; strings compare with BYTES "
+                "tensors only, numbers with numeric ones"
+            )
     for spec in plan.outputs:
         if spec.name not in produced or spec.name in ensemble_inputs:
             continue
-        source_spec, origin = produced[spec.name]
-        mismatch = _mismatch(spec, "declared by the ensemble", source_spec, spec.name)
-        if mismatch:
-            errors.append(f"{plan.source}: ensemble output '{spec.name}': {mismatch} ({origin})")
+        for source_spec, origin in produced[spec.name]:
+            mismatch = _mismatch(spec, "declared by the ensemble", source_spec, spec.name)
+            if mismatch:
+                errors.append(f"{plan.source}: ensemble output '{spec.name}': {mismatch} ({origin})")
     if errors:
         raise ConfigError("\n".join(errors))
 

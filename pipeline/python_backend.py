@@ -58,6 +58,7 @@ from pipeline.errors import InvalidInput, PipelineError
 from pipeline.repository import (
     RepositoryEntry,
     RepositoryError,
+    check_response_cache,
     log_ignored,
     parameters_of,
     set_tensor_specs,
@@ -267,6 +268,12 @@ def _prepare_stage(
     config.platform = config.platform or first.platform or "python"
     class_batch = int(getattr(first, "max_batch_size", 0) or 0)
     config.max_batch_size = config.max_batch_size or class_batch
+    # The class's word on caching, published in its ModelConfig for the router, unless the config says.
+    if not getattr(first, "deterministic", True) and "deterministic" not in config.parameters:
+        config.parameters["deterministic"].string_value = "false"
+    if getattr(first, "response_cache", False) and not config.HasField("response_cache"):
+        config.response_cache.enable = True
+    check_response_cache(config, f"{entry.source} with {path}")
     parameters = types.MappingProxyType(parameters_of(config))
     declared = (tuple(getattr(first, "inputs", ())), tuple(getattr(first, "outputs", ())))
     if config.input or config.output:

@@ -206,6 +206,18 @@ def parameters_of(config: mc.ModelConfig) -> dict[str, str]:
     return {key: param.string_value for key, param in config.parameters.items()}
 
 
+def check_response_cache(config: mc.ModelConfig, source: str) -> None:
+    """Refuse a config that enables `response_cache` for a model it declares non-deterministic
+    (`parameters { key: "deterministic" value { string_value: "false" } }`)."""
+    param = config.parameters.get("deterministic")
+    if config.response_cache.enable and param is not None and param.string_value.strip().lower() == "false":
+        raise RepositoryError(
+            f"{source}: response_cache is enabled, but the model declares itself non-deterministic (parameter "
+            'deterministic: "false"): a cached response would replay one of its answers for requests that '
+            "should get fresh ones; disable response_cache or drop the parameter"
+        )
+
+
 def log_ignored(config: mc.ModelConfig, acted_on: Collection[str], source: str) -> list[str]:
     """Log (and return) the top-level fields a config sets that the service does not act on."""
     ignored = sorted(field.name for field, _ in config.ListFields() if field.name not in acted_on)
@@ -378,6 +390,7 @@ class ModelRepository:
         if config.name and config.name != name:
             raise RepositoryError(f"{source}: name '{config.name}' differs from the folder's name '{name}'")
         config.name = name
+        check_response_cache(config, source)
         versions = tuple(sorted((c.name for c in folder.iterdir() if _is_version(c)), key=int))
         backend = self._backend(config, folder, versions, source)
         return RepositoryEntry(name, folder, config, has_config, backend, versions)

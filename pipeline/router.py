@@ -15,16 +15,18 @@ import logging
 import os
 import time
 import types
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import grpc
+import yaml
 from grpc_health.v1 import health, health_pb2
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.batching import BatchingConfig
+from pipeline.cache import ResponseCache, Version, request_key
 from pipeline.config import ConfigError, load_catalog
 from pipeline.convert import metadata_response, model_config, select_version
 from pipeline.errors import InvalidInput, ModelNotFound, PipelineError, StageError, Unavailable
@@ -57,7 +59,7 @@ from pipeline.server import (
 )
 from pipeline.stage_client import StageClient
 from pipeline.statistics import ModelStats
-from pipeline.telemetry import ENSEMBLE, NO_SPAN, Telemetry
+from pipeline.telemetry import CACHE_HIT, ENSEMBLE, NO_SPAN, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +77,21 @@ class RouterPlane(DataPlane):
         stage_credentials: grpc.ChannelCredentials | None = None,
         max_inflight_requests: int = 0,
         max_batch_items: int = 0,
+        cache_size: int = 0,
     ) -> None:
         """`stage_credentials`: TLS for the stage calls. `max_inflight_requests`: inference requests the
         router holds at once (more are refused UNAVAILABLE at once, so memory stays bounded under overload;
-        0: no limit). `max_batch_items`: items (dimension 0) one request may carry (0: no limit)."""
+        0: no limit). `max_batch_items`: items (dimension 0) one request may carry (0: no limit).
+        `cache_size`: bytes of the response cache, for the models and ensembles that enable it (0: off)."""
         self.catalog = catalog
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
         self.max_inflight_requests = max_inflight_requests
         self.max_batch_items = max_batch_items
         self._inflight = 0
+        self.cache = ResponseCache(cache_size, self.metrics) if cache_size > 0 else None
+        #: Stage model -> the version that answers a request naming none, as the stage last said.
+        self.default_versions: dict[str, str] = {}
         self.clients = {
             key: StageClient(
                 endpoint,
@@ -104,12 +111,14 @@ class RouterPlane(DataPlane):
             for step in plan.steps
             if not step.stage and step.model_name not in self.stage_of_model
         }
-        #: Stage key -> the models its `RepositoryIndex` lists as READY; None for a stage without the RPC.
-        self.indexes: dict[str, frozenset[str] | None] = {}
+        #: Stage key -> the models its `RepositoryIndex` lists as READY, with their READY versions; None for
+        #: a stage without the RPC.
+        self.indexes: dict[str, Mapping[str, frozenset[str]] | None] = {}
         #: Every model of the stages' repositories -> the first declared stage that serves it.
         self.repository_models: dict[str, str] = {}
         self._refreshing: asyncio.Future[None] | None = None
         self.executor = Executor(self.clients, telemetry=self.telemetry, metrics=self.metrics)
+        self.executor.on_version = self._observe_version
         self.signatures = self.executor.signatures
         self.batchers = self.executor.batchers
         # Per ensemble, and per stage model called without batching (batchers keep their own).
@@ -129,6 +138,26 @@ class RouterPlane(DataPlane):
             "model",
             lambda: [(model, b.inflight_batches) for model, (b, _) in batchers.items()],
         )
+        cache = self.cache
+        if cache is not None:
+            self.metrics.gauge(
+                "pipeline_cache_bytes",
+                "Bytes the response cache holds now",
+                "cache",
+                lambda: [("responses", cache.bytes)],
+            )
+            self.metrics.gauge(
+                "pipeline_cache_waiting",
+                "Requests waiting now for an identical request's response",
+                "cache",
+                lambda: [("responses", cache.waiting)],
+            )
+            self.metrics.gauge(
+                "pipeline_cache_entries",
+                "Responses the cache holds now",
+                "cache",
+                lambda: [("responses", len(cache))],
+            )
         self.metrics.gauge(
             "pipeline_stage_healthy",
             "1 when the stage's health check says SERVING",
@@ -159,6 +188,9 @@ class RouterPlane(DataPlane):
                 await asyncio.sleep(retry_interval)
         for plan in self.ensembles.values():
             check_signatures(plan, self.signatures)
+        for model, signature in self.signatures.items():
+            self.default_versions.setdefault(model, signature.versions[-1] if signature.versions else "")
+        self._check_caching()
         for plan in self.ensembles.values():
             for step in plan.steps:
                 batching = self._batching(step)
@@ -167,6 +199,59 @@ class RouterPlane(DataPlane):
         # Metadata answers before a stage has loaded its models: wait for every stage to be SERVING too.
         while not all(await asyncio.gather(*(c.check_health(timeout=2.0) for c in self.clients.values()))):
             await asyncio.sleep(retry_interval)
+
+    def _check_caching(self) -> None:
+        """Refuse a response cache asked for a model that says its answers may differ for one request (an
+        ensemble's cache covers every step's model); say when the cache is asked for but off."""
+        errors = []
+        for plan in self.ensembles.values():
+            if not plan.response_cache:
+                continue
+            for step in sorted(plan.steps, key=lambda s: s.index):
+                if not self.signatures[step.model_name].deterministic:
+                    errors.append(
+                        f"{plan.source}: response_cache is enabled, but {step.label} calls model "
+                        f"'{step.model_name}', which declares itself non-deterministic (parameter "
+                        'deterministic: "false"): a cached response would replay one of its answers for '
+                        "requests that should get fresh ones; disable the ensemble's response_cache"
+                    )
+        for model in self.stage_of_model:
+            signature = self.signatures[model]
+            if signature.response_cache and not signature.deterministic:
+                errors.append(
+                    f"model '{model}' on stage '{self.stage_of_model[model]}': its config enables "
+                    "response_cache but declares the model non-deterministic (parameter deterministic: "
+                    '"false"); a cached response would replay one answer for requests that should get fresh ones'
+                )
+        if errors:
+            raise ConfigError("\n".join(errors))
+        asking = [p.name for p in self.ensembles.values() if p.response_cache] + [
+            m for m in self.stage_of_model if self.signatures[m].response_cache
+        ]
+        if asking and self.cache is None:
+            log.warning(
+                "response_cache is enabled for %s, but the router's cache is off (--cache-size 0)",
+                ", ".join(asking),
+            )
+
+    def _observe_version(self, model: str, asked: str, answered: str) -> None:
+        """A stage answered `model`: when a request naming no version got another version than before, the
+        old one's cached responses go (the stage serves a new default, or was reloaded)."""
+        if asked or not answered:
+            return
+        known = self.default_versions.get(model)
+        if known == answered:
+            return
+        self.default_versions[model] = answered
+        if known is not None and self.cache is not None:
+            dropped = self.cache.drop(model, known)
+            log.info(
+                "model '%s' now answers as version %s (was %s): %d cached responses dropped",
+                model,
+                answered,
+                known or "unknown",
+                dropped,
+            )
 
     def _batching(self, step: PlanStep) -> BatchingConfig | None:
         """How a step's model is batched: as the ensemble says, else as the model's own config says."""
@@ -253,11 +338,31 @@ class RouterPlane(DataPlane):
             for model in sorted(self.indexes.get(key) or ()):
                 served.setdefault(model, key)
         self.repository_models = served
+        if self.cache is not None:
+            self._drop_unserved()
+
+    def _drop_unserved(self) -> None:
+        """Drop the cached responses of every version that its stage's `RepositoryIndex` no longer lists as
+        READY (a stage without the RPC cannot say; NOT_FOUND and version changes cover it)."""
+        assert self.cache is not None
+        for model, version in self.cache.versions():
+            key = self.stage_of_model.get(model) or self.repository_models.get(model)
+            index = self.indexes.get(key) if key is not None else None
+            if index is None or not version:
+                continue
+            if version not in index.get(model, frozenset()):
+                dropped = self.cache.drop(model, version)
+                log.info(
+                    "model '%s' version %s is no longer served: %d cached responses dropped",
+                    model,
+                    version,
+                    dropped,
+                )
 
     @staticmethod
-    async def _index_of(client: StageClient) -> frozenset[str] | PipelineError | None:
-        """The models a stage's `RepositoryIndex` lists as READY; None for a stage without the RPC (a
-        plain OIP server); the error for a stage that cannot answer now."""
+    async def _index_of(client: StageClient) -> dict[str, frozenset[str]] | PipelineError | None:
+        """The models a stage's `RepositoryIndex` lists as READY, with their READY versions; None for a
+        stage without the RPC (a plain OIP server); the error for a stage that cannot answer now."""
         try:
             reply = await client.call(
                 "RepositoryIndex",
@@ -269,7 +374,11 @@ class RouterPlane(DataPlane):
             return None if err.code == grpc.StatusCode.UNIMPLEMENTED else err
         except PipelineError as err:
             return err
-        return frozenset(model.name for model in reply.models if model.state == "READY")
+        ready: dict[str, set[str]] = {}
+        for model in reply.models:
+            if model.state == "READY":
+                ready.setdefault(model.name, set()).add(model.version)
+        return {name: frozenset(versions) for name, versions in ready.items()}
 
     async def monitor(
         self, interval: float = 1.0, on_ready: Callable[[bool], Awaitable[None]] | None = None
@@ -279,6 +388,9 @@ class RouterPlane(DataPlane):
         was_ready: bool | None = None
         while True:
             await asyncio.gather(*(c.check_health(timeout=interval) for c in self.clients.values()))
+            if self.cache is not None and len(self.cache):
+                # A version a stage stopped serving takes its cached responses with it.
+                await self.refresh_index()
             ready = self.ready()
             if ready != was_ready and on_ready is not None:
                 await on_ready(ready)
@@ -331,6 +443,13 @@ class RouterPlane(DataPlane):
             return
         self.signatures[name] = signature
         self.stats.setdefault(name, ModelStats())
+        self.default_versions.setdefault(name, signature.versions[-1] if signature.versions else "")
+        if signature.response_cache and not signature.deterministic:
+            log.error(
+                "model '%s': its config enables response_cache but declares the model non-deterministic; "
+                "its responses are not cached",
+                name,
+            )
         if signature.batching is not None:
             log.info("model '%s': batched as its own dynamic_batching says (%s)", name, signature.batching)
             self.executor.add_batcher(name, client, signature.batching)
@@ -426,6 +545,100 @@ class RouterPlane(DataPlane):
                 await self._learn(name, client)
         if plan is None and (signature := self.signatures.get(name)) is not None:
             self._check_items(request, signature.max_batch_size > 0)
+        versions = self._cache_versions(plan, name, request.model_version)
+        if versions is not None:
+            return await self._cached(name, plan, client, request, call, versions)
+        return await self._execute(name, plan, client, request, call)
+
+    def _cache_versions(
+        self, plan: EnsemblePlan | None, name: str, version: str
+    ) -> tuple[Version, ...] | None:
+        """The versions that would answer a request, for its cache key; None when it is not to be cached."""
+        if self.cache is None:
+            return None
+        if plan is not None:
+            if not plan.response_cache:
+                return None
+            steps = sorted(plan.steps, key=lambda s: s.index)
+            return tuple(
+                dict.fromkeys(
+                    (s.model_name, s.model_version or self.default_versions.get(s.model_name, ""))
+                    for s in steps
+                )
+            )
+        signature = self.signatures.get(name)
+        if signature is None or not signature.response_cache or not signature.deterministic:
+            return None
+        return ((name, version or self.default_versions.get(name, "")),)
+
+    def _stats_of(self, name: str) -> ModelStats:
+        """The statistics `ModelStatistics` reports for a model: its batcher's where it has one."""
+        if name in self.batchers and name not in self.ensembles:
+            return self.batchers[name][0].stats
+        return self.stats.setdefault(name, ModelStats())
+
+    async def _cached(
+        self,
+        name: str,
+        plan: EnsemblePlan | None,
+        client: StageClient | None,
+        request: pb.ModelInferRequest,
+        call: CallContext,
+        versions: tuple[Version, ...],
+    ) -> pb.ModelInferResponse:
+        """Answer from the response cache, or run the request and keep its response there."""
+        assert self.cache is not None
+        started = time.perf_counter_ns()
+        key = request_key(name, versions, request)
+        stats = self._stats_of(name)
+        computed = False
+
+        async def compute() -> tuple[bytes, tuple[Version, ...]]:
+            nonlocal computed
+            computed = True
+            response = await self._execute(name, plan, client, request, call)
+            # A stage model's entry belongs to the version that answered.
+            answered = versions if plan is not None else ((name, response.model_version or versions[0][1]),)
+            return response.SerializeToString(), answered
+
+        deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        try:
+            raw, hit, cache_ns = await self.cache.fetch(key, compute, deadline=deadline)
+        except BaseException as err:
+            if not computed:  # the request it waited for failed and this one ran out of time
+                stats.request_failed(time.perf_counter_ns() - started)
+            if isinstance(err, StageError) and err.code == grpc.StatusCode.NOT_FOUND:
+                for model, version in versions:
+                    self.cache.drop(model, version)
+            raise
+        span = self.telemetry.current_span() if self.telemetry.enabled else None
+        if span is not None:
+            span.set_attribute(CACHE_HIT, hit)
+        self.metrics.cache_requests.labels(name, "hit" if hit else "miss").inc()
+        if not hit:
+            stats.cache_missed(cache_ns)
+            return pb.ModelInferResponse.FromString(raw)
+        response = pb.ModelInferResponse.FromString(raw)
+        response.id = request.id
+        if plan is not None:
+            first = request.inputs[0].shape if request.inputs else ()
+            items = int(first[0]) if plan.max_batch_size > 0 and first else 1
+        else:
+            items = batch_items(
+                self.signatures.get(name), response.outputs[0].shape if response.outputs else ()
+            )
+        stats.cache_hit_done(items=items, total_ns=time.perf_counter_ns() - started, cache_ns=cache_ns)
+        return response
+
+    async def _execute(
+        self,
+        name: str,
+        plan: EnsemblePlan | None,
+        client: StageClient | None,
+        request: pb.ModelInferRequest,
+        call: CallContext,
+    ) -> pb.ModelInferResponse:
+        """Run a request: an ensemble's steps, a batched stage model's queue, or a forwarded call."""
         batched = plan is None and name in self.batchers
         started = time.perf_counter_ns()
         # A batched stage model's statistics are its batcher's (queue and batch figures included).
@@ -450,6 +663,7 @@ class RouterPlane(DataPlane):
                 items = batch_items(
                     self.signatures.get(name), response.outputs[0].shape if response.outputs else ()
                 )
+                self._observe_version(name, request.model_version, response.model_version)
         except BaseException:
             if stats is not None:
                 stats.request_failed(time.perf_counter_ns() - started)
@@ -549,7 +763,33 @@ def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
             entry.input_map[stage_tensor] = tensor_name
         for stage_tensor, tensor_name in step.outputs:
             entry.output_map[stage_tensor] = tensor_name
+    # What Triton's ensembles cannot say goes in `parameters`, as a config.pbtxt ensemble writes it.
+    if plan.response_cache:
+        config.response_cache.enable = True
+    switches = {}
+    text: dict[str, object]
+    for step in plan.steps:
+        when = step.when
+        if when is None:
+            continue
+        if when.switch is not None:
+            switches[when.switch.name] = when.switch
+            text = {"switch": when.switch.name, "case": when.case}
+        else:
+            assert when.comparison is not None
+            text = {"tensor": when.tensor, when.comparison.op: when.comparison.operand}
+        config.parameters[f"step.{step.index}.when"].string_value = _flow(text)
+    for name, switch in switches.items():
+        cases = [{"name": case, comparison.op: comparison.operand} for case, comparison in switch.cases]
+        config.parameters[f"switch.{name}"].string_value = _flow({"tensor": switch.tensor, "cases": cases})
+    if plan.optional_outputs:
+        config.parameters["optional_outputs"].string_value = ",".join(sorted(plan.optional_outputs))
     return config
+
+
+def _flow(value: object) -> str:
+    """YAML flow text on one line, as `ensemble_config` writes conditions into `parameters`."""
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
 
 
 # --- process entry point -----------------------------------------------------------------------------
@@ -562,6 +802,22 @@ DEFAULT_STAGES = (
     ("model", "MODEL_ADDRESS", "127.0.0.1:8102"),
     ("postprocess", "POSTPROCESS_ADDRESS", "127.0.0.1:8103"),
 )
+
+
+def byte_size(value: str) -> int:
+    """An argparse type: a number of bytes, with an optional k, M or G suffix (powers of 1024)."""
+    text = value.strip()
+    scale = {"k": 1024, "m": 1024**2, "g": 1024**3}.get(text[-1:].lower(), 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        size = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes such as 1048576 or 64M, got {value!r}"
+        ) from None
+    if size < 0:
+        raise argparse.ArgumentTypeError(f"a size cannot be negative, got {value!r}")
+    return size
 
 
 def stage_argument(value: str) -> tuple[str, str]:
@@ -631,6 +887,14 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "under overload; 0 for no limit (env PIPELINE_MAX_INFLIGHT_REQUESTS; default %(default)s)",
     )
     parser.add_argument(
+        "--cache-size",
+        type=byte_size,
+        default=byte_size(os.environ.get("PIPELINE_CACHE_SIZE", "0")),
+        help="bytes of the response cache (suffixes k, M, G: powers of 1024), for the stage models and ensembles "
+        "whose config enables response_cache; Triton's --cache-config local,size=N; 0 turns it off "
+        "(env PIPELINE_CACHE_SIZE; default %(default)s)",
+    )
+    parser.add_argument(
         "--max-batch-items",
         type=positive_int,
         default=int(os.environ.get("PIPELINE_MAX_BATCH_ITEMS", 1024)),
@@ -674,6 +938,7 @@ async def serve_router(
         ),
         max_inflight_requests=getattr(args, "max_inflight_requests", 0),
         max_batch_items=getattr(args, "max_batch_items", 0),
+        cache_size=getattr(args, "cache_size", 0),
     )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)

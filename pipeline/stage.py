@@ -85,6 +85,12 @@ class Stage(abc.ABC):
     #: numpy arithmetic), where two thread hand-offs per call would cost more than the work itself; anything
     #: that can take longer must leave it False, or it stalls every other request of the process.
     inline: bool = False
+    #: False for a model whose answer to the same request may differ (sampling, a clock, state): published in
+    #: its `ModelConfig` as parameter `deterministic: "false"`, so that its responses are never cached.
+    deterministic: bool = True
+    #: Ask the router to cache this model's responses (Triton's `response_cache { enable: true }`, which a
+    #: `config.pbtxt` may set instead; the router's `--cache-size` bounds the cache).
+    response_cache: bool = False
     #: The `parameters` of the model's `config.pbtxt` (string values), set before `load()` when the stage is
     #: served from a repository; empty otherwise.
     parameters: Mapping[str, str] = MappingProxyType({})

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.convert import batching_of_config, pad_values, specs_from_metadata
+from pipeline.convert import batching_of_config, is_deterministic, pad_values, specs_from_metadata
 from pipeline.errors import DeadlineExceeded, StageError, Unavailable
 from pipeline.metrics import Metrics
 from pipeline.plan import ModelSignature, StageEndpoint
@@ -209,8 +209,10 @@ class StageClient:
         what = f"model '{model}'"
         meta = await self.call("ModelMetadata", pb.ModelMetadataRequest(name=model), timeout=2.0, what=what)
         inputs, outputs = specs_from_metadata(meta.inputs), specs_from_metadata(meta.outputs)
+        cache, deterministic = False, True
         try:
             reply = await self.call("ModelConfig", pb.ModelConfigRequest(name=model), timeout=2.0, what=what)
+            cache, deterministic = reply.config.response_cache.enable, is_deterministic(reply.config)
             max_batch_size = reply.config.max_batch_size
             padding = pad_values(reply.config)
             inputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in inputs)
@@ -232,7 +234,9 @@ class StageClient:
             batches = all(spec.shape[:1] == (-1,) for spec in (*inputs, *outputs))
             max_batch_size = sys.maxsize if batches else 0
             batching = None
-        return ModelSignature(model, inputs, outputs, max_batch_size, batching)
+        return ModelSignature(
+            model, inputs, outputs, max_batch_size, batching, tuple(meta.versions), cache, deterministic
+        )
 
     async def check_health(self, timeout: float) -> bool:
         """Ask the stage's health service; remember and return whether it is SERVING."""

@@ -4,7 +4,8 @@ Durations are cumulative nanoseconds, as Triton reports them: `success` is whole
 they waited for a batch (or for the model's thread), `compute_input`/`compute_infer`/`compute_output` the
 decode, inference and encode times of the execution each rode in (a batch's times count once per request,
 as Triton counts them); `batch_stats` counts the
-executions of each batch size. perf_analyzer reads these for its server-side breakdown.
+executions of each batch size; `cache_hit` and `cache_miss` count the router's response cache lookups (a
+hit is a success without an execution). perf_analyzer reads these for its server-side breakdown.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class ModelStats:
     compute_infer: _Duration = field(default_factory=_Duration)
     compute_output: _Duration = field(default_factory=_Duration)
     batches: dict[int, _Duration] = field(default_factory=dict)
+    #: Requests answered from the router's response cache, and the time spent looking them up.
+    cache_hit: _Duration = field(default_factory=_Duration)
+    #: Requests the cache could not answer, and the time spent looking them up and storing their responses.
+    cache_miss: _Duration = field(default_factory=_Duration)
 
     def request_done(
         self,
@@ -61,6 +66,18 @@ class ModelStats:
         self.compute_infer.add(compute_ns)
         self.compute_output.add(output_ns)
         self.last_inference_ms = int(time.time() * 1000)
+
+    def cache_hit_done(self, *, items: int, total_ns: int, cache_ns: int) -> None:
+        """A request answered from the response cache: a success and an inference, but no execution (as
+        Triton counts a hit)."""
+        self.inference_count += items
+        self.success.add(total_ns)
+        self.cache_hit.add(cache_ns)
+        self.last_inference_ms = int(time.time() * 1000)
+
+    def cache_missed(self, cache_ns: int) -> None:
+        """A request the response cache could not answer; it is counted as it runs, as any other."""
+        self.cache_miss.add(cache_ns)
 
     def request_failed(self, total_ns: int) -> None:
         """A request failed (refused, timed out in the queue, or its execution failed)."""
@@ -85,6 +102,8 @@ class ModelStats:
                 compute_input=self.compute_input.proto(),
                 compute_infer=self.compute_infer.proto(),
                 compute_output=self.compute_output.proto(),
+                cache_hit=self.cache_hit.proto(),
+                cache_miss=self.cache_miss.proto(),
             ),
             batch_stats=[
                 pb.InferBatchStatistics(batch_size=size, compute_infer=d.proto())

@@ -61,6 +61,12 @@ BATCH_SIZE = "pipeline.batch.size"
 BATCH_REQUESTS = "pipeline.batch.requests"
 BATCH_TRACE_ID = "pipeline.batch.trace_id"
 BATCH_SPAN_ID = "pipeline.batch.span_id"
+#: On a step's span: True when the request skipped the step (a condition, or an input never produced),
+#: with the reason.
+STEP_SKIPPED = "pipeline.step.skipped"
+SKIP_REASON = "pipeline.step.skip_reason"
+#: On a request's span: True when the response came from the router's response cache.
+CACHE_HIT = "pipeline.cache.hit"
 PEER = "server.address"
 GRPC_STATUS = "rpc.grpc.status_code"
 ERROR_TYPE = "error.type"

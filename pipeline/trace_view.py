@@ -25,6 +25,8 @@ _SHOWN = {
     "pipeline.request_id": "id",
     "server.address": "peer",
     "rpc.grpc.status_code": "code",
+    "pipeline.step.skip_reason": "skipped",
+    "pipeline.cache.hit": "cache hit",
 }
 
 

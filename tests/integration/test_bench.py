@@ -234,3 +234,63 @@ async def test_cpu_per_request_is_read_from_each_process_metrics() -> None:
     assert per["gone"] is None and per["all"] is None, "a process that cannot be read leaves the sum unknown"
     assert report.to_dict()["results"][0]["cpu_us_per_request"]["stage"] == per["stage"]
     assert "CPU per request" in format_report(report) and "gone - us" in format_report(report)
+
+
+class Cached(Stage):
+    """A model the router caches: counts the requests that reach it."""
+
+    name = "cached_double"
+    max_batch_size = 16
+    response_cache = True
+    inputs = (TensorSpec("X", "FP32", (-1, 4)),)
+    outputs = (TensorSpec("Y", "FP32", (-1, 4)),)
+
+    def __init__(self) -> None:
+        self.seen: set[bytes] = set()
+        self.calls = 0
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.calls += 1
+        self.seen.add(inputs["X"].tobytes())
+        return {"Y": inputs["X"] * 2}
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+async def test_repeat_share_mixes_one_repeated_input_with_unique_ones(protocol: str, tmp_path: Path) -> None:
+    from pipeline.config import load_ensembles
+    from pipeline.testing import serving_router
+
+    stage = Cached()
+    async with serving_stages([stage]) as running:
+        await wait_serving(running.address)
+        (tmp_path / "e.yaml").write_text(
+            f"name: e\nstages: {{s: {{address: '{running.address}'}}}}\n"
+            "inputs: [{name: X, datatype: FP32, shape: [-1, 4]}]\n"
+            "outputs: [{name: Y, datatype: FP32, shape: [-1, 4]}]\n"
+            "steps: [{model_name: cached_double, stage: s, input_map: {X: X}, output_map: {Y: Y}}]\n"
+        )
+        async with serving_router(load_ensembles(tmp_path), options={"cache_size": 1 << 20}) as router:
+            await wait_serving(router.address)
+            url = router.address if protocol == "grpc" else router.http_address
+            report = await run_bench(
+                _options(url, "cached_double", protocol=protocol, concurrency=(2,), repeat_share=0.5)
+            )
+    result = report.results[0]
+    assert result.ok == result.sent > 10 and not result.errors
+    # Every input reached the stage once: the unique ones, and the repeated one the first time only.
+    assert len(stage.seen) == stage.calls
+    assert 0 < stage.calls < result.ok
+    stats = result.stages["cached_double"]
+    assert stats["cache_hits"] > 0 and stats["cache_misses"] > 0
+    assert "repeated inputs" in format_report(report)
+
+
+async def test_input_files_given_several_times_are_sent_in_turn(server, tmp_path: Path) -> None:
+    for name, value in (("a.npy", 1.0), ("b.npy", 2.0)):
+        np.save(tmp_path / name, np.full((1, 4), value, np.float32))
+    (tmp_path / "tag").write_bytes(b"t")
+    files = {"X": [tmp_path / "a.npy", tmp_path / "b.npy"], "TAG": [tmp_path / "tag"]}
+    report = await run_bench(_options(server.address, "double", input_files=files))
+    assert report.results[0].ok > 1
+    with pytest.raises(BenchError, match="repeat-share"):
+        await run_bench(_options(server.address, "double", input_files=files, repeat_share=0.5))

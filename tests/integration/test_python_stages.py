@@ -38,6 +38,7 @@ EXAMPLES = [
     "digits_postprocess",
     "embeddings_pool",
     "refcnn_postprocess",
+    "digits_blank",
 ]
 
 SCALE = """
@@ -77,7 +78,10 @@ async def test_the_example_stages_are_served_from_the_repository(tmp_path: Path)
         config = (await stub.ModelConfig(pb.ModelConfigRequest(name="digits_preprocess"))).config
         assert config.backend == "python" and config.max_batch_size == 256
         assert config.parameters["max_image_pixels"].string_value == "16000000"
-        assert [i.name for i in config.input] == ["IMAGE"] and [o.name for o in config.output] == ["PIXELS"]
+        assert [i.name for i in config.input] == ["IMAGE"] and [o.name for o in config.output] == [
+            "PIXELS",
+            "INK",
+        ]
 
         png = io.BytesIO()
         Image.new("L", (16, 16), 255).save(png, format="PNG")
@@ -334,8 +338,9 @@ async def test_the_ensembles_of_the_tree_run_unchanged_over_the_repository_stage
                 first: str, model: Stage, last: str, arrays: dict[str, np.ndarray]
             ) -> dict[str, np.ndarray]:
                 pre = example_stage(first).infer(arrays)
-                middle = model.infer({"INPUT": next(iter(pre.values()))} if len(pre) == 1 else pre)
-                return example_stage(last).infer(middle if len(pre) == 1 else {**pre, **middle})
+                # The image ensembles feed PIXELS to the model and only its output on; embeddings feed all.
+                middle = model.infer({"INPUT": pre["PIXELS"]} if "PIXELS" in pre else pre)
+                return example_stage(last).infer(middle if "PIXELS" in pre else {**pre, **middle})
 
             png = io.BytesIO()
             Image.fromarray(np.tril(np.full((24, 24), 255, np.uint8))).save(png, format="PNG")
@@ -345,6 +350,19 @@ async def test_the_ensembles_of_the_tree_run_unchanged_over_the_repository_stage
             expected = chain("digits_preprocess", models[0], "digits_postprocess", {"IMAGE": images})
             np.testing.assert_array_equal(out["LABEL"], expected["LABEL"])
             np.testing.assert_allclose(out["SCORES"], expected["SCORES"], rtol=1e-6)
+
+            # digits_gated: a digit goes the digits way; a blank image gets the fixed answer.
+            blank = io.BytesIO()
+            Image.fromarray(np.full((24, 24), 255, np.uint8)).save(blank, format="PNG")
+            for data, label, scores in (
+                (png.getvalue(), expected["LABEL"][:1], expected["SCORES"][:1]),
+                (blank.getvalue(), np.array([[-1]]), np.zeros((1, 10), np.float32)),
+            ):
+                image = np.empty((1, 1), object)
+                image[0, 0] = data
+                out = outputs(await stub.ModelInfer(request_for("digits_gated", IMAGE=image), timeout=30))
+                np.testing.assert_array_equal(out["LABEL"], label)
+                np.testing.assert_allclose(out["SCORES"], scores, rtol=1e-6)
 
             pictures = np.random.default_rng(3).integers(0, 256, (3, 3, 64, 64), dtype=np.uint8)
             out = outputs(await stub.ModelInfer(request_for("refcnn", IMAGE=pictures), timeout=30))

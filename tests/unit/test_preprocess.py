@@ -221,4 +221,7 @@ def test_declaration() -> None:
     assert stage.name == "digits_preprocess"
     assert stage.max_batch_size == 256
     assert [(t.name, t.datatype, t.shape) for t in stage.inputs] == [("IMAGE", "BYTES", (-1, 1))]
-    assert [(t.name, t.datatype, t.shape) for t in stage.outputs] == [("PIXELS", "FP32", (-1, 1, 8, 8))]
+    assert [(t.name, t.datatype, t.shape) for t in stage.outputs] == [
+        ("PIXELS", "FP32", (-1, 1, 8, 8)),
+        ("INK", "FP32", (-1, 1)),
+    ]

@@ -123,3 +123,24 @@ def test_pipeline_trace_prints_a_waterfall_with_the_linked_batch(tmp_path, capsy
     assert main(["trace", str(path), "--trace-id", first]) == 0
     assert "3 spans" in capsys.readouterr().out.splitlines()[0]
     assert main(["trace", str(path), "--trace-id", "ffff"]) == 1
+
+
+def test_pipeline_trace_marks_skipped_steps_and_cache_hits(tmp_path, capsys):
+    path = tmp_path / "traces.jsonl"
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(path)))
+    tracer = provider.get_tracer("test")
+    root = tracer.start_span("ModelInfer gated", attributes={"pipeline.cache.hit": False}, start_time=1000)
+    step = tracer.start_span(
+        "step digits_cnn",
+        context=set_span_in_context(root),
+        attributes={"pipeline.step.skipped": True, "pipeline.step.skip_reason": "condition not met"},
+        start_time=2000,
+    )
+    step.end(end_time=3000)
+    root.end(end_time=5000)
+    provider.shutdown()
+    assert main(["trace", str(path), "--last"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any("step digits_cnn" in line and "skipped=condition not met" in line for line in lines)
+    assert any("ModelInfer gated" in line and "cache hit=False" in line for line in lines)
