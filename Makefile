@@ -39,7 +39,7 @@ format: $(STAMP)
 
 ## protos: regenerate pipeline/_gen from protos/ (a test fails when they are stale)
 protos: $(STAMP)
-	$(BIN)/python -m pipeline.codegen
+	$(BIN)/python -m pipeline.tools.codegen
 
 ## k8s: regenerate the ensembles ConfigMap of deploy/k8s from ensembles/ (a test fails when it is stale)
 k8s: $(STAMP)

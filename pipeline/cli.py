@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pipeline", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    from pipeline.launcher import add_run_arguments, run
     from pipeline.router import add_router_arguments, run_router
+    from pipeline.tools.launcher import add_run_arguments, run
 
     run_parser = commands.add_parser("run", help="start the stage services and the router as local processes")
     add_run_arguments(run_parser)
@@ -100,13 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     infer.set_defaults(func=_infer)
 
-    from pipeline.bench import add_bench_arguments, run_bench_command
+    from pipeline.tools.bench import add_bench_arguments, run_bench_command
 
     bench = commands.add_parser("bench", help="load a model or ensemble and report throughput and latency")
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench_command)
 
-    from pipeline.trace_view import add_trace_arguments, run_trace_command
+    from pipeline.tools.trace_view import add_trace_arguments, run_trace_command
 
     trace = commands.add_parser(
         "trace", help="print a request's trace from a JSON-lines span file as a waterfall"

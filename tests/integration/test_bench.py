@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.bench import (
+from pipeline.errors import InvalidInput
+from pipeline.stage import Stage, TensorSpec
+from pipeline.testing import serving_stages
+from pipeline.tools.bench import (
     BenchError,
     BenchOptions,
     build_request,
@@ -25,9 +28,6 @@ from pipeline.bench import (
     write_json,
     write_plot,
 )
-from pipeline.errors import InvalidInput
-from pipeline.stage import Stage, TensorSpec
-from pipeline.testing import serving_stages
 from tests.conftest import wait_serving
 
 

@@ -1,6 +1,6 @@
 """The committed gRPC stubs are what protos/ generates (run `make protos` after editing a proto)."""
 
-from pipeline import codegen
+from pipeline.tools import codegen
 
 
 def test_generated_stubs_are_fresh():

@@ -38,9 +38,16 @@ from typing import Any
 import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.bench_endpoints import PROTOCOLS, Call, EndpointError, GrpcEndpoint, HttpEndpoint, open_endpoint
 from pipeline.convert import Tensor
 from pipeline.datatypes import DATATYPES
+from pipeline.tools.bench_endpoints import (
+    PROTOCOLS,
+    Call,
+    EndpointError,
+    GrpcEndpoint,
+    HttpEndpoint,
+    open_endpoint,
+)
 
 #: The `ServerMetadata.extensions` entry that says `ModelStatistics` is served.
 STATISTICS_EXTENSION = "statistics"
