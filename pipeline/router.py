@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -55,7 +56,7 @@ from pipeline.server import (
     start_metrics,
     write_port,
 )
-from pipeline.stage_client import StageClient
+from pipeline.stage_client import RESOLVE_INTERVAL_S, Resolve, StageClient
 from pipeline.statistics import ModelStats
 from pipeline.telemetry import ENSEMBLE, NO_SPAN, Telemetry
 
@@ -75,10 +76,14 @@ class RouterPlane(DataPlane):
         stage_credentials: grpc.ChannelCredentials | None = None,
         max_inflight_requests: int = 0,
         max_batch_items: int = 0,
+        resolve_interval: float | None = None,
+        resolve: Resolve | None = None,
     ) -> None:
         """`stage_credentials`: TLS for the stage calls. `max_inflight_requests`: inference requests the
         router holds at once (more are refused UNAVAILABLE at once, so memory stays bounded under overload;
-        0: no limit). `max_batch_items`: items (dimension 0) one request may carry (0: no limit)."""
+        0: no limit). `max_batch_items`: items (dimension 0) one request may carry (0: no limit).
+        `resolve_interval`: seconds between look-ups of the stages' DNS names (`resolve` looks them up;
+        tests give their own)."""
         self.catalog = catalog
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
@@ -91,6 +96,8 @@ class RouterPlane(DataPlane):
                 max_message_bytes=max_message_bytes,
                 metrics=self.metrics,
                 credentials=stage_credentials,
+                resolve_interval=resolve_interval,
+                resolve=resolve,
             )
             for key, endpoint in catalog.stages.items()
         }
@@ -130,6 +137,20 @@ class RouterPlane(DataPlane):
             lambda: [(model, b.inflight_batches) for model, (b, _) in batchers.items()],
         )
         self.metrics.gauge(
+            "pipeline_stage_inflight_calls",
+            "The router's calls in flight to each replica of a stage",
+            ("stage", "replica"),
+            lambda: [
+                ((key, r.address), r.outstanding) for key, c in clients.items() for r in c.replicas.values()
+            ],
+        )
+        self.metrics.gauge(
+            "pipeline_stage_replicas_ready",
+            "Replicas of the stage whose health says SERVING",
+            "stage",
+            lambda: [(key, c.ready_replicas) for key, c in clients.items()],
+        )
+        self.metrics.gauge(
             "pipeline_stage_healthy",
             "1 when the stage's health check says SERVING",
             "stage",
@@ -142,6 +163,8 @@ class RouterPlane(DataPlane):
         """Find the stage of every step that names none, learn every stage model's signature from its
         stage, waiting for stages that are not up yet, then check every ensemble against them (a mismatch
         raises `ConfigError`) and start the batchers."""
+        for client in self.clients.values():
+            client.start()
         await self._find_stages(retry_interval)
         waiting_since = time.monotonic()
         reported: set[str] = set()
@@ -277,7 +300,11 @@ class RouterPlane(DataPlane):
         """Keep each stage's health current, so readiness reflects stages that stop or return; `on_ready`
         hears of every change of `ready()` (the router's health service reports it)."""
         was_ready: bool | None = None
+        changed = asyncio.Event()
+        for client in self.clients.values():
+            client.listeners.append(changed.set)
         while True:
+            changed.clear()
             await asyncio.gather(*(c.check_health(timeout=interval) for c in self.clients.values()))
             ready = self.ready()
             if ready != was_ready and on_ready is not None:
@@ -287,7 +314,9 @@ class RouterPlane(DataPlane):
                     "router %s", "ready: every stage is serving" if ready else "not ready: a stage is down"
                 )
             was_ready = ready
-            await asyncio.sleep(interval)
+            # The replicas' health watches wake this at once when a stage's readiness changes.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), interval)
 
     def ready(self) -> bool:
         return (
@@ -637,6 +666,14 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="items (dimension 0) one request may carry, whatever the model allows "
         "(env PIPELINE_MAX_BATCH_ITEMS; default %(default)s)",
     )
+    parser.add_argument(
+        "--resolve-interval",
+        type=float,
+        default=RESOLVE_INTERVAL_S,
+        help="seconds between look-ups of the stages' DNS names: a new replica gets calls, and one that is "
+        "gone stops getting them, within about this long (env PIPELINE_RESOLVE_INTERVAL_S; default "
+        "%(default)s)",
+    )
     add_http_arguments(parser)
     add_auth_arguments(parser)
     add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
@@ -651,6 +688,7 @@ async def serve_router(
     telemetry: Telemetry | None = None,
     metrics: Metrics | None = None,
     http_bound: Callable[[int], None] | None = None,
+    resolve: Resolve | None = None,
 ) -> None:
     """Serve the ensembles until a signal (or `stopping`): listen, wait for the stages and check the plans,
     then SERVING. `bound` is called with the port once the server listens (`http_bound` with the HTTP
@@ -674,6 +712,8 @@ async def serve_router(
         ),
         max_inflight_requests=getattr(args, "max_inflight_requests", 0),
         max_batch_items=getattr(args, "max_batch_items", 0),
+        resolve_interval=getattr(args, "resolve_interval", None),
+        resolve=resolve,
     )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)

@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
 
 import pipeline
 from pipeline._gen.inference import grpc_service_pb2 as pb
@@ -34,7 +36,14 @@ from pipeline.convert import (
     infer_response,
 )
 from pipeline.datatypes import DATATYPES, datatype_of
-from pipeline.errors import ModelNotFound, PipelineError, Unimplemented
+from pipeline.errors import (
+    ERROR_DOMAIN,
+    NOT_STARTED,
+    ModelNotFound,
+    PipelineError,
+    Unavailable,
+    Unimplemented,
+)
 from pipeline.metrics import Metrics, metrics_port
 from pipeline.security import SecurityConfigError, add_tls_arguments, server_credentials_of
 from pipeline.stage import Stage, TensorSpec
@@ -123,12 +132,32 @@ async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
     try:
         return await work
     except PipelineError as err:
-        await context.abort(err.code, err.message)
+        await context.abort(err.code, err.message, trailing_metadata=status_details(err))
     except grpc.aio.AbortError:
         raise
     except Exception:
         await context.abort(grpc.StatusCode.INTERNAL, internal_error())
     raise AssertionError("unreachable: abort raises")
+
+
+def status_details(err: PipelineError) -> tuple[tuple[str, bytes], ...]:
+    """The `google.rpc.Status` details of an error, as trailing metadata (grpcio-status): a `BadRequest`
+    field violation `TENSOR[i]` per refused item, and `ErrorInfo` NOT_STARTED on an UNAVAILABLE (the call was
+    refused before it started, so a client may send it to another replica)."""
+    details = []
+    if err.items:
+        bad = error_details_pb2.BadRequest()
+        for item in err.items:
+            bad.field_violations.add(field=item.field, description=item.description)
+        details.append(bad)
+    if isinstance(err, Unavailable):
+        details.append(error_details_pb2.ErrorInfo(reason=NOT_STARTED, domain=ERROR_DOMAIN))
+    if not details:
+        return ()
+    status = status_pb2.Status(code=err.code.value[0], message=err.message)
+    for detail in details:
+        status.details.add().Pack(detail)
+    return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 def internal_error() -> str:
