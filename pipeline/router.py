@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import time
 import types
 from collections.abc import Awaitable, Callable
@@ -59,6 +60,7 @@ from pipeline.server import (
 from pipeline.stage_client import RESOLVE_INTERVAL_S, Resolve, StageClient
 from pipeline.statistics import ModelStats
 from pipeline.telemetry import ENSEMBLE, NO_SPAN, Telemetry
+from pipeline.workers import WorkerPeers, merge_statistics, run_workers
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,8 @@ class RouterPlane(DataPlane):
         #: Every model of the stages' repositories -> the first declared stage that serves it.
         self.repository_models: dict[str, str] = {}
         self._refreshing: asyncio.Future[None] | None = None
+        #: The other router workers on this port (`--workers`), whose statistics are summed with ours.
+        self.peers: WorkerPeers | None = None
         self.executor = Executor(self.clients, telemetry=self.telemetry, metrics=self.metrics)
         self.signatures = self.executor.signatures
         self.batchers = self.executor.batchers
@@ -491,6 +495,14 @@ class RouterPlane(DataPlane):
         return response
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        """This router's statistics; with several workers, every worker's summed (one view)."""
+        own = await self.local_statistics(name, version)
+        if self.peers is None:
+            return own
+        return merge_statistics([own, *await self.peers.peer_statistics(name, version)])
+
+    async def local_statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        """This process's own statistics."""
         names = [name] if name else sorted({*self.stats, *self.repository_models})
         reply = pb.ModelStatisticsResponse()
         for model in names:
@@ -667,6 +679,14 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "(env PIPELINE_MAX_BATCH_ITEMS; default %(default)s)",
     )
     parser.add_argument(
+        "--workers",
+        type=positive_int,
+        default=int(os.environ.get("PIPELINE_ROUTER_WORKERS", 1)),
+        help="router processes serving the same ports (SO_REUSEPORT: the kernel spreads connections over "
+        "them); each batches its own share, and metrics and statistics cover them all "
+        "(env PIPELINE_ROUTER_WORKERS; default %(default)s)",
+    )
+    parser.add_argument(
         "--resolve-interval",
         type=float,
         default=RESOLVE_INTERVAL_S,
@@ -715,6 +735,9 @@ async def serve_router(
         resolve_interval=getattr(args, "resolve_interval", None),
         resolve=resolve,
     )
+    plane.peers = peers = WorkerPeers.from_env()
+    # A worker of `--workers N` shares its ports with the others.
+    args.reuse_port = peers is not None
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
     servicer = InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics)
@@ -731,6 +754,7 @@ async def serve_router(
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=server_credentials_of(args),
         interceptors=[AuthInterceptor(authenticator)] if authenticator is not None else (),
+        reuse_port=args.reuse_port,
     )
     monitor: asyncio.Task[None] | None = None
 
@@ -745,6 +769,8 @@ async def serve_router(
 
     async def start() -> None:
         nonlocal monitor
+        if peers is not None:
+            await peers.start(plane.local_statistics)
         start_metrics(metrics, args)
         await rest.start(args, http_bound)
         write_port(args.port_file, port)
@@ -762,6 +788,8 @@ async def serve_router(
         if monitor is not None:
             monitor.cancel()
         await rest.stop()
+        if peers is not None:
+            await peers.stop()
         await plane.close()
         metrics.close()
         if owned:
@@ -782,6 +810,8 @@ async def serve_router(
 def run_router(args: argparse.Namespace) -> int:
     """Entry point of the router process."""
     configure_logging(args.log_level, "router")
+    if args.workers > 1:
+        return run_workers(args, sys.argv[1:])
     try:
         asyncio.run(serve_router(args))
     except (ConfigError, SecurityConfigError) as err:

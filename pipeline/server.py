@@ -360,16 +360,20 @@ async def create_server(
     max_message_bytes: int = 64 * 1024 * 1024,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
     """An aio server (not started) with inference, health and reflection; returns it and its bound port.
 
-    With `credentials` it listens with TLS only; `interceptors` (e.g. authentication) see every call."""
+    With `credentials` it listens with TLS only; `interceptors` (e.g. authentication) see every call;
+    `reuse_port` shares the port with other processes that ask for it too (`SO_REUSEPORT`)."""
     options = [
         *server_options(max_message_bytes),
         ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
         # In-flight calls on a recycled connection get this long to finish.
         ("grpc.max_connection_age_grace_ms", 60_000),
     ]
+    if reuse_port:
+        options.append(("grpc.so_reuseport", 1))
     server = grpc.aio.server(options=options, interceptors=list(interceptors) or None)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
