@@ -524,7 +524,7 @@ async def serve(
     """Run a server until `stopping` is set (by default: SIGTERM or SIGINT), then drain.
 
     Draining reports NOT_SERVING first and keeps serving for `drain_delay` seconds, so that clients that
-    watch health (the router's round robin does) move to other replicas before any call is refused; then it
+    watch health (the router does) move to other replicas before any call is refused; then it
     refuses new RPCs and gives in-flight ones `grace` seconds.
     """
     loop = asyncio.get_running_loop()

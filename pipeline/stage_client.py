@@ -292,6 +292,7 @@ class StageClient:
         if credentials is not None and (name := _tls_name(endpoint.address)) is not None:
             self._options.append(("grpc.ssl_target_name_override", name))
         self.replicas: dict[str, Replica] = {}
+        self._watching = False
         self.listeners: list[Callable[[], None]] = []
         self.healthy = False
         self._ready_count = 0
@@ -321,7 +322,18 @@ class StageClient:
         if known:  # a newcomer is assumed as fast as the fastest, so it gets calls at once, not all of them
             replica.latency, replica.sampled = min(known), time.monotonic()
         self.replicas[address] = replica
-        replica.watch = asyncio.get_running_loop().create_task(self._watch(replica))
+        self._watch_all()
+
+    def _watch_all(self) -> None:
+        """Start the health watch of every replica that has none (once an event loop runs)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # made outside the loop: `start()` or the first call starts the watches
+        self._watching = True
+        for replica in self.replicas.values():
+            if replica.watch is None:
+                replica.watch = loop.create_task(self._watch(replica))
 
     def _remove(self, address: str) -> None:
         replica = self.replicas.pop(address)
@@ -356,6 +368,7 @@ class StageClient:
 
     def start(self) -> None:
         """Look the name up again every `resolve_interval` seconds (a fixed target needs no look-up)."""
+        self._watch_all()
         if self._resolver is None and not self.target.fixed:
             self._resolver = asyncio.get_running_loop().create_task(self._resolve_loop())
 
@@ -367,6 +380,8 @@ class StageClient:
     async def _ready(self) -> None:
         if self._resolved is not None and not self._resolved.is_set():
             await self.refresh()
+        if not self._watching:
+            self._watch_all()
 
     async def _watch(self, replica: Replica) -> None:
         """Follow a replica's `grpc.health.v1` Watch: NOT_SERVING (loading, draining) takes it out of
