@@ -135,19 +135,13 @@ def merge_statistics(replies: Sequence[pb.ModelStatisticsResponse]) -> pb.ModelS
                 mine, theirs = getattr(into.inference_stats, field), getattr(stats.inference_stats, field)
                 mine.count += theirs.count
                 mine.ns += theirs.ns
-            sizes = {b.batch_size: b for b in into.batch_stats}
+            sizes = {b.batch_size: (b.compute_infer.count, b.compute_infer.ns) for b in into.batch_stats}
             for batch in stats.batch_stats:
-                if batch.batch_size in sizes:
-                    sizes[batch.batch_size].compute_infer.count += batch.compute_infer.count
-                    sizes[batch.batch_size].compute_infer.ns += batch.compute_infer.ns
-                else:
-                    into.batch_stats.add().CopyFrom(batch)
-            ordered = sorted(into.batch_stats, key=lambda b: b.batch_size)
-            copies = [pb.InferBatchStatistics() for _ in ordered]
-            for copy, batch in zip(copies, ordered, strict=True):
-                copy.CopyFrom(batch)
+                count, ns = sizes.get(batch.batch_size, (0, 0))
+                sizes[batch.batch_size] = (count + batch.compute_infer.count, ns + batch.compute_infer.ns)
             del into.batch_stats[:]
-            into.batch_stats.extend(copies)
+            for size, (count, ns) in sorted(sizes.items()):
+                into.batch_stats.add(batch_size=size, compute_infer=pb.StatisticDuration(count=count, ns=ns))
     return pb.ModelStatisticsResponse(model_stats=list(merged.values()))
 
 
