@@ -109,7 +109,8 @@ def run(name: str, variant: Variant, results: Path, duration: float) -> dict:
         router_command += ["--workers", str(variant.workers), "--http-port", "off", "--metrics-port", "off"]
         router, router_address = start("router", router_command, folder, env)
         processes.insert(0, router)
-        wait_ready(router_address)
+        for address in [*models, router_address]:
+            wait_ready(address)
         model_name = {"embeddings": "minilm_encoder", "refcnn": "refcnn_cnn"}[variant.ensemble]
         before = [executions(a, model_name) for a in models]
         sentence = folder / "sentence.txt"

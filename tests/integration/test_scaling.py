@@ -9,10 +9,13 @@ import time
 import grpc
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.config import load_ensembles
 from pipeline.convert import response_tensors
 from pipeline.errors import InvalidInput, ItemError, Unavailable
+from pipeline.metrics import Metrics
 from pipeline.stage import Stage, TensorSpec
 from pipeline.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
@@ -95,8 +98,9 @@ async def test_two_replicas_have_two_batches_in_flight(tmp_path):
         ensemble(
             tmp_path, f"ipv4:{first.address},{second.address}", "{max_batch_size: 4, max_inflight_batches: 1}"
         )
+        metrics = Metrics()
         async with (
-            serving_router(load_ensembles([tmp_path])) as router,
+            serving_router(load_ensembles([tmp_path]), metrics=metrics) as router,
             inference_stub(router.address) as stub,
         ):
             await wait_serving(router.address)
@@ -107,6 +111,14 @@ async def test_two_replicas_have_two_batches_in_flight(tmp_path):
                 # Both replicas hold a batch at the same time: one batch in flight per ready replica.
                 assert await asyncio.to_thread(a.entered.wait, 15)
                 assert await asyncio.to_thread(b.entered.wait, 15)
+                # ... and the router says so, per replica, to Prometheus.
+                inflight = {
+                    sample.labels["replica"]: sample.value
+                    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+                    if family.name == "pipeline_stage_inflight_calls"
+                    for sample in family.samples
+                }
+                assert inflight == {f"ipv4:{first.address}": 1, f"ipv4:{second.address}": 1}
             finally:
                 release.set()
             for reply in await asyncio.gather(*calls):
