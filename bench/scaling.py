@@ -78,6 +78,12 @@ def wait_ready(address: str, timeout: float = 90) -> None:
     raise TimeoutError(f"{address} not ready")
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def executions(address: str, model: str) -> int:
     with grpc.insecure_channel(address) as channel:
         reply = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
@@ -118,6 +124,9 @@ def run(name: str, variant: Variant, results: Path, duration: float) -> dict:
         inputs = ["--input-file", f"TEXT={sentence}"] if variant.ensemble == "embeddings" else []
         load = os.getloadavg()
         out = results / f"{name}.json"
+        named = {"router": router, "preprocess": pre, "postprocess": post}
+        named.update({f"model-{i}": p for i, p in enumerate(processes[3:])})
+        cpu_before, wall_before = {n: cpu_seconds(p.pid) for n, p in named.items()}, time.monotonic()
         subprocess.run(
             [
                 *(sys.executable, "-m", "pipeline", "bench", "--url", router_address),
@@ -129,6 +138,9 @@ def run(name: str, variant: Variant, results: Path, duration: float) -> dict:
             check=True,
             stdout=subprocess.DEVNULL,
         )
+        wall = time.monotonic() - wall_before
+        # Cores each process used while the load ran (a router with workers: its parent only).
+        cores = {n: round((cpu_seconds(p.pid) - cpu_before[n]) / wall, 2) for n, p in named.items()}
         calls = [executions(a, model_name) - b for a, b in zip(models, before, strict=True)]
         level = json.loads(out.read_text())["results"][0]
         stage = level["stages"].get(model_name, {})
@@ -140,6 +152,7 @@ def run(name: str, variant: Variant, results: Path, duration: float) -> dict:
             "errors": level["errors"],
             "mean_batch": stage.get("mean_batch_size"),
             "replica_calls": calls,
+            "cores": cores,
             "loadavg_before": [round(x, 2) for x in load],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         }
