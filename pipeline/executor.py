@@ -239,7 +239,7 @@ class Executor:
                     step.model_name, stage_call, deadline, request.parameters, self.telemetry.current_span()
                 )
             except StageError as err:
-                raise StageError(f"{step.label}: {err.message}", err.code) from None
+                raise StageError(f"{step.label}: {err.message}", err.code, items=err.items) from None
         else:
             produced = await self._call_stage(step, values, request.id, deadline, metadata)
         outputs = {}

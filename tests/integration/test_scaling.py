@@ -17,6 +17,7 @@ from pipeline.convert import response_tensors
 from pipeline.errors import InvalidInput, ItemError, Unavailable
 from pipeline.metrics import Metrics
 from pipeline.stage import Stage, TensorSpec
+from pipeline.stage_client import item_errors
 from pipeline.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
 
@@ -229,6 +230,10 @@ async def test_k_bad_items_cost_one_more_stage_call(tmp_path):
     for result, index in ((results[1], 1), (results[3], 0)):
         assert isinstance(result, grpc.aio.AioRpcError) and result.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"X[{index}]: must not be negative" in result.details(), result.details()
+        # The router passes the refused item on as details too, with the request's own index.
+        assert [(i.field, i.description) for i in item_errors(result)] == [
+            (f"X[{index}]", "must not be negative")
+        ]
 
 
 async def test_a_stage_sends_each_refused_item_as_a_field_violation():
