@@ -59,7 +59,8 @@ class BatchingConfig:
     default_priority_level: int = 0
     #: Complete requests in the order they arrived, even when a later batch finishes first.
     preserve_ordering: bool = False
-    #: How many batches may be in flight to the stage model at once.
+    #: How many batches may be in flight at once to each ready replica of the stage (with 3 replicas
+    #: serving and 1 here, 3 batches are in flight).
     max_inflight_batches: int = 1
     #: Send queued requests at once when a slot is free instead of waiting out the delay.
     idle_dispatch: bool = True
@@ -227,8 +228,12 @@ class DynamicBatcher(Generic[In, Out]):
         telemetry: Telemetry | None = None,
         metrics: Metrics | None = None,
         model: str = "",
+        replicas: Callable[[], int] | None = None,
     ) -> None:
+        """`replicas` says how many replicas of the stage are ready now (at least 1 is assumed): the batches
+        in flight are `max_inflight_batches` times that. Call `replicas_changed()` when it changes."""
         self.name = name
+        self._replicas = replicas
         #: The model's name in span attributes and metric labels.
         self.model = model or name
         self._telemetry = telemetry if telemetry is not None and telemetry.enabled else None
@@ -284,6 +289,16 @@ class DynamicBatcher(Generic[In, Out]):
     @property
     def inflight_batches(self) -> int:
         return self._busy
+
+    @property
+    def max_inflight(self) -> int:
+        """Batches allowed in flight now: `max_inflight_batches` per ready replica."""
+        replicas = self._replicas() if self._replicas is not None else 1
+        return self.config.max_inflight_batches * max(1, replicas)
+
+    def replicas_changed(self) -> None:
+        """The stage's ready replicas changed: a new one may take a queued batch now."""
+        self._wake.set()
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -357,7 +372,7 @@ class DynamicBatcher(Generic[In, Out]):
         if (
             config.idle_dispatch
             and not self._queued
-            and self._busy < config.max_inflight_batches
+            and self._busy < self.max_inflight
             and not (config.batch_upcoming and self._upcoming > 0)
         ):
             # NOTE: nothing waits and a slot is free (every request at low load): the batch of one runs in
@@ -426,7 +441,7 @@ class DynamicBatcher(Generic[In, Out]):
             self._wake.clear()
             now = self._clock.now()
             wake_at = None
-            while self._queued and self._busy < self.config.max_inflight_batches:
+            while self._queued and self._busy < self.max_inflight:
                 batch, wake_at = self._form(now)
                 if batch is None:
                     break

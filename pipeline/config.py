@@ -143,7 +143,7 @@ class DynamicBatchingConfig(_Schema):
     priority_levels: NonNegativeInt = 0
     default_priority_level: NonNegativeInt = 0
     preserve_ordering: bool = False
-    max_inflight_batches: PositiveInt = 1
+    max_inflight_batches: PositiveInt = 1  # per ready replica of the stage
     idle_dispatch: bool = True
     batch_upcoming: bool = True
 

@@ -6,13 +6,48 @@ handler is an internal error and its details are logged, not sent to the client.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import grpc
+
+#: `google.rpc.ErrorInfo` that a server puts on a deliberate UNAVAILABLE (a model not loaded yet, a full
+#: queue): it did not start the call, which may go to another replica, never back to the same one.
+ERROR_DOMAIN = "pipeline.inference"
+NOT_STARTED = "NOT_STARTED"
+
+_FIELD = re.compile(r"(.+)\[(\d+)\]")
+
+
+@dataclass(frozen=True, slots=True)
+class ItemError:
+    """One refused item of a batch: the tensor, the item's index in dimension 0, and what is wrong. Sent
+    as a `google.rpc.BadRequest` field violation whose field is `TENSOR[index]`."""
+
+    tensor: str
+    index: int
+    description: str
+
+    @property
+    def field(self) -> str:
+        return f"{self.tensor}[{self.index}]"
+
+    @classmethod
+    def from_field(cls, field: str, description: str) -> ItemError | None:
+        """The item a field violation names, or None when its field is not `TENSOR[index]`."""
+        match = _FIELD.fullmatch(field)
+        if match is None:
+            return None
+        return cls(match.group(1), int(match.group(2)), description)
 
 
 class PipelineError(Exception):
     """Base class: an error whose message is safe to show to the client."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    #: The items of a batch this error is about, sent to the client as structured details.
+    items: tuple[ItemError, ...] = ()
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -20,9 +55,21 @@ class PipelineError(Exception):
 
 
 class InvalidInput(PipelineError):
-    """The request is malformed: wrong tensor name, datatype, shape, byte count or content."""
+    """The request is malformed: wrong tensor name, datatype, shape, byte count or content.
+
+    `items` names the refused items of a batch (each tensor and index); `for_items` builds the error from
+    every bad item a stage found, so one answer reports them all."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, *, items: Sequence[ItemError] = ()) -> None:
+        super().__init__(message)
+        self.items = tuple(items)
+
+    @classmethod
+    def for_items(cls, items: Sequence[ItemError]) -> InvalidInput:
+        """One error for several bad items: the message lists each as `TENSOR[i]: what`."""
+        return cls("; ".join(f"{item.field}: {item.description}" for item in items), items=items)
 
 
 class ModelNotFound(PipelineError):
@@ -58,6 +105,7 @@ class Unimplemented(PipelineError):
 class StageError(PipelineError):
     """A stage answered with an error; the router passes its code on and names the stage."""
 
-    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+    def __init__(self, message: str, code: grpc.StatusCode, *, items: Sequence[ItemError] = ()) -> None:
         super().__init__(message)
         self.code = code
+        self.items = tuple(items)

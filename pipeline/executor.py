@@ -10,6 +10,8 @@ split back by offsets (`pipeline.merge`); an item the stage refuses fails only t
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +32,7 @@ from pipeline.convert import (
     validate_inputs,
 )
 from pipeline.datatypes import element_count
-from pipeline.errors import DeadlineExceeded, InvalidInput, PipelineError, StageError
+from pipeline.errors import DeadlineExceeded, InvalidInput, ItemError, PipelineError, StageError
 from pipeline.merge import StageCall, TensorBatching
 from pipeline.metrics import Metrics
 from pipeline.plan import EnsemblePlan, ModelSignature, PlanStep
@@ -88,8 +90,15 @@ class Executor:
             return await self._execute_batch(model, client, tensors, calls)
 
         batcher: DynamicBatcher[StageCall, dict[str, Tensor]] = DynamicBatcher(
-            name, execute, config, telemetry=self.telemetry, metrics=self.metrics, model=model
+            name,
+            execute,
+            config,
+            telemetry=self.telemetry,
+            metrics=self.metrics,
+            model=model,
+            replicas=lambda: client.ready_replicas,
         )
+        client.listeners.append(batcher.replicas_changed)
         batcher.start()
         self.batchers[model] = (batcher, tensors)
 
@@ -177,17 +186,20 @@ class Executor:
         try:
             response = await client.call("ModelInfer", request, timeout=timeout, metadata=metadata, what=what)
         except StageError as err:
-            culprit = _item_error(err, calls) if len(calls) > 1 else None
-            if culprit is None:
+            refused = _item_errors(err, calls) if len(calls) > 1 else {}
+            if not refused or len(refused) == len(calls):
+                if refused:  # every request carried a bad item: each hears of its own
+                    return [refused[i] for i in range(len(calls))]
                 raise
-            # Answer the request whose item was refused, and run the others again without it.
-            index, error = culprit
+            # Answer the requests whose items were refused, and send the others again without them: one
+            # more stage call, however many items were bad (the stage reports them all).
             if self.telemetry.enabled and (span := self.telemetry.current_span()) is not None:
-                span.add_event("item refused; the rest sent again", {"pipeline.batch.item": index})
-            rest = [call for i, call in enumerate(calls) if i != index]
-            results = await self._execute_batch(model, client, tensors, rest)
-            results.insert(index, error)
-            return results
+                span.add_event(
+                    "items refused; the rest sent again", {"pipeline.batch.items": sorted(refused)}
+                )
+            rest = [call for i, call in enumerate(calls) if i not in refused]
+            answers = iter(await self._execute_batch(model, client, tensors, rest))
+            return [refused[i] if i in refused else next(answers) for i in range(len(calls))]
         if self.on_version is not None:
             self.on_version(model, calls[0].version, response.model_version)
         return list(tensors.split(response_tensors(response), calls))
@@ -320,7 +332,7 @@ class Executor:
                     expected=expected,
                 )
             except StageError as err:
-                raise StageError(f"{step.label}: {err.message}", err.code) from None
+                raise StageError(f"{step.label}: {err.message}", err.code, items=err.items) from None
         else:
             produced = await self._call_stage(step, values, request.id, deadline, metadata)
         outputs = {}
@@ -418,24 +430,35 @@ def batch_items(signature: ModelSignature | None, shape: Sequence[int]) -> int:
     return 1
 
 
-_ITEM = re.compile(r"\b[A-Za-z_][\w.]*\[(\d+)\]")
+#: A foreign stage's refusal names its item only in the message (`NAME[i]: ...`); ours send details.
+_ITEM = re.compile(r"\b([A-Za-z_][\w.]*)\[(\d+)\]")
 
 
-def _item_error(err: StageError, calls: Sequence[StageCall]) -> tuple[int, StageError] | None:
-    """Which request of a batch a stage's INVALID_ARGUMENT `NAME[i]: ...` is about, with i made its own."""
+def _item_errors(err: StageError, calls: Sequence[StageCall]) -> dict[int, StageError]:
+    """Which requests of a batch a stage's INVALID_ARGUMENT refused, each with its own error (its items'
+    indices made its own). The items come from the error's `BadRequest` details; from a stage that sends
+    none, the first `NAME[i]` of the message."""
     if err.code != grpc.StatusCode.INVALID_ARGUMENT:
-        return None
-    match = _ITEM.search(err.message)
-    if match is None:
-        return None
-    row = int(match.group(1))
-    offset = 0
-    for index, call in enumerate(calls):
-        if row < offset + call.size:
-            local = err.message[: match.start(1)] + str(row - offset) + err.message[match.end(1) :]
-            return index, StageError(local, err.code)
-        offset += call.size
-    return None
+        return {}
+    items = list(err.items)
+    if not items:
+        match = _ITEM.search(err.message)
+        if match is None:
+            return {}
+        items = [ItemError(match.group(1), int(match.group(2)), err.message[match.end() :].lstrip(": "))]
+    starts = list(itertools.accumulate((call.size for call in calls), initial=0))
+    mine: dict[int, list[ItemError]] = {}
+    for item in items:
+        index = bisect.bisect_right(starts, item.index) - 1
+        if not 0 <= index < len(calls) or item.index >= starts[-1]:
+            return {}  # an index outside the batch: the error is not about items of this batch
+        mine.setdefault(index, []).append(
+            ItemError(item.tensor, item.index - starts[index], item.description)
+        )
+    return {
+        index: StageError(InvalidInput.for_items(own).message, err.code, items=own)
+        for index, own in mine.items()
+    }
 
 
 def _int_parameter(parameters: Mapping[str, pb.InferParameter], key: str) -> int | None:

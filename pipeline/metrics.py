@@ -12,8 +12,11 @@ health) are read from their owners only when Prometheus scrapes, so they cost no
 | `pipeline_compute_duration_seconds` | model | time of one execution: a stage call (router), `infer` (stage) |
 | `pipeline_batch_size` | model | items per execution |
 | `pipeline_stage_calls_total` | stage, outcome | the router's calls of each stage, by gRPC status code name |
+| `pipeline_stage_retries_total` | stage | calls the router sent again (to another replica, within the retry budget) |
 | `pipeline_queue_depth` | model | requests waiting now |
 | `pipeline_inflight_batches` | model | executions running now |
+| `pipeline_stage_inflight_calls` | stage, replica | the router's calls in flight to each replica now |
+| `pipeline_stage_replicas_ready` | stage | replicas whose health says SERVING (router) |
 | `pipeline_stage_healthy` | stage | 1 when the stage's health check says SERVING (router) |
 | `pipeline_branch_requests_total` | ensemble, step, taken | requests that ran (`true`) or skipped (`false`) each step of an ensemble with conditions (router) |
 | `pipeline_cache_requests_total` | model, result | lookups in the response cache: `hit` or `miss` (router) |
@@ -58,8 +61,9 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
-#: A gauge source: returns (label value, value) pairs when scraped.
-GaugeSource = Callable[[], Iterable[tuple[str, float]]]
+#: A gauge source: returns (label value, value) pairs when scraped; the label value is a tuple where the
+#: gauge has several labels.
+GaugeSource = Callable[[], Iterable[tuple[str | tuple[str, ...], float]]]
 #: A server's `ModelStatistics` (its data plane's `statistics(name, version)`), every model when name is "".
 StatisticsSource = Callable[[str, str], Coroutine[Any, Any, pb.ModelStatisticsResponse]]
 
@@ -129,7 +133,7 @@ TRITON_PENDING = (
 class _Gauge:
     name: str
     documentation: str
-    label: str
+    labels: tuple[str, ...]
     source: GaugeSource
 
 
@@ -145,10 +149,10 @@ class _Gauges(Collector):
             family = families.get(gauge.name)
             if family is None:
                 family = families[gauge.name] = GaugeMetricFamily(
-                    gauge.name, gauge.documentation, labels=[gauge.label]
+                    gauge.name, gauge.documentation, labels=list(gauge.labels)
                 )
             for label, value in gauge.source():
-                family.add_metric([label], value)
+                family.add_metric([label] if isinstance(label, str) else list(label), value)
         return list(families.values())
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
@@ -214,6 +218,12 @@ class Metrics:
             "Entries the response cache dropped to stay within its size",
             registry=r,
         )
+        self.stage_retries = Counter(
+            "pipeline_stage_retries",
+            "Stage calls the router sent again, within the stage's retry budget",
+            ["stage"],
+            registry=r,
+        )
         self._gauges = _Gauges()
         r.register(self._gauges)
         ProcessCollector(registry=r)
@@ -222,9 +232,10 @@ class Metrics:
         self._server: ThreadingHTTPServer | None = None
         self.port: int | None = None
 
-    def gauge(self, name: str, documentation: str, label: str, source: GaugeSource) -> None:
+    def gauge(self, name: str, documentation: str, label: str | tuple[str, ...], source: GaugeSource) -> None:
         """Add a gauge read from `source` at scrape time (several sources may share a name)."""
-        self._gauges.gauges.append(_Gauge(name, documentation, label, source))
+        labels = (label,) if isinstance(label, str) else label
+        self._gauges.gauges.append(_Gauge(name, documentation, labels, source))
 
     def export_statistics(self, source: StatisticsSource) -> None:
         """Export Triton's `nv_inference_*` metrics of every model `source` (a data plane's statistics)

@@ -609,7 +609,9 @@ class RestServer:
             self.front_door.app(), access_log=None, shutdown_timeout=self.grace, auto_decompress=False
         )
         await runner.setup()
-        site = web.TCPSite(runner, args.host, port, ssl_context=ssl_context)
+        # Router workers share the port (SO_REUSEPORT), as their gRPC servers do.
+        reuse_port = getattr(args, "reuse_port", False) or None
+        site = web.TCPSite(runner, args.host, port, ssl_context=ssl_context, reuse_port=reuse_port)
         try:
             await site.start()
         except OSError:

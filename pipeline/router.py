@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import sys
 import time
 import types
 from collections.abc import Awaitable, Callable, Mapping
@@ -57,9 +59,10 @@ from pipeline.server import (
     start_metrics,
     write_port,
 )
-from pipeline.stage_client import StageClient
+from pipeline.stage_client import RESOLVE_INTERVAL_S, Resolve, StageClient
 from pipeline.statistics import ModelStats
 from pipeline.telemetry import CACHE_HIT, ENSEMBLE, NO_SPAN, Telemetry
+from pipeline.workers import WorkerPeers, merge_statistics, run_workers
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +81,15 @@ class RouterPlane(DataPlane):
         max_inflight_requests: int = 0,
         max_batch_items: int = 0,
         cache_size: int = 0,
+        resolve_interval: float | None = None,
+        resolve: Resolve | None = None,
     ) -> None:
         """`stage_credentials`: TLS for the stage calls. `max_inflight_requests`: inference requests the
         router holds at once (more are refused UNAVAILABLE at once, so memory stays bounded under overload;
         0: no limit). `max_batch_items`: items (dimension 0) one request may carry (0: no limit).
-        `cache_size`: bytes of the response cache, for the models and ensembles that enable it (0: off)."""
+        `cache_size`: bytes of the response cache, for the models and ensembles that enable it (0: off).
+        `resolve_interval`: seconds between look-ups of the stages' DNS names (`resolve` looks them up;
+        tests give their own)."""
         self.catalog = catalog
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
@@ -98,6 +105,8 @@ class RouterPlane(DataPlane):
                 max_message_bytes=max_message_bytes,
                 metrics=self.metrics,
                 credentials=stage_credentials,
+                resolve_interval=resolve_interval,
+                resolve=resolve,
             )
             for key, endpoint in catalog.stages.items()
         }
@@ -117,6 +126,8 @@ class RouterPlane(DataPlane):
         #: Every model of the stages' repositories -> the first declared stage that serves it.
         self.repository_models: dict[str, str] = {}
         self._refreshing: asyncio.Future[None] | None = None
+        #: The other router workers on this port (`--workers`), whose statistics are summed with ours.
+        self.peers: WorkerPeers | None = None
         self.executor = Executor(self.clients, telemetry=self.telemetry, metrics=self.metrics)
         self.executor.on_version = self._observe_version
         self.signatures = self.executor.signatures
@@ -159,6 +170,20 @@ class RouterPlane(DataPlane):
                 lambda: [("responses", len(cache))],
             )
         self.metrics.gauge(
+            "pipeline_stage_inflight_calls",
+            "The router's calls in flight to each replica of a stage",
+            ("stage", "replica"),
+            lambda: [
+                ((key, r.address), r.outstanding) for key, c in clients.items() for r in c.replicas.values()
+            ],
+        )
+        self.metrics.gauge(
+            "pipeline_stage_replicas_ready",
+            "Replicas of the stage whose health says SERVING",
+            "stage",
+            lambda: [(key, c.ready_replicas) for key, c in clients.items()],
+        )
+        self.metrics.gauge(
             "pipeline_stage_healthy",
             "1 when the stage's health check says SERVING",
             "stage",
@@ -171,6 +196,8 @@ class RouterPlane(DataPlane):
         """Find the stage of every step that names none, learn every stage model's signature from its
         stage, waiting for stages that are not up yet, then check every ensemble against them (a mismatch
         raises `ConfigError`) and start the batchers."""
+        for client in self.clients.values():
+            client.start()
         await self._find_stages(retry_interval)
         waiting_since = time.monotonic()
         reported: set[str] = set()
@@ -269,9 +296,13 @@ class RouterPlane(DataPlane):
         while True:
             await self.refresh_index()
             for model in sorted(self._unresolved):
-                # In declaration order, whichever stage answered first.
+                # The first declared stage that serves it: a stage declared before that one and still
+                # loading (not SERVING yet) may list it later, so wait for it to settle.
                 found = [key for key in self.clients if model in (self.indexes.get(key) or ())]
                 if not found:
+                    continue
+                before = list(self.clients)[: list(self.clients).index(found[0])]
+                if any(self.indexes.get(key) is not None and not self.clients[key].healthy for key in before):
                     continue
                 if len(found) > 1:
                     log.info(
@@ -386,7 +417,11 @@ class RouterPlane(DataPlane):
         """Keep each stage's health current, so readiness reflects stages that stop or return; `on_ready`
         hears of every change of `ready()` (the router's health service reports it)."""
         was_ready: bool | None = None
+        changed = asyncio.Event()
+        for client in self.clients.values():
+            client.listeners.append(changed.set)
         while True:
+            changed.clear()
             await asyncio.gather(*(c.check_health(timeout=interval) for c in self.clients.values()))
             if self.cache is not None and len(self.cache):
                 # A version a stage stopped serving takes its cached responses with it.
@@ -399,7 +434,9 @@ class RouterPlane(DataPlane):
                     "router %s", "ready: every stage is serving" if ready else "not ready: a stage is down"
                 )
             was_ready = ready
-            await asyncio.sleep(interval)
+            # The replicas' health watches wake this at once when a stage's readiness changes.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), interval)
 
     def ready(self) -> bool:
         return (
@@ -676,6 +713,14 @@ class RouterPlane(DataPlane):
         return response
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        """This router's statistics; with several workers, every worker's summed (one view)."""
+        own = await self.local_statistics(name, version)
+        if self.peers is None:
+            return own
+        return merge_statistics([own, *await self.peers.peer_statistics(name, version)])
+
+    async def local_statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        """This process's own statistics."""
         names = [name] if name else sorted({*self.stats, *self.repository_models})
         reply = pb.ModelStatisticsResponse()
         for model in names:
@@ -901,6 +946,22 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="items (dimension 0) one request may carry, whatever the model allows "
         "(env PIPELINE_MAX_BATCH_ITEMS; default %(default)s)",
     )
+    parser.add_argument(
+        "--workers",
+        type=positive_int,
+        default=int(os.environ.get("PIPELINE_ROUTER_WORKERS", 1)),
+        help="router processes serving the same ports (SO_REUSEPORT: the kernel spreads connections over "
+        "them); each batches its own share, and metrics and statistics cover them all "
+        "(env PIPELINE_ROUTER_WORKERS; default %(default)s)",
+    )
+    parser.add_argument(
+        "--resolve-interval",
+        type=float,
+        default=RESOLVE_INTERVAL_S,
+        help="seconds between look-ups of the stages' DNS names: a new replica gets calls, and one that is "
+        "gone stops getting them, within about this long (env PIPELINE_RESOLVE_INTERVAL_S; default "
+        "%(default)s)",
+    )
     add_http_arguments(parser)
     add_auth_arguments(parser)
     add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
@@ -915,6 +976,7 @@ async def serve_router(
     telemetry: Telemetry | None = None,
     metrics: Metrics | None = None,
     http_bound: Callable[[int], None] | None = None,
+    resolve: Resolve | None = None,
 ) -> None:
     """Serve the ensembles until a signal (or `stopping`): listen, wait for the stages and check the plans,
     then SERVING. `bound` is called with the port once the server listens (`http_bound` with the HTTP
@@ -939,7 +1001,12 @@ async def serve_router(
         max_inflight_requests=getattr(args, "max_inflight_requests", 0),
         max_batch_items=getattr(args, "max_batch_items", 0),
         cache_size=getattr(args, "cache_size", 0),
+        resolve_interval=getattr(args, "resolve_interval", None),
+        resolve=resolve,
     )
+    plane.peers = peers = WorkerPeers.from_env()
+    # A worker of `--workers N` shares its ports with the others.
+    args.reuse_port = peers is not None
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
     servicer = InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics)
@@ -956,6 +1023,7 @@ async def serve_router(
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=server_credentials_of(args),
         interceptors=[AuthInterceptor(authenticator)] if authenticator is not None else (),
+        reuse_port=args.reuse_port,
     )
     monitor: asyncio.Task[None] | None = None
 
@@ -970,6 +1038,8 @@ async def serve_router(
 
     async def start() -> None:
         nonlocal monitor
+        if peers is not None:
+            await peers.start(plane.local_statistics)
         start_metrics(metrics, args)
         await rest.start(args, http_bound)
         write_port(args.port_file, port)
@@ -987,6 +1057,8 @@ async def serve_router(
         if monitor is not None:
             monitor.cancel()
         await rest.stop()
+        if peers is not None:
+            await peers.stop()
         await plane.close()
         metrics.close()
         if owned:
@@ -1007,6 +1079,8 @@ async def serve_router(
 def run_router(args: argparse.Namespace) -> int:
     """Entry point of the router process."""
     configure_logging(args.log_level, "router")
+    if args.workers > 1:
+        return run_workers(args, sys.argv[1:])
     try:
         asyncio.run(serve_router(args))
     except (ConfigError, SecurityConfigError) as err:

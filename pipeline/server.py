@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
 
 import pipeline
 from pipeline._gen.inference import grpc_service_pb2 as pb
@@ -34,7 +36,14 @@ from pipeline.convert import (
     infer_response,
 )
 from pipeline.datatypes import DATATYPES, datatype_of
-from pipeline.errors import ModelNotFound, PipelineError, Unimplemented
+from pipeline.errors import (
+    ERROR_DOMAIN,
+    NOT_STARTED,
+    ModelNotFound,
+    PipelineError,
+    Unavailable,
+    Unimplemented,
+)
 from pipeline.metrics import Metrics, metrics_port
 from pipeline.security import SecurityConfigError, add_tls_arguments, server_credentials_of
 from pipeline.stage import Stage, TensorSpec
@@ -123,12 +132,32 @@ async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
     try:
         return await work
     except PipelineError as err:
-        await context.abort(err.code, err.message)
+        await context.abort(err.code, err.message, trailing_metadata=status_details(err))
     except grpc.aio.AbortError:
         raise
     except Exception:
         await context.abort(grpc.StatusCode.INTERNAL, internal_error())
     raise AssertionError("unreachable: abort raises")
+
+
+def status_details(err: PipelineError) -> tuple[tuple[str, bytes], ...]:
+    """The `google.rpc.Status` details of an error, as trailing metadata (grpcio-status): a `BadRequest`
+    field violation `TENSOR[i]` per refused item, and `ErrorInfo` NOT_STARTED on an UNAVAILABLE (the call was
+    refused before it started, so a client may send it to another replica)."""
+    details = []
+    if err.items:
+        bad = error_details_pb2.BadRequest()
+        for item in err.items:
+            bad.field_violations.add(field=item.field, description=item.description)
+        details.append(bad)
+    if isinstance(err, Unavailable):
+        details.append(error_details_pb2.ErrorInfo(reason=NOT_STARTED, domain=ERROR_DOMAIN))
+    if not details:
+        return ()
+    status = status_pb2.Status(code=err.code.value[0], message=err.message)
+    for detail in details:
+        status.details.add().Pack(detail)
+    return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 def internal_error() -> str:
@@ -333,16 +362,20 @@ async def create_server(
     max_message_bytes: int = 64 * 1024 * 1024,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
     """An aio server (not started) with inference, health and reflection; returns it and its bound port.
 
-    With `credentials` it listens with TLS only; `interceptors` (e.g. authentication) see every call."""
+    With `credentials` it listens with TLS only; `interceptors` (e.g. authentication) see every call;
+    `reuse_port` shares the port with other processes that ask for it too (`SO_REUSEPORT`)."""
     options = [
         *server_options(max_message_bytes),
         ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
         # In-flight calls on a recycled connection get this long to finish.
         ("grpc.max_connection_age_grace_ms", 60_000),
     ]
+    if reuse_port:
+        options.append(("grpc.so_reuseport", 1))
     server = grpc.aio.server(options=options, interceptors=list(interceptors) or None)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -493,7 +526,7 @@ async def serve(
     """Run a server until `stopping` is set (by default: SIGTERM or SIGINT), then drain.
 
     Draining reports NOT_SERVING first and keeps serving for `drain_delay` seconds, so that clients that
-    watch health (the router's round robin does) move to other replicas before any call is refused; then it
+    watch health (the router does) move to other replicas before any call is refused; then it
     refuses new RPCs and gives in-flight ones `grace` seconds.
     """
     loop = asyncio.get_running_loop()

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pipeline.metrics import Metrics
     from pipeline.plan import Catalog
     from pipeline.repository import ModelRepository
+    from pipeline.stage_client import Resolve
     from pipeline.telemetry import Telemetry
 
 
@@ -131,11 +132,12 @@ async def serving_router(
     metrics: Metrics | None = None,
     metrics_port: int | None = None,
     options: Mapping[str, Any] | None = None,
+    resolve: Resolve | None = None,
 ) -> AsyncIterator[Running]:
     """Serve a catalog's ensembles on 127.0.0.1 and a port the OS picks, gRPC at `address` and HTTP/REST
     at `http_address` (`telemetry`, `metrics`, `metrics_port` and `options` as for `serving_stages`;
     router flags such as `max_inflight_requests`, `auth_tokens_file`, `stage_tls_ca` or `http_port` by
-    their attribute names)."""
+    their attribute names). `resolve` looks up the stages' DNS names instead of the system's resolver."""
     from pipeline.router import serve_router
 
     args = _args(
@@ -151,6 +153,7 @@ async def serving_router(
             telemetry=telemetry,
             metrics=metrics,
             http_bound=http_ports.append,
+            resolve=resolve,
         )
     ) as running:
         if http_ports:  # the HTTP site listens before the gRPC port is reported

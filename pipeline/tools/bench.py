@@ -92,6 +92,9 @@ class BenchOptions:
     repeat_share: float | None = None
     timeout: float = 30.0
     processes: int = 1
+    #: gRPC connections per load process, calls spread over them in turn (a router with `--workers`
+    #: spreads connections, not calls).
+    connections: int = 1
     max_inflight: int = 10_000
     max_message_mb: int = 64
     seed: int = 0
@@ -118,8 +121,8 @@ class BenchOptions:
             raise BenchError(f"--arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
         if self.duration <= 0 or self.warmup < 0:
             raise BenchError("--duration must be > 0 and --warmup >= 0")
-        if self.batch < 1 or self.processes < 1 or self.max_inflight < 1:
-            raise BenchError("--batch, --processes and --max-inflight must be >= 1")
+        if self.batch < 1 or self.processes < 1 or self.max_inflight < 1 or self.connections < 1:
+            raise BenchError("--batch, --processes, --connections and --max-inflight must be >= 1")
         if self.repeat_share is not None:
             if not 0.0 <= self.repeat_share <= 1.0:
                 raise BenchError(f"--repeat-share must be between 0 and 1, got {self.repeat_share}")
@@ -239,6 +242,7 @@ class BenchReport:
             "duration_s": o.duration,
             "processes": o.processes,
             "repeat_share": o.repeat_share,
+            "connections": o.connections,
             "server": self.server,
             "inputs": self.inputs,
             "results": [r.to_dict() for r in self.results],
@@ -674,6 +678,7 @@ def _endpoint(options: BenchOptions) -> GrpcEndpoint | HttpEndpoint:
         model=options.model,
         version=options.model_version,
         max_message_bytes=options.max_message_mb * 1024 * 1024,
+        connections=options.connections,
     )
 
 
@@ -1070,6 +1075,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=30.0, help="deadline of each request, in seconds")
     parser.add_argument("--processes", type=int, default=1, help="load processes (when one cannot keep up)")
     parser.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="gRPC connections per load process, calls spread over them in turn (a router with --workers "
+        "spreads connections over its processes, not calls)",
+    )
+    parser.add_argument(
         "--max-inflight", type=int, default=10_000, help="open loop: most outstanding requests (then drop)"
     )
     parser.add_argument("--max-message-mb", type=int, default=64, help="largest message, in MiB")
@@ -1117,6 +1129,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         repeat_share=args.repeat_share,
         timeout=args.timeout,
         processes=args.processes,
+        connections=args.connections,
         max_inflight=args.max_inflight,
         max_message_mb=args.max_message_mb,
         seed=args.seed,

@@ -7,6 +7,8 @@ load generator does the same cheap work over either protocol: no message is buil
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -40,10 +42,14 @@ class EndpointError(Exception):
 class GrpcEndpoint:
     """The protocol's gRPC side."""
 
-    def __init__(self, url: str, max_message_bytes: int) -> None:
+    def __init__(self, url: str, max_message_bytes: int, connections: int = 1) -> None:
         from pipeline.server import server_options
 
-        self.channel = grpc.aio.insecure_channel(url, options=server_options(max_message_bytes))
+        options = server_options(max_message_bytes)
+        # Each channel its own connection: gRPC would otherwise share one among channels to one address.
+        options.append(("grpc.use_local_subchannel_pool", 1))
+        self.channels = [grpc.aio.insecure_channel(url, options=options) for _ in range(connections)]
+        self.channel = self.channels[0]
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
 
     async def _rpc(self, method: str, request: Any) -> Any:
@@ -66,24 +72,24 @@ class GrpcEndpoint:
         return await self._rpc("ModelStatistics", pb.ModelStatisticsRequest())
 
     async def ready(self) -> None:
-        await self.channel.channel_ready()
+        await asyncio.gather(*(channel.channel_ready() for channel in self.channels))
 
     def payload(self, request: pb.ModelInferRequest) -> bytes:
         return request.SerializeToString()
 
     def call(self) -> Call:
-        infer = self.channel.unary_unary(MODEL_INFER)
+        infers = itertools.cycle([channel.unary_unary(MODEL_INFER) for channel in self.channels])
 
         async def call(payload: bytes, timeout: float) -> None:
             try:
-                await infer(payload, timeout=timeout)
+                await next(infers)(payload, timeout=timeout)
             except grpc.aio.AioRpcError as err:
                 raise EndpointError(err.code().name, err.details() or "") from None
 
         return call
 
     async def close(self) -> None:
-        await self.channel.close()
+        await asyncio.gather(*(channel.close() for channel in self.channels))
 
 
 class HttpEndpoint:
@@ -165,9 +171,10 @@ def _error_text(body: bytes) -> str:
 
 
 def open_endpoint(
-    protocol: str, url: str, *, model: str, version: str, max_message_bytes: int
+    protocol: str, url: str, *, model: str, version: str, max_message_bytes: int, connections: int = 1
 ) -> GrpcEndpoint | HttpEndpoint:
-    """The endpoint of a protocol (`grpc` or `http`) at `url`."""
+    """The endpoint of a protocol (`grpc` or `http`) at `url` (`connections`: gRPC connections to spread
+    calls over)."""
     if protocol == "http":
         return HttpEndpoint(url, model, version)
-    return GrpcEndpoint(url, max_message_bytes)
+    return GrpcEndpoint(url, max_message_bytes, connections)

@@ -198,6 +198,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="STAGE=N[,STAGE=N]",
         help="run N processes of a stage (e.g. preprocess=2); the router spreads calls over them",
     )
+    parser.add_argument(
+        "--router-workers",
+        type=int,
+        default=int(os.environ.get("PIPELINE_ROUTER_WORKERS", 1)),
+        help="router processes on the router's ports (SO_REUSEPORT), each batching its own share of the "
+        "connections (env PIPELINE_ROUTER_WORKERS; default %(default)s)",
+    )
 
 
 def _replicas(text: str) -> dict[str, int]:
@@ -277,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         ["--ensembles", str(args.ensembles), *grace, *router_metrics, *router_http, *router_tls],
     )
     router.args += ["--model-dir", str(args.model_dir)]  # its config.pbtxt ensembles, the stages' models
+    router.args += ["--workers", str(max(1, args.router_workers))]
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
 
     stopping = False

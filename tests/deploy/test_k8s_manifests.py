@@ -254,6 +254,51 @@ def test_every_deployment_has_an_hpa_with_cpu_requests_to_scale_on() -> None:
     assert set(hpas) <= {d["metadata"]["name"] for d in of_kind("Deployment")}, "an HPA targets nothing"
 
 
+ADAPTER_VALUES = K8S / "autoscaling" / "prometheus-adapter-values.yaml"
+
+
+def test_stages_scale_on_the_routers_queue_for_their_own_models() -> None:
+    """Each stage's HPA scales on external metrics the adapter's rules define, selecting exactly the models
+    the ensembles run on that stage; the rules read only series the router exports."""
+    from pipeline.config import load_ensembles
+
+    rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["external"]
+    defined = {rule["name"]["as"]: rule for rule in rules}
+    exported = set(re.findall(r"`(pipeline_\w+)`", (ROOT / "pipeline" / "metrics.py").read_text()))
+    for rule in rules:
+        for series in re.findall(
+            r"\b(pipeline_\w+?)(?:_sum|_count)?\{", rule["metricsQuery"] + rule["seriesQuery"]
+        ):
+            assert series in exported, (
+                f"adapter rule {rule['name']['as']} reads {series}, which nothing exports"
+            )
+    catalog = load_ensembles([ENSEMBLES])
+    models_of: dict[str, set[str]] = {}
+    for plan in catalog.ensembles.values():
+        for step in plan.steps:
+            models_of.setdefault(step.stage, set()).add(step.model_name)
+    hpas = {hpa["spec"]["scaleTargetRef"]["name"]: hpa for hpa in of_kind("HorizontalPodAutoscaler")}
+    for stage, models in models_of.items():
+        metrics = hpas[stage]["spec"]["metrics"]
+        names = set()
+        for metric in metrics:
+            assert metric["type"] == "External", (
+                f"{stage}: scales on {metric['type']}, not the router's queue"
+            )
+            name, selector = metric["external"]["metric"]["name"], metric["external"]["metric"]["selector"]
+            assert name in defined, f"{stage}: no adapter rule serves {name}"
+            names.add(name)
+            if "matchExpressions" in selector:
+                (expression,) = selector["matchExpressions"]
+                assert expression["key"] == "model" and expression["operator"] == "In"
+                assert set(expression["values"]) == models, (
+                    f"{stage}: {name} selects other models than its own"
+                )
+            else:
+                assert selector["matchLabels"] == {"stage": stage}
+        assert names == {"pipeline_queue_seconds", "pipeline_queue_depth", "pipeline_stage_inflight_calls"}
+
+
 def test_configmap_is_generated_from_the_ensemble_files() -> None:
     assert CONFIGMAP_FILE.read_text() == render_configmap(), (
         "deploy/k8s/ensembles.yaml is out of date with ensembles/: "

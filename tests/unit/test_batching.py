@@ -112,6 +112,32 @@ async def test_idle_dispatch_sends_a_lone_request_at_once_and_batches_fill_under
     await batcher.aclose()
 
 
+async def test_batches_in_flight_follow_the_ready_replicas():
+    stage = Stage(gated=True)
+    replicas = [1]
+    config = BatchingConfig(max_batch_size=2, max_queue_delay_microseconds=10**6, max_inflight_batches=1)
+    batcher = DynamicBatcher(
+        "stage 'model' (m)", stage, config, clock=ManualClock(), replicas=lambda: replicas[0]
+    )
+    batcher.start()
+    tasks = await submit_all(batcher, [1, 2, 3, 4, 5])
+    assert stage.batches == [[1]], "one replica ready: one batch in flight"
+    replicas[0] = 2
+    batcher.replicas_changed()
+    await settle()
+    assert stage.batches == [[1], [2, 3]], "a second replica: a second batch at once"
+    assert batcher.max_inflight == 2
+    replicas[0] = 0  # none ready: the batcher still sends one batch (the stage client answers for it)
+    stage.release(0)
+    stage.release(1)
+    await settle()
+    assert stage.batches == [[1], [2, 3], [4, 5]]
+    stage.release(2)
+    await settle()
+    assert [t.result() for t in tasks] == [10, 20, 30, 40, 50]
+    await batcher.aclose()
+
+
 async def test_requests_with_several_items_are_never_split():
     stage = Stage()
     config = BatchingConfig(max_batch_size=5, max_queue_delay_microseconds=10**6, idle_dispatch=False)

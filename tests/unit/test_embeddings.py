@@ -121,6 +121,15 @@ def test_invalid_utf8_is_named_by_its_index(tokenizer) -> None:
     assert "byte 3" in info.value.message
 
 
+def test_every_bad_sentence_of_a_batch_is_named(tokenizer) -> None:
+    with pytest.raises(InvalidInput) as info:
+        tokenizer.infer({"TEXT": text_batch([b"\xff", "fine", b"caf\xe9"])})
+    assert [(item.field, item.description.split(":")[0]) for item in info.value.items] == [
+        ("TEXT[0]", "not valid UTF-8"),
+        ("TEXT[2]", "not valid UTF-8"),
+    ]
+
+
 def test_text_over_the_byte_limit_is_refused() -> None:
     stage = example_stage("embeddings_tokenize", max_text_bytes=10)
     assert stage.infer({"TEXT": text_batch(["0123456789"])})["INPUT_IDS"].shape[0] == 1

@@ -176,6 +176,15 @@ def test_undecodable_image_is_refused_naming_its_index(digits: np.ndarray, kind:
     assert reason in caught.value.message
 
 
+def test_every_bad_image_of_a_batch_is_named(digits: np.ndarray) -> None:
+    images = [encode(to_grey(d, dark_ink=False)) for d in digits[:5]]
+    images[1], images[4] = b"not an image", b""
+    with pytest.raises(InvalidInput) as caught:
+        digits_preprocess().infer(batch(*images))
+    assert [(item.tensor, item.index) for item in caught.value.items] == [("IMAGE", 1), ("IMAGE", 4)]
+    assert caught.value.items[1].description == "cannot decode image: empty"
+
+
 def test_non_bytes_element_is_refused() -> None:
     with pytest.raises(InvalidInput, match=r"^IMAGE\[0\]: expected encoded image bytes"):
         images_to_pixels(["a string"])

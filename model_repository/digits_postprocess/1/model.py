@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.errors import InvalidInput
+from pipeline.errors import InvalidInput, ItemError
 from pipeline.stage import Stage, TensorSpec
 
 #: The digits: 0 to 9.
@@ -14,11 +14,15 @@ NUM_CLASSES = 10
 
 
 def check_finite(logits: np.ndarray, name: str = "LOGITS") -> np.ndarray:
-    """Return `logits` if every row is finite; otherwise refuse the first bad row, naming its index."""
+    """Return `logits` if every row is finite; otherwise refuse every bad row, naming each index."""
     finite = np.isfinite(logits).all(axis=1)
     if not finite.all():
-        index = int(np.flatnonzero(~finite)[0])
-        raise InvalidInput(f"{name}[{index}]: logits must be finite, got {logits[index].tolist()}")
+        raise InvalidInput.for_items(
+            [
+                ItemError(name, int(index), f"logits must be finite, got {logits[index].tolist()}")
+                for index in np.flatnonzero(~finite)
+            ]
+        )
     return logits
 
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from PIL import Image
 
-from pipeline.errors import InvalidInput
+from pipeline.errors import InvalidInput, ItemError
 from pipeline.stage import Stage, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,14 @@ def images_to_pixels(
     reduced = np.empty((count, SIZE, SIZE), dtype=np.float32)
     paper = np.empty(count, dtype=np.float32)
     ink = np.empty(count, dtype=np.float32)
+    bad = []
     for i, data in enumerate(images):
-        reduced[i], paper[i], ink[i] = _decode_one(data, max_image_pixels, f"{name}[{i}]")
+        try:
+            reduced[i], paper[i], ink[i] = _decode_one(data, max_image_pixels, f"{name}[{i}]")
+        except InvalidInput as err:  # every bad image is reported, so one answer names them all
+            bad.append(ItemError(name, i, err.message.removeprefix(f"{name}[{i}]: ")))
+    if bad:
+        raise InvalidInput.for_items(bad)
 
     # Paper → 0, ink → 1; the sign of `span` carries the polarity, so light ink on dark paper and dark ink
     # on light paper take the same path.

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.errors import InvalidInput
+from pipeline.errors import InvalidInput, ItemError
 from pipeline.stage import Stage, TensorSpec
 
 #: The width of MiniLM-L6's token embeddings.
@@ -64,7 +64,11 @@ class MeanPoolStage(Stage):
             # such positions are zeroed before the masked sum.
             pooled = finite | (mask == 0)
             if not pooled.all():
-                row = int(np.flatnonzero(~pooled.all(axis=1))[0])
-                raise InvalidInput(f"TOKEN_EMBEDDINGS[{row}]: token embeddings must be finite")
+                raise InvalidInput.for_items(
+                    [
+                        ItemError("TOKEN_EMBEDDINGS", int(row), "token embeddings must be finite")
+                        for row in np.flatnonzero(~pooled.all(axis=1))
+                    ]
+                )
             tokens = np.where(finite[..., None], tokens, np.float32(0.0))
         return {"EMBEDDING": mean_pool_normalize(tokens, mask)}

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.errors import InvalidInput
+from pipeline.errors import InvalidInput, ItemError
 from pipeline.stage import Stage, TensorSpec
 
 if TYPE_CHECKING:
@@ -80,14 +80,18 @@ class TextTokenize(Stage):
         self._tokenizer = None
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Tokenise a batch; the first sentence that is too long or not UTF-8 fails the batch, by its index."""
+        """Tokenise a batch; sentences that are too long or not UTF-8 fail the batch, each by its index."""
         tokenizer = self._tokenizer
         if tokenizer is None:
             raise RuntimeError("TextTokenize.infer called before load()")
-        texts = [
-            _decode(data, self.max_text_bytes, f"TEXT[{i}]")
-            for i, data in enumerate(inputs["TEXT"].reshape(-1))
-        ]
+        texts, bad = [], []
+        for i, data in enumerate(inputs["TEXT"].reshape(-1)):
+            try:
+                texts.append(_decode(data, self.max_text_bytes, f"TEXT[{i}]"))
+            except InvalidInput as err:
+                bad.append(ItemError("TEXT", i, err.message.removeprefix(f"TEXT[{i}]: ")))
+        if bad:
+            raise InvalidInput.for_items(bad)
         encodings = tokenizer.encode_batch(texts)
         ids = np.array([e.ids for e in encodings], dtype=np.int64).reshape(len(texts), -1)
         mask = np.array([e.attention_mask for e in encodings], dtype=np.int64).reshape(len(texts), -1)

@@ -1,0 +1,258 @@
+"""Several router processes on one port (`pipeline router --workers N`), and their one view of metrics and
+statistics.
+
+The parent starts N router processes that listen on the same gRPC and HTTP ports with `SO_REUSEPORT`: the
+kernel hands each new connection to one of them, and each batches its own share of the calls. The parent
+serves no request; it forwards SIGTERM/SIGINT, and serves the router's Prometheus port with every worker's
+metrics, each sample labelled `worker`.
+
+`ModelStatistics` lands on one worker, which must answer for all: every worker also serves its own figures
+on a Unix socket in a folder private to the router's user (`pipeline.RouterWorker/Statistics`), and the
+worker that is asked sums its peers' figures with its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.server import write_port
+
+log = logging.getLogger(__name__)
+
+#: The folder the workers share, and each one's index: set by the parent in each worker's environment.
+WORKER_DIR_ENV = "PIPELINE_ROUTER_WORKER_DIR"
+WORKER_INDEX_ENV = "PIPELINE_ROUTER_WORKER"
+
+STATISTICS_METHOD = "/pipeline.RouterWorker/Statistics"
+
+
+def socket_path(folder: Path, index: int) -> Path:
+    return folder / f"worker-{index}.sock"
+
+
+# --- inside a worker -----------------------------------------------------------------------------------
+
+
+class WorkerPeers:
+    """A worker's side of the shared view: serves its own statistics on its socket, asks the others for
+    theirs."""
+
+    def __init__(self, folder: Path, index: int) -> None:
+        self.folder, self.index = folder, index
+        self._server: grpc.aio.Server | None = None
+
+    @classmethod
+    def from_env(cls) -> WorkerPeers | None:
+        folder = os.environ.get(WORKER_DIR_ENV)
+        if not folder:
+            return None
+        return cls(Path(folder), int(os.environ.get(WORKER_INDEX_ENV, "0")))
+
+    async def start(self, local_statistics) -> None:
+        """Serve `local_statistics(name, version)` (this worker's own figures) on this worker's socket."""
+
+        async def statistics(request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext):
+            return await local_statistics(request.name, request.version)
+
+        handler = grpc.method_handlers_generic_handler(
+            "pipeline.RouterWorker",
+            {
+                "Statistics": grpc.unary_unary_rpc_method_handler(
+                    statistics,
+                    request_deserializer=pb.ModelStatisticsRequest.FromString,
+                    response_serializer=pb.ModelStatisticsResponse.SerializeToString,
+                )
+            },
+        )
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handler,))
+        path = socket_path(self.folder, self.index)
+        path.unlink(missing_ok=True)
+        server.add_insecure_port(f"unix:{path}")
+        await server.start()
+        self._server = server
+
+    async def peer_statistics(self, name: str, version: str) -> list[pb.ModelStatisticsResponse]:
+        """The other workers' own figures (a worker that cannot answer now is left out, and logged)."""
+        replies = []
+        for path in sorted(self.folder.glob("worker-*.sock")):
+            if path == socket_path(self.folder, self.index):
+                continue
+            async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
+                call = channel.unary_unary(
+                    STATISTICS_METHOD,
+                    request_serializer=pb.ModelStatisticsRequest.SerializeToString,
+                    response_deserializer=pb.ModelStatisticsResponse.FromString,
+                )
+                try:
+                    replies.append(
+                        await call(pb.ModelStatisticsRequest(name=name, version=version), timeout=2)
+                    )
+                except grpc.aio.AioRpcError as err:
+                    log.warning("router worker %s did not give its statistics: %s", path.stem, err.details())
+        return replies
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(None)
+        socket_path(self.folder, self.index).unlink(missing_ok=True)
+
+
+def merge_statistics(replies: Sequence[pb.ModelStatisticsResponse]) -> pb.ModelStatisticsResponse:
+    """Several processes' `ModelStatistics` as one: counts and durations summed per model (and per batch
+    size), the latest `last_inference`, in the first reply's model order."""
+    merged: dict[tuple[str, str], pb.ModelStatistics] = {}
+    for reply in replies:
+        for stats in reply.model_stats:
+            key = (stats.name, stats.version)
+            into = merged.get(key)
+            if into is None:
+                merged[key] = pb.ModelStatistics()
+                merged[key].CopyFrom(stats)
+                continue
+            into.last_inference = max(into.last_inference, stats.last_inference)
+            into.inference_count += stats.inference_count
+            into.execution_count += stats.execution_count
+            for field in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+                mine, theirs = getattr(into.inference_stats, field), getattr(stats.inference_stats, field)
+                mine.count += theirs.count
+                mine.ns += theirs.ns
+            sizes = {b.batch_size: (b.compute_infer.count, b.compute_infer.ns) for b in into.batch_stats}
+            for batch in stats.batch_stats:
+                count, ns = sizes.get(batch.batch_size, (0, 0))
+                sizes[batch.batch_size] = (count + batch.compute_infer.count, ns + batch.compute_infer.ns)
+            del into.batch_stats[:]
+            for size, (count, ns) in sorted(sizes.items()):
+                into.batch_stats.add(batch_size=size, compute_infer=pb.StatisticDuration(count=count, ns=ns))
+    return pb.ModelStatisticsResponse(model_stats=list(merged.values()))
+
+
+# --- the parent ----------------------------------------------------------------------------------------
+
+
+class WorkerMetrics(Collector):
+    """Every worker's metrics, read from its own /metrics when Prometheus scrapes the parent, each sample
+    labelled `worker` (sum them `without (worker)` for the router as a whole)."""
+
+    def __init__(self, folder: Path, workers: int) -> None:
+        self.folder, self.workers = folder, workers
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        for index in range(self.workers):
+            port_file = self.folder / f"worker-{index}.metrics"
+            try:
+                port = int(port_file.read_text())
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+                    text = reply.read().decode()
+            except (OSError, ValueError) as err:
+                log.warning("router worker %d has no metrics to give: %s", index, err)
+                continue
+            for family in text_string_to_metric_families(text):
+                into = families.get(family.name)
+                if into is None:
+                    into = families[family.name] = Metric(family.name, family.documentation, family.type)
+                for sample in family.samples:
+                    into.add_sample(sample.name, {**sample.labels, "worker": str(index)}, sample.value)
+        return list(families.values())
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+def _reserve(host: str, port: int) -> socket.socket:
+    """Bind (without listening) to pick a port every worker then shares through SO_REUSEPORT; a bound
+    socket that does not listen takes no connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run `args.workers` router processes on one port; `argv` is the router command line they repeat
+    (each with its own port overrides appended, which argparse lets win). Returns when they have stopped:
+    on SIGTERM/SIGINT (forwarded to each), or when one fails (the others are stopped)."""
+    folder = Path(tempfile.mkdtemp(prefix="pipeline-router-"))  # mode 0700: the workers' sockets are private
+    reserved = [_reserve(args.host, args.port)]
+    port = reserved[0].getsockname()[1]
+    overrides = ["--workers", "1", "--port", str(port)]
+    if args.http_port is not None:
+        reserved.append(_reserve(args.host, args.http_port))
+        overrides += ["--http-port", str(reserved[-1].getsockname()[1])]
+    registry = CollectorRegistry()
+    registry.register(WorkerMetrics(folder, args.workers))
+    metrics_server = None
+    if args.metrics_port is not None:
+        try:
+            metrics_server, _ = start_http_server(args.metrics_port, addr=args.host, registry=registry)
+            write_port(args.metrics_port_file, metrics_server.server_port)
+        except OSError as err:
+            log.error(
+                "cannot serve metrics on %s:%d: %s; serving without them", args.host, args.metrics_port, err
+            )
+    children = []
+    for index in range(args.workers):
+        env = {**os.environ, WORKER_DIR_ENV: str(folder), WORKER_INDEX_ENV: str(index)}
+        metrics = ["--metrics-port", "0", "--metrics-port-file", str(folder / f"worker-{index}.metrics")]
+        command = [sys.executable, "-m", "pipeline", *argv, *overrides, *metrics]
+        children.append(subprocess.Popen(command, env=env))
+    log.info("router: %d workers on %s:%d (SO_REUSEPORT)", args.workers, args.host, port)
+
+    stopping = False
+
+    def forward(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    code = 0
+    try:
+        pending = list(children)
+        while pending:
+            pid, status = os.wait()
+            finished = next((c for c in pending if c.pid == pid), None)
+            if finished is None:
+                continue
+            pending.remove(finished)
+            finished.returncode = os.waitstatus_to_exitcode(status)
+            if not stopping:
+                log.error(
+                    "router worker %d exited (%d): stopping the others",
+                    children.index(finished),
+                    finished.returncode,
+                )
+                code = finished.returncode or 1
+                forward(signal.SIGTERM, None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+        for sock in reserved:
+            sock.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    return code
