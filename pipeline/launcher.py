@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,6 +120,26 @@ def stop(services: list[Service], grace: float) -> None:
             process.wait()
 
 
+#: The variables that turn authentication on in every service (`pipeline.security`).
+AUTH_VARIABLES = (
+    "PIPELINE_AUTH_TOKENS",
+    "PIPELINE_AUTH_TOKENS_FILE",
+    "PIPELINE_ADMIN_TOKENS",
+    "PIPELINE_ADMIN_TOKENS_FILE",
+)
+
+
+def stage_token_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The router's stage token for the services' environment: with tokens configured, every stage asks the
+    router for one too, so the launcher makes one (unless `PIPELINE_STAGE_TOKEN` or `..._FILE` gives it).
+    It travels in the environment, which other users cannot read, not on the command line."""
+    if not any(environ.get(name) for name in AUTH_VARIABLES):
+        return {}
+    if environ.get("PIPELINE_STAGE_TOKEN") or environ.get("PIPELINE_STAGE_TOKEN_FILE"):
+        return {}
+    return {"PIPELINE_STAGE_TOKEN": secrets.token_urlsafe(32)}
+
+
 def ensure_model(model_dir: Path) -> None:
     """Train the digits CNN if its weights are missing (seconds on a CPU)."""
     from services.model.digits import model_dir_weights, train
@@ -215,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the pipeline and supervise it until a signal or a death; returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
     ensure_model(args.model_dir)
+    stage_token = stage_token_env(os.environ)
     host = args.host
     connect = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
     grace = ["--grace-period", str(args.grace_period)]
@@ -276,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
     )
     router.args += ["--model-dir", str(args.model_dir)]  # its config.pbtxt ensembles, the stages' models
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
+    for service in everything:
+        service.env.update(stage_token)
 
     stopping = False
 

@@ -36,7 +36,14 @@ from pipeline.convert import (
 from pipeline.datatypes import DATATYPES, datatype_of
 from pipeline.errors import ModelNotFound, PipelineError, Unimplemented
 from pipeline.metrics import Metrics, metrics_port
-from pipeline.security import SecurityConfigError, add_tls_arguments, server_credentials_of
+from pipeline.security import (
+    SecurityConfigError,
+    access_policy_of,
+    add_auth_arguments,
+    add_tls_arguments,
+    interceptors_of,
+    server_credentials_of,
+)
 from pipeline.stage import Stage, TensorSpec
 from pipeline.telemetry import MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
 
@@ -52,7 +59,8 @@ T = TypeVar("T")
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 #: Metadata keys that belong to one hop and are not passed on to the next. The client's credentials are
-#: the router's to check; stages trust the router (mutual TLS), so a token never travels further.
+#: the router's to check; the router calls its stages with credentials of its own (its stage token or its
+#: client certificate), so a client's token never travels further.
 _HOP_HEADERS = frozenset(
     {"user-agent", "content-type", "te", "grpc-timeout", "grpc-encoding", "host", "authorization"}
 )
@@ -434,6 +442,7 @@ def add_server_arguments(
         "to other replicas first (env PIPELINE_DRAIN_DELAY)",
     )
     add_tls_arguments(parser)
+    add_auth_arguments(parser, router=service == "router")
     parser.add_argument(
         "--log-level",
         default=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
@@ -579,6 +588,7 @@ async def serve_stages(
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=server_credentials_of(args),
+        interceptors=interceptors_of(access_policy_of(args, stage=True)),
     )
 
     async def start() -> None:
