@@ -10,9 +10,11 @@ split back by offsets (`pipeline.merge`); an item the stage refuses fails only t
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -32,11 +34,14 @@ from pipeline.convert import (
 from pipeline.errors import DeadlineExceeded, InvalidInput, PipelineError, StageError
 from pipeline.merge import StageCall, TensorBatching
 from pipeline.metrics import Metrics
-from pipeline.plan import EnsemblePlan, ModelSignature, PlanStep
+from pipeline.plan import EnsemblePlan, ModelSignature, PlanStep, check_signatures
 from pipeline.server import CallContext
+from pipeline.stage import TensorSpec
 from pipeline.stage_client import StageClient
 from pipeline.statistics import ModelStats
 from pipeline.telemetry import ENSEMBLE, MODEL, PEER, REQUEST_ID, STAGE, STEP, Telemetry
+
+log = logging.getLogger(__name__)
 
 #: The version the router reports for every ensemble.
 ENSEMBLE_VERSION = "1"
@@ -56,6 +61,9 @@ class Executor:
         self.signatures: dict[str, ModelSignature] = {}
         self.batchers: dict[str, tuple[DynamicBatcher[StageCall, dict[str, Tensor]], TensorBatching]] = {}
         self.stats: dict[str, ModelStats] = {}
+        #: (ensemble, step index) of the steps whose stage model declares no tensors and whose first
+        #: response has been checked against the ensemble.
+        self._checked: set[tuple[str, int]] = set()
 
     def add_batcher(self, model: str, client: StageClient, config: BatchingConfig) -> None:
         """Queue the calls of `model` (on `client`'s stage) and send them as batches, as `config` says; raises
@@ -192,6 +200,8 @@ class Executor:
                     outputs = await self._call_step(step, values, request, deadline, call.metadata)
             else:
                 outputs = await self._call_step(step, values, request, deadline, call.metadata)
+            if (plan.name, step.index) not in self._checked and not self.signatures[step.model_name].declared:
+                self._check_first_response(plan, step, values, outputs)
             values.update(outputs)
             finished[step.index].set()
 
@@ -240,6 +250,41 @@ class Executor:
                 )
             outputs[tensor_name] = Tensor(tensor_name, tensor.datatype, tensor.shape, tensor.raw)
         return outputs
+
+    def _check_first_response(
+        self, plan: EnsemblePlan, step: PlanStep, values: Mapping[str, Tensor], outputs: Mapping[str, Tensor]
+    ) -> None:
+        """Check a step whose stage model declares no tensors, on its first response: the tensors sent and
+        received stand for its signature, and the ensemble is checked with it as `check_signatures` checks
+        declared models at start-up. A mismatch fails the request (and the next, until the stage answers
+        what the ensemble expects), naming the step and the tensor."""
+        batched = plan.max_batch_size > 0
+
+        def spec(name: str, tensor: Tensor) -> TensorSpec:
+            shape = tuple(tensor.shape)
+            return TensorSpec(name, tensor.datatype, (-1, *shape[1:]) if batched and shape else shape)
+
+        learnt = replace(
+            self.signatures[step.model_name],
+            inputs=tuple(spec(stage_tensor, values[name]) for stage_tensor, name in step.inputs),
+            outputs=tuple(spec(stage_tensor, outputs[name]) for stage_tensor, name in step.outputs),
+        )
+        try:
+            check_signatures(plan, {**self.signatures, step.model_name: learnt})
+        except ConfigError as err:
+            raise StageError(
+                f"{step.label}: the first response of stage model '{step.model_name}', which declares no "
+                f"tensors, does not fit the ensemble: {err}",
+                grpc.StatusCode.INTERNAL,
+            ) from None
+        log.info(
+            "%s: %s: stage model '%s' answered as the ensemble expects (%s)",
+            plan.source,
+            step.label,
+            step.model_name,
+            ", ".join(f"{s.name} {s.datatype} {list(s.shape)}" for s in (*learnt.inputs, *learnt.outputs)),
+        )
+        self._checked.add((plan.name, step.index))
 
     async def _call_stage(
         self,

@@ -25,6 +25,7 @@ from pipeline.convert import batching_of_config, pad_values, specs_from_metadata
 from pipeline.errors import DeadlineExceeded, StageError, Unavailable
 from pipeline.metrics import Metrics
 from pipeline.plan import ModelSignature, StageEndpoint
+from pipeline.security import bearer_metadata
 from pipeline.server import server_options
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,9 @@ class StageClient:
         metrics: Metrics | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         retry: StageRetry | None = None,
+        token: str | None = None,
     ) -> None:
+        """`token`: the router's own bearer token for stages that ask for one (sent with every call)."""
         self.endpoint = endpoint
         self.metrics = metrics
         self.retry = retry or StageRetry()
@@ -120,6 +123,10 @@ class StageClient:
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
+        #: The models the router's steps call here: where the stage has no health service, their
+        #: `ModelReady` says whether it serves.
+        self.models: set[str] = set()
+        self._auth = bearer_metadata(token)
         limit = endpoint.max_inflight_requests
         self._slots = asyncio.Semaphore(limit) if limit > 0 else None
 
@@ -139,7 +146,7 @@ class StageClient:
         if slots is not None:
             await self._acquire(slots, deadline, what)
         try:
-            return await self._call(method, request, deadline, tuple(metadata), what)
+            return await self._call(method, request, deadline, (*metadata, *self._auth), what)
         finally:
             if slots is not None:
                 slots.release()
@@ -235,13 +242,32 @@ class StageClient:
         return ModelSignature(model, inputs, outputs, max_batch_size, batching)
 
     async def check_health(self, timeout: float) -> bool:
-        """Ask the stage's health service; remember and return whether it is SERVING."""
+        """Ask the stage's health service; remember and return whether it is SERVING. A stage without one
+        (the protocol does not require it) serves when its `ServerReady` and the `ModelReady` of each of
+        `models` say so."""
         try:
             reply = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             self.healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            self.healthy = False
+        except grpc.aio.AioRpcError as err:
+            self.healthy = err.code() == grpc.StatusCode.UNIMPLEMENTED and await self._protocol_ready(timeout)
         return self.healthy
+
+    async def _protocol_ready(self, timeout: float) -> bool:
+        try:
+            server = await self.stub.ServerReady(
+                pb.ServerReadyRequest(), timeout=timeout, metadata=self._auth
+            )
+            if not server.ready:
+                return False
+            for model in sorted(self.models):
+                reply = await self.stub.ModelReady(
+                    pb.ModelReadyRequest(name=model), timeout=timeout, metadata=self._auth
+                )
+                if not reply.ready:
+                    return False
+        except grpc.aio.AioRpcError:
+            return False
+        return True
 
     async def close(self) -> None:
         await self.channel.close()
