@@ -410,6 +410,14 @@ FP32_INPUT = {"name": "X", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3
         ("/v2/models/scaled/infer", {"inputs": [FP32_INPUT]}, {HEADER: "ten"}, 400, HEADER),
         ("/v2/models/scaled/infer", b"", {}, 400, "no 'inputs'"),
         ("/v2/models/scaled/infer", b'{"id": "\\ud800", "inputs": []}', {}, 400, "not valid Unicode"),
+        # Found by `make fuzz`: no elements, in a shape too large for numpy (was INTERNAL).
+        (
+            "/v2/models/shouted/infer",
+            {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [0, 2**62], "data": []}]},
+            {},
+            400,
+            "shape [0, 4611686018427387904] cannot be held",
+        ),
         (
             "/v2/models/shouted/infer",
             b'{"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": ["\\udfff"]}]}',
