@@ -22,10 +22,11 @@ run: $(STAMP)
 model: $(STAMP)
 	$(BIN)/python -m services.model.train --model-dir $(MODEL_DIR)
 
-## test: lint, then every test (unit, integration, end to end with real processes)
+## test: lint and type checks, then every test (unit, integration, end to end with real processes)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## fuzz: every fuzz test at $(FUZZ_EXAMPLES) cases each: requests over gRPC and HTTP, ensemble files, model
@@ -38,6 +39,7 @@ fuzz: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

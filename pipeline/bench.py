@@ -392,7 +392,7 @@ async def drive(
 
     async def one(t0: float) -> None:
         try:
-            await call(payload, timeout=timeout)
+            await call(payload, timeout)
         except Exception as err:  # every failure is a counted outcome, never a crash of the generator
             code = _error_code(err)
             errors[code] += 1
@@ -498,6 +498,7 @@ def statistics_delta(
             int(s.batch_size): s.compute_infer.count - old_batches.get(s.batch_size, 0) for s in a.batch_stats
         }
         sizes = {size: n for size, n in sorted(sizes.items()) if n > 0}
+        mean_batch: float | None
         if sizes:
             mean_batch = sum(size * n for size, n in sizes.items()) / sum(sizes.values())
         else:
@@ -674,7 +675,7 @@ async def _run_level(
     lead = 0.2 if pool is not None else 0.0  # time for every process to receive its orders
     start = time.perf_counter() + lead
     open_level = _open_loop(level, options.arrival)
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "warmup": options.warmup,
         "duration": options.duration,
         "timeout": options.timeout,
@@ -765,9 +766,7 @@ class _Progress:
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
-    return (
-        "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
-    )
+    return "-" if value is None or math.isnan(value) else f"{value:,.{digits}f}"
 
 
 def format_report(report: BenchReport) -> str:

@@ -72,7 +72,7 @@ class GrpcEndpoint:
         return request.SerializeToString()
 
     def call(self) -> Call:
-        infer = self.channel.unary_unary(MODEL_INFER)
+        infer: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = self.channel.unary_unary(MODEL_INFER)
 
         async def call(payload: bytes, timeout: float) -> None:
             try:

@@ -254,7 +254,7 @@ class _StrictLoader(yaml.SafeLoader):
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     seen: dict[Any, yaml.Node] = {}
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        key = loader.construct_object(key_node, deep=deep)
         if isinstance(key, str | int | float | bool) and key in seen:
             raise yaml.constructor.ConstructorError(
                 "while constructing a mapping",

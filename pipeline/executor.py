@@ -151,10 +151,10 @@ class Executor:
                 span.set_attributes({STAGE: client.endpoint.name, PEER: client.endpoint.address})
             metadata = self.telemetry.inject(())
         # The batch's deadline is its last member's: the stage works on while anyone still waits for it.
-        deadlines = [call.deadline for call in calls]
+        deadlines = [call.deadline for call in calls if call.deadline is not None]
         timeout = None
-        if all(d is not None for d in deadlines):
-            timeout = max(deadlines) - time.monotonic()  # type: ignore[type-var]
+        if len(deadlines) == len(calls):
+            timeout = max(deadlines) - time.monotonic()
             if timeout <= 0:
                 raise DeadlineExceeded(f"deadline exceeded before {what} was sent")
         try:

@@ -70,6 +70,10 @@ class Service:
         path = _metrics_file(port_file)
         return int(path.read_text()) if path.exists() else None
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
@@ -83,8 +87,10 @@ def wait_healthy(
 ) -> None:
     """Wait until a service's health check says SERVING; fail if it exits or takes too long."""
     deadline = time.monotonic() + timeout
-    channel_of = grpc.insecure_channel if credentials is None else grpc.secure_channel
-    with channel_of(address, *([] if credentials is None else [credentials])) as channel:
+    channel = (
+        grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             code = service.exit_code()
@@ -93,7 +99,8 @@ def wait_healthy(
                     f"{service.name} exited with code {code} while starting (see its log above)"
                 )
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                # The stubs (types-grpcio-health-checking) declare HealthStub without its methods.
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)  # type: ignore[attr-defined]
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
@@ -202,7 +209,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tls-dir",
         type=Path,
-        default=Path(env("PIPELINE_TLS_DIR")) if env("PIPELINE_TLS_DIR") else None,
+        default=Path(tls_dir) if (tls_dir := env("PIPELINE_TLS_DIR")) else None,
         help="TLS on every hop from the files scripts/make-certs.sh writes there (ca.pem, server.pem, "
         "server-key.pem, client.pem, client-key.pem): stages accept only the router's client certificate "
         "(mutual TLS), the router serves TLS (env PIPELINE_TLS_DIR)",
@@ -339,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
             f"pipeline: serving {', '.join(sorted(p.stem for p in args.ensembles.glob('*.y*ml')))} on "
             f"{connect}:{router.port} (gRPC{' over TLS' if tls_dir else ''}){http}, Open Inference Protocol; "
             "stages: "
-            + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.process.pid})" for s in stages)  # type: ignore[union-attr]
+            + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.pid})" for s in stages)
             + ". Ctrl-C stops it.",
             flush=True,
         )
@@ -357,11 +364,11 @@ def run(args: argparse.Namespace) -> int:
                 code = service.exit_code()
                 if code is not None:
                     log.error(
-                        "%s (pid %d) exited with code %d; stopping the pipeline",
+                        "%s (pid %s) exited with code %d; stopping the pipeline",
                         service.name,
-                        service.process.pid,
+                        service.pid,
                         code,
-                    )  # type: ignore[union-attr]
+                    )
                     return 1
             time.sleep(0.2)
         return 0

@@ -23,6 +23,7 @@ import argparse
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -112,7 +113,7 @@ class Metrics:
         )
         self._gauges = _Gauges()
         r.register(self._gauges)
-        self._server: object | None = None
+        self._server: WSGIServer | None = None
         self.port: int | None = None
 
     def gauge(self, name: str, documentation: str, label: str, source: GaugeSource) -> None:
@@ -140,8 +141,8 @@ class Metrics:
         """Stop the HTTP server, if one runs."""
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()  # type: ignore[attr-defined]
-            server.server_close()  # type: ignore[attr-defined]
+            server.shutdown()
+            server.server_close()
 
 
 def metrics_port(text: str) -> int | None:

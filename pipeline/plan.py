@@ -203,13 +203,13 @@ def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature
 
     for index, signature in known.items():
         step = by_index[index]
-        stage_inputs = {spec.name: spec for spec in signature.inputs}
+        input_specs = {spec.name: spec for spec in signature.inputs}
         for stage_tensor, tensor in step.inputs:
-            if stage_tensor not in stage_inputs or tensor not in produced:
+            if stage_tensor not in input_specs or tensor not in produced:
                 # Reported above: an unknown input, or a producer that is unknown or lacks the output.
                 continue
             source_spec, origin = produced[tensor]
-            mismatch = _mismatch(stage_inputs[stage_tensor], "expected by the stage", source_spec, tensor)
+            mismatch = _mismatch(input_specs[stage_tensor], "expected by the stage", source_spec, tensor)
             if mismatch:
                 errors.append(
                     f"{plan.source}: {step.label}: input '{stage_tensor}' ← tensor '{tensor}': "

@@ -32,7 +32,7 @@ import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -366,8 +366,8 @@ def access_policy_of(
 ) -> AccessPolicy:
     """The access policy a server's flags and environment ask for (`stage`: a stage service, which accepts
     the router's token)."""
-    listed = getattr(args, "tls_identities", frozenset()) or frozenset()
-    admins = getattr(args, "tls_admin_identities", frozenset()) or frozenset()
+    listed: frozenset[str] = getattr(args, "tls_identities", frozenset()) or frozenset()
+    admins: frozenset[str] = getattr(args, "tls_admin_identities", frozenset()) or frozenset()
     client_certificates = bool(getattr(args, "tls_ca", None))
     if (listed or admins) and not client_certificates:
         raise SecurityConfigError(
@@ -381,13 +381,19 @@ def access_policy_of(
     )
 
 
-def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+
+
+def _refusing(
+    handler: grpc.RpcMethodHandler[Request, Response], code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler[Request, Response]:
     """A handler of the same kind as `handler` that answers every call with `code`."""
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
 
-    async def streaming(request: Any, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         await context.abort(code, message)
         yield  # pragma: no cover - abort raises; the yield makes this an async generator
 
@@ -423,17 +429,21 @@ def _refusal(method: str, scope: Scope | None) -> tuple[grpc.StatusCode, str] | 
 
 
 def _checked(
-    handler: grpc.RpcMethodHandler,
+    handler: grpc.RpcMethodHandler[Request, Response],
     check: Callable[[grpc.aio.ServicerContext], tuple[grpc.StatusCode, str] | None],
-) -> grpc.RpcMethodHandler:
+) -> grpc.RpcMethodHandler[Request, Response]:
     """`handler`, running `check` on each call's context first: a refusal aborts the call."""
     streaming_in, streaming_out = bool(handler.request_streaming), bool(handler.response_streaming)
-    behaviour = {
-        (False, False): handler.unary_unary,
-        (False, True): handler.unary_stream,
-        (True, False): handler.stream_unary,
-        (True, True): handler.stream_stream,
-    }[(streaming_in, streaming_out)]
+    # The one behaviour a handler of its kind has (the other three are None).
+    behaviour: Callable[..., Any] = getattr(
+        handler,
+        {
+            (False, False): "unary_unary",
+            (False, True): "unary_stream",
+            (True, False): "stream_unary",
+            (True, True): "stream_stream",
+        }[(streaming_in, streaming_out)],
+    )
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         refusal = check(context)
@@ -470,9 +480,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Request, Response] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Request, Response] | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method in OPEN_METHODS:

@@ -15,10 +15,10 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
@@ -492,7 +492,7 @@ async def serve(
     health_servicer: health.aio.HealthServicer,
     *,
     grace: float,
-    start: Callable[[], Awaitable[None]] | None = None,
+    start: Callable[[], Coroutine[Any, Any, None]] | None = None,
     stop: Callable[[], Awaitable[None]] | None = None,
     stopping: asyncio.Event | None = None,
     drain_delay: float = 0.0,

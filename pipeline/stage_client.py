@@ -246,7 +246,8 @@ class StageClient:
         (the protocol does not require it) serves when its `ServerReady` and the `ModelReady` of each of
         `models` say so."""
         try:
-            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            # The stubs (types-grpcio-health-checking) declare HealthStub without its methods.
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)  # type: ignore[attr-defined]
             self.healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError as err:
             self.healthy = err.code() == grpc.StatusCode.UNIMPLEMENTED and await self._protocol_ready(timeout)
