@@ -200,8 +200,11 @@ class Executor:
                     outputs = await self._call_step(step, values, request, deadline, call.metadata)
             else:
                 outputs = await self._call_step(step, values, request, deadline, call.metadata)
-            if (plan.name, step.index) not in self._checked and not self.signatures[step.model_name].declared:
-                self._check_first_response(plan, step, values, outputs)
+            if (plan.name, step.index) not in self._checked:
+                # A request that came before the model's signature was learnt is not checked; a later one is.
+                signature = self.signatures.get(step.model_name)
+                if signature is not None and not signature.declared:
+                    self._check_first_response(plan, step, values, outputs)
             values.update(outputs)
             finished[step.index].set()
 

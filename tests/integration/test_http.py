@@ -508,6 +508,8 @@ async def test_metrics_count_http_requests_by_outcome(served, http):
 async def test_bearer_tokens_over_http(tmp_path, monkeypatch, http):
     monkeypatch.setenv("PIPELINE_AUTH_TOKENS", "reader-token")
     monkeypatch.setenv("PIPELINE_ADMIN_TOKENS", "admin-token")
+    # The stage, in this environment too, asks for a token: the router's, which both read here.
+    monkeypatch.setenv("PIPELINE_STAGE_TOKEN", "router-token")
     async with serving_stages([Scale()]) as stage:
         (tmp_path / "e.yaml").write_text(ENSEMBLES.split("---\n")[0].format(a=stage.address))
         async with serving_router(load_ensembles([tmp_path])) as router:
