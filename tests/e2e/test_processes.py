@@ -62,8 +62,8 @@ class Launched(NamedTuple):
     addresses: dict[str, str]  # by stage process name
 
 
-def launch(tmp_path, model_dir, *extra: str) -> Launched:
-    """`pipeline run` on ports the OS picks, as far as its "serving" line."""
+def launch(tmp_path, model_dir, *extra: str, env: dict[str, str] | None = None) -> Launched:
+    """`pipeline run` on ports the OS picks, as far as its "serving" line (`env`: more environment)."""
     process = subprocess.Popen(
         [
             sys.executable,
@@ -87,6 +87,7 @@ def launch(tmp_path, model_dir, *extra: str) -> Launched:
             *extra,
         ],
         cwd=REPO,
+        env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -178,6 +179,26 @@ def test_pipeline_run_spreads_calls_over_stage_replicas(tmp_path, model_dir):
                 )
             counts.append(stats.model_stats[0].inference_count)
         assert sum(counts) == 12 and min(counts) >= 3, counts
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+
+
+def test_pipeline_run_with_tokens_set(tmp_path, model_dir):
+    """Tokens in the environment: every service asks for one, and the router reaches its stages with the
+    token the launcher made for it."""
+    process, address, _, _, addresses = launch(
+        tmp_path, model_dir, env={"PIPELINE_AUTH_TOKENS": "client-token"}
+    )
+    try:
+        _, _, x_test, y_test = load_split()
+        image = {"IMAGE": bytes_batch([encode(x_test[2])], (-1, 1))}
+        with InferenceClient(address, token="client-token") as client:
+            assert client.infer("digits", image, timeout=30)["LABEL"][0, 0] == y_test[2]
+        for at in (address, addresses["model"]):  # the router, and a stage
+            with InferenceClient(at) as anonymous, pytest.raises(grpc.RpcError) as info:
+                anonymous.stub.ModelMetadata(pb.ModelMetadataRequest(name="digits_cnn"), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, at
     finally:
         process.send_signal(signal.SIGTERM)
         process.communicate(timeout=60)
