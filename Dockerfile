@@ -110,10 +110,14 @@ RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
 FROM python AS model
 COPY --from=build-model /opt/venv /opt/venv
 COPY scripts/healthcheck.py /app/healthcheck.py
+# Built TensorRT engines go here, not under the read-only model repository; a volume mounted on it starts
+# with this folder's owner, so the unprivileged user can write it.
+RUN mkdir -p /var/cache/pipeline/engines && chown pipeline:pipeline /var/cache/pipeline/engines
 WORKDIR /app
 ENV PIPELINE_HOST=0.0.0.0 \
     PIPELINE_SERVICE=model \
     PIPELINE_MODEL_DIR=/models \
+    PIPELINE_ENGINE_CACHE=/var/cache/pipeline/engines \
     PIPELINE_DEVICE=auto \
     PIPELINE_TORCH_THREADS=1
 USER pipeline

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= model_repository
 
-.PHONY: install run model test lint format protos k8s clean
+.PHONY: install run model test fuzz lint format protos k8s clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,15 +23,24 @@ run: $(STAMP)
 model: $(STAMP)
 	$(BIN)/python -m examples.models.build --model-dir $(MODEL_DIR) --force
 
-## test: lint, then every test (unit, integration, end to end with real processes)
+## test: lint and type checks, then every test (unit, integration, end to end with real processes)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## fuzz: every fuzz test at $(FUZZ_EXAMPLES) cases each: requests over gRPC and HTTP, ensemble files, model
+## repositories and config.pbtxt files (`make test` runs a few hundred of each)
+FUZZ_EXAMPLES ?= 10000
+fuzz: $(STAMP)
+	PIPELINE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q --timeout 7200 --hypothesis-show-statistics \
+		tests/unit/test_fuzz_router.py tests/unit/test_fuzz_config.py tests/unit/test_fuzz_repository.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

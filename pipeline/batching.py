@@ -34,6 +34,8 @@ from pipeline.statistics import ModelStats
 from pipeline.telemetry import BATCH_REQUESTS, BATCH_SIZE, BATCH_SPAN_ID, BATCH_TRACE_ID, MODEL
 
 if TYPE_CHECKING:
+    from opentelemetry.util.types import AttributeValue
+
     from pipeline.metrics import Metrics
     from pipeline.telemetry import Telemetry
 
@@ -318,9 +320,9 @@ class DynamicBatcher(Generic[In, Out]):
         if levels == 0:
             return 0
         level = self.config.default_priority_level if requested in (None, 0) else requested
-        if not 1 <= level <= levels:  # type: ignore[operator]
+        if not 1 <= level <= levels:
             raise InvalidInput(f"{self.name}: priority {requested} is outside 1..{levels} (priority_levels)")
-        return level - 1  # type: ignore[operator]
+        return level - 1
 
     def deadline_of(self, grpc_deadline: float | None, timeout_us: int | None) -> float | None:
         """The earlier of the gRPC deadline and the queue timeout (the request's `timeout` or the default)."""
@@ -624,7 +626,7 @@ class DynamicBatcher(Generic[In, Out]):
             start_time=dispatched,
         )
         context = span.get_span_context()
-        attributes = {
+        attributes: dict[str, AttributeValue] = {
             BATCH_SIZE: size,
             BATCH_REQUESTS: len(batch),
             BATCH_TRACE_ID: f"{context.trace_id:032x}",

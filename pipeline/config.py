@@ -281,7 +281,8 @@ class StepConfig(_Schema):
     """An ensemble step as written in YAML."""
 
     model_name: Name
-    #: -1 = the stage's default version; OIP versions are strings, so a string is accepted too.
+    #: -1 = the stage's default version. A string is accepted too (OIP versions are strings on the wire),
+    #: but only a numeric one: Triton's `ensemble_scheduling.step.model_version` is an int64.
     model_version: int | str = -1
     #: A key of `stages`; without it the router finds the stage that serves the model (`RepositoryIndex`).
     stage: Name | None = None
@@ -294,13 +295,27 @@ class StepConfig(_Schema):
 
     @field_validator("model_version", mode="plain")
     @classmethod
-    def _valid_version(cls, value: Any) -> int | str:
+    def _valid_version(cls, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise ValueError(f"model_version must be an integer or a string, not {value!r}")
         if isinstance(value, int) and value != -1 and value < 1:
             raise ValueError(f"model_version must be -1 (the default version) or >= 1, not {value}")
-        if isinstance(value, str) and not value:
-            raise ValueError("model_version must not be an empty string (omit it for the default version)")
+        if isinstance(value, str):
+            if not value:
+                raise ValueError(
+                    "model_version must not be an empty string (omit it for the default version)"
+                )
+            text = value.strip()
+            # NOTE: ASCII digits only: str.isdigit() also takes '²' and other digits int() refuses.
+            number = int(text) if text.isascii() and text.lstrip("-").isdigit() else None
+            if number is None or (number != -1 and number < 1) or number >= 2**63:
+                raise ValueError(
+                    f"model_version must be a version number (-1 for the default version, or >= 1), "
+                    f"not {value!r}: model versions are numbered folders, as in Triton"
+                )
+            return number
+        if value >= 2**63:
+            raise ValueError(f"model_version {value} is too large (Triton's versions are int64)")
         return value
 
 
@@ -354,7 +369,7 @@ class _StrictLoader(yaml.SafeLoader):
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     seen: dict[Any, yaml.Node] = {}
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        key = loader.construct_object(key_node, deep=deep)
         if isinstance(key, str | int | float | bool) and key in seen:
             raise yaml.constructor.ConstructorError(
                 "while constructing a mapping",

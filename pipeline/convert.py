@@ -92,7 +92,10 @@ def request_tensors(request: pb.ModelInferRequest) -> list[Tensor]:
 
 
 def _raw_from_contents(
-    name: str, datatype: str, shape: tuple[int, ...], tensor: pb.ModelInferRequest.InferInputTensor
+    name: str,
+    datatype: str,
+    shape: tuple[int, ...],
+    tensor: pb.ModelInferRequest.InferInputTensor | pb.ModelInferResponse.InferOutputTensor,
 ) -> bytes:
     field = _CONTENTS_FIELD.get(datatype)
     if field is None:
@@ -236,7 +239,7 @@ def response_tensors(response: pb.ModelInferResponse) -> dict[str, Tensor]:
         if i < len(raw_contents):
             raw = raw_contents[i]
         else:
-            raw = _raw_from_contents(out.name, out.datatype, shape, out)  # type: ignore[arg-type]
+            raw = _raw_from_contents(out.name, out.datatype, shape, out)
         tensors[out.name] = Tensor(out.name, out.datatype, shape, raw)
     return tensors
 

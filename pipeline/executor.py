@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import logging
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -35,8 +37,9 @@ from pipeline.datatypes import element_count
 from pipeline.errors import DeadlineExceeded, InvalidInput, ItemError, PipelineError, StageError
 from pipeline.merge import StageCall, TensorBatching
 from pipeline.metrics import Metrics
-from pipeline.plan import EnsemblePlan, ModelSignature, PlanStep
+from pipeline.plan import EnsemblePlan, ModelSignature, PlanStep, check_signatures
 from pipeline.server import CallContext
+from pipeline.stage import TensorSpec
 from pipeline.stage_client import StageClient
 from pipeline.statistics import ModelStats
 from pipeline.telemetry import (
@@ -50,6 +53,8 @@ from pipeline.telemetry import (
     STEP_SKIPPED,
     Telemetry,
 )
+
+log = logging.getLogger(__name__)
 
 #: The version the router reports for every ensemble.
 ENSEMBLE_VERSION = "1"
@@ -73,6 +78,9 @@ class Executor:
         #: response cache learns from it which version serves a model now.
         self.on_version: Callable[[str, str, str], None] | None = None
         self._branch_counters: dict[tuple[str, int, bool], Any] = {}
+        #: (ensemble, step index) of the steps whose stage model declares no tensors and whose first
+        #: response has been checked against the ensemble.
+        self._checked: set[tuple[str, int]] = set()
 
     def add_batcher(self, model: str, client: StageClient, config: BatchingConfig) -> None:
         """Queue the calls of `model` (on `client`'s stage) and send them as batches, as `config` says; raises
@@ -177,10 +185,10 @@ class Executor:
                 span.set_attributes({STAGE: client.endpoint.name, PEER: client.endpoint.address})
             metadata = self.telemetry.inject(())
         # The batch's deadline is its last member's: the stage works on while anyone still waits for it.
-        deadlines = [call.deadline for call in calls]
+        deadlines = [call.deadline for call in calls if call.deadline is not None]
         timeout = None
-        if all(d is not None for d in deadlines):
-            timeout = max(deadlines) - time.monotonic()  # type: ignore[type-var]
+        if len(deadlines) == len(calls):
+            timeout = max(deadlines) - time.monotonic()
             if timeout <= 0:
                 raise DeadlineExceeded(f"deadline exceeded before {what} was sent")
         try:
@@ -245,6 +253,9 @@ class Executor:
                         }
                         with telemetry.span(f"step {step.model_name}", attributes):
                             pass
+                    batcher = awaited.pop(step.index, None)
+                    if batcher is not None:
+                        batcher.unexpect()  # it will not come: its batch need not wait for it
                     finished[step.index].set()
                     return
             if telemetry.enabled:
@@ -259,6 +270,11 @@ class Executor:
                     outputs = await self._call_step(step, values, request, deadline, call.metadata, awaited)
             else:
                 outputs = await self._call_step(step, values, request, deadline, call.metadata, awaited)
+            if (plan.name, step.index) not in self._checked:
+                # A request that came before the model's signature was learnt is not checked; a later one is.
+                signature = self.signatures.get(step.model_name)
+                if signature is not None and not signature.declared:
+                    self._check_first_response(plan, step, values, outputs)
             values.update(outputs)
             finished[step.index].set()
 
@@ -345,6 +361,41 @@ class Executor:
                 )
             outputs[tensor_name] = Tensor(tensor_name, tensor.datatype, tensor.shape, tensor.raw)
         return outputs
+
+    def _check_first_response(
+        self, plan: EnsemblePlan, step: PlanStep, values: Mapping[str, Tensor], outputs: Mapping[str, Tensor]
+    ) -> None:
+        """Check a step whose stage model declares no tensors, on its first response: the tensors sent and
+        received stand for its signature, and the ensemble is checked with it as `check_signatures` checks
+        declared models at start-up. A mismatch fails the request (and the next, until the stage answers
+        what the ensemble expects), naming the step and the tensor."""
+        batched = plan.max_batch_size > 0
+
+        def spec(name: str, tensor: Tensor) -> TensorSpec:
+            shape = tuple(tensor.shape)
+            return TensorSpec(name, tensor.datatype, (-1, *shape[1:]) if batched and shape else shape)
+
+        learnt = replace(
+            self.signatures[step.model_name],
+            inputs=tuple(spec(stage_tensor, values[name]) for stage_tensor, name in step.inputs),
+            outputs=tuple(spec(stage_tensor, outputs[name]) for stage_tensor, name in step.outputs),
+        )
+        try:
+            check_signatures(plan, {**self.signatures, step.model_name: learnt})
+        except ConfigError as err:
+            raise StageError(
+                f"{step.label}: the first response of stage model '{step.model_name}', which declares no "
+                f"tensors, does not fit the ensemble: {err}",
+                grpc.StatusCode.INTERNAL,
+            ) from None
+        log.info(
+            "%s: %s: stage model '%s' answered as the ensemble expects (%s)",
+            plan.source,
+            step.label,
+            step.model_name,
+            ", ".join(f"{s.name} {s.datatype} {list(s.shape)}" for s in (*learnt.inputs, *learnt.outputs)),
+        )
+        self._checked.add((plan.name, step.index))
 
     async def _call_stage(
         self,

@@ -264,7 +264,8 @@ class Metrics:
         for gauge in self._gauges.gauges:
             if gauge.name == QUEUE_DEPTH:
                 for model, value in gauge.source():
-                    pending[model] = pending.get(model, 0) + value
+                    key = model if isinstance(model, str) else model[0]
+                    pending[key] = pending.get(key, 0) + value
         return pending
 
     def serve(self, host: str, port: int | None) -> int | None:

@@ -7,11 +7,14 @@ stage models' real signatures, which the router learns from `ModelMetadata` at s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pipeline.batching import BatchingConfig
 from pipeline.stage import TensorSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +235,12 @@ class ModelSignature:
     #: `deterministic: "false"`): such a model's responses are never cached.
     deterministic: bool = True
 
+    @property
+    def declared(self) -> bool:
+        """Whether the model's `ModelMetadata` lists its tensors. The protocol does not require it: a server
+        may leave them out (the signature is then learnt from the model's first response)."""
+        return bool(self.inputs or self.outputs)
+
 
 def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature]) -> None:
     """Check an ensemble's steps against the stage models' real signatures, keyed by model name.
@@ -241,6 +250,9 @@ def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature
     either side) at both ends: ensemble input → step input, step output → step input, step output →
     ensemble output. A batching ensemble needs batching stage models. Raises `pipeline.config.ConfigError`
     listing every mismatch.
+
+    A stage model whose metadata lists no tensor (`ModelSignature.declared` false) is accepted with a
+    warning: its step is not checked here, and neither are the tensors it produces.
     """
     # Imported here because pipeline.config imports this module to build plans.
     from pipeline.config import ConfigError
@@ -260,6 +272,15 @@ def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature
             errors.append(
                 f"{where}: model '{step.model_name}' is unknown to stage '{step.stage}' "
                 f"({_address(plan, step.stage)}); it does not serve a model of that name"
+            )
+            continue
+        if not signature.declared:
+            log.warning(
+                "%s: stage model '%s' on stage '%s' declares no tensors in its ModelMetadata: its tensors are "
+                "checked on its first response instead of now",
+                where,
+                step.model_name,
+                step.stage,
             )
             continue
         known[step.index] = signature
@@ -297,13 +318,13 @@ def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature
 
     for index, signature in known.items():
         step = by_index[index]
-        stage_inputs = {spec.name: spec for spec in signature.inputs}
+        input_specs = {spec.name: spec for spec in signature.inputs}
         for stage_tensor, tensor in step.inputs:
-            if stage_tensor not in stage_inputs or tensor not in produced:
+            if stage_tensor not in input_specs or tensor not in produced:
                 # Reported above: an unknown input, or a producer that is unknown or lacks the output.
                 continue
             for source_spec, origin in produced[tensor]:
-                mismatch = _mismatch(stage_inputs[stage_tensor], "expected by the stage", source_spec, tensor)
+                mismatch = _mismatch(input_specs[stage_tensor], "expected by the stage", source_spec, tensor)
                 if mismatch:
                     errors.append(
                         f"{plan.source}: {step.label}: input '{stage_tensor}' ← tensor '{tensor}': "

@@ -93,7 +93,7 @@ _module_ids = itertools.count(1)
 class PythonBackend:
     """Prepares the versions of `model.py` entries: a `Stage` subclass or a `TritonPythonModel`."""
 
-    names = ("python",)
+    names: tuple[str, ...] = ("python",)
 
     def prepare(self, entry: RepositoryEntry, version: str) -> PreparedVersion:
         """Import the version's `model.py`, complete its config and create its (unloaded) instances."""

@@ -208,7 +208,11 @@ def _json_tensor_raw(name: str, datatype: str, shape: list[int], data: Any) -> b
     if array.size != count:
         raise InvalidInput(f"{what}: shape {shape} needs {count} elements, 'data' has {array.size}")
     if datatype == "BYTES":
-        return Tensor.from_array(name, array.reshape(shape)).raw
+        try:
+            shaped = array.reshape(shape)
+        except ValueError as err:  # no elements, but a shape numpy cannot hold: [0, 2**62]
+            raise InvalidInput(f"{what}: shape {shape} cannot be held: {err}") from None
+        return Tensor.from_array(name, shaped).raw
     return np.ascontiguousarray(array, dtype=DATATYPES[datatype]).tobytes()
 
 

@@ -37,13 +37,13 @@ from pipeline.metrics import Metrics
 from pipeline.plan import Catalog, EnsemblePlan, PlanStep, check_signatures
 from pipeline.rest import RestFrontDoor, RestServer, add_http_arguments
 from pipeline.security import (
-    AuthInterceptor,
     SecurityConfigError,
-    add_auth_arguments,
+    access_policy_of,
     add_client_tls_arguments,
-    authenticator_of,
     channel_credentials,
+    interceptors_of,
     server_credentials_of,
+    stage_token_of,
 )
 from pipeline.server import (
     INFERENCE_SERVICE,
@@ -78,13 +78,15 @@ class RouterPlane(DataPlane):
         telemetry: Telemetry | None = None,
         metrics: Metrics | None = None,
         stage_credentials: grpc.ChannelCredentials | None = None,
+        stage_token: str | None = None,
         max_inflight_requests: int = 0,
         max_batch_items: int = 0,
         cache_size: int = 0,
         resolve_interval: float | None = None,
         resolve: Resolve | None = None,
     ) -> None:
-        """`stage_credentials`: TLS for the stage calls. `max_inflight_requests`: inference requests the
+        """`stage_credentials`: TLS for the stage calls; `stage_token`: the bearer token they carry (for
+        stages that ask for one). `max_inflight_requests`: inference requests the
         router holds at once (more are refused UNAVAILABLE at once, so memory stays bounded under overload;
         0: no limit). `max_batch_items`: items (dimension 0) one request may carry (0: no limit).
         `cache_size`: bytes of the response cache, for the models and ensembles that enable it (0: off).
@@ -107,6 +109,7 @@ class RouterPlane(DataPlane):
                 credentials=stage_credentials,
                 resolve_interval=resolve_interval,
                 resolve=resolve,
+                token=stage_token,
             )
             for key, endpoint in catalog.stages.items()
         }
@@ -199,6 +202,8 @@ class RouterPlane(DataPlane):
         for client in self.clients.values():
             client.start()
         await self._find_stages(retry_interval)
+        for model, key in self.stage_of_model.items():
+            self.clients[key].models.add(model)
         waiting_since = time.monotonic()
         reported: set[str] = set()
         # NOTE: `signatures` may also hold repository models that clients called meanwhile.
@@ -963,7 +968,6 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "%(default)s)",
     )
     add_http_arguments(parser)
-    add_auth_arguments(parser)
     add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
 
 
@@ -987,7 +991,7 @@ async def serve_router(
     owned = telemetry is None
     telemetry = Telemetry.from_env("router") if telemetry is None else telemetry
     metrics = Metrics() if metrics is None else metrics
-    authenticator = authenticator_of(args)
+    policy = access_policy_of(args)
     plane = RouterPlane(
         catalog,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
@@ -998,6 +1002,7 @@ async def serve_router(
             getattr(args, "stage_tls_cert", None),
             getattr(args, "stage_tls_key", None),
         ),
+        stage_token=stage_token_of(args),
         max_inflight_requests=getattr(args, "max_inflight_requests", 0),
         max_batch_items=getattr(args, "max_batch_items", 0),
         cache_size=getattr(args, "cache_size", 0),
@@ -1012,7 +1017,7 @@ async def serve_router(
     servicer = InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics)
     rest = RestServer(
         RestFrontDoor(
-            servicer, authenticator=authenticator, max_body_bytes=args.max_message_mb * 1024 * 1024
+            servicer, authenticator=policy.tokens, max_body_bytes=args.max_message_mb * 1024 * 1024
         ),
         grace=args.grace_period,
     )
@@ -1022,7 +1027,7 @@ async def serve_router(
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=server_credentials_of(args),
-        interceptors=[AuthInterceptor(authenticator)] if authenticator is not None else (),
+        interceptors=interceptors_of(policy),
         reuse_port=args.reuse_port,
     )
     monitor: asyncio.Task[None] | None = None

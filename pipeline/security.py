@@ -5,26 +5,34 @@ TLS: every server takes `--tls-cert`/`--tls-key` (PEM files; the server then lis
 stages use `--stage-tls-ca`/`--stage-tls-cert`/`--stage-tls-key` (env `PIPELINE_STAGE_TLS_*`), and
 clients (`InferenceClient`, `pipeline infer`) take the same three files.
 
-Authentication (the router): bearer tokens, `authorization: Bearer <token>` in the call's metadata, checked
-per request against a set of tokens (file or environment) in constant time. Two scopes: `infer` (every RPC
-but the management ones) and `admin` (everything, including `RepositoryModelLoad`/`Unload`). Health stays
-open: `grpc.health.v1.Health` and `ServerLive`/`ServerReady` never ask for a token, so probes need none.
+Authentication (every server, router and stages alike): bearer tokens, `authorization: Bearer <token>` in
+the call's metadata, checked per request against a set of tokens (file or environment) in constant time,
+and, with mutual TLS, the client certificate. Two scopes: `infer` (every RPC but the management ones) and
+`admin` (everything, including `RepositoryModelLoad`/`Unload`). A certificate the server's CA signed has the
+infer scope (or none, where `--tls-identities` lists the identities allowed and its own is not among them);
+one whose identity (subject CN or a subject alternative name) `--tls-admin-identities` lists has the admin
+scope. A call has the higher of its token's and its certificate's scopes. Health stays open:
+`grpc.health.v1.Health` and `ServerLive`/`ServerReady` never ask for credentials, so probes need none.
 A refused call learns only that its credentials were missing or wrong (UNAUTHENTICATED), never which part;
-a valid token without the scope gets PERMISSION_DENIED.
+valid credentials without the scope get PERMISSION_DENIED.
+
+The router calls its stages with a token of its own (`--stage-token`, env `PIPELINE_STAGE_TOKEN`), which a
+stage service given the same setting accepts with the infer scope, or with its client certificate.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import hmac
 import logging
 import os
 import ssl
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -233,8 +241,9 @@ class TokenAuthenticator:
         return Scope(found)
 
 
-def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
-    """The router's token flags; authentication is on when any token is configured."""
+def add_auth_arguments(parser: argparse.ArgumentParser, *, router: bool = False) -> None:
+    """Every server's authentication flags: tokens, and the identities of client certificates. Authentication
+    is on when any token is configured, or client certificates are required (`--tls-ca`)."""
     env = os.environ.get
     parser.add_argument(
         "--auth-tokens-file",
@@ -249,27 +258,142 @@ def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
         help="file of bearer tokens allowed everything, RepositoryModelLoad/Unload included (or "
         "PIPELINE_ADMIN_TOKENS, comma-separated; env PIPELINE_ADMIN_TOKENS_FILE)",
     )
+    parser.add_argument(
+        "--tls-identities",
+        type=identities,
+        default=identities(env("PIPELINE_TLS_IDENTITIES", "")),
+        metavar="NAME[,NAME]",
+        help="with --tls-ca: only client certificates whose subject CN or a subject alternative name is one "
+        "of these may infer (default: every certificate the CA signed; env PIPELINE_TLS_IDENTITIES)",
+    )
+    parser.add_argument(
+        "--tls-admin-identities",
+        type=identities,
+        default=identities(env("PIPELINE_TLS_ADMIN_IDENTITIES", "")),
+        metavar="NAME[,NAME]",
+        help="with --tls-ca: client certificates whose subject CN or a subject alternative name is one of "
+        "these may do everything, RepositoryModelLoad/Unload included (env PIPELINE_TLS_ADMIN_IDENTITIES)",
+    )
+    if router:
+        help_text = (
+            "bearer token the router sends to its stages, which accept it given the same setting "
+            "(env PIPELINE_STAGE_TOKEN, or a file: PIPELINE_STAGE_TOKEN_FILE)"
+        )
+    else:
+        help_text = (
+            "the router's token: accepted with the infer scope, as the router sends it with every stage call "
+            "(env PIPELINE_STAGE_TOKEN, or a file: PIPELINE_STAGE_TOKEN_FILE)"
+        )
+    parser.add_argument("--stage-token", default=None, help=help_text)
+
+
+def identities(text: str) -> frozenset[str]:
+    """An argparse type: comma-separated certificate identities."""
+    return frozenset(name.strip() for name in text.split(",") if name.strip())
+
+
+def stage_token_of(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str | None:
+    """The router's stage token: `--stage-token`, else `PIPELINE_STAGE_TOKEN`, else the first token of the
+    file `PIPELINE_STAGE_TOKEN_FILE` names (a mounted secret); None when none is set."""
+    environ = os.environ if environ is None else environ
+    token = getattr(args, "stage_token", None) or environ.get("PIPELINE_STAGE_TOKEN")
+    if token:
+        return token.strip()
+    from_file = read_tokens(environ.get("PIPELINE_STAGE_TOKEN_FILE"))
+    if len(from_file) > 1:
+        raise SecurityConfigError("PIPELINE_STAGE_TOKEN_FILE: one token expected, found several")
+    return from_file[0] if from_file else None
 
 
 def authenticator_of(
-    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None, *, stage_token: bool = False
 ) -> TokenAuthenticator | None:
-    """The authenticator a router's flags and environment ask for, or None when no token is configured."""
+    """The authenticator a server's flags and environment ask for, or None when no token is configured.
+    With `stage_token` (a stage service) the router's token is accepted too, with the infer scope."""
     environ = os.environ if environ is None else environ
     tokens = read_tokens(getattr(args, "auth_tokens_file", None), environ.get("PIPELINE_AUTH_TOKENS"))
     admin = read_tokens(getattr(args, "admin_tokens_file", None), environ.get("PIPELINE_ADMIN_TOKENS"))
+    router = stage_token_of(args, environ) if stage_token else None
+    if router is not None:
+        tokens.append(router)
     if not tokens and not admin:
         return None
     return TokenAuthenticator(tokens, admin)
 
 
-def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+@dataclasses.dataclass(frozen=True)
+class AccessPolicy:
+    """Who may call what on one server: bearer tokens, and client certificates where the server requires
+    them (mutual TLS). A call has the higher of its token's and its certificate's scopes."""
+
+    tokens: TokenAuthenticator | None = None
+    #: The server verifies client certificates (`--tls-ca`): one the CA signed may infer.
+    client_certificates: bool = False
+    #: Where not empty, only certificates with one of these identities may infer.
+    identities: frozenset[str] = frozenset()
+    #: Certificates with one of these identities may do everything.
+    admin_identities: frozenset[str] = frozenset()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any credential is asked for: tokens configured, or client certificates required."""
+        return self.tokens is not None or self.client_certificates
+
+    def token_scope(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Scope | None:
+        """The scope of the call's bearer token (None: no valid token)."""
+        return None if self.tokens is None else self.tokens.scope_of(metadata)
+
+    def certificate_scope(self, auth_context: Mapping[str, Iterable[bytes]]) -> Scope | None:
+        """The scope of the call's client certificate, from gRPC's auth context (None: none, or no scope)."""
+        if not self.client_certificates:
+            return None
+        names = {
+            value.decode("utf-8", "replace")
+            for key in ("x509_common_name", "x509_subject_alternative_name")
+            for value in auth_context.get(key, ())
+        }
+        if not names:
+            return None  # no verified certificate on this connection
+        if names & self.admin_identities:
+            return Scope.ADMIN
+        if self.identities and not names & self.identities:
+            return None
+        return Scope.INFER
+
+
+def access_policy_of(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None, *, stage: bool = False
+) -> AccessPolicy:
+    """The access policy a server's flags and environment ask for (`stage`: a stage service, which accepts
+    the router's token)."""
+    listed: frozenset[str] = getattr(args, "tls_identities", frozenset()) or frozenset()
+    admins: frozenset[str] = getattr(args, "tls_admin_identities", frozenset()) or frozenset()
+    client_certificates = bool(getattr(args, "tls_ca", None))
+    if (listed or admins) and not client_certificates:
+        raise SecurityConfigError(
+            "--tls-identities and --tls-admin-identities need client certificates: give --tls-ca too"
+        )
+    return AccessPolicy(
+        authenticator_of(args, environ, stage_token=stage),
+        client_certificates=client_certificates,
+        identities=frozenset(listed),
+        admin_identities=frozenset(admins),
+    )
+
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+
+
+def _refusing(
+    handler: grpc.RpcMethodHandler[Request, Response], code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler[Request, Response]:
     """A handler of the same kind as `handler` that answers every call with `code`."""
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
 
-    async def streaming(request: Any, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         await context.abort(code, message)
         yield  # pragma: no cover - abort raises; the yield makes this an async generator
 
@@ -291,29 +415,100 @@ def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: st
 UNAUTHENTICATED_MESSAGE = "missing or invalid credentials: send 'authorization: Bearer <token>'"
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without a valid token (UNAUTHENTICATED) and management calls without the admin scope
-    (PERMISSION_DENIED); health and liveness/readiness stay open."""
+def _refusal(method: str, scope: Scope | None) -> tuple[grpc.StatusCode, str] | None:
+    """Why a call of `method` with `scope` is refused, or None when it may go on."""
+    if scope is None:
+        return grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE
+    if method in ADMIN_METHODS and scope < Scope.ADMIN:
+        name = method.rsplit("/", 1)[-1]
+        return (
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{name} needs an admin token (or a client certificate listed in --tls-admin-identities)",
+        )
+    return None
 
-    def __init__(self, authenticator: TokenAuthenticator) -> None:
-        self.authenticator = authenticator
+
+def _checked(
+    handler: grpc.RpcMethodHandler[Request, Response],
+    check: Callable[[grpc.aio.ServicerContext], tuple[grpc.StatusCode, str] | None],
+) -> grpc.RpcMethodHandler[Request, Response]:
+    """`handler`, running `check` on each call's context first: a refusal aborts the call."""
+    streaming_in, streaming_out = bool(handler.request_streaming), bool(handler.response_streaming)
+    # The one behaviour a handler of its kind has (the other three are None).
+    behaviour: Callable[..., Any] = getattr(
+        handler,
+        {
+            (False, False): "unary_unary",
+            (False, True): "unary_stream",
+            (True, False): "stream_unary",
+            (True, True): "stream_stream",
+        }[(streaming_in, streaming_out)],
+    )
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        refusal = check(context)
+        if refusal is not None:
+            await context.abort(*refusal)
+        return await behaviour(request, context)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        refusal = check(context)
+        if refusal is not None:
+            await context.abort(*refusal)
+        async for reply in behaviour(request, context):
+            yield reply
+
+    kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    return kinds[(streaming_in, streaming_out)](
+        streaming if streaming_out else unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without valid credentials (UNAUTHENTICATED) and management calls without the admin
+    scope (PERMISSION_DENIED), as an `AccessPolicy` says; health and liveness/readiness stay open."""
+
+    def __init__(self, policy: AccessPolicy | TokenAuthenticator) -> None:
+        self.policy = policy if isinstance(policy, AccessPolicy) else AccessPolicy(policy)
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Request, Response] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Request, Response] | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method in OPEN_METHODS:
             return handler
-        scope = self.authenticator.scope_of(handler_call_details.invocation_metadata)  # type: ignore[arg-type]
-        if scope is None:
-            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-        if method in ADMIN_METHODS and scope < Scope.ADMIN:
-            name = method.rsplit("/", 1)[-1]
-            return _refusing(handler, grpc.StatusCode.PERMISSION_DENIED, f"{name} needs an admin token")
-        return handler
+        policy = self.policy
+        token = policy.token_scope(handler_call_details.invocation_metadata)
+        refusal = _refusal(method, token)
+        if refusal is None:
+            return handler
+        if not policy.client_certificates:
+            return _refusing(handler, *refusal)
+
+        # NOTE: the certificate is known only to the call's own context, not to the interceptor.
+        def check(context: grpc.aio.ServicerContext) -> tuple[grpc.StatusCode, str] | None:
+            certificate = policy.certificate_scope(context.auth_context())
+            scopes = [scope for scope in (token, certificate) if scope is not None]
+            return _refusal(method, max(scopes) if scopes else None)
+
+        return _checked(handler, check)
+
+
+def interceptors_of(policy: AccessPolicy) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptors that enforce `policy` (none where it asks for no credential)."""
+    return [AuthInterceptor(policy)] if policy.enabled else []
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

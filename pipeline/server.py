@@ -15,10 +15,10 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
@@ -45,7 +45,14 @@ from pipeline.errors import (
     Unimplemented,
 )
 from pipeline.metrics import Metrics, metrics_port
-from pipeline.security import SecurityConfigError, add_tls_arguments, server_credentials_of
+from pipeline.security import (
+    SecurityConfigError,
+    access_policy_of,
+    add_auth_arguments,
+    add_tls_arguments,
+    interceptors_of,
+    server_credentials_of,
+)
 from pipeline.stage import Stage, TensorSpec
 from pipeline.telemetry import MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
 
@@ -61,7 +68,8 @@ T = TypeVar("T")
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 #: Metadata keys that belong to one hop and are not passed on to the next. The client's credentials are
-#: the router's to check; stages trust the router (mutual TLS), so a token never travels further.
+#: the router's to check; the router calls its stages with credentials of its own (its stage token or its
+#: client certificate), so a client's token never travels further.
 _HOP_HEADERS = frozenset(
     {"user-agent", "content-type", "te", "grpc-timeout", "grpc-encoding", "host", "authorization"}
 )
@@ -469,6 +477,7 @@ def add_server_arguments(
         "to other replicas first (env PIPELINE_DRAIN_DELAY)",
     )
     add_tls_arguments(parser)
+    add_auth_arguments(parser, router=service == "router")
     parser.add_argument(
         "--log-level",
         default=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
@@ -518,7 +527,7 @@ async def serve(
     health_servicer: health.aio.HealthServicer,
     *,
     grace: float,
-    start: Callable[[], Awaitable[None]] | None = None,
+    start: Callable[[], Coroutine[Any, Any, None]] | None = None,
     stop: Callable[[], Awaitable[None]] | None = None,
     stopping: asyncio.Event | None = None,
     drain_delay: float = 0.0,
@@ -614,6 +623,7 @@ async def serve_stages(
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=server_credentials_of(args),
+        interceptors=interceptors_of(access_policy_of(args, stage=True)),
     )
 
     async def start() -> None:

@@ -30,6 +30,7 @@ from pipeline.convert import batching_of_config, is_deterministic, pad_values, s
 from pipeline.errors import ERROR_DOMAIN, NOT_STARTED, DeadlineExceeded, ItemError, StageError, Unavailable
 from pipeline.metrics import Metrics
 from pipeline.plan import ModelSignature, StageEndpoint
+from pipeline.security import bearer_metadata
 from pipeline.server import server_options
 
 log = logging.getLogger(__name__)
@@ -273,7 +274,9 @@ class StageClient:
         budget: RetryBudget | None = None,
         resolve: Resolve | None = None,
         resolve_interval: float | None = None,
+        token: str | None = None,
     ) -> None:
+        """`token`: the router's own bearer token for stages that ask for one (sent with every call)."""
         self.endpoint = endpoint
         self.metrics = metrics
         self.retry = retry or StageRetry()
@@ -282,7 +285,7 @@ class StageClient:
         self._resolve = resolve or resolve_dns
         self.resolve_interval = RESOLVE_INTERVAL_S if resolve_interval is None else resolve_interval
         self._credentials = credentials
-        self._options = [
+        self._options: list[tuple[str, str | int]] = [
             *server_options(max_message_bytes),
             # One layer of retries, ours: gRPC's would multiply with it.
             ("grpc.enable_retries", 0),
@@ -302,6 +305,10 @@ class StageClient:
         if self.target.fixed:
             for address in self.target.fixed:
                 self._add(address)
+        #: The models the router's steps call here: where the stage has no health service, their
+        #: `ModelReady` says whether it serves.
+        self.models: set[str] = set()
+        self._auth = bearer_metadata(token)
         limit = endpoint.max_inflight_requests
         self._slots = asyncio.Semaphore(limit) if limit > 0 else None
 
@@ -391,17 +398,46 @@ class StageClient:
         request = health_pb2.HealthCheckRequest(service="")
         while True:
             try:
-                async for reply in replica.health_stub.Watch(request):
+                # The stubs (types-grpcio-health-checking) declare HealthStub without its methods.
+                async for reply in replica.health_stub.Watch(request):  # type: ignore[attr-defined]
                     failures = 0
                     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
                     self._set_state(replica, SERVING if serving else NOT_SERVING)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    self._set_state(replica, SERVING)
+                    await self._poll_protocol(replica)
                     return
                 self._set_state(replica, DOWN)
             failures += 1
             await asyncio.sleep(self.retry.backoff(min(failures, 4)))
+
+    async def _poll_protocol(self, replica: Replica, interval: float = 1.0) -> None:
+        """A replica without a health service (the protocol does not require one): it serves while its
+        `ServerReady` and the `ModelReady` of each of `models` say so, asked every `interval` seconds."""
+        while True:
+            self._set_state(
+                replica, SERVING if await self._protocol_ready(replica, interval) else NOT_SERVING
+            )
+            await asyncio.sleep(interval)
+
+    async def _protocol_ready(self, replica: Replica, timeout: float) -> bool:
+        try:
+            server = await replica.stub.ServerReady(
+                pb.ServerReadyRequest(), timeout=timeout, metadata=self._auth
+            )
+            if not server.ready:
+                return False
+            for model in sorted(self.models):
+                reply = await replica.stub.ModelReady(
+                    pb.ModelReadyRequest(name=model), timeout=timeout, metadata=self._auth
+                )
+                if not reply.ready:
+                    return False
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._set_state(replica, DOWN)
+            return False
+        return True
 
     def _set_state(self, replica: Replica, state: str) -> None:
         replica.heard.set()
@@ -455,7 +491,7 @@ class StageClient:
         if slots is not None:
             await self._acquire(slots, deadline, what)
         try:
-            return await self._call(method, request, deadline, tuple(metadata), what)
+            return await self._call(method, request, deadline, (*metadata, *self._auth), what)
         finally:
             if slots is not None:
                 slots.release()

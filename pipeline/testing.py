@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,12 +63,13 @@ def _args(
 
 @contextlib.asynccontextmanager
 async def _running(
-    serve: Callable[[asyncio.Event, Callable[[int], None]], Awaitable[None]],
+    serve: Callable[[asyncio.Event, Callable[[int], None]], Coroutine[Any, Any, None]],
 ) -> AsyncIterator[Running]:
     stopping = asyncio.Event()
     port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(stopping, port.set_result))
-    done, _ = await asyncio.wait({task, port}, return_when=asyncio.FIRST_COMPLETED)
+    first: set[asyncio.Future[Any]] = {task, port}
+    done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
     if task in done:
         task.result()  # it failed before listening: raise its error
     running = Running(f"127.0.0.1:{port.result()}", stopping, task)

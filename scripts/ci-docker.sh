@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # CI for the containers: install Docker's engine if missing, build the images offline, start the pipeline
-# with Compose, classify digits through the router from the host with Triton's client and with the Go
-# client of examples/go, scale preprocess to two replicas and show both serve, start Prometheus (the
-# observability profile) and check during a bench run that it scrapes every replica and that every query of
-# the Grafana dashboard returns data, stop one replica under load and check no request failed, tear down.
+# with Compose and tokens on, classify digits through the router from the host with Triton's client and
+# with the Go client of examples/go, scale preprocess and model to two replicas and show all serve, start
+# Prometheus (the observability profile) and check during a bench run that it scrapes every replica and that
+# every query of the Grafana dashboard returns data, stop a preprocess replica and kill a model replica
+# (SIGKILL) under load and check no request failed, then tear down.
 # Prints each step's time. About 5 minutes from nothing on 2 cores (most of it the first image build).
 #
 #   bash scripts/ci-docker.sh            # as root on a Debian machine (CI here), from anywhere
@@ -20,8 +21,13 @@ export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-pipelineci}
 export PIPELINE_ROUTER_PUBLISHED_PORT=${PIPELINE_ROUTER_PUBLISHED_PORT:-18001}
 export PIPELINE_HTTP_PUBLISHED_PORT=${PIPELINE_HTTP_PUBLISHED_PORT:-18000}
 export PIPELINE_PROMETHEUS_PUBLISHED_PORT=${PIPELINE_PROMETHEUS_PUBLISHED_PORT:-19090}
-# Stages recycle connections every 5 s here (30 s by default), so the router finds a new replica quickly.
-export PIPELINE_MAX_CONNECTION_AGE_S=${PIPELINE_MAX_CONNECTION_AGE_S:-5}
+# The router looks the stages' names up every 2 s here (5 s by default), so it finds a new replica quickly.
+export PIPELINE_RESOLVE_INTERVAL_S=${PIPELINE_RESOLVE_INTERVAL_S:-2}
+# Tokens on, as in production: the clients below send theirs, the router calls the stages with its own.
+random_token() { od -An -N16 -tx1 /dev/urandom | tr -d ' \n'; }
+export PIPELINE_AUTH_TOKENS=${PIPELINE_AUTH_TOKENS:-$(random_token)}
+export PIPELINE_STAGE_TOKEN=${PIPELINE_STAGE_TOKEN:-$(random_token)}
+export CLIENT_TOKEN=${PIPELINE_AUTH_TOKENS%%,*}
 PYTHON=${PYTHON:-.venv/bin/python}
 ROUTER=127.0.0.1:$PIPELINE_ROUTER_PUBLISHED_PORT
 PROMETHEUS=http://127.0.0.1:$PIPELINE_PROMETHEUS_PUBLISHED_PORT
@@ -137,6 +143,7 @@ $COMPOSE ps
 step "classify digits through the router with tritonclient"
 "$PYTHON" - "$ROUTER" <<'EOF'
 import io
+import os
 import sys
 
 import numpy as np
@@ -154,12 +161,20 @@ for pixels in digits.images[-count:]:  # 8x8, 0..16: dark ink on light paper, sc
     pngs.append(buffer.getvalue())
 client = triton.InferenceServerClient(sys.argv[1])
 assert client.is_server_ready(), "router not ready"
+token = {"authorization": f"Bearer {os.environ['CLIENT_TOKEN']}"}
+one = triton.InferInput("IMAGE", [1, 1], "BYTES")
+one.set_data_from_numpy(np.array([[pngs[0]]], dtype=np.object_))
+try:
+    client.infer("digits", [one], client_timeout=30)
+    raise AssertionError("the router answered a request without a token")
+except triton.InferenceServerException as err:
+    assert "UNAUTHENTICATED" in str(err.status()), err
 labels = []
 for start in range(0, count, 50):
     batch = np.array([[png] for png in pngs[start : start + 50]], dtype=np.object_)
     image = triton.InferInput("IMAGE", list(batch.shape), "BYTES")
     image.set_data_from_numpy(batch)
-    result = client.infer("digits", [image], client_timeout=30)
+    result = client.infer("digits", [image], client_timeout=30, headers=token)
     labels.extend(result.as_numpy("LABEL").reshape(-1).tolist())
 accuracy = float(np.mean(np.array(labels) == digits.target[-count:]))
 print(f"classified {count} digits through the router: accuracy {accuracy:.1%}; first ten {labels[:10]}")
@@ -184,7 +199,7 @@ for i in range(1, 41):  # 8x8, 0..16: dark ink on light paper, scaled up; the la
     grey = (255 - digits.images[-i] * 255 / 16).astype(np.uint8)
     Image.fromarray(grey).resize((32, 32), Image.NEAREST).save(folder / f"{i:02d}-label{digits.target[-i]}.png")
 EOF
-"$work/digits-client" -url "$ROUTER" "$work"/digits/*.png >"$work/go-client.txt" || die "the Go client failed"
+"$work/digits-client" -url "$ROUTER" -token "$CLIENT_TOKEN" "$work"/digits/*.png >"$work/go-client.txt" || die "the Go client failed"
 head -12 "$work/go-client.txt" | sed 's/^/  /'
 grep -q '^config: digits platform ensemble max_batch_size 64$' "$work/go-client.txt" || die "the Go client read no ensemble config"
 [[ $(grep -c '^  step ' "$work/go-client.txt") == 3 ]] || die "the Go client did not list the ensemble's 3 steps"
@@ -196,9 +211,11 @@ say "the Go client classified $right of 40 digits right"
 # --- 6. two preprocess replicas, both serving -----------------------------------------------------------
 # Per-replica counts: inside the router's container (on the stages' network), resolve `preprocess` to every
 # replica's address and ask each for ModelStatistics.
-replica_counts() {
-    $COMPOSE exec -T router python - "${PIPELINE_PREPROCESS_PORT:-8101}" <<'EOF'
+# The stages ask for a token too: the router's (its container has it).
+replica_counts() {  # SERVICE PORT MODEL
+    $COMPOSE exec -T router python - "$@" <<'EOF'
 import json
+import os
 import socket
 import sys
 
@@ -207,13 +224,14 @@ import grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 
-port = int(sys.argv[1])
-addresses = sorted({info[4][0] for info in socket.getaddrinfo("preprocess", port, proto=socket.IPPROTO_TCP)})
+service, port, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+addresses = sorted({info[4][0] for info in socket.getaddrinfo(service, port, proto=socket.IPPROTO_TCP)})
+token = (("authorization", f"Bearer {os.environ['PIPELINE_STAGE_TOKEN']}"),)
 counts = {}
 for address in addresses:
     with grpc.insecure_channel(f"{address}:{port}") as channel:
         reply = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
-            pb.ModelStatisticsRequest(name="digits_preprocess"), timeout=5
+            pb.ModelStatisticsRequest(name=model), timeout=5, metadata=token
         )
         counts[address] = sum(stats.inference_count for stats in reply.model_stats)
 print(json.dumps(counts))
@@ -226,6 +244,7 @@ load() {
     "$PYTHON" - "$ROUTER" "$@" <<'EOF'
 import io
 import json
+import os
 import sys
 import threading
 import time
@@ -241,6 +260,7 @@ buffer = io.BytesIO()
 Image.fromarray(grey).save(buffer, format="PNG")
 batch = np.array([[buffer.getvalue()]], dtype=np.object_)
 ok, failed, lock = [0], [], threading.Lock()
+token = {"authorization": f"Bearer {os.environ['CLIENT_TOKEN']}"}
 stop = time.monotonic() + duration
 
 
@@ -250,7 +270,7 @@ def worker() -> None:
     image.set_data_from_numpy(batch)
     while time.monotonic() < stop:
         try:
-            client.infer("digits", [image], client_timeout=10)
+            client.infer("digits", [image], client_timeout=10, headers=token)
             with lock:
                 ok[0] += 1
         except Exception as err:  # every failure counts: the checks say no request may fail
@@ -268,35 +288,40 @@ sys.exit(1 if failed or not ok[0] else 0)
 EOF
 }
 
-step "scale preprocess to 2; both replicas serve"
-$COMPOSE up -d --no-recreate --scale preprocess=2
-wait_healthy 5
-before=$(replica_counts)
-say "preprocess replicas before: $before"
-# The router finds the new replica when a stage connection is recycled (PIPELINE_MAX_CONNECTION_AGE_S)
-# and the name is looked up again; send load until both replicas have served, at most 60 s.
+PREPROCESS=(preprocess "${PIPELINE_PREPROCESS_PORT:-8101}" digits_preprocess)
+MODEL=(model "${PIPELINE_MODEL_PORT:-8102}" digits_cnn)
+step "scale preprocess and model to 2; every replica serves"
+$COMPOSE up -d --no-recreate --scale preprocess=2 --scale model=2
+wait_healthy 6
+before=$(replica_counts "${PREPROCESS[@]}")
+before_model=$(replica_counts "${MODEL[@]}")
+say "replicas before: preprocess $before, model $before_model"
+# The router looks the stage names up again every PIPELINE_RESOLVE_INTERVAL_S and finds the new replicas;
+# send load until every replica of both has served, at most 60 s.
+both_served='import json, sys; b, a = json.loads(sys.argv[1]), json.loads(sys.argv[2]); sys.exit(0 if len(a) == 2 and all(a[k] > b.get(k, 0) for k in a) else 1)'
 served=0
 for _ in $(seq 6); do
     load 5 4 >/dev/null || die "requests failed while scaling up"
-    after=$(replica_counts)
-    if "$PYTHON" -c 'import json, sys; b, a = json.loads(sys.argv[1]), json.loads(sys.argv[2]); sys.exit(0 if len(a) == 2 and all(a[k] > b.get(k, 0) for k in a) else 1)' "$before" "$after"; then
+    after=$(replica_counts "${PREPROCESS[@]}")
+    after_model=$(replica_counts "${MODEL[@]}")
+    if "$PYTHON" -c "$both_served" "$before" "$after" && "$PYTHON" -c "$both_served" "$before_model" "$after_model"; then
         served=1
         break
     fi
 done
-say "preprocess replicas after: $after"
-((served)) || die "both preprocess replicas did not serve within 60s of load (counts: $before -> $after)"
+say "replicas after: preprocess $after, model $after_model"
+((served)) || die "the replicas did not all serve within 60s of load (preprocess $before -> $after, model $before_model -> $after_model)"
 
 # --- 6b. Prometheus and the dashboard, during a bench run ---------------------------------------------------
 step "observability: Prometheus scrapes every replica; every dashboard query returns data during a bench run"
 $COMPOSE --profile observability up -d --no-deps prometheus
 bench_image=$(ls "$work"/digits/*.png | head -1)
-"$PYTHON" -m pipeline bench --url "$ROUTER" --model digits --input-file "IMAGE=$bench_image" --concurrency 4 \
+"$PYTHON" -m pipeline bench --url "$ROUTER" --token "$CLIENT_TOKEN" --model digits --input-file "IMAGE=$bench_image" --concurrency 4 \
     --warmup 1 --duration 20 --no-progress >"$work/bench.txt" 2>&1 &
 bench=$!
 "$PYTHON" scripts/check-observability.py --prometheus "$PROMETHEUS" \
     --dashboard observability/grafana/dashboards/pipeline.json --timeout 90 \
-    --targets router=1 preprocess=2 model=1 postprocess=1 prometheus=1 || { kill "$bench" 2>/dev/null; die "observability check failed"; }
+    --targets router=1 preprocess=2 model=2 postprocess=1 prometheus=1 || { kill "$bench" 2>/dev/null; die "observability check failed"; }
 wait "$bench" || { cat "$work/bench.txt"; die "the bench run failed"; }
 tail -4 "$work/bench.txt" | sed 's/^/  /'
 
@@ -311,7 +336,21 @@ say "stopping preprocess container $victim (SIGTERM: it drains, then exits)"
 docker stop -t 20 "$victim" >/dev/null
 wait "$loader" || { cat /tmp/ci-docker-load.json; die "requests failed while a replica stopped"; }
 say "load while stopping a replica: $(cat /tmp/ci-docker-load.json)"
-say "preprocess replicas left: $(replica_counts)"
+say "preprocess replicas left: $(replica_counts "${PREPROCESS[@]}")"
 load 3 2 >/dev/null || die "requests failed after a replica stopped"
+
+# --- 8. kill a model replica under load -------------------------------------------------------------------
+# SIGKILL: no draining; the calls in flight to it fail UNAVAILABLE and the router sends them again to the
+# other replica. Its in-flight batches are the case gRPC's own retries cannot cover.
+step "kill one model replica (SIGKILL) under load; no request may fail"
+victim=$(docker ps -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME" \
+    --filter "label=com.docker.compose.service=model" | head -1)
+load 10 4 >/tmp/ci-docker-load.json &
+loader=$!
+sleep 3
+say "killing model container $victim"
+docker kill "$victim" >/dev/null
+wait "$loader" || { cat /tmp/ci-docker-load.json; die "requests failed while a model replica was killed"; }
+say "load while killing a model replica: $(cat /tmp/ci-docker-load.json)"
 
 step_end

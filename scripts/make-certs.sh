@@ -7,7 +7,9 @@
 # certificate: SANs 127.0.0.1, ::1, localhost and the compose service names router, preprocess, model,
 # postprocess, plus any EXTRA_SAN given as DNS:name or IP:address), client.pem and client-key.pem (a client
 # certificate for mutual TLS: the router's to call its stages, and a client's where the router asks for
-# one). Keys are EC P-256, valid 825 days. For testing only: keep real keys out of the repository.
+# one; CN pipeline-client), and admin.pem and admin-key.pem (a client certificate with the identity
+# pipeline-admin, for servers given --tls-admin-identities pipeline-admin: it may load and unload models).
+# Keys are EC P-256, valid 825 days. For testing only: keep real keys out of the repository.
 set -eu
 
 dir=${1:-certs}
@@ -44,7 +46,11 @@ subjectAltName=$sans"
 sign client "pipeline-client" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=clientAuth"
+sign admin "pipeline-admin" "basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth
+subjectAltName=DNS:pipeline-admin"
 rm -f ca.srl
 # Certificates are public; the services (maybe another user in a container) must read the keys too.
-chmod 644 ca.pem server.pem server-key.pem client.pem client-key.pem
+chmod 644 ca.pem server.pem server-key.pem client.pem client-key.pem admin.pem admin-key.pem
 echo "make-certs: CA, server and client certificates in $dir"

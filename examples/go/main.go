@@ -3,6 +3,8 @@
 // the ensemble's metadata (its tensors) and its configuration (platform, batching, steps).
 //
 //	digits-client -url 127.0.0.1:8001 three.png seven.png
+//
+// Where the router asks for a token, give it with -token or PIPELINE_TOKEN.
 package main
 
 import (
@@ -18,6 +20,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
 
 	pb "pipelineclient/inference"
 )
@@ -26,8 +29,9 @@ func main() {
 	url := flag.String("url", "127.0.0.1:8001", "the router's gRPC address")
 	model := flag.String("model", "digits", "the ensemble to call")
 	timeout := flag.Duration("timeout", 30*time.Second, "deadline of each call")
+	token := flag.String("token", os.Getenv("PIPELINE_TOKEN"), "bearer token, where the router asks for one (env PIPELINE_TOKEN)")
 	flag.Usage = func() {
-		fmt.Fprintf(flag.CommandLine.Output(), "usage: %s [-url HOST:PORT] [-model NAME] IMAGE...\n", os.Args[0])
+		fmt.Fprintf(flag.CommandLine.Output(), "usage: %s [-url HOST:PORT] [-model NAME] [-token TOKEN] IMAGE...\n", os.Args[0])
 		flag.PrintDefaults()
 	}
 	flag.Parse()
@@ -43,7 +47,11 @@ func main() {
 	defer conn.Close()
 	client := pb.NewGRPCInferenceServiceClient(conn)
 	call := func() (context.Context, context.CancelFunc) {
-		return context.WithTimeout(context.Background(), *timeout)
+		ctx := context.Background()
+		if *token != "" {
+			ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+*token)
+		}
+		return context.WithTimeout(ctx, *timeout)
 	}
 
 	ctx, cancel := call()

@@ -102,6 +102,8 @@ class BenchOptions:
     #: Prometheus endpoints (name -> URL of /metrics) whose `process_cpu_seconds_total` is read around each
     #: measured interval: the CPU each request costs in each server process.
     cpu_metrics: Mapping[str, str] = field(default_factory=dict)
+    #: The bearer token every call carries, where the server asks for one.
+    token: str | None = None
 
     def levels(self) -> list[Level]:
         """The levels to run, in order: the rates when any are given, else the concurrencies."""
@@ -474,7 +476,7 @@ async def drive(
 
     async def one(t0: float) -> None:
         try:
-            await call(payloads.next(), timeout=timeout)
+            await call(payloads.next(), timeout)
         except Exception as err:  # every failure is a counted outcome, never a crash of the generator
             code = _error_code(err)
             errors[code] += 1
@@ -580,6 +582,7 @@ def statistics_delta(
             int(s.batch_size): s.compute_infer.count - old_batches.get(s.batch_size, 0) for s in a.batch_stats
         }
         sizes = {size: n for size, n in sorted(sizes.items()) if n > 0}
+        mean_batch: float | None
         if sizes:
             mean_batch = sum(size * n for size, n in sizes.items()) / sum(sizes.values())
         else:
@@ -679,6 +682,7 @@ def _endpoint(options: BenchOptions) -> GrpcEndpoint | HttpEndpoint:
         version=options.model_version,
         max_message_bytes=options.max_message_mb * 1024 * 1024,
         connections=options.connections,
+        token=options.token,
     )
 
 
@@ -790,7 +794,7 @@ async def _run_level(
     lead = 0.2 if pool is not None else 0.0  # time for every process to receive its orders
     start = time.perf_counter() + lead
     open_level = _open_loop(level, options.arrival)
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "warmup": options.warmup,
         "duration": options.duration,
         "timeout": options.timeout,
@@ -896,9 +900,7 @@ class _Progress:
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
-    return (
-        "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
-    )
+    return "-" if value is None or math.isnan(value) else f"{value:,.{digits}f}"
 
 
 def format_report(report: BenchReport) -> str:
@@ -1094,6 +1096,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="a server process's Prometheus /metrics URL (repeatable; `pipeline run` prints them): its "
         "process_cpu_seconds_total is read around each measured interval, giving CPU microseconds per request",
     )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("PIPELINE_TOKEN") or None,
+        help="bearer token sent with every call, where the server asks for one (env PIPELINE_TOKEN)",
+    )
     parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
     parser.add_argument("--plot", type=Path, help="write throughput and p99 latency against load as a PNG")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -1135,6 +1142,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         seed=args.seed,
         progress=args.progress,
         cpu_metrics=cpu,
+        token=args.token,
     )
 
 

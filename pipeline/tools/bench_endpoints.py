@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -42,8 +42,13 @@ class EndpointError(Exception):
 class GrpcEndpoint:
     """The protocol's gRPC side."""
 
-    def __init__(self, url: str, max_message_bytes: int, connections: int = 1) -> None:
+    def __init__(
+        self, url: str, max_message_bytes: int, connections: int = 1, token: str | None = None
+    ) -> None:
         from pipeline.server import server_options
+
+        #: Sent with every call where the server asks for a token.
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
         options = server_options(max_message_bytes)
         # Each channel its own connection: gRPC would otherwise share one among channels to one address.
@@ -54,7 +59,7 @@ class GrpcEndpoint:
 
     async def _rpc(self, method: str, request: Any) -> Any:
         try:
-            return await getattr(self.stub, method)(request, timeout=10)
+            return await getattr(self.stub, method)(request, timeout=10, metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
             raise EndpointError(err.code().name, err.details() or "") from None
 
@@ -78,11 +83,14 @@ class GrpcEndpoint:
         return request.SerializeToString()
 
     def call(self) -> Call:
-        infers = itertools.cycle([channel.unary_unary(MODEL_INFER) for channel in self.channels])
+        infers: Iterator[grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = itertools.cycle(
+            [channel.unary_unary(MODEL_INFER) for channel in self.channels]
+        )
+        metadata = self.metadata
 
         async def call(payload: bytes, timeout: float) -> None:
             try:
-                await next(infers)(payload, timeout=timeout)
+                await next(infers)(payload, timeout=timeout, metadata=metadata)
             except grpc.aio.AioRpcError as err:
                 raise EndpointError(err.code().name, err.details() or "") from None
 
@@ -95,12 +103,13 @@ class GrpcEndpoint:
 class HttpEndpoint:
     """The protocol's HTTP/REST side (aiohttp), tensors as Triton's binary tensor data, both ways."""
 
-    def __init__(self, url: str, model: str, version: str) -> None:
+    def __init__(self, url: str, model: str, version: str, token: str | None = None) -> None:
         base = url if "://" in url else f"http://{url}"
         self.base = base.rstrip("/")
         self.path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "")
         # No cap on connections: each closed-loop worker keeps its own, as gRPC streams would.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
 
     async def _get(self, path: str) -> Any:
         async with self.session.get(self.base + path, timeout=aiohttp.ClientTimeout(total=10)) as reply:
@@ -171,10 +180,17 @@ def _error_text(body: bytes) -> str:
 
 
 def open_endpoint(
-    protocol: str, url: str, *, model: str, version: str, max_message_bytes: int, connections: int = 1
+    protocol: str,
+    url: str,
+    *,
+    model: str,
+    version: str,
+    max_message_bytes: int,
+    connections: int = 1,
+    token: str | None = None,
 ) -> GrpcEndpoint | HttpEndpoint:
     """The endpoint of a protocol (`grpc` or `http`) at `url` (`connections`: gRPC connections to spread
-    calls over)."""
+    calls over; `token`: the bearer token every call carries, where the server asks for one)."""
     if protocol == "http":
-        return HttpEndpoint(url, model, version)
-    return GrpcEndpoint(url, max_message_bytes, connections)
+        return HttpEndpoint(url, model, version, token)
+    return GrpcEndpoint(url, max_message_bytes, connections, token)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +70,10 @@ class Service:
         path = _metrics_file(port_file)
         return int(path.read_text()) if path.exists() else None
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
@@ -81,8 +87,10 @@ def wait_healthy(
 ) -> None:
     """Wait until a service's health check says SERVING; fail if it exits or takes too long."""
     deadline = time.monotonic() + timeout
-    channel_of = grpc.insecure_channel if credentials is None else grpc.secure_channel
-    with channel_of(address, *([] if credentials is None else [credentials])) as channel:
+    channel = (
+        grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             code = service.exit_code()
@@ -91,7 +99,8 @@ def wait_healthy(
                     f"{service.name} exited with code {code} while starting (see its log above)"
                 )
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                # The stubs (types-grpcio-health-checking) declare HealthStub without its methods.
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)  # type: ignore[attr-defined]
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
@@ -116,6 +125,26 @@ def stop(services: list[Service], grace: float) -> None:
             log.warning("%s did not stop within %.0fs; killing it", service.name, grace + 5)
             process.kill()
             process.wait()
+
+
+#: The variables that turn authentication on in every service (`pipeline.security`).
+AUTH_VARIABLES = (
+    "PIPELINE_AUTH_TOKENS",
+    "PIPELINE_AUTH_TOKENS_FILE",
+    "PIPELINE_ADMIN_TOKENS",
+    "PIPELINE_ADMIN_TOKENS_FILE",
+)
+
+
+def stage_token_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The router's stage token for the services' environment: with tokens configured, every stage asks the
+    router for one too, so the launcher makes one (unless `PIPELINE_STAGE_TOKEN` or `..._FILE` gives it).
+    It travels in the environment, which other users cannot read, not on the command line."""
+    if not any(environ.get(name) for name in AUTH_VARIABLES):
+        return {}
+    if environ.get("PIPELINE_STAGE_TOKEN") or environ.get("PIPELINE_STAGE_TOKEN_FILE"):
+        return {}
+    return {"PIPELINE_STAGE_TOKEN": secrets.token_urlsafe(32)}
 
 
 def _ensembles(folder: Path, model_dir: Path) -> list[str]:
@@ -181,7 +210,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tls-dir",
         type=Path,
-        default=Path(env("PIPELINE_TLS_DIR")) if env("PIPELINE_TLS_DIR") else None,
+        default=Path(tls_dir) if (tls_dir := env("PIPELINE_TLS_DIR")) else None,
         help="TLS on every hop from the files scripts/make-certs.sh writes there (ca.pem, server.pem, "
         "server-key.pem, client.pem, client-key.pem): stages accept only the router's client certificate "
         "(mutual TLS), the router serves TLS (env PIPELINE_TLS_DIR)",
@@ -222,6 +251,7 @@ def _replicas(text: str) -> dict[str, int]:
 def run(args: argparse.Namespace) -> int:
     """Start the pipeline and supervise it until a signal or a death; returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
+    stage_token = stage_token_env(os.environ)
     host = args.host
     connect = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
     grace = ["--grace-period", str(args.grace_period)]
@@ -286,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
     router.args += ["--model-dir", str(args.model_dir)]  # its config.pbtxt ensembles, the stages' models
     router.args += ["--workers", str(max(1, args.router_workers))]
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
+    for service in everything:
+        service.env.update(stage_token)
 
     stopping = False
 
@@ -324,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
             f"pipeline: serving {', '.join(_ensembles(args.ensembles, args.model_dir))} on "
             f"{connect}:{router.port} (gRPC{' over TLS' if tls_dir else ''}){http}, Open Inference Protocol; "
             "stages: "
-            + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.process.pid})" for s in stages)  # type: ignore[union-attr]
+            + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.pid})" for s in stages)
             + ". Ctrl-C stops it.",
             flush=True,
         )
@@ -342,11 +374,11 @@ def run(args: argparse.Namespace) -> int:
                 code = service.exit_code()
                 if code is not None:
                     log.error(
-                        "%s (pid %d) exited with code %d; stopping the pipeline",
+                        "%s (pid %s) exited with code %d; stopping the pipeline",
                         service.name,
-                        service.process.pid,
+                        service.pid,
                         code,
-                    )  # type: ignore[union-attr]
+                    )
                     return 1
             time.sleep(0.2)
         return 0

@@ -192,7 +192,7 @@ class ModelOptions:
 class ModelBackend:
     """Prepares versions of the repository entries whose backend is onnxruntime, pytorch or tensorrt."""
 
-    names = ("onnxruntime", "pytorch", "tensorrt")
+    names: tuple[str, ...] = ("onnxruntime", "pytorch", "tensorrt")
 
     def __init__(
         self, settings: ServiceSettings | None = None, *, repository_root: Path | None = None

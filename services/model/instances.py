@@ -155,6 +155,8 @@ class OnnxRuntimeInstance(ArtifactInstance):
     def _load(self) -> None:
         import onnxruntime as ort
 
+        # No telemetry: the service reaches nothing but its clients and the repository.
+        ort.disable_telemetry_events()
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1

@@ -132,7 +132,9 @@ def test_manifests_exist() -> None:
         "ConfigMap",
         "Deployment",
         "HorizontalPodAutoscaler",
+        "NetworkPolicy",
         "PersistentVolumeClaim",
+        "PodDisruptionBudget",
         "Service",
     ], kinds
     names = {d["metadata"]["name"] for d in of_kind("Deployment")}
@@ -350,3 +352,138 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# --- readiness, disruptions, network policies, the engine cache ------------------------------------------
+
+
+def test_the_router_is_ready_on_its_inference_service_and_alive_on_the_empty_one() -> None:
+    from pipeline.server import INFERENCE_SERVICE
+
+    (container,) = containers(named("Deployment", "router"))
+    assert container["readinessProbe"]["grpc"].get("service") == INFERENCE_SERVICE
+    # "" is liveness: SERVING while the router waits for a stage, so it is not restarted for that.
+    assert container["livenessProbe"]["grpc"].get("service", "") == ""
+    assert container["startupProbe"]["grpc"].get("service", "") == ""
+
+
+def test_every_stage_has_a_disruption_budget_of_one_pod() -> None:
+    budgets = of_kind("PodDisruptionBudget")
+    for deployment in stage_deployments():
+        name = deployment["metadata"]["name"]
+        mine = [
+            b
+            for b in budgets
+            if b["spec"]["selector"]["matchLabels"].items()
+            <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert len(mine) == 1, f"Deployment {name}: {len(mine)} PodDisruptionBudgets select its pods"
+        # maxUnavailable (not minAvailable: 1) still lets a drain evict a stage's single replica.
+        assert mine[0]["spec"] == {**mine[0]["spec"], "maxUnavailable": 1}
+        assert "minAvailable" not in mine[0]["spec"]
+    assert len(budgets) == len(list(stage_deployments()))
+
+
+def _labels(deployment: Doc) -> dict[str, str]:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def _selects(selector: Doc, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) against a set of labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        if operator == "In" and labels.get(key) not in values:
+            return False
+        if operator == "NotIn" and labels.get(key) in values:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+#: The namespace the manifests are applied in, with the label Kubernetes sets on every namespace.
+HERE = {"kubernetes.io/metadata.name": "pipeline"}
+MONITORING = {"kubernetes.io/metadata.name": "monitoring"}
+
+
+def allowed(source: dict[str, str], namespace: dict[str, str], target: Doc, port: int) -> bool:
+    """Whether the NetworkPolicies let a pod labelled `source` in `namespace` reach `target`'s pods on
+    `port`, as Kubernetes evaluates them (ingress; no policy selecting the pods: everything is allowed)."""
+    policies = [p for p in of_kind("NetworkPolicy") if _selects(p["spec"]["podSelector"], _labels(target))]
+    if not policies:
+        return True
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            if rule.get("ports") and port not in {p["port"] for p in rule["ports"]}:
+                continue
+            for peer in rule.get("from", []):
+                in_namespace = (
+                    _selects(peer["namespaceSelector"], namespace)
+                    if "namespaceSelector" in peer
+                    else namespace == HERE
+                )
+                if in_namespace and _selects(peer.get("podSelector", {}), source):
+                    return True
+    return False
+
+
+def test_stages_take_inference_from_routers_scrapes_from_prometheus_and_control_from_admins() -> None:
+    router = _labels(named("Deployment", "router"))
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    admin = {"pipeline-repository-admin": "true", "app": "load-a-model"}
+    anyone = {"app": "something-else"}
+    for deployment in stage_deployments():
+        name = deployment["metadata"]["name"]
+        (container,) = containers(deployment)
+        grpc_port = container_port(container, "grpc")
+        # A stage serves /metrics on its gRPC port + 100 unless told otherwise (pipeline.server).
+        assert f"PIPELINE_{name.upper()}_METRICS_PORT" not in env_of(container)
+        metrics_port = grpc_port + 100
+        assert allowed(router, HERE, deployment, grpc_port), f"{name}: the router cannot reach it"
+        assert not allowed(anyone, HERE, deployment, grpc_port), f"{name}: any pod may call it"
+        assert not allowed(router, MONITORING, deployment, grpc_port), (
+            f"{name}: a router-labelled pod elsewhere"
+        )
+        assert allowed(prometheus, MONITORING, deployment, metrics_port), f"{name}: Prometheus cannot scrape"
+        assert not allowed(prometheus, MONITORING, deployment, grpc_port), f"{name}: Prometheus may infer"
+        assert not allowed(prometheus, HERE, deployment, metrics_port), (
+            f"{name}: any 'prometheus' pod scrapes"
+        )
+        assert not allowed(anyone, HERE, deployment, metrics_port), f"{name}: any pod may scrape"
+        assert allowed(admin, HERE, deployment, grpc_port), f"{name}: its repository cannot be controlled"
+    # Clients reach the router from anywhere.
+    assert allowed(anyone, {"kubernetes.io/metadata.name": "elsewhere"}, named("Deployment", "router"), 8001)
+
+
+def test_the_model_service_caches_engines_on_a_writable_volume() -> None:
+    model = named("Deployment", "model")
+    (container,) = containers(model)
+    cache = env_of(container)["PIPELINE_ENGINE_CACHE"]
+    mount = next((m for m in container["volumeMounts"] if m["mountPath"] == cache), None)
+    assert mount is not None, (
+        "PIPELINE_ENGINE_CACHE is not a mounted volume (the root file system is read-only)"
+    )
+    assert not mount.get("readOnly", False)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    volume = next(v for v in model["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    assert "emptyDir" in volume or "persistentVolumeClaim" in volume
+
+
+def test_compose_gives_the_engine_cache_a_writable_volume_and_every_service_its_tokens() -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    model = services["model"]
+    cache = model["environment"]["PIPELINE_ENGINE_CACHE"]
+    # SOURCE:TARGET[:MODE], where SOURCE may be ${VAR:-default}
+    mounts = {re.sub(r"\$\{[^}]*\}", "volume", v).split(":")[1]: v for v in model["volumes"]}
+    assert cache in mounts and not mounts[cache].endswith(":ro"), mounts
+    assert mounts["/models"].endswith(":ro")
+    # With tokens set, the router calls the stages with its own token, which the stages take.
+    for name, service in services.items():
+        assert "PIPELINE_STAGE_TOKEN" in service["environment"], name
+        assert "PIPELINE_ADMIN_TOKENS" in service["environment"], name
+    assert "PIPELINE_AUTH_TOKENS" in services["router"]["environment"]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import NamedTuple
 
 import grpc
@@ -62,8 +63,8 @@ class Launched(NamedTuple):
     addresses: dict[str, str]  # by stage process name
 
 
-def launch(tmp_path, model_dir, *extra: str) -> Launched:
-    """`pipeline run` on ports the OS picks, as far as its "serving" line."""
+def launch(tmp_path, model_dir, *extra: str, env: dict[str, str] | None = None) -> Launched:
+    """`pipeline run` on ports the OS picks, as far as its "serving" line (`env`: more environment)."""
     process = subprocess.Popen(
         [
             sys.executable,
@@ -87,6 +88,7 @@ def launch(tmp_path, model_dir, *extra: str) -> Launched:
             *extra,
         ],
         cwd=REPO,
+        env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -194,3 +196,105 @@ def test_pipeline_run_spreads_calls_over_stage_replicas(tmp_path, model_dir):
     finally:
         process.send_signal(signal.SIGTERM)
         process.communicate(timeout=60)
+
+
+def test_pipeline_run_with_tokens_set(tmp_path, model_dir):
+    """Tokens in the environment: every service asks for one, and the router reaches its stages with the
+    token the launcher made for it."""
+    process, address, _, _, addresses = launch(
+        tmp_path, model_dir, env={"PIPELINE_AUTH_TOKENS": "client-token"}
+    )
+    try:
+        _, _, x_test, y_test = load_split()
+        image = {"IMAGE": bytes_batch([encode(x_test[2])], (-1, 1))}
+        with InferenceClient(address, token="client-token") as client:
+            assert client.infer("digits", image, timeout=30)["LABEL"][0, 0] == y_test[2]
+        for at in (address, addresses["model"]):  # the router, and a stage
+            with InferenceClient(at) as anonymous, pytest.raises(grpc.RpcError) as info:
+                anonymous.stub.ModelMetadata(pb.ModelMetadataRequest(name="digits_cnn"), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, at
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+
+
+#: A python stage whose load never finishes.
+STUCK_MODEL = """\
+import threading
+
+from pipeline.stage import Stage, TensorSpec
+
+
+class Stuck(Stage):
+    max_batch_size = 8
+    inputs = (TensorSpec("X", "FP32", (-1, 1)),)
+    outputs = (TensorSpec("Y", "FP32", (-1, 1)),)
+
+    def load(self) -> None:
+        threading.Event().wait()
+
+    def infer(self, inputs):
+        return {"Y": inputs["X"]}
+"""
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def test_pipeline_run_stops_at_once_on_sigterm_while_a_stage_is_still_loading(tmp_path):
+    repository = tmp_path / "models"
+    (repository / "stuck" / "1").mkdir(parents=True)
+    (repository / "stuck" / "1" / "model.py").write_text(STUCK_MODEL)
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "run",
+        "--model-dir",
+        str(repository),
+        "--startup-timeout",
+        "900",
+    ]
+    for flag in ("--port", "--preprocess-port", "--model-port", "--postprocess-port", "--http-port"):
+        command += [flag, "0"]
+    process = subprocess.Popen(
+        [*command, "--grace-period", "1"],
+        cwd=REPO,
+        # Every stage serves the repository: preprocess and postprocess load `stuck` and never finish.
+        env={**os.environ, "PIPELINE_MODEL_DIR": str(repository)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in process.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "waiting for preprocess to become healthy" in line:
+                break
+        else:
+            raise AssertionError(f"pipeline run exited before waiting for its stages:\n{''.join(lines)}")
+        services = children_of(process.pid)
+        assert len(services) == 4, (services, "".join(lines))  # three stages and the router
+        process.send_signal(signal.SIGTERM)
+        # Far less than --startup-timeout: the wait ends at once, then each service gets its grace period.
+        rest, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, "".join(lines) + rest
+        assert "pipeline: serving" not in rest
+        wait_gone(services)
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -410,6 +410,14 @@ FP32_INPUT = {"name": "X", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3
         ("/v2/models/scaled/infer", {"inputs": [FP32_INPUT]}, {HEADER: "ten"}, 400, HEADER),
         ("/v2/models/scaled/infer", b"", {}, 400, "no 'inputs'"),
         ("/v2/models/scaled/infer", b'{"id": "\\ud800", "inputs": []}', {}, 400, "not valid Unicode"),
+        # Found by `make fuzz`: no elements, in a shape too large for numpy (was INTERNAL).
+        (
+            "/v2/models/shouted/infer",
+            {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [0, 2**62], "data": []}]},
+            {},
+            400,
+            "shape [0, 4611686018427387904] cannot be held",
+        ),
         (
             "/v2/models/shouted/infer",
             b'{"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": ["\\udfff"]}]}',
@@ -500,6 +508,8 @@ async def test_metrics_count_http_requests_by_outcome(served, http):
 async def test_bearer_tokens_over_http(tmp_path, monkeypatch, http):
     monkeypatch.setenv("PIPELINE_AUTH_TOKENS", "reader-token")
     monkeypatch.setenv("PIPELINE_ADMIN_TOKENS", "admin-token")
+    # The stage, in this environment too, asks for a token: the router's, which both read here.
+    monkeypatch.setenv("PIPELINE_STAGE_TOKEN", "router-token")
     async with serving_stages([Scale()]) as stage:
         (tmp_path / "e.yaml").write_text(ENSEMBLES.split("---\n")[0].format(a=stage.address))
         async with serving_router(load_ensembles([tmp_path])) as router:

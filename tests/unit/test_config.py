@@ -130,10 +130,33 @@ def test_plan_fields(tmp_path: Path) -> None:
 def test_name_and_string_version(tmp_path: Path) -> None:
     data = base()
     data["name"] = "custom"
-    data["steps"][0]["model_version"] = "v2"
+    data["steps"][0]["model_version"] = "2"
+    data["steps"][1]["model_version"] = "-1"
     plan = load(tmp_path, data)
     assert plan.name == "custom"
-    assert plan.steps[0].model_version == "v2"
+    assert (plan.steps[0].model_version, plan.steps[1].model_version) == ("2", "")
+
+
+def test_a_string_version_gives_the_ensemble_a_model_config(tmp_path: Path) -> None:
+    """Triton's `ensemble_scheduling.step.model_version` is an int64: a numeric string maps onto it (it
+    used to fail with INTERNAL when a client asked for the ensemble's ModelConfig)."""
+    from pipeline.router import ensemble_config
+
+    data = base()
+    data["steps"][1]["model_version"] = "3"
+    config = ensemble_config(load(tmp_path, data))
+    assert [step.model_version for step in config.ensemble_scheduling.step] == [-1, 3, -1]
+
+
+@pytest.mark.parametrize("version", ["v2", "latest", "1.5", "0", "-2", " ", "²", "99999999999999999999"])
+def test_a_non_numeric_string_version_is_refused_naming_the_file_and_step(
+    tmp_path: Path, version: str
+) -> None:
+    data = base()
+    data["steps"][1]["model_version"] = version
+    message = error(tmp_path, data)
+    assert "step 1 (digits_cnn): steps[1].model_version" in message
+    assert repr(version) in message or "too large" in message
 
 
 def test_non_batching_ensemble_needs_no_batch_dimension(tmp_path: Path) -> None:
