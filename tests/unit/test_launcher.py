@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.launcher import stage_token_env
+from pipeline.tools.launcher import stage_token_env
 
 
 def test_a_stage_token_is_made_only_when_tokens_are_configured():
