@@ -360,6 +360,8 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 #: Clients reconnect after this long, and so look the server's name up again: a router whose stage
 #: address is a DNS name then finds replicas that started after it connected.
 MAX_CONNECTION_AGE_MS = int(float(os.environ.get("PIPELINE_MAX_CONNECTION_AGE_S", "30")) * 1000)
+#: How long calls still open on a recycled connection (streams: the router's health watches) may go on.
+MAX_CONNECTION_AGE_GRACE_MS = 60_000
 
 
 async def create_server(
@@ -380,7 +382,7 @@ async def create_server(
         *server_options(max_message_bytes),
         ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
         # In-flight calls on a recycled connection get this long to finish.
-        ("grpc.max_connection_age_grace_ms", 60_000),
+        ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
     ]
     if reuse_port:
         options.append(("grpc.so_reuseport", 1))

@@ -407,9 +407,14 @@ class StageClient:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     await self._poll_protocol(replica)
                     return
-                self._set_state(replica, DOWN)
+                # NOTE: a stream that was healthy and ended is most often a connection the server recycled
+                # (max_connection_age): watch again at once before calling the replica down, or a lone
+                # replica would refuse calls for the length of a backoff every time it happens.
+                if failures > 0 or replica.state != SERVING:
+                    self._set_state(replica, DOWN)
             failures += 1
-            await asyncio.sleep(self.retry.backoff(min(failures, 4)))
+            if failures > 1:
+                await asyncio.sleep(self.retry.backoff(min(failures - 1, 4)))
 
     async def _poll_protocol(self, replica: Replica, interval: float = 1.0) -> None:
         """A replica without a health service (the protocol does not require one): it serves while its

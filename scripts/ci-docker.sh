@@ -93,12 +93,23 @@ if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null \
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io docker-compose debootstrap "${go_packages[@]}" >/dev/null
 fi
-if ! docker info >/dev/null 2>&1; then
-    say "starting dockerd in the background (log: /tmp/ci-dockerd.log)"
+start_dockerd() {
     nohup dockerd >/tmp/ci-dockerd.log 2>&1 &
     started_dockerd=$!
-    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
-    docker info >/dev/null 2>&1 || { tail -20 /tmp/ci-dockerd.log >&2; die "dockerd did not start within 30s"; }
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && return 0; sleep 0.5; done
+    return 1
+}
+if ! docker info >/dev/null 2>&1; then
+    say "starting dockerd in the background (log: /tmp/ci-dockerd.log)"
+    if ! start_dockerd; then
+        # A dockerd that was killed may leave its network store half written, and the next one then
+        # panics while restoring it: networks are made anew by Compose, so start once more without it.
+        kill "$started_dockerd" 2>/dev/null || true
+        wait "$started_dockerd" 2>/dev/null || true
+        say "dockerd did not start; once more without its saved network state"
+        rm -f /var/lib/docker/network/files/local-kv.db
+        start_dockerd || { tail -20 /tmp/ci-dockerd.log >&2; die "dockerd did not start within 30s"; }
+    fi
 fi
 if docker compose version >/dev/null 2>&1; then COMPOSE="docker compose"; else COMPOSE="docker-compose"; fi
 say "engine $(docker version -f '{{.Server.Version}}'), compose: $($COMPOSE version --short 2>/dev/null || $COMPOSE version | head -1)"

@@ -256,3 +256,25 @@ async def test_a_stage_sends_each_refused_item_as_a_field_violation():
         ("X[0]", "must not be negative"),
         ("X[2]", "must not be negative"),
     ]
+
+
+async def test_a_lone_replica_that_recycles_its_connections_loses_no_call(tmp_path, monkeypatch):
+    # Servers end their connections every max_connection_age; the router's health watch of the replica
+    # ends with them. Watched again at once, the replica is never taken for down in between.
+    import pipeline.server
+
+    monkeypatch.setattr(pipeline.server, "MAX_CONNECTION_AGE_MS", 300)
+    monkeypatch.setattr(pipeline.server, "MAX_CONNECTION_AGE_GRACE_MS", 100)
+    stage = Echo()
+    async with serving_stages([stage]) as s:
+        await wait_serving(s.address)
+        ensemble(tmp_path, s.address)
+        async with serving_router(load_ensembles([tmp_path])) as router:
+            await wait_serving(router.address)
+            async with inference_stub(router.address) as stub:
+                load = Load(stub, clients=2)
+                calls = stage.calls
+                while stage.calls < calls + 400:  # some two seconds: several recycled connections
+                    await asyncio.sleep(0.05)
+                await load.stop()
+    assert load.ok > 0 and not load.failures, [f.details() for f in load.failures[:3]]
