@@ -56,6 +56,7 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.backend import PreparedVersion, StageInstance
 from pipeline.errors import InvalidInput, PipelineError
 from pipeline.repository import (
+    SERVED_FIELDS,
     RepositoryEntry,
     RepositoryError,
     check_response_cache,
@@ -70,22 +71,8 @@ log = logging.getLogger(__name__)
 
 #: The name a Triton `model.py` imports the utilities under.
 PB_UTILS_MODULE = "triton_python_backend_utils"
-#: Config fields the python backend acts on (the router acts on `dynamic_batching`); others are logged.
-ACTED_ON = frozenset(
-    {
-        "name",
-        "platform",
-        "backend",
-        "max_batch_size",
-        "input",
-        "output",
-        "instance_group",
-        "version_policy",
-        "default_model_filename",
-        "parameters",
-        "dynamic_batching",
-    }
-)
+#: Config fields the python backend acts on: those every service does (`pipeline.repository`); others are logged.
+ACTED_ON = SERVED_FIELDS
 
 _module_ids = itertools.count(1)
 

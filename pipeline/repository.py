@@ -218,6 +218,26 @@ def check_response_cache(config: mc.ModelConfig, source: str) -> None:
         )
 
 
+#: Config fields every service acts on (the router acts on `dynamic_batching` and `response_cache`); a backend
+#: adds its own and logs the rest as ignored at load (`log_ignored`).
+SERVED_FIELDS = frozenset(
+    {
+        "name",
+        "platform",
+        "backend",
+        "max_batch_size",
+        "input",
+        "output",
+        "instance_group",
+        "version_policy",
+        "default_model_filename",
+        "parameters",
+        "dynamic_batching",
+        "response_cache",
+    }
+)
+
+
 def log_ignored(config: mc.ModelConfig, acted_on: Collection[str], source: str) -> list[str]:
     """Log (and return) the top-level fields a config sets that the service does not act on."""
     ignored = sorted(field.name for field, _ in config.ListFields() if field.name not in acted_on)

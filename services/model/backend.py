@@ -27,6 +27,7 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.backend import PreparedVersion
 from pipeline.repository import (
     PAD_VALUE_PARAMETER,
+    SERVED_FIELDS,
     RepositoryEntry,
     RepositoryError,
     datatype_of_config,
@@ -50,24 +51,9 @@ log = logging.getLogger(__name__)
 
 RUNNERS = ("auto", "onnxruntime", "torch", "tensorrt")
 DEVICES = ("auto", "cpu", "cuda")
-#: Top-level config fields this backend acts on (the rest are logged as ignored at load). The router acts on
-#: `dynamic_batching`, which is kept in the config `ModelConfig` returns.
-ACTED_ON = frozenset(
-    {
-        "name",
-        "platform",
-        "backend",
-        "max_batch_size",
-        "input",
-        "output",
-        "instance_group",
-        "version_policy",
-        "default_model_filename",
-        "parameters",
-        "optimization",
-        "dynamic_batching",
-    }
-)
+#: Top-level config fields this backend acts on: those every service does, and `optimization` (TensorRT,
+#: FP16); the rest are logged as ignored at load.
+ACTED_ON = SERVED_FIELDS | {"optimization"}
 #: `parameters` keys this backend reads (besides the router's `pad_value.<TENSOR>`). Triton's own spellings of
 #: the thread count are accepted: the ONNX Runtime backend's and the PyTorch backend's.
 PARAMETER_KEYS = ("runner", "intra_op_thread_count", "INTRA_OP_THREAD_COUNT", "torch_compile")
