@@ -26,6 +26,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import grpc
 from google.protobuf import text_format
@@ -133,9 +134,10 @@ def datatype_of_config(data_type: int) -> str:
     return "BYTES" if name == "TYPE_STRING" else name[len("TYPE_") :]
 
 
-def config_datatype(datatype: str) -> int:
+def config_datatype(datatype: str) -> mc.DataType:
     """The config `data_type` of a protocol datatype."""
-    return mc.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
+    # The stubs type enum values as plain int; the message fields take the enum type.
+    return cast(mc.DataType, mc.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"))
 
 
 #: `ModelConfig.parameters` key prefix under which a model declares a tensor's `TensorSpec.pad_value`.

@@ -192,7 +192,8 @@ def export_signature(path: Path) -> Signature:
         return Tensor(
             name,
             torch_datatype(value.dtype),
-            tuple(d if isinstance(d, int) else -1 for d in value.shape),
+            # An exported program's dims may be symbolic (torch.SymInt, typed as int): those vary.
+            tuple(d if type(d) is int else -1 for d in value.shape),
         )
 
     inputs, ranges, ties = [], {}, {}
@@ -352,15 +353,15 @@ def reconcile(
 
     inputs = _bind(config.input, signature.inputs, "input", where, batching, torch_kind, known=True)
     bound = {b.model_name for b in inputs}
-    for index, tensor in enumerate(signature.inputs):
-        if tensor.name not in bound and not tensor.optional:
+    for index, needed in enumerate(signature.inputs):
+        if needed.name not in bound and not needed.optional:
             raise RepositoryError(
-                f"{where}: the model needs input '{tensor.name}' (#{index}), which the config does not declare"
+                f"{where}: the model needs input '{needed.name}' (#{index}), which the config does not declare"
             )
-    for declared, binding in zip(config.input, inputs, strict=True):
-        if declared.optional and not signature.inputs[binding.index].optional:
+    for config_input, binding in zip(config.input, inputs, strict=True):
+        if config_input.optional and not signature.inputs[binding.index].optional:
             raise RepositoryError(
-                f"{where}: input '{declared.name}' is declared optional, but the model needs it"
+                f"{where}: input '{config_input.name}' is declared optional, but the model needs it"
             )
     outputs = _bind(
         config.output, signature.outputs, "output", where, batching, torch_kind, known=signature.outputs_known
@@ -399,7 +400,7 @@ def _find(tensors: Sequence[Tensor], name: str, position: int | None) -> tuple[i
 
 
 def _bind(
-    declared: Sequence[mc.ModelInput] | Sequence[mc.ModelOutput],
+    declared: Sequence[mc.ModelInput | mc.ModelOutput],
     found: Sequence[Tensor],
     role: str,
     where: str,

@@ -248,7 +248,8 @@ class ModelBackend:
             kind, device, options, str(artifact), unbounded=unbounded_dimension(bindings, signature)
         )
         log.info("%s: %s", model, reason)
-        datatypes = {t.name: datatype_of_config(t.data_type) for t in (*config.input, *config.output)}
+        datatypes = {t.name: datatype_of_config(t.data_type) for t in config.input}
+        datatypes.update({t.name: datatype_of_config(t.data_type) for t in config.output})
         common = dict(batching=config.max_batch_size > 0, device=device, reason=reason)
         threads = options.threads or self.settings.threads
         if runner == "onnxruntime":

@@ -89,7 +89,9 @@ def optimization_profile(
         low, opt, high = [], [], []
         for axis, size in enumerate(shape):
             if axis == 0 and max_batch_size > 0:
-                low.append(1), opt.append(opt_batch), high.append(max_batch_size)
+                low.append(1)
+                opt.append(opt_batch)
+                high.append(max_batch_size)
             elif size == -1:
                 bounds = ranges.get(name, {}).get(axis)
                 if not bounds or not bounds[1]:
@@ -97,9 +99,13 @@ def optimization_profile(
                         f"{source}: input '{name}' dimension {axis} varies and the model file gives no upper "
                         "bound for it, which a TensorRT profile needs; use runner onnxruntime or torch"
                     )
-                low.append(bounds[0]), opt.append(bounds[1]), high.append(bounds[1])
+                low.append(bounds[0])
+                opt.append(bounds[1])
+                high.append(bounds[1])
             else:
-                low.append(size), opt.append(size), high.append(size)
+                low.append(size)
+                opt.append(size)
+                high.append(size)
         profile[name] = (tuple(low), tuple(opt), tuple(high))
     return profile
 
