@@ -67,6 +67,11 @@ from pipeline.workers import WorkerPeers, merge_statistics, run_workers
 log = logging.getLogger(__name__)
 
 
+#: How long a model served by several stages waits for an earlier declared stage that has not answered or
+#: is still loading (it may serve the model too) before the first stage found serving it is used.
+SETTLE_S = 30.0
+
+
 class RouterPlane(DataPlane):
     """The router's data plane: ensembles run as DAGs of stage calls; stage models are forwarded."""
 
@@ -296,8 +301,10 @@ class RouterPlane(DataPlane):
 
     async def _find_stages(self, retry_interval: float) -> None:
         """Give each step that names no stage the stage whose `RepositoryIndex` lists its model as READY
-        (the first declared where several do), waiting for stages that are down or still loading."""
+        (the first declared where several do: an earlier stage that has not answered yet or is still loading
+        is waited for, up to `SETTLE_S`), waiting for stages that are down or still loading."""
         waiting_since: float | None = None
+        started = time.monotonic()
         while True:
             await self.refresh_index()
             for model in sorted(self._unresolved):
@@ -307,7 +314,11 @@ class RouterPlane(DataPlane):
                 if not found:
                     continue
                 before = list(self.clients)[: list(self.clients).index(found[0])]
-                if any(self.indexes.get(key) is not None and not self.clients[key].healthy for key in before):
+                if time.monotonic() - started < SETTLE_S and any(
+                    key not in self.indexes
+                    or (self.indexes[key] is not None and not self.clients[key].healthy)
+                    for key in before
+                ):
                     continue
                 if len(found) > 1:
                     log.info(
