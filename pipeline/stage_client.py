@@ -544,7 +544,9 @@ class StageClient:
                     self.metrics.stage_calls.labels(name, code.name).inc()
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
-                if code != grpc.StatusCode.UNAVAILABLE:
+                # NOTE: our own cancellation arrives as asyncio.CancelledError; a CANCELLED status is the
+                # replica's (a server stopping without grace cuts its calls off): no answer, as UNAVAILABLE.
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise StageError(
                         f"{what} on stage '{name}': {details}", code, items=item_errors(err)
                     ) from None
