@@ -8,6 +8,7 @@ which its file cannot confirm, gets checked. TensorRT's instance lives in `servi
 
 from __future__ import annotations
 
+import abc
 import logging
 import warnings
 from collections.abc import Mapping
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
-class ArtifactInstance:
+class ArtifactInstance(abc.ABC):
     """One instance of a model file; subclasses implement `_load`, `_run` and `unload`.
 
     Args:
@@ -126,16 +127,17 @@ class ArtifactInstance:
         lead = array.shape[:1] if self.batching else ()
         return array.reshape((*lead, *binding.client_shape[len(lead) :]))
 
+    @abc.abstractmethod
     def _load(self) -> None:
-        raise NotImplementedError
+        """Open the model file and make it ready to run."""
 
+    @abc.abstractmethod
     def _run(self, feeds: Mapping[Binding, np.ndarray]) -> dict[str, np.ndarray]:
         """The model's outputs under the config's names, from its inputs bound to the config's."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def unload(self) -> None:
         """Release what `load` acquired."""
-        raise NotImplementedError
 
 
 class OnnxRuntimeInstance(ArtifactInstance):
