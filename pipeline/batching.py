@@ -3,8 +3,9 @@
 The knobs are Triton's `dynamic_batching` ones. A batch is sent as soon as it reaches the largest size it
 can (`max_batch_size`, or the largest preferred size the queue can fill), or when its oldest request has
 waited `max_queue_delay_microseconds`. With idle dispatch (the default) a batch also goes at once whenever
-the stage has a free slot, so a lone request never waits out the delay: under load the slots are busy and
-batches fill by themselves.
+the stage is idle (no batch of it in flight), taking all that is queued, so a lone request never waits out
+the delay. While batches are in flight (several replicas, or `max_inflight_batches` > 1), a free slot does
+not send a batch of one: it waits, as in Triton, for the largest preferred size or the delay.
 
 The batcher knows nothing of tensors: the router gives each request a payload, its size (dimension 0),
 and a key; only requests with equal keys share a batch. `execute` runs one batch and returns one result
@@ -64,11 +65,13 @@ class BatchingConfig:
     #: How many batches may be in flight at once to each ready replica of the stage (with 3 replicas
     #: serving and 1 here, 3 batches are in flight).
     max_inflight_batches: int = 1
-    #: Send queued requests at once when a slot is free instead of waiting out the delay.
+    #: When no batch is in flight, send all that is queued (up to max_batch_size) at once instead of
+    #: waiting out the delay. While batches are in flight, a free slot waits for the largest preferred
+    #: size or the delay.
     idle_dispatch: bool = True
-    #: With a free slot, still wait (never past the delay) while requests that the router already holds
-    #: are on their way here, until the batch reaches the largest preferred size (else max_batch_size) or
-    #: they have all come. A lone request never waits; under load the batches grow.
+    #: When idle, still wait (never past the delay) while requests that the router already holds are on
+    #: their way here, until the queue reaches the largest preferred size (else max_batch_size) or they
+    #: have all come. A lone request never waits; under load the batches grow.
     batch_upcoming: bool = True
 
     def __post_init__(self) -> None:
@@ -374,7 +377,7 @@ class DynamicBatcher(Generic[In, Out]):
         if (
             config.idle_dispatch
             and not self._queued
-            and self._busy < self.max_inflight
+            and self._busy == 0
             and not (config.batch_upcoming and self._upcoming > 0)
         ):
             # NOTE: nothing waits and a slot is free (every request at low load): the batch of one runs in
@@ -470,16 +473,20 @@ class DynamicBatcher(Generic[In, Out]):
             candidates.append(((first.priority, first.seq), min(p.enqueued for p in heads), queue))
         candidates.sort(key=lambda c: c[0])
         wake_at = None
+        # An idle stage (no batch in flight) sends at once (after the requests on their way, up to the
+        # largest preferred size) and takes all that is queued, up to max_batch_size. While batches are in
+        # flight, a partial batch waits for the largest preferred size or its delay, as in Triton.
+        idle = config.idle_dispatch and self._busy == 0
         for _, oldest, queue in candidates:
             if queue.items >= config.max_batch_size:
                 return self._take(queue, config.max_batch_size), None
-            if largest_preferred and queue.items >= largest_preferred:
+            if largest_preferred and not idle and queue.items >= largest_preferred:
                 return self._take(queue, largest_preferred), None
             due = oldest + config.max_delay
             # NOTE: the same expression decides and schedules, so a wake-up at that time always sends.
             if now >= due:
                 return self._take(queue, config.max_batch_size), None
-            if config.idle_dispatch:
+            if idle:
                 awaited = min(goal, queue.items + self._upcoming) if config.batch_upcoming else 0
                 if queue.items >= awaited:
                     return self._take(queue, config.max_batch_size), None

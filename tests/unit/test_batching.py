@@ -112,6 +112,80 @@ async def test_idle_dispatch_sends_a_lone_request_at_once_and_batches_fill_under
     await batcher.aclose()
 
 
+async def test_while_a_batch_runs_a_free_slot_waits_for_the_preferred_size_or_the_delay():
+    """With two replicas, a free slot does not send a batch of one while the other replica is busy: it
+    waits for the largest preferred size, or until the oldest request has waited the delay."""
+    clock = ManualClock()
+    stage = Stage(gated=True)
+    config = BatchingConfig(
+        max_batch_size=8,
+        max_queue_delay_microseconds=30_000,
+        preferred_batch_size=(3,),
+        max_inflight_batches=2,
+    )
+    batcher = make(config, stage, clock)
+    tasks = await submit_all(batcher, [1])
+    assert stage.batches == [[1]], "the stage was idle: a lone request goes at once"
+    tasks += await submit_all(batcher, [2, 3])
+    assert stage.batches == [[1]], "a slot is free, but a batch runs: two of three preferred wait"
+    tasks += await submit_all(batcher, [4, 5])
+    assert stage.batches == [[1], [2, 3, 4]], "the preferred size is reached: it goes at once"
+    clock.advance(0.029)
+    await settle()
+    assert stage.batches == [[1], [2, 3, 4]], "both slots are busy"
+    stage.release(0)
+    await settle()
+    assert stage.batches == [[1], [2, 3, 4]], "a slot is free while a batch runs: 5 waits for more"
+    clock.advance(0.001)
+    await settle()
+    assert stage.batches[2:] == [[5]], "its delay passed: it goes"
+    stage.release(1)
+    stage.release(2)
+    await settle()
+    assert [t.result() for t in tasks] == [10, 20, 30, 40, 50]
+    await batcher.aclose()
+
+
+async def test_a_partial_batch_goes_after_its_delay_while_another_batch_runs():
+    clock = ManualClock()
+    stage = Stage(gated=True)
+    config = BatchingConfig(
+        max_batch_size=8,
+        max_queue_delay_microseconds=30_000,
+        preferred_batch_size=(4,),
+        max_inflight_batches=2,
+    )
+    batcher = make(config, stage, clock)
+    tasks = await submit_all(batcher, [1])
+    tasks += await submit_all(batcher, [2, 3])
+    clock.advance(0.029)
+    await settle()
+    assert stage.batches == [[1]], "a batch runs and the delay has not passed: 2 and 3 wait"
+    clock.advance(0.001)
+    await settle()
+    assert stage.batches == [[1], [2, 3]], "the delay passed: the partial batch goes"
+    stage.release(0)
+    stage.release(1)
+    await settle()
+    assert [t.result() for t in tasks] == [10, 20, 30]
+    await batcher.aclose()
+
+
+async def test_an_idle_stage_takes_everything_queued_past_the_preferred_size():
+    stage = Stage(gated=True)
+    config = BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=10**6, preferred_batch_size=(2,))
+    batcher = make(config, stage)
+    tasks = await submit_all(batcher, [1, 2, 3, 4, 5, 6])
+    assert stage.batches == [[1]]
+    stage.release(0)
+    await settle()
+    assert stage.batches[1:] == [[2, 3, 4, 5, 6]], "the stage fell idle: all five go, not the preferred two"
+    stage.release(1)
+    await settle()
+    assert [t.result() for t in tasks] == [10, 20, 30, 40, 50, 60]
+    await batcher.aclose()
+
+
 async def test_batches_in_flight_follow_the_ready_replicas():
     stage = Stage(gated=True)
     replicas = [1]
