@@ -1,52 +1,39 @@
-"""The model stage for the scaling benchmark: `minilm_encoder` and `refcnn_cnn` served as plain stage objects.
+"""The model service with a delay: a slow replica for the scaling benchmark.
 
-    python -m bench.model_stage --port 0 [--delay-ms 20]
+    python -m bench.model_stage --delay-ms 20 [python -m services.model's flags]
 
-`--delay-ms` makes a slow replica: every call takes that much longer (the model's thread sleeps, so the
-replica answers late without using a core). The benchmark serves these two models through this entry point
-rather than `python -m services.model`, so that it measures the router and not the model service's loader.
+Every model execution of this `python -m services.model` takes `--delay-ms` longer: the instance's thread
+sleeps before it runs the model, so the replica answers late without using more of a core. Everything else
+(the repository, the flags, the protocol) is the model service's own.
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.server import add_server_arguments, run_stage_service
-from pipeline.stage import Stage
-
-
-class Delayed(Stage):
-    """A stage that answers `delay` seconds late."""
-
-    def __init__(self, inner: Stage, delay: float) -> None:
-        self.inner, self.delay = inner, delay
-        self.name, self.inputs, self.outputs = inner.name, inner.inputs, inner.outputs
-        self.max_batch_size = inner.max_batch_size
-
-    def load(self) -> None:
-        self.inner.load()
-
-    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        time.sleep(self.delay)
-        return self.inner.infer(inputs)
+from services.model import __main__ as model_service
+from services.model.instances import ArtifactInstance
 
 
 def main() -> None:
-    from services.model.minilm import MiniLMEncoderStage
-    from services.model.refcnn import RefCNNStage
+    argv = sys.argv[1:]
+    delay = 0.0
+    if "--delay-ms" in argv:
+        at = argv.index("--delay-ms")
+        delay = float(argv[at + 1]) / 1000
+        del argv[at : at + 2]
+    run = ArtifactInstance.run
 
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_server_arguments(parser, service="model", default_port=8102)
-    parser.add_argument("--delay-ms", type=float, default=0.0)
-    args = parser.parse_args()
-    stages: list[Stage] = [MiniLMEncoderStage(device="cpu"), RefCNNStage(device="cpu")]
-    if args.delay_ms:
-        stages = [Delayed(stage, args.delay_ms / 1000) for stage in stages]
-    run_stage_service(stages, args, service="model")
+    def delayed(self: ArtifactInstance, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(delay)
+        return run(self, inputs)
+
+    ArtifactInstance.run = delayed  # type: ignore[method-assign]
+    model_service.main(argv)
 
 
 if __name__ == "__main__":

@@ -2,18 +2,29 @@
 
     python -m bench.scaling RESULTS_DIR [--duration S] [--variants NAME,...]
 
-Each variant starts the stage services and the router as processes on ports the OS picks (the layout of
-`pipeline run --replicas model=N`; the model stage is `bench.model_stage`), drives them with `pipeline bench`, and prints one line:
-throughput, p50/p99, the model's mean batch size as the router saw it, each model replica's share of the
-calls (from its own ModelStatistics), and the load average when it ran. The slow replica is the model
-stage with 20 ms added to every call (`bench.model_stage --delay-ms 20`). Figures land in RESULTS_DIR/<variant>.json.
+Each variant starts the three services on the model repository and the router as processes on ports the OS
+picks (the layout of `pipeline run --replicas model=N`), drives them with `pipeline bench`, and prints one
+line: throughput, p50/p99, the model's mean batch size as the router saw it, each model replica's share of
+the calls (from its own ModelStatistics), the cores each process used and the load average when it ran. The
+slow replica is the model service with 20 ms added to every execution (`bench.model_stage --delay-ms 20`).
+Figures land in RESULTS_DIR/<variant>.json. The example models must be built (`make model`).
+
+    python -m bench.scaling RESULTS_DIR --compose [--variants embeddings-model1,embeddings-model2]
+
+runs the variants with Docker Compose instead: `docker compose up -d --scale model=N` from this checkout
+(images built, `docker compose build`; Compose v2 or docker-compose v1), the load generator on the host
+through the router's published port. Cores are read per container (its processes on the host).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +59,14 @@ VARIANTS = {
 }
 
 
+#: Figures compared within each round: name -> (variant, baseline variant).
+RATIOS = {
+    "model x2 / x1": ("embeddings-model2", "embeddings-model1"),
+    "slow pair / healthy pair": ("embeddings-model2-slow", "embeddings-model2"),
+    "router workers 2 / 1": ("refcnn-workers2", "refcnn-workers1"),
+}
+
+
 def start(name: str, command: list[str], folder: Path, env: dict[str, str] | None = None) -> tuple:
     port_file = folder / f"{name}.port"
     log = open(folder / f"{name}.log", "ab")  # noqa: SIM115 - the process owns it
@@ -79,9 +98,15 @@ def wait_ready(address: str, timeout: float = 90) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) a process has used, from /proc (Linux)."""
+    """CPU time (user + system) a process and its children (a router's workers) have used, from /proc
+    (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(FileNotFoundError):  # exited meanwhile
+                total += cpu_seconds(int(child))
+    return total
 
 
 def executions(address: str, model: str) -> int:
@@ -92,18 +117,82 @@ def executions(address: str, model: str) -> int:
     return reply.model_stats[0].execution_count
 
 
-def run(name: str, variant: Variant, results: Path, duration: float) -> dict:
+def measure(
+    name: str,
+    variant: Variant,
+    router_address: str,
+    pids: dict[str, int],
+    model_addresses: list[str],
+    folder: Path,
+    results: Path,
+    duration: float,
+) -> dict:
+    """Drive a started pipeline at concurrency 32 and return (and print) its figures. `model_addresses`:
+    the model replicas whose ModelStatistics can be read from here (empty: none can)."""
+    model_name = {"embeddings": "minilm_encoder", "refcnn": "refcnn_cnn"}[variant.ensemble]
+    before = [executions(a, model_name) for a in model_addresses]
+    sentence = folder / "sentence.txt"
+    sentence.write_text(SENTENCE)
+    inputs = ["--input-file", f"TEXT={sentence}"] if variant.ensemble == "embeddings" else []
+    load = os.getloadavg()
+    out = results / f"{name}.json"
+    cpu_before, wall_before = {n: cpu_seconds(pid) for n, pid in pids.items()}, time.monotonic()
+    client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(
+        [
+            *(sys.executable, "-m", "pipeline", "bench", "--url", router_address),
+            *("--model", variant.ensemble, "--concurrency", "32", "--duration", str(duration)),
+            *("--warmup", "5", "--connections", str(variant.connections), "--json", str(out)),
+            "--no-progress",
+            *inputs,
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    wall = time.monotonic() - wall_before
+    # Cores each process used while the load ran (a router with workers: all of them).
+    cores = {n: round((cpu_seconds(pid) - cpu_before[n]) / wall, 2) for n, pid in pids.items()}
+    client = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = client.ru_utime + client.ru_stime - client_before.ru_utime - client_before.ru_stime
+    cores["client"] = round(used / wall, 2)  # the load generator, on the same cores
+    calls = [executions(a, model_name) - b for a, b in zip(model_addresses, before, strict=True)]
+    level = json.loads(out.read_text())["results"][0]
+    stage = level["stages"].get(model_name, {})
+    figure = {
+        "variant": name,
+        "infer_per_s": round(level["throughput_infer_per_s"], 1),
+        "p50_ms": round(level["latency_ms"]["p50"], 1),
+        "p99_ms": round(level["latency_ms"]["p99"], 1),
+        "errors": level["errors"],
+        "mean_batch": stage.get("mean_batch_size"),
+        "replica_calls": calls,
+        "cores": cores,
+        "loadavg_before": [round(x, 2) for x in load],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+    print(json.dumps(figure), flush=True)
+    return figure
+
+
+def run(
+    name: str, variant: Variant, results: Path, duration: float, model_dir: Path, ensembles: Path
+) -> dict:
+    """One variant as processes on this machine."""
     folder = Path(tempfile.mkdtemp(prefix=f"scaling-{name}-"))
     processes = []
     try:
-        off = ["--metrics-port", "off"]
+        off = ["--metrics-port", "off", "--model-dir", str(model_dir)]
         pre, pre_address = start("preprocess", ["-m", "services.preprocess", *off], folder)
         post, post_address = start("postprocess", ["-m", "services.postprocess", *off], folder)
         processes += [pre, post]
         models = []
         for i in range(variant.model_replicas):
-            delay = ["--delay-ms", "20"] if i < variant.slow else []
-            process, address = start(f"model-{i}", ["-m", "bench.model_stage", *delay, *off], folder)
+            entry = (
+                ["-m", "bench.model_stage", "--delay-ms", "20"]
+                if i < variant.slow
+                else ["-m", "services.model"]
+            )
+            process, address = start(f"model-{i}", [*entry, *off], folder)
             processes.append(process)
             models.append(address)
         env = {
@@ -111,53 +200,16 @@ def run(name: str, variant: Variant, results: Path, duration: float) -> dict:
             "MODEL_ADDRESS": models[0] if len(models) == 1 else "ipv4:" + ",".join(models),
             "POSTPROCESS_ADDRESS": post_address,
         }
-        router_command = ["-m", "pipeline", "router", "--ensembles", f"ensembles/{variant.ensemble}.yaml"]
-        router_command += ["--workers", str(variant.workers), "--http-port", "off", "--metrics-port", "off"]
+        router_command = ["-m", "pipeline", "router"]
+        router_command += ["--ensembles", str(ensembles / f"{variant.ensemble}.yaml")]
+        router_command += ["--workers", str(variant.workers), "--http-port", "off", *off]
         router, router_address = start("router", router_command, folder, env)
         processes.insert(0, router)
         for address in [*models, router_address]:
             wait_ready(address)
-        model_name = {"embeddings": "minilm_encoder", "refcnn": "refcnn_cnn"}[variant.ensemble]
-        before = [executions(a, model_name) for a in models]
-        sentence = folder / "sentence.txt"
-        sentence.write_text(SENTENCE)
-        inputs = ["--input-file", f"TEXT={sentence}"] if variant.ensemble == "embeddings" else []
-        load = os.getloadavg()
-        out = results / f"{name}.json"
-        named = {"router": router, "preprocess": pre, "postprocess": post}
-        named.update({f"model-{i}": p for i, p in enumerate(processes[3:])})
-        cpu_before, wall_before = {n: cpu_seconds(p.pid) for n, p in named.items()}, time.monotonic()
-        subprocess.run(
-            [
-                *(sys.executable, "-m", "pipeline", "bench", "--url", router_address),
-                *("--model", variant.ensemble, "--concurrency", "32", "--duration", str(duration)),
-                *("--warmup", "5", "--connections", str(variant.connections), "--json", str(out)),
-                "--no-progress",
-                *inputs,
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        wall = time.monotonic() - wall_before
-        # Cores each process used while the load ran (a router with workers: its parent only).
-        cores = {n: round((cpu_seconds(p.pid) - cpu_before[n]) / wall, 2) for n, p in named.items()}
-        calls = [executions(a, model_name) - b for a, b in zip(models, before, strict=True)]
-        level = json.loads(out.read_text())["results"][0]
-        stage = level["stages"].get(model_name, {})
-        figure = {
-            "variant": name,
-            "infer_per_s": round(level["throughput_infer_per_s"], 1),
-            "p50_ms": round(level["latency_ms"]["p50"], 1),
-            "p99_ms": round(level["latency_ms"]["p99"], 1),
-            "errors": level["errors"],
-            "mean_batch": stage.get("mean_batch_size"),
-            "replica_calls": calls,
-            "cores": cores,
-            "loadavg_before": [round(x, 2) for x in load],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        }
-        print(json.dumps(figure), flush=True)
-        return figure
+        pids = {"router": router.pid, "preprocess": pre.pid, "postprocess": post.pid}
+        pids.update({f"model-{i}": p.pid for i, p in enumerate(processes[3:])})
+        return measure(name, variant, router_address, pids, models, folder, results, duration)
     finally:
         for process in processes:
             if process.poll() is None:
@@ -169,6 +221,69 @@ def run(name: str, variant: Variant, results: Path, duration: float) -> dict:
                 process.kill()
 
 
+def compose_command() -> list[str]:
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True)
+    return ["docker", "compose"] if probe.returncode == 0 else ["docker-compose"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_compose(name: str, variant: Variant, results: Path, duration: float) -> dict:
+    """One variant with Docker Compose: `up -d --scale model=N`, measured from the host, then `down`."""
+    if variant.slow or variant.workers != 1:
+        raise SystemExit(f"{name}: only the replica variants run with --compose")
+    compose = compose_command()
+    port = free_port()
+    env = {
+        **os.environ,
+        "COMPOSE_PROJECT_NAME": "pipelinebench",
+        "PIPELINE_ROUTER_PUBLISHED_PORT": str(port),
+        "PIPELINE_HTTP_PUBLISHED_PORT": str(free_port()),
+        "PIPELINE_RESOLVE_INTERVAL_S": "2",  # the warm-up (5 s) outlasts it: every replica is in use
+    }
+    folder = Path(tempfile.mkdtemp(prefix=f"scaling-{name}-"))
+    try:
+        subprocess.run(
+            [*compose, "up", "-d", "--scale", f"model={variant.model_replicas}"],
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        containers = wait_healthy(compose, env, count=3 + variant.model_replicas)
+        router_address = f"127.0.0.1:{port}"
+        wait_ready(router_address, timeout=180)
+        return measure(name, variant, router_address, containers, [], folder, results, duration)
+    finally:
+        subprocess.run(
+            [*compose, "down", "-v"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+
+def wait_healthy(compose: list[str], env: dict[str, str], count: int, timeout: float = 180) -> dict[str, int]:
+    """Wait until `count` containers of the project are healthy; returns their names and host pids."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = subprocess.run([*compose, "ps", "-q"], env=env, capture_output=True, text=True).stdout.split()
+        states = {}
+        for container in ids:
+            name, health, pid = subprocess.run(
+                ["docker", "inspect", "-f", "{{.Name}} {{.State.Health.Status}} {{.State.Pid}}", container],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+            states[name.strip("/")] = (health, int(pid))
+        if len(states) >= count and all(health == "healthy" for health, _ in states.values()):
+            return {name: pid for name, (_, pid) in sorted(states.items())}
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"containers not healthy within {timeout:.0f} s: {states}")
+        time.sleep(1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -176,10 +291,43 @@ def main() -> int:
     parser.add_argument("results", type=Path)
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--model-dir", type=Path, default=Path("model_repository"))
+    parser.add_argument("--ensembles", type=Path, default=Path("ensembles"))
+    parser.add_argument(
+        "--compose",
+        action="store_true",
+        help="run the replica variants with Docker Compose (`up --scale model=N`) instead of processes",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the variants this many times, interleaved (the machine's speed drifts between runs: "
+        "compare the variants of one round)",
+    )
     args = parser.parse_args()
     args.results.mkdir(parents=True, exist_ok=True)
-    for name in args.variants.split(","):
-        run(name, VARIANTS[name], args.results, args.duration)
+    names = args.variants.split(",")
+    rounds: list[dict[str, float]] = []
+    for round_ in range(args.repeat):
+        figures = {}
+        for name in names:
+            tag = name if args.repeat == 1 else f"{name}-r{round_ + 1}"
+            if args.compose:
+                figure = run_compose(tag, VARIANTS[name], args.results, args.duration)
+            else:
+                figure = run(tag, VARIANTS[name], args.results, args.duration, args.model_dir, args.ensembles)
+            figures[name] = figure["infer_per_s"]
+        rounds.append(figures)
+    for ratio, (top, bottom) in RATIOS.items():
+        if top in names and bottom in names:
+            values = sorted(r[top] / r[bottom] for r in rounds)
+            print(
+                f"{ratio}: "
+                + ", ".join(f"{v:.2f}" for v in values)
+                + f" (median {statistics.median(values):.2f})",
+                flush=True,
+            )
     return 0
 
 
