@@ -247,12 +247,14 @@ def run_compose(name: str, variant: Variant, results: Path, duration: float) -> 
     }
     folder = Path(tempfile.mkdtemp(prefix=f"scaling-{name}-"))
     try:
-        subprocess.run(
+        up = subprocess.run(
             [*compose, "up", "-d", "--scale", f"model={variant.model_replicas}"],
             env=env,
-            check=True,
-            stdout=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
         )
+        if up.returncode != 0:
+            raise RuntimeError(f"compose up failed: {up.stderr[-2000:]}")
         containers = wait_healthy(compose, env, count=3 + variant.model_replicas)
         router_address = f"127.0.0.1:{port}"
         wait_ready(router_address, timeout=180)
