@@ -4,7 +4,7 @@
 # with the Go client of examples/go, scale preprocess and model to two replicas and show all serve, start
 # Prometheus (the observability profile) and check during a bench run that it scrapes every replica and that
 # every query of the Grafana dashboard returns data, stop a preprocess replica and kill a model replica
-# (SIGKILL) under load and check no request failed, then tear down.
+# (SIGKILL) under load and check no request failed, tear down, and run the scaling benchmark's Compose mode.
 # Prints each step's time. About 5 minutes from nothing on 2 cores (most of it the first image build).
 #
 #   bash scripts/ci-docker.sh            # as root on a Debian machine (CI here), from anywhere
@@ -363,5 +363,15 @@ say "killing model container $victim"
 docker kill "$victim" >/dev/null
 wait "$loader" || { cat /tmp/ci-docker-load.json; die "requests failed while a model replica was killed"; }
 say "load while killing a model replica: $(cat /tmp/ci-docker-load.json)"
+
+# --- 9. the scaling benchmark's Compose mode ---------------------------------------------------------------
+# `up --scale model=1` and `=2` for the embeddings ensemble in a project of its own (no tokens), after this
+# one is down. Its figures are printed for the record, not checked: this machine's speed is not CI's concern.
+step "bench.scaling --compose: embeddings with 1 and 2 model replicas"
+$COMPOSE --profile observability down -v --remove-orphans >/dev/null 2>&1
+compose_up=""
+env -u PIPELINE_AUTH_TOKENS -u PIPELINE_STAGE_TOKEN -u COMPOSE_PROJECT_NAME "$PYTHON" -m bench.scaling \
+    "$work/scaling" --compose --variants embeddings-model1,embeddings-model2 --duration 10 \
+    || die "the scaling benchmark did not run with Compose"
 
 step_end
