@@ -337,8 +337,10 @@ def is_deterministic(config: mc.ModelConfig) -> bool:
 
 def batching_of_config(config: mc.ModelConfig) -> BatchingConfig | None:
     """The router's batching of a model whose `ModelConfig` sets Triton's `dynamic_batching`, with the
-    model's `max_batch_size` as the largest batch; None where it sets none or the model does not batch.
-    Raises `ValueError` for settings that do not fit together (a preferred size above max_batch_size)."""
+    model's `max_batch_size` as the largest batch and one batch in flight per instance of the model
+    (`instance_group`: `count` on each GPU it lists) on each replica; None where it sets none or the model
+    does not batch. Raises `ValueError` for settings that do not fit together (a preferred size above
+    max_batch_size)."""
     if config.WhichOneof("scheduling_choice") != "dynamic_batching" or config.max_batch_size <= 0:
         return None
     batching = config.dynamic_batching
@@ -353,4 +355,5 @@ def batching_of_config(config: mc.ModelConfig) -> BatchingConfig | None:
         priority_levels=batching.priority_levels,
         default_priority_level=batching.default_priority_level,
         preserve_ordering=batching.preserve_ordering,
+        max_inflight_batches=max(1, sum(g.count * max(1, len(g.gpus)) for g in config.instance_group)),
     )
