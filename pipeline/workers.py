@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -188,6 +189,18 @@ def _reserve(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _wait_listening(folder: Path, children: list[subprocess.Popen], http: bool) -> bool:
+    """Wait until every worker has written its port files (it listens); False if one exits first."""
+    names = [f"worker-{i}.port" for i in range(len(children))]
+    if http:
+        names += [f"worker-{i}.http-port" for i in range(len(children))]
+    while not all((folder / name).exists() for name in names):
+        if any(child.poll() is not None for child in children):
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run `args.workers` router processes on one port; `argv` is the router command line they repeat
     (each with its own port overrides appended, which argparse lets win). Returns when they have stopped:
@@ -214,7 +227,11 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for index in range(args.workers):
         env = {**os.environ, WORKER_DIR_ENV: str(folder), WORKER_INDEX_ENV: str(index)}
         metrics = ["--metrics-port", "0", "--metrics-port-file", str(folder / f"worker-{index}.metrics")]
-        command = [sys.executable, "-m", "pipeline", *argv, *overrides, *metrics]
+        # Each worker says where it listens in a file of its own; the parent writes the router's port files
+        # once every worker listens, so that no client connects while only some of them take connections.
+        ports = ["--port-file", str(folder / f"worker-{index}.port")]
+        ports += ["--http-port-file", str(folder / f"worker-{index}.http-port")]
+        command = [sys.executable, "-m", "pipeline", *argv, *overrides, *metrics, *ports]
         children.append(subprocess.Popen(command, env=env))
     log.info("router: %d workers on %s:%d (SO_REUSEPORT)", args.workers, args.host, port)
 
@@ -230,6 +247,10 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     try:
+        if _wait_listening(folder, children, http=args.http_port is not None):
+            write_port(getattr(args, "port_file", None), port)
+            if args.http_port is not None:
+                write_port(getattr(args, "http_port_file", None), reserved[1].getsockname()[1])
         pending = list(children)
         while pending:
             pid, status = os.wait()
