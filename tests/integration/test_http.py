@@ -593,7 +593,7 @@ async def test_bench_drives_the_http_side(served):
         protocol="http",
         concurrency=(1, 3),
         warmup=0.2,
-        duration=0.5,
+        duration=1.5,  # long enough that the statistics read before and after it straddle calls
     )
     options.progress = False
     report = await run_bench(options)
