@@ -12,8 +12,9 @@ Figures land in RESULTS_DIR/<variant>.json. The example models must be built (`m
     python -m bench.scaling RESULTS_DIR --compose [--variants embeddings-model1,embeddings-model2]
 
 runs the variants with Docker Compose instead: `docker compose up -d --scale model=N` from this checkout
-(images built, `docker compose build`; Compose v2 or docker-compose v1), the load generator on the host
-through the router's published port. Cores are read per container (its processes on the host).
+(images built, `docker compose build`; Compose v2 or docker-compose v1), the load generator in a container
+of the router's image on the stages' network (`compose run`). Cores are read per container (its processes
+on the host); `machine` is everything the machine was busy with, the engine's work included.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
@@ -109,6 +111,15 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def machine_seconds() -> tuple[float, float]:
+    """CPU seconds the whole machine has been busy (every process, the kernel, interrupts) and those the
+    hypervisor took for other guests (steal), from /proc/stat (Linux)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
 def executions(address: str, model: str) -> int:
     with grpc.insecure_channel(address) as channel:
         reply = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
@@ -126,23 +137,28 @@ def measure(
     folder: Path,
     results: Path,
     duration: float,
+    container: list[str] | None = None,
 ) -> dict:
     """Drive a started pipeline at concurrency 32 and return (and print) its figures. `model_addresses`:
-    the model replicas whose ModelStatistics can be read from here (empty: none can)."""
+    the model replicas whose ModelStatistics can be read from here (empty: none can). `container`: run the
+    load generator with this command prefix (a container that mounts `folder` at /bench) instead of here."""
     model_name = {"embeddings": "minilm_encoder", "refcnn": "refcnn_cnn"}[variant.ensemble]
     before = [executions(a, model_name) for a in model_addresses]
     sentence = folder / "sentence.txt"
     sentence.write_text(SENTENCE)
-    inputs = ["--input-file", f"TEXT={sentence}"] if variant.ensemble == "embeddings" else []
+    seen = Path("/bench") if container else folder  # the folder as the load generator sees it
+    inputs = ["--input-file", f"TEXT={seen / sentence.name}"] if variant.ensemble == "embeddings" else []
     load = os.getloadavg()
-    out = results / f"{name}.json"
+    out = folder / "bench.json"
+    generator = [*container, "pipeline"] if container else [sys.executable, "-m", "pipeline"]
     cpu_before, wall_before = {n: cpu_seconds(pid) for n, pid in pids.items()}, time.monotonic()
     client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    machine_before = machine_seconds()
     subprocess.run(
         [
-            *(sys.executable, "-m", "pipeline", "bench", "--url", router_address),
+            *(*generator, "bench", "--url", router_address),
             *("--model", variant.ensemble, "--concurrency", "32", "--duration", str(duration)),
-            *("--warmup", "5", "--connections", str(variant.connections), "--json", str(out)),
+            *("--warmup", "5", "--connections", str(variant.connections), "--json", str(seen / out.name)),
             "--no-progress",
             *inputs,
         ],
@@ -150,11 +166,19 @@ def measure(
         stdout=subprocess.DEVNULL,
     )
     wall = time.monotonic() - wall_before
+    shutil.copyfile(out, results / f"{name}.json")
     # Cores each process used while the load ran (a router with workers: all of them).
     cores = {n: round((cpu_seconds(pid) - cpu_before[n]) / wall, 2) for n, pid in pids.items()}
-    client = resource.getrusage(resource.RUSAGE_CHILDREN)
-    used = client.ru_utime + client.ru_stime - client_before.ru_utime - client_before.ru_stime
-    cores["client"] = round(used / wall, 2)  # the load generator, on the same cores
+    if not container:  # a container's processes are not this one's children
+        client = resource.getrusage(resource.RUSAGE_CHILDREN)
+        used = client.ru_utime + client.ru_stime - client_before.ru_utime - client_before.ru_stime
+        cores["client"] = round(used / wall, 2)  # the load generator, on the same cores
+    busy, steal = (
+        round((after - before) / wall, 2)
+        for after, before in zip(machine_seconds(), machine_before, strict=True)
+    )
+    cores["machine"] = busy  # everything, the engine's and the kernel's work included
+    cores["stolen"] = steal  # taken by the hypervisor for other guests
     calls = [executions(a, model_name) - b for a, b in zip(model_addresses, before, strict=True)]
     level = json.loads(out.read_text())["results"][0]
     stage = level["stages"].get(model_name, {})
@@ -256,9 +280,14 @@ def run_compose(name: str, variant: Variant, results: Path, duration: float) -> 
         if up.returncode != 0:
             raise RuntimeError(f"compose up failed: {up.stderr[-2000:]}")
         containers = wait_healthy(compose, env, count=3 + variant.model_replicas)
-        router_address = f"127.0.0.1:{port}"
-        wait_ready(router_address, timeout=180)
-        return measure(name, variant, router_address, containers, [], folder, results, duration)
+        wait_ready(f"127.0.0.1:{port}", timeout=180)
+        # The load generator runs in a container of the router's image on the stages' network, as a client
+        # elsewhere would call the router: not through the engine's proxy for the published port, which
+        # would take a share of the same two cores.
+        folder.chmod(0o777)  # the container's user writes its report there
+        runner = [*compose, "-p", env["COMPOSE_PROJECT_NAME"], "run", "--rm", "--no-deps", "-T"]
+        runner += ["-v", f"{folder}:/bench", "router"]
+        return measure(name, variant, "router:8001", containers, [], folder, results, duration, runner)
     finally:
         subprocess.run(
             [*compose, "down", "-v"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

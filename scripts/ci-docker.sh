@@ -366,7 +366,8 @@ say "load while killing a model replica: $(cat /tmp/ci-docker-load.json)"
 
 # --- 9. the scaling benchmark's Compose mode ---------------------------------------------------------------
 # `up --scale model=1` and `=2` for the embeddings ensemble in a project of its own (no tokens), after this
-# one is down. Its figures are printed for the record, not checked: this machine's speed is not CI's concern.
+# one is down, the load generator in a container on the stages' network. Its figures are printed for the
+# record, not checked: this machine's speed is not CI's concern.
 step "bench.scaling --compose: embeddings with 1 and 2 model replicas"
 $COMPOSE --profile observability down -v --remove-orphans >/dev/null 2>&1
 compose_up=""

@@ -40,7 +40,16 @@ def test_the_scaling_benchmark_serves_the_slow_pair_and_reports_every_process(tm
     assert figure["variant"] == "embeddings-model2-slow"
     assert figure["errors"] == {} and figure["infer_per_s"] > 0, figure
     assert len(figure["replica_calls"]) == 2 and min(figure["replica_calls"]) > 0, "both replicas served"
-    assert set(figure["cores"]) == {"router", "preprocess", "postprocess", "model-0", "model-1", "client"}
+    assert set(figure["cores"]) == {
+        "router",
+        "preprocess",
+        "postprocess",
+        "model-0",
+        "model-1",
+        "client",
+        "machine",
+        "stolen",
+    }
     assert figure["cores"]["model-0"] > 0 and figure["cores"]["model-1"] > 0
     report = json.loads((results / "embeddings-model2-slow.json").read_text())["results"][0]
     assert report["ok"] > 0 and report["stages"]["minilm_encoder"]["execution_count"] > 0
