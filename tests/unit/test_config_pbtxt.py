@@ -246,7 +246,7 @@ def test_a_models_own_dynamic_batching_becomes_the_routers_batching() -> None:
     assert batching.max_inflight_batches == 1, "no instance_group: one instance, one batch in flight"
     # One batch in flight per instance: 2 on the CPU, and 3 on each of two GPUs.
     text_format.Merge(
-        'instance_group [{ count: 2 kind: KIND_CPU }, { count: 3 kind: KIND_GPU gpus: [0, 1] }]', config
+        "instance_group [{ count: 2 kind: KIND_CPU }, { count: 3 kind: KIND_GPU gpus: [0, 1] }]", config
     )
     assert batching_of_config(config).max_inflight_batches == 8  # type: ignore[union-attr]
     config.max_batch_size = 0  # a model that does not batch gets no batcher
