@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -49,7 +49,6 @@ class Variant:
     slow: int = 0  # how many of the model replicas answer 20 ms late
     workers: int = 1
     connections: int = 1
-    inputs: list[str] = field(default_factory=list)
 
 
 VARIANTS = {
@@ -257,7 +256,8 @@ def free_port() -> int:
 
 
 def run_compose(name: str, variant: Variant, results: Path, duration: float) -> dict:
-    """One variant with Docker Compose: `up -d --scale model=N`, measured from the host, then `down`."""
+    """One variant with Docker Compose: `up -d --scale model=N`, driven from a container on the stages'
+    network, then `down`."""
     if variant.slow or variant.workers != 1:
         raise SystemExit(f"{name}: only the replica variants run with --compose")
     compose = compose_command()
@@ -287,7 +287,8 @@ def run_compose(name: str, variant: Variant, results: Path, duration: float) -> 
         folder.chmod(0o777)  # the container's user writes its report there
         runner = [*compose, "-p", env["COMPOSE_PROJECT_NAME"], "run", "--rm", "--no-deps", "-T"]
         runner += ["-v", f"{folder}:/bench", "router"]
-        return measure(name, variant, "router:8001", containers, [], folder, results, duration, runner)
+        router = f"router:{env.get('PIPELINE_ROUTER_PORT', '8001')}"  # compose.yaml's port inside the network
+        return measure(name, variant, router, containers, [], folder, results, duration, runner)
     finally:
         subprocess.run(
             [*compose, "down", "-v"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

@@ -380,7 +380,7 @@ class DynamicBatcher(Generic[In, Out]):
             and self._busy == 0
             and not (config.batch_upcoming and self._upcoming > 0)
         ):
-            # NOTE: nothing waits and a slot is free (every request at low load): the batch of one runs in
+            # NOTE: nothing waits and the stage is idle (every request at low load): the batch of one runs in
             # the caller's task, saving the scheduler's wake-up and a task per request.
             if deadline is not None and deadline <= now:
                 self.counters.dropped_deadline += 1

@@ -237,27 +237,7 @@ class Executor:
         async def run_step(step: PlanStep) -> None:
             for producer in step.depends_on:
                 await finished[producer].wait()
-            if conditional:
-                skipped = self._skip_reason(plan, step, values)
-                self._branch_counter(plan.name, step, not skipped).inc()
-                if skipped:
-                    if telemetry.enabled:
-                        attributes = {
-                            ENSEMBLE: plan.name,
-                            STEP: step.index,
-                            MODEL: step.model_name,
-                            STAGE: step.stage,
-                            REQUEST_ID: request.id,
-                            STEP_SKIPPED: True,
-                            SKIP_REASON: skipped,
-                        }
-                        with telemetry.span(f"step {step.model_name}", attributes):
-                            pass
-                    batcher = awaited.pop(step.index, None)
-                    if batcher is not None:
-                        batcher.unexpect()  # it will not come: its batch need not wait for it
-                    finished[step.index].set()
-                    return
+            attributes: dict[str, Any] = {}
             if telemetry.enabled:
                 attributes = {
                     ENSEMBLE: plan.name,
@@ -266,6 +246,20 @@ class Executor:
                     STAGE: step.stage,
                     REQUEST_ID: request.id,
                 }
+            if conditional:
+                skipped = self._skip_reason(plan, step, values)
+                self._branch_counter(plan.name, step, not skipped).inc()
+                if skipped:
+                    if telemetry.enabled:
+                        skip = {**attributes, STEP_SKIPPED: True, SKIP_REASON: skipped}
+                        with telemetry.span(f"step {step.model_name}", skip):
+                            pass
+                    batcher = awaited.pop(step.index, None)
+                    if batcher is not None:
+                        batcher.unexpect()  # it will not come: its batch need not wait for it
+                    finished[step.index].set()
+                    return
+            if telemetry.enabled:
                 with telemetry.span(f"step {step.model_name}", attributes):
                     outputs = await self._call_step(step, values, request, deadline, call.metadata, awaited)
             else:
