@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from pipeline.batching import BatchingConfig, DynamicBatcher
+from pipeline.router.batching import BatchingConfig, DynamicBatcher
 
 
 async def _measure(depth: int, requests: int, max_batch_size: int, deadline: bool) -> tuple[float, float]:

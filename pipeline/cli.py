@@ -15,7 +15,7 @@ import numpy as np
 def _infer(args: argparse.Namespace) -> int:
     import grpc
 
-    from pipeline.client import InferenceClient, bytes_batch
+    from pipeline.tools.client import InferenceClient, bytes_batch
 
     client = InferenceClient(
         args.url, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token=args.token
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pipeline", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    from pipeline.router import add_router_arguments, run_router
+    from pipeline.router.plane import add_router_arguments, run_router
     from pipeline.tools.launcher import add_run_arguments, run
 
     run_parser = commands.add_parser("run", help="start the stage services and the router as local processes")
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     infer.add_argument("--timeout", type=float, default=30.0, help="deadline in seconds")
     infer.add_argument("--json", action="store_true", help="print the outputs as JSON")
-    from pipeline.security import add_client_tls_arguments
+    from pipeline.runtime.security import add_client_tls_arguments
 
     add_client_tls_arguments(infer, prefix="", env_prefix="PIPELINE_CLIENT_")
     infer.add_argument(

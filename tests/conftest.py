@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.convert import Tensor
-from pipeline.server import server_options
+from pipeline.protocol.codec import Tensor
+from pipeline.runtime.server import server_options
 
 
 @contextlib.asynccontextmanager

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.errors import InvalidInput
-from pipeline.python_backend import PythonBackend
-from pipeline.repository import ModelRepository, config_text, read_config
-from pipeline.stage import Stage, TensorSpec
+from pipeline.protocol.errors import InvalidInput
+from pipeline.runtime.repository import ModelRepository, config_text, read_config
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage.python_backend import PythonBackend
 
 
 class Scale(Stage):

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.convert import Tensor
-from pipeline.datatypes import DATATYPES
+from pipeline.protocol.codec import Tensor
+from pipeline.protocol.datatypes import DATATYPES
 from pipeline.tools.bench_endpoints import (
     PROTOCOLS,
     Call,

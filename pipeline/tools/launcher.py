@@ -24,8 +24,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pipeline.metrics import metrics_port
-from pipeline.security import channel_credentials
+from pipeline.runtime.metrics import metrics_port
+from pipeline.runtime.security import channel_credentials
 
 log = logging.getLogger("pipeline.launcher")
 
@@ -149,7 +149,7 @@ def stage_token_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 def _ensembles(folder: Path, model_dir: Path) -> list[str]:
     """The ensembles the router serves: the YAML files' and the repository's `platform: "ensemble"` ones."""
-    from pipeline.repository import ModelRepository, RepositoryEntry
+    from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 
     names = {path.stem for path in folder.glob("*.y*ml")}
     entries = ModelRepository(model_dir).entries({"ensemble"})

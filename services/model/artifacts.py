@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.repository import RepositoryError, config_datatype, datatype_of_config
+from pipeline.runtime.repository import RepositoryError, config_datatype, datatype_of_config
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def torch_datatype(dtype) -> str:
 def _numpy_datatype(dtype) -> str:
     import numpy as np
 
-    from pipeline.datatypes import datatype_of
+    from pipeline.protocol.datatypes import datatype_of
 
     return datatype_of(np.empty(0, dtype=dtype))
 

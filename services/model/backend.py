@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.backend import PreparedVersion
-from pipeline.repository import (
+from pipeline.runtime.repository import (
     PAD_VALUE_PARAMETER,
     SERVED_FIELDS,
     RepositoryEntry,
@@ -33,6 +32,7 @@ from pipeline.repository import (
     datatype_of_config,
     log_ignored,
 )
+from pipeline.stage.backend import PreparedVersion
 from services.model.artifacts import (
     KIND_BACKENDS,
     KIND_PLATFORMS,

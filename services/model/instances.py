@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.datatypes import DATATYPES, datatype_of
-from pipeline.errors import InvalidInput
-from pipeline.repository import RepositoryError
+from pipeline.protocol.datatypes import DATATYPES, datatype_of
+from pipeline.protocol.errors import InvalidInput
+from pipeline.runtime.repository import RepositoryError
 from services.model.artifacts import (
     TORCH_EXPORT,
     TORCHSCRIPT,

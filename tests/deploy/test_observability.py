@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.metrics import TRITON_COUNTERS, TRITON_PENDING, Metrics
+from pipeline.runtime.metrics import TRITON_COUNTERS, TRITON_PENDING, Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 OBSERVABILITY = ROOT / "observability"

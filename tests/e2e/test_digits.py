@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from examples.models.digits import load_split
-from pipeline.client import InferenceClient, bytes_batch
+from pipeline.tools.client import InferenceClient, bytes_batch
 from tests.e2e.conftest import REPO, encode
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.client import InferenceClient, bytes_batch
+from pipeline.tools.client import InferenceClient, bytes_batch
 from services.minilm_files import package_model_dir
 
 pytestmark = pytest.mark.e2e

@@ -22,7 +22,7 @@ import pytest
 
 from examples.models.digits import load_split
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.client import bytes_batch
+from pipeline.tools.client import bytes_batch
 from tests.conftest import inference_stub, request_for
 from tests.e2e.conftest import REPO, Pipeline, Process, _start_on_port, encode, start_service, wait_serving
 

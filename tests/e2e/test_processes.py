@@ -19,7 +19,7 @@ import pytest
 
 from examples.models.digits import load_split
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.client import InferenceClient, bytes_batch
+from pipeline.tools.client import InferenceClient, bytes_batch
 from tests.e2e.conftest import ARTIFACTS, REPO, encode, start_pipeline
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.convert import response_tensors
+from pipeline.protocol.codec import response_tensors
 from tests.conftest import request_for
 from tests.e2e.conftest import start_service, wait_serving
 from tests.stages import TRITON_ADD_SUB_CONFIG, TRITON_ADD_SUB_MODEL, example_repository, write_model

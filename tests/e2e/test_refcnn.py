@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.client import InferenceClient
+from pipeline.tools.client import InferenceClient
 from tests.e2e.conftest import REPO
 from tests.stages import example_stage
 

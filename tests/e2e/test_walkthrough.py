@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.python_backend import PythonBackend
-from pipeline.repository import ModelRepository
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.python_backend import PythonBackend
 from tests.e2e.conftest import REPO
 from tests.e2e.test_processes import launch
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.repository import ModelRepository
+from pipeline.runtime.repository import ModelRepository
 from services.model.backend import ModelBackend, ServiceSettings
 from services.model.tensorrt import tensorrt_status
 

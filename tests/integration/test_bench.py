@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.errors import InvalidInput
-from pipeline.stage import Stage, TensorSpec
-from pipeline.testing import serving_stages
+from pipeline.protocol.errors import InvalidInput
+from pipeline.stage.api import Stage, TensorSpec
 from pipeline.tools.bench import (
     BenchError,
     BenchOptions,
@@ -28,6 +27,7 @@ from pipeline.tools.bench import (
     write_json,
     write_plot,
 )
+from pipeline.tools.testing import serving_stages
 from tests.conftest import wait_serving
 
 
@@ -217,7 +217,7 @@ def test_statistics_deltas_give_perf_analyzers_figures() -> None:
 
 
 async def test_cpu_per_request_is_read_from_each_process_metrics() -> None:
-    from pipeline.metrics import Metrics
+    from pipeline.runtime.metrics import Metrics
 
     metrics = Metrics()
     async with serving_stages([Double()], metrics=metrics, metrics_port=0) as running:
@@ -260,8 +260,8 @@ class Cached(Stage):
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 async def test_repeat_share_mixes_one_repeated_input_with_unique_ones(protocol: str, tmp_path: Path) -> None:
-    from pipeline.config import load_ensembles
-    from pipeline.testing import serving_router
+    from pipeline.ensemble.config import load_ensembles
+    from pipeline.tools.testing import serving_router
 
     stage = Cached()
     async with serving_stages([stage]) as running:

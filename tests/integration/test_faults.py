@@ -16,12 +16,11 @@ from PIL import Image
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.config import load_ensembles
-from pipeline.convert import Tensor, infer_response, metadata_response, response_tensors
-from pipeline.errors import ModelNotFound
-from pipeline.python_backend import PythonBackend
-from pipeline.repository import ModelRepository, read_config
-from pipeline.server import (
+from pipeline.ensemble.config import load_ensembles
+from pipeline.protocol.codec import Tensor, infer_response, metadata_response, response_tensors
+from pipeline.protocol.errors import ModelNotFound
+from pipeline.runtime.repository import ModelRepository, read_config
+from pipeline.runtime.server import (
     INFERENCE_SERVICE,
     CallContext,
     DataPlane,
@@ -29,8 +28,9 @@ from pipeline.server import (
     create_server,
     set_serving,
 )
-from pipeline.stage import Stage, TensorSpec
-from pipeline.testing import serving_router, serving_stages
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import health_status, inference_stub, request_for, rpc_error, wait_serving
 from tests.stages import EXAMPLE_REPOSITORY, example_repository
 

@@ -14,10 +14,10 @@ import aiohttp
 import numpy as np
 import pytest
 
-from pipeline.config import load_ensembles
-from pipeline.convert import Tensor
-from pipeline.stage import Stage, TensorSpec
-from pipeline.testing import serving_router, serving_stages
+from pipeline.ensemble.config import load_ensembles
+from pipeline.protocol.codec import Tensor
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
 from tests.integration.test_security import certs  # noqa: F401 - a fixture
 from tests.integration.test_telemetry import Traced
@@ -574,7 +574,7 @@ async def test_https_with_the_routers_certificate_and_mutual_tls(certs, tmp_path
 def test_the_error_table_covers_every_status():
     import grpc
 
-    from pipeline.rest import HTTP_STATUS
+    from pipeline.router.http import HTTP_STATUS
 
     assert set(HTTP_STATUS) == set(grpc.StatusCode)
     assert HTTP_STATUS[grpc.StatusCode.INTERNAL] == 500 and HTTP_STATUS[grpc.StatusCode.NOT_FOUND] == 404

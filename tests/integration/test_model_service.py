@@ -25,9 +25,9 @@ from google.protobuf import json_format, text_format
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.convert import response_tensors
-from pipeline.repository import ModelRepository
-from pipeline.testing import serving_stages
+from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.repository import ModelRepository
+from pipeline.tools.testing import serving_stages
 from services.model.backend import ModelBackend, ServiceSettings
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.model_files import KINDS, add_model, reference, write_export, write_onnx, write_torchscript

@@ -13,10 +13,10 @@ import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.config import load_ensembles
-from pipeline.convert import response_tensors
-from pipeline.server import INFERENCE_SERVICE
-from pipeline.testing import serving_router, serving_stages
+from pipeline.ensemble.config import load_ensembles
+from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.server import INFERENCE_SERVICE
+from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import health_status, inference_stub, request_for, rpc_error, wait_serving
 from tests.stages import Scale
 

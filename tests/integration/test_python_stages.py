@@ -13,12 +13,12 @@ import pytest
 from PIL import Image
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.config import load_ensembles
-from pipeline.convert import response_tensors
-from pipeline.python_backend import PythonBackend
-from pipeline.repository import ModelRepository
-from pipeline.stage import Stage, TensorSpec
-from pipeline.testing import serving_router, serving_stages
+from pipeline.ensemble.config import load_ensembles
+from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.stages import (
     EXAMPLE_REPOSITORY,

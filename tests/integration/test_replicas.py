@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.config import load_ensembles
-from pipeline.convert import response_tensors
-from pipeline.stage import Stage, TensorSpec
-from pipeline.testing import serving_router, serving_stages
+from pipeline.ensemble.config import load_ensembles
+from pipeline.protocol.codec import response_tensors
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
 
 

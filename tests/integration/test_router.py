@@ -14,13 +14,13 @@ from grpc_health.v1 import health
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.config import ConfigError, load_ensembles
-from pipeline.convert import Tensor, infer_response, response_tensors
-from pipeline.errors import InvalidInput, ModelNotFound
-from pipeline.router import serve_router
-from pipeline.server import CallContext, DataPlane, InferenceServicer, create_server, set_serving
-from pipeline.stage import Stage, TensorSpec
-from pipeline.testing import serving_router, serving_stages
+from pipeline.ensemble.config import ConfigError, load_ensembles
+from pipeline.protocol.codec import Tensor, infer_response, response_tensors
+from pipeline.protocol.errors import InvalidInput, ModelNotFound
+from pipeline.router.plane import serve_router
+from pipeline.runtime.server import CallContext, DataPlane, InferenceServicer, create_server, set_serving
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 
 # Both branches of the diamond wait here for each other: a router that ran them one after the other
@@ -80,7 +80,7 @@ class Recorder(DataPlane):
         return name == "recorder"
 
     async def model_metadata(self, name, version, call):
-        from pipeline.convert import metadata_response
+        from pipeline.protocol.codec import metadata_response
 
         if name != "recorder":
             raise ModelNotFound(name)

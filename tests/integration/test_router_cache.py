@@ -17,17 +17,17 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.config import ConfigError, load_catalog, load_ensembles
-from pipeline.convert import Tensor, infer_response, metadata_response, response_tensors
-from pipeline.errors import ModelNotFound
-from pipeline.metrics import Metrics
-from pipeline.python_backend import PythonBackend
-from pipeline.repository import ModelRepository
-from pipeline.router import RouterPlane
-from pipeline.server import DataPlane, InferenceServicer, create_server, set_serving
-from pipeline.stage import Stage, TensorSpec
-from pipeline.telemetry import Telemetry
-from pipeline.testing import serving_router, serving_stages
+from pipeline.ensemble.config import ConfigError, load_catalog, load_ensembles
+from pipeline.protocol.codec import Tensor, infer_response, metadata_response, response_tensors
+from pipeline.protocol.errors import ModelNotFound
+from pipeline.router.plane import RouterPlane
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.server import DataPlane, InferenceServicer, create_server, set_serving
+from pipeline.runtime.telemetry import Telemetry
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 
 VEC = (-1, 4)

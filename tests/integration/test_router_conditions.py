@@ -12,12 +12,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.config import load_ensembles
-from pipeline.convert import response_tensors
-from pipeline.metrics import Metrics
-from pipeline.stage import Stage, TensorSpec
-from pipeline.telemetry import Telemetry
-from pipeline.testing import serving_router, serving_stages
+from pipeline.ensemble.config import load_ensembles
+from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.telemetry import Telemetry
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 
 VEC = (-1, 4)

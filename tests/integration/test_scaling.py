@@ -12,13 +12,13 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.config import load_ensembles
-from pipeline.convert import response_tensors
-from pipeline.errors import InvalidInput, ItemError, Unavailable
-from pipeline.metrics import Metrics
-from pipeline.stage import Stage, TensorSpec
-from pipeline.stage_client import item_errors
-from pipeline.testing import serving_router, serving_stages
+from pipeline.ensemble.config import load_ensembles
+from pipeline.protocol.codec import response_tensors
+from pipeline.protocol.errors import InvalidInput, ItemError, Unavailable
+from pipeline.router.stage_client import item_errors
+from pipeline.runtime.metrics import Metrics
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
 
 
@@ -261,10 +261,10 @@ async def test_a_stage_sends_each_refused_item_as_a_field_violation():
 async def test_a_lone_replica_that_recycles_its_connections_loses_no_call(tmp_path, monkeypatch):
     # Servers end their connections every max_connection_age; the router's health watch of the replica
     # ends with them. Watched again at once, the replica is never taken for down in between.
-    import pipeline.server
+    import pipeline.runtime.server
 
-    monkeypatch.setattr(pipeline.server, "MAX_CONNECTION_AGE_MS", 300)
-    monkeypatch.setattr(pipeline.server, "MAX_CONNECTION_AGE_GRACE_MS", 100)
+    monkeypatch.setattr(pipeline.runtime.server, "MAX_CONNECTION_AGE_MS", 300)
+    monkeypatch.setattr(pipeline.runtime.server, "MAX_CONNECTION_AGE_GRACE_MS", 100)
     stage = Echo()
     async with serving_stages([stage]) as s:
         await wait_serving(s.address)

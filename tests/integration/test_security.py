@@ -16,12 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.client import InferenceClient
-from pipeline.config import load_ensembles
-from pipeline.convert import response_tensors
-from pipeline.security import UNAUTHENTICATED_MESSAGE, Scope, SecurityConfigError, TokenAuthenticator
-from pipeline.server import server_options
-from pipeline.testing import serving_router, serving_stages
+from pipeline.ensemble.config import load_ensembles
+from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.security import UNAUTHENTICATED_MESSAGE, Scope, SecurityConfigError, TokenAuthenticator
+from pipeline.runtime.server import server_options
+from pipeline.tools.client import InferenceClient
+from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.integration.test_faults import Hold, Slow, ensemble, serve_plane
 
@@ -121,7 +121,7 @@ async def test_tls_without_client_certificates(certs, tmp_path):
 
 
 def test_bad_tls_settings_are_refused_with_what_is_wrong(tmp_path):
-    from pipeline.security import channel_credentials, server_credentials
+    from pipeline.runtime.security import channel_credentials, server_credentials
 
     assert server_credentials(None, None, None) is None  # plaintext
     (tmp_path / "cert.pem").write_text("x")
@@ -278,7 +278,10 @@ UNSAFE = [
 
 #: Where a pattern is the feature itself: (path, what) -> why.
 ALLOWED = {
-    ("pipeline/python_backend.py", "eval/exec"): "runs a repository's model.py, as Triton's Python backend "
+    (
+        "pipeline/stage/python_backend.py",
+        "eval/exec",
+    ): "runs a repository's model.py, as Triton's Python backend "
     "does: the repository must be trusted (README, Writing a stage)",
 }
 
@@ -331,8 +334,8 @@ def _add_sub_repository(root: Path) -> Path:
 
 
 def _serving_repository(root: Path, options: dict):
-    from pipeline.python_backend import PythonBackend
-    from pipeline.repository import ModelRepository
+    from pipeline.runtime.repository import ModelRepository
+    from pipeline.stage.python_backend import PythonBackend
 
     return serving_stages([], repository=ModelRepository(root), backends=[PythonBackend()], options=options)
 
@@ -445,7 +448,7 @@ steps:
 
 
 def test_certificate_identities_map_to_scopes():
-    from pipeline.security import AccessPolicy
+    from pipeline.runtime.security import AccessPolicy
 
     policy = AccessPolicy(client_certificates=True, admin_identities=frozenset({"ops"}))
     assert policy.certificate_scope({"x509_common_name": [b"anyone"]}) == Scope.INFER

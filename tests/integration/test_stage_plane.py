@@ -11,10 +11,10 @@ import grpc
 import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.convert import response_tensors
-from pipeline.python_backend import PythonBackend
-from pipeline.repository import ModelRepository
-from pipeline.testing import serving_stages
+from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.tools.testing import serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 
 SCALE = """

@@ -14,11 +14,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.convert import response_tensors
-from pipeline.datatypes import DATATYPES
-from pipeline.errors import InvalidInput
-from pipeline.stage import Stage, TensorSpec
-from pipeline.testing import serving_stages
+from pipeline.protocol.codec import response_tensors
+from pipeline.protocol.datatypes import DATATYPES
+from pipeline.protocol.errors import InvalidInput
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.tools.testing import serving_stages
 from tests.conftest import health_status, inference_stub, request_for, rpc_error, wait_serving
 
 

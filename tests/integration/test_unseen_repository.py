@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import load_catalog
-from pipeline.convert import response_tensors
-from pipeline.python_backend import PythonBackend
-from pipeline.repository import ModelRepository
-from pipeline.testing import serving_router, serving_stages
+from pipeline.ensemble.config import load_catalog
+from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.tools.testing import serving_router, serving_stages
 from services.model.backend import ModelBackend, ServiceSettings
 from tests.conftest import inference_stub, request_for, wait_serving
 from tests.model_files import add_model, reference, write_onnx

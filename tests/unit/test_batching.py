@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.batching import BatchingConfig, DynamicBatcher, ManualClock
-from pipeline.errors import DeadlineExceeded, InvalidInput, Unavailable
+from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
+from pipeline.router.batching import BatchingConfig, DynamicBatcher, ManualClock
 
 
 class Stage:

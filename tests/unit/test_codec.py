@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.convert import (
+from pipeline.protocol.codec import (
     Tensor,
     check_tensor,
     infer_response,
@@ -20,7 +20,7 @@ from pipeline.convert import (
     response_tensors,
     validate_inputs,
 )
-from pipeline.datatypes import (
+from pipeline.protocol.datatypes import (
     DATATYPES,
     array_from_raw,
     array_to_raw,
@@ -28,8 +28,8 @@ from pipeline.datatypes import (
     decode_bytes,
     encode_bytes,
 )
-from pipeline.errors import InvalidInput
-from pipeline.stage import TensorSpec
+from pipeline.protocol.errors import InvalidInput
+from pipeline.stage.api import TensorSpec
 
 FIXED = [name for name in DATATYPES if name != "BYTES"]
 shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=5)

@@ -13,18 +13,18 @@ import yaml
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.config import (
+from pipeline.ensemble.config import (
     ConfigError,
     ModelSignature,
     check_signatures,
     compile_ensemble,
     compile_model_config,
 )
-from pipeline.convert import Tensor
-from pipeline.errors import InvalidInput
-from pipeline.executor import condition_value
-from pipeline.router import ensemble_config
-from pipeline.stage import TensorSpec
+from pipeline.protocol.codec import Tensor
+from pipeline.protocol.errors import InvalidInput
+from pipeline.router.executor import condition_value
+from pipeline.router.plane import ensemble_config
+from pipeline.stage.api import TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import (
+from pipeline.ensemble.config import (
     ConfigError,
     ModelSignature,
     check_signatures,
@@ -22,8 +22,8 @@ from pipeline.config import (
     load_ensemble,
     load_ensembles,
 )
-from pipeline.plan import EnsemblePlan
-from pipeline.stage import TensorSpec
+from pipeline.ensemble.plan import EnsemblePlan
+from pipeline.stage.api import TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,7 @@ def test_name_and_string_version(tmp_path: Path) -> None:
 def test_a_string_version_gives_the_ensemble_a_model_config(tmp_path: Path) -> None:
     """Triton's `ensemble_scheduling.step.model_version` is an int64: a numeric string maps onto it (it
     used to fail with INTERNAL when a client asked for the ensemble's ModelConfig)."""
-    from pipeline.router import ensemble_config
+    from pipeline.router.plane import ensemble_config
 
     data = base()
     data["steps"][1]["model_version"] = "3"
@@ -174,7 +174,7 @@ def test_unconsumed_step_output_is_allowed_and_logged(
 ) -> None:
     data = base()
     data["steps"][1]["output_map"]["FEATURES"] = "features"
-    with caplog.at_level(logging.INFO, logger="pipeline.config"):
+    with caplog.at_level(logging.INFO, logger="pipeline.ensemble.config"):
         plan = load(tmp_path, data)
     assert ("FEATURES", "features") in plan.steps[1].outputs
     assert "step 1 (digits_cnn) output 'FEATURES'" in caplog.text

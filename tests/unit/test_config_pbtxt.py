@@ -9,15 +9,15 @@ import pytest
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.batching import BatchingConfig
-from pipeline.config import (
+from pipeline.ensemble.config import (
     ConfigError,
     build_catalog,
     compile_ensemble,
     load_catalog,
     load_repository_ensembles,
 )
-from pipeline.convert import batching_of_config
+from pipeline.protocol.codec import batching_of_config
+from pipeline.router.batching import BatchingConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,7 +144,7 @@ def test_other_models_and_unreadable_entries_are_not_the_routers(tmp_path: Path,
     (tmp_path / "net" / "1" / "model.onnx").write_bytes(b"")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.pbtxt").write_text("platform: {")
-    with caplog.at_level(logging.WARNING, logger="pipeline.config"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.ensemble.config"):
         plans = load_repository_ensembles(tmp_path)
     assert [plan.name for plan in plans] == ["chain"]
     assert "broken" in caplog.text and "config.pbtxt" in caplog.text

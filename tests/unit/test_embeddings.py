@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.errors import InvalidInput
-from pipeline.repository import ModelRepository, RepositoryError, tensor_specs
-from pipeline.stage import Stage
+from pipeline.protocol.errors import InvalidInput
+from pipeline.runtime.repository import ModelRepository, RepositoryError, tensor_specs
+from pipeline.stage.api import Stage
 from services.minilm_files import package_model_dir
 from services.model.backend import ModelBackend, ServiceSettings
 from tests.stages import example_stage

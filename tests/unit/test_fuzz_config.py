@@ -14,8 +14,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import ConfigError, load_ensemble
-from pipeline.plan import EnsemblePlan
+from pipeline.ensemble.config import ConfigError, load_ensemble
+from pipeline.ensemble.plan import EnsemblePlan
 
 EXAMPLES = int(os.environ.get("PIPELINE_FUZZ_EXAMPLES", "200"))
 SETTINGS = settings(

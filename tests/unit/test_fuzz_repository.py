@@ -17,8 +17,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import ConfigError, compile_model_config, load_repository_ensembles
-from pipeline.repository import (
+from pipeline.ensemble.config import ConfigError, compile_model_config, load_repository_ensembles
+from pipeline.runtime.repository import (
     ModelRepository,
     RepositoryEntry,
     RepositoryError,

@@ -33,13 +33,13 @@ from PIL import Image
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.config import load_ensembles
-from pipeline.convert import response_tensors
-from pipeline.datatypes import DATATYPES
-from pipeline.python_backend import PythonBackend
-from pipeline.repository import ModelRepository
-from pipeline.server import server_options
-from pipeline.testing import serving_router, serving_stages
+from pipeline.ensemble.config import load_ensembles
+from pipeline.protocol.codec import response_tensors
+from pipeline.protocol.datatypes import DATATYPES
+from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.server import server_options
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import request_for, wait_serving
 from tests.stages import example_repository
 

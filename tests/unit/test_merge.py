@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.convert import Tensor
-from pipeline.merge import StageCall, TensorBatching
-from pipeline.plan import ModelSignature
-from pipeline.stage import TensorSpec
+from pipeline.ensemble.plan import ModelSignature
+from pipeline.protocol.codec import Tensor
+from pipeline.router.merge import StageCall, TensorBatching
+from pipeline.stage.api import TensorSpec
 
 RAGGED = ModelSignature(
     "m",

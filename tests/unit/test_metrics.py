@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.metrics import TRITON_COUNTERS, Metrics, _triton_text
+from pipeline.runtime.metrics import TRITON_COUNTERS, Metrics, _triton_text
 
 
 def test_odd_model_names_are_escaped_and_durations_are_microseconds():

@@ -13,7 +13,7 @@ from PIL import Image
 
 from examples.models.build import EXAMPLES, build, main, missing
 from examples.models.digits import load_split, train
-from pipeline.repository import ModelRepository
+from pipeline.runtime.repository import ModelRepository
 from services.model.backend import ModelBackend, ServiceSettings
 from tests.stages import example_stage
 

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from pipeline.plan import Catalog, EnsemblePlan, PlanStep, StageEndpoint
-from pipeline.stage import TensorSpec
+from pipeline.ensemble.plan import Catalog, EnsemblePlan, PlanStep, StageEndpoint
+from pipeline.stage.api import TensorSpec
 
 
 def _plan(name: str, models: dict[str, str]) -> EnsemblePlan:
@@ -54,8 +54,8 @@ def test_stage_models_across_ensembles() -> None:
 
 
 def test_a_failed_ensemble_reports_the_step_error_that_says_what_was_wrong():
-    from pipeline.errors import InvalidInput
-    from pipeline.executor import _first_error
+    from pipeline.protocol.errors import InvalidInput
+    from pipeline.router.executor import _first_error
 
     said = InvalidInput("IMAGE[2]: cannot decode image")
     group = BaseExceptionGroup("steps", [RuntimeError("bug"), BaseExceptionGroup("inner", [said])])

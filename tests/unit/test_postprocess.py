@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from pipeline.errors import InvalidInput
+from pipeline.protocol.errors import InvalidInput
 from tests.stages import example_stage
 
 #: The example repository's `digits_postprocess`, loaded through the python backend.

@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 
 from examples.models.digits import load_split
-from pipeline.errors import InvalidInput
-from pipeline.repository import RepositoryError
-from pipeline.stage import Stage
+from pipeline.protocol.errors import InvalidInput
+from pipeline.runtime.repository import RepositoryError
+from pipeline.stage.api import Stage
 from tests.stages import example_module, example_stage
 
 images_to_pixels = example_module("digits_preprocess").images_to_pixels

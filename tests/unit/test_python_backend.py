@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.errors import InvalidInput
-from pipeline.python_backend import PythonBackend, triton_json
-from pipeline.repository import ModelRepository, RepositoryError
-from pipeline.triton_python_backend_utils import triton_string_to_numpy
+from pipeline.protocol.errors import InvalidInput
+from pipeline.runtime.repository import ModelRepository, RepositoryError
+from pipeline.stage.python_backend import PythonBackend, triton_json
+from pipeline.stage.triton_python_backend_utils import triton_string_to_numpy
 from tests.stages import TRITON_ADD_SUB_CONFIG, TRITON_ADD_SUB_MODEL, write_model
 
 SCALE = """
@@ -369,7 +369,7 @@ def test_default_model_filename_cannot_leave_the_version_folder(tmp_path: Path) 
 
 
 def test_stage_services_take_the_repository_flags_in_triton_spelling(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.server import repository_models
+    from pipeline.runtime.server import repository_models
     from services.postprocess.__main__ import build_parser as postprocess_parser
     from services.preprocess.__main__ import build_parser
 
@@ -396,7 +396,7 @@ def test_a_stage_that_does_not_implement_infer_is_refused_saying_so(tmp_path: Pa
 def test_tensors_cross_to_torch_and_back_through_dlpack() -> None:
     import torch
 
-    from pipeline.triton_python_backend_utils import Tensor
+    from pipeline.stage.triton_python_backend_utils import Tensor
 
     readonly = np.arange(4, dtype=np.float32)
     readonly.flags.writeable = False  # as inputs arrive

@@ -9,9 +9,9 @@ import torch
 
 from examples.models.build import build
 from examples.models.refcnn import build_refcnn
-from pipeline.errors import InvalidInput
-from pipeline.repository import ModelRepository
-from pipeline.stage import Stage
+from pipeline.protocol.errors import InvalidInput
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.api import Stage
 from services.model.backend import ModelBackend, ServiceSettings
 from tests.stages import example_stage
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.repository import (
+from pipeline.runtime.repository import (
     ModelRepository,
     RepositoryError,
     RepositoryNotFound,
@@ -17,7 +17,7 @@ from pipeline.repository import (
     select_versions,
     tensor_specs,
 )
-from pipeline.stage import TensorSpec
+from pipeline.stage.api import TensorSpec
 
 CONFIG = """
 name: "m"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.stage_client import RetryBudget, Target, _tls_name, resolve_dns
+from pipeline.router.stage_client import RetryBudget, Target, _tls_name, resolve_dns
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import Link, SpanKind, set_span_in_context
 
 from pipeline.cli import main
-from pipeline.metrics import metrics_port
-from pipeline.telemetry import (
+from pipeline.runtime.metrics import metrics_port
+from pipeline.runtime.telemetry import (
     NO_SPAN,
     JsonLinesSpanExporter,
     Telemetry,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.statistics import ModelStats
-from pipeline.workers import merge_statistics
+from pipeline.router.workers import merge_statistics
+from pipeline.runtime.statistics import ModelStats
 
 
 def reply(*entries: tuple[str, ModelStats]) -> pb.ModelStatisticsResponse:

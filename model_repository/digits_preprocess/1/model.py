@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from PIL import Image
 
-from pipeline.errors import InvalidInput, ItemError
-from pipeline.stage import Stage, TensorSpec
+from pipeline.protocol.errors import InvalidInput, ItemError
+from pipeline.stage.api import Stage, TensorSpec
 
 log = logging.getLogger(__name__)
 

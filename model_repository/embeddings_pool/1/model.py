@@ -11,8 +11,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.errors import InvalidInput, ItemError
-from pipeline.stage import Stage, TensorSpec
+from pipeline.protocol.errors import InvalidInput, ItemError
+from pipeline.stage.api import Stage, TensorSpec
 
 #: The width of MiniLM-L6's token embeddings.
 DIM = 384

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.errors import InvalidInput, ItemError
-from pipeline.stage import Stage, TensorSpec
+from pipeline.protocol.errors import InvalidInput, ItemError
+from pipeline.stage.api import Stage, TensorSpec
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

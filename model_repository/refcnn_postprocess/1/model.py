@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.errors import InvalidInput, ItemError
-from pipeline.stage import Stage, TensorSpec
+from pipeline.protocol.errors import InvalidInput, ItemError
+from pipeline.stage.api import Stage, TensorSpec
 
 NUM_CLASSES = 10
 

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipeline.batching import BatchingConfig
-from pipeline.stage import TensorSpec
+from pipeline.router.batching import BatchingConfig
+from pipeline.stage.api import TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature
     warning: its step is not checked here, and neither are the tensors it produces.
     """
     # Imported here because pipeline.config imports this module to build plans.
-    from pipeline.config import ConfigError
+    from pipeline.ensemble.config import ConfigError
 
     errors: list[str] = []
     by_index = {step.index: step for step in plan.steps}

@@ -31,12 +31,9 @@ import pipeline
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.convert import (
-    Tensor,
-    infer_response,
-)
-from pipeline.datatypes import DATATYPES, datatype_of
-from pipeline.errors import (
+from pipeline.protocol.codec import Tensor, infer_response
+from pipeline.protocol.datatypes import DATATYPES, datatype_of
+from pipeline.protocol.errors import (
     ERROR_DOMAIN,
     NOT_STARTED,
     ModelNotFound,
@@ -44,8 +41,8 @@ from pipeline.errors import (
     Unavailable,
     Unimplemented,
 )
-from pipeline.metrics import Metrics, metrics_port
-from pipeline.security import (
+from pipeline.runtime.metrics import Metrics, metrics_port
+from pipeline.runtime.security import (
     SecurityConfigError,
     access_policy_of,
     add_auth_arguments,
@@ -53,12 +50,12 @@ from pipeline.security import (
     interceptors_of,
     server_credentials_of,
 )
-from pipeline.stage import Stage, TensorSpec
-from pipeline.telemetry import MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
+from pipeline.runtime.telemetry import MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
+from pipeline.stage.api import Stage, TensorSpec
 
 if TYPE_CHECKING:
-    from pipeline.backend import Backend
-    from pipeline.repository import ModelRepository
+    from pipeline.runtime.repository import ModelRepository
+    from pipeline.stage.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -609,7 +606,7 @@ async def serve_stages(
     (tests and launchers ask for port 0). `telemetry` defaults to tracing configured by the environment
     (`Telemetry.from_env`), `metrics` to a registry of this server's own.
     """
-    from pipeline.stage_plane import StagePlane
+    from pipeline.stage.plane import StagePlane
 
     owned = telemetry is None
     telemetry = Telemetry.from_env(service) if telemetry is None else telemetry

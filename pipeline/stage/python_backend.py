@@ -51,11 +51,9 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from pipeline import triton_python_backend_utils as pb_utils
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.backend import PreparedVersion, StageInstance
-from pipeline.errors import InvalidInput, PipelineError
-from pipeline.repository import (
+from pipeline.protocol.errors import InvalidInput, PipelineError
+from pipeline.runtime.repository import (
     SERVED_FIELDS,
     RepositoryEntry,
     RepositoryError,
@@ -65,7 +63,9 @@ from pipeline.repository import (
     set_tensor_specs,
     tensor_specs,
 )
-from pipeline.stage import Stage, TensorSpec
+from pipeline.stage import triton_python_backend_utils as pb_utils
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage.backend import PreparedVersion, StageInstance
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.convert import request_tensors
-from pipeline.errors import DeadlineExceeded
-from pipeline.metrics import Metrics
+from pipeline.protocol.codec import request_tensors
+from pipeline.protocol.errors import DeadlineExceeded
+from pipeline.runtime.metrics import Metrics
 
 #: Request parameters that change when or how a response is delivered, never what it holds.
 NEUTRAL_PARAMETERS = frozenset({"priority", "timeout", "binary_data_output"})

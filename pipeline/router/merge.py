@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.convert import Tensor
-from pipeline.datatypes import DATATYPES, array_to_raw
-from pipeline.plan import ModelSignature
+from pipeline.ensemble.plan import ModelSignature
+from pipeline.protocol.codec import Tensor
+from pipeline.protocol.datatypes import DATATYPES, array_to_raw
 
 
 @dataclass(slots=True)

@@ -36,27 +36,27 @@ from google.protobuf import json_format
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.backend import Backend, Instance, PreparedVersion, StageInstance, stage_config
-from pipeline.convert import (
+from pipeline.protocol.codec import (
     metadata_response,
     request_tensors,
     requested_outputs,
     select_version,
     validate_inputs,
 )
-from pipeline.errors import InvalidInput, ModelNotFound, PipelineError, Unavailable, Unimplemented
-from pipeline.metrics import Metrics
-from pipeline.repository import (
+from pipeline.protocol.errors import InvalidInput, ModelNotFound, PipelineError, Unavailable, Unimplemented
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.repository import (
     ModelRepository,
     RepositoryEntry,
     RepositoryError,
     RepositoryNotFound,
     tensor_specs,
 )
-from pipeline.server import CallContext, DataPlane, stage_response
-from pipeline.stage import Stage, TensorSpec
-from pipeline.statistics import ModelStats
-from pipeline.telemetry import BATCH_SIZE, MODEL, NO_SPAN, Telemetry
+from pipeline.runtime.server import CallContext, DataPlane, stage_response
+from pipeline.runtime.statistics import ModelStats
+from pipeline.runtime.telemetry import BATCH_SIZE, MODEL, NO_SPAN, Telemetry
+from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage.backend import Backend, Instance, PreparedVersion, StageInstance, stage_config
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,19 @@ from grpc_status import rpc_status
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.convert import batching_of_config, is_deterministic, pad_values, specs_from_metadata
-from pipeline.errors import ERROR_DOMAIN, NOT_STARTED, DeadlineExceeded, ItemError, StageError, Unavailable
-from pipeline.metrics import Metrics
-from pipeline.plan import ModelSignature, StageEndpoint
-from pipeline.security import bearer_metadata
-from pipeline.server import server_options
+from pipeline.ensemble.plan import ModelSignature, StageEndpoint
+from pipeline.protocol.codec import batching_of_config, is_deterministic, pad_values, specs_from_metadata
+from pipeline.protocol.errors import (
+    ERROR_DOMAIN,
+    NOT_STARTED,
+    DeadlineExceeded,
+    ItemError,
+    StageError,
+    Unavailable,
+)
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.security import bearer_metadata
+from pipeline.runtime.server import server_options
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ import grpc
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.errors import PipelineError
-from pipeline.stage import TensorSpec
+from pipeline.protocol.errors import PipelineError
+from pipeline.stage.api import TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.convert import Tensor, response_tensors
-from pipeline.security import bearer_metadata, channel_credentials
-from pipeline.server import server_options
+from pipeline.protocol.codec import Tensor, response_tensors
+from pipeline.runtime.security import bearer_metadata, channel_credentials
+from pipeline.runtime.server import server_options
 
 
 class InferenceClient:

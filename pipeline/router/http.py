@@ -35,12 +35,17 @@ from google.protobuf.message import Message
 
 import pipeline
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.convert import Tensor, response_tensors
-from pipeline.datatypes import DATATYPES, element_count
-from pipeline.errors import InvalidInput, PipelineError
-from pipeline.metrics import metrics_port
-from pipeline.security import UNAUTHENTICATED_MESSAGE, Scope, TokenAuthenticator, server_ssl_context_of
-from pipeline.server import CallContext, InferenceServicer, internal_error, write_port
+from pipeline.protocol.codec import Tensor, response_tensors
+from pipeline.protocol.datatypes import DATATYPES, element_count
+from pipeline.protocol.errors import InvalidInput, PipelineError
+from pipeline.runtime.metrics import metrics_port
+from pipeline.runtime.security import (
+    UNAUTHENTICATED_MESSAGE,
+    Scope,
+    TokenAuthenticator,
+    server_ssl_context_of,
+)
+from pipeline.runtime.server import CallContext, InferenceServicer, internal_error, write_port
 
 log = logging.getLogger(__name__)
 

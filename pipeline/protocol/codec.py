@@ -15,10 +15,10 @@ import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.batching import BatchingConfig
-from pipeline.datatypes import DATATYPES, array_from_raw, array_to_raw, datatype_of, element_count
-from pipeline.errors import InvalidInput, ModelNotFound
-from pipeline.stage import TensorSpec
+from pipeline.protocol.datatypes import DATATYPES, array_from_raw, array_to_raw, datatype_of, element_count
+from pipeline.protocol.errors import InvalidInput, ModelNotFound
+from pipeline.router.batching import BatchingConfig
+from pipeline.stage.api import TensorSpec
 
 _LENGTH = struct.Struct("<I")
 

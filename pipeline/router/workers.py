@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.server import write_port
+from pipeline.runtime.server import write_port
 
 log = logging.getLogger(__name__)
 

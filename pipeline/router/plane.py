@@ -27,16 +27,18 @@ from grpc_health.v1 import health, health_pb2
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.batching import BatchingConfig
-from pipeline.cache import ResponseCache, Version, request_key
-from pipeline.config import ConfigError, load_catalog
-from pipeline.convert import metadata_response, model_config, select_version
-from pipeline.errors import InvalidInput, ModelNotFound, PipelineError, StageError, Unavailable
-from pipeline.executor import ENSEMBLE_VERSION, Executor, batch_items
-from pipeline.metrics import Metrics
-from pipeline.plan import Catalog, EnsemblePlan, PlanStep, check_signatures
-from pipeline.rest import RestFrontDoor, RestServer, add_http_arguments
-from pipeline.security import (
+from pipeline.ensemble.config import ConfigError, load_catalog
+from pipeline.ensemble.plan import Catalog, EnsemblePlan, PlanStep, check_signatures
+from pipeline.protocol.codec import metadata_response, model_config, select_version
+from pipeline.protocol.errors import InvalidInput, ModelNotFound, PipelineError, StageError, Unavailable
+from pipeline.router.batching import BatchingConfig
+from pipeline.router.cache import ResponseCache, Version, request_key
+from pipeline.router.executor import ENSEMBLE_VERSION, Executor, batch_items
+from pipeline.router.http import RestFrontDoor, RestServer, add_http_arguments
+from pipeline.router.stage_client import RESOLVE_INTERVAL_S, Resolve, StageClient
+from pipeline.router.workers import WorkerPeers, merge_statistics, run_workers
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.security import (
     SecurityConfigError,
     access_policy_of,
     add_client_tls_arguments,
@@ -45,7 +47,7 @@ from pipeline.security import (
     server_credentials_of,
     stage_token_of,
 )
-from pipeline.server import (
+from pipeline.runtime.server import (
     INFERENCE_SERVICE,
     CallContext,
     DataPlane,
@@ -59,10 +61,8 @@ from pipeline.server import (
     start_metrics,
     write_port,
 )
-from pipeline.stage_client import RESOLVE_INTERVAL_S, Resolve, StageClient
-from pipeline.statistics import ModelStats
-from pipeline.telemetry import CACHE_HIT, ENSEMBLE, NO_SPAN, Telemetry
-from pipeline.workers import WorkerPeers, merge_statistics, run_workers
+from pipeline.runtime.statistics import ModelStats
+from pipeline.runtime.telemetry import CACHE_HIT, ENSEMBLE, NO_SPAN, Telemetry
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.datatypes import DATATYPES
+from pipeline.protocol.datatypes import DATATYPES
 
 
 class TritonModelException(Exception):

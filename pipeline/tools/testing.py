@@ -15,16 +15,16 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequenc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline.server import serve_stages
-from pipeline.stage import Stage
+from pipeline.runtime.server import serve_stages
+from pipeline.stage.api import Stage
 
 if TYPE_CHECKING:
-    from pipeline.backend import Backend
-    from pipeline.metrics import Metrics
-    from pipeline.plan import Catalog
-    from pipeline.repository import ModelRepository
-    from pipeline.stage_client import Resolve
-    from pipeline.telemetry import Telemetry
+    from pipeline.ensemble.plan import Catalog
+    from pipeline.router.stage_client import Resolve
+    from pipeline.runtime.metrics import Metrics
+    from pipeline.runtime.repository import ModelRepository
+    from pipeline.runtime.telemetry import Telemetry
+    from pipeline.stage.backend import Backend
 
 
 @dataclass
@@ -139,7 +139,7 @@ async def serving_router(
     at `http_address` (`telemetry`, `metrics`, `metrics_port` and `options` as for `serving_stages`;
     router flags such as `max_inflight_requests`, `auth_tokens_file`, `stage_tls_ca` or `http_port` by
     their attribute names). `resolve` looks up the stages' DNS names instead of the system's resolver."""
-    from pipeline.router import serve_router
+    from pipeline.router.plane import serve_router
 
     args = _args(
         max_message_mb, grace, metrics_port=metrics_port, options={"http_port": 0, **(options or {})}

@@ -23,9 +23,9 @@ import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.batching import BatchingConfig, DynamicBatcher
-from pipeline.config import ConfigError
-from pipeline.convert import (
+from pipeline.ensemble.config import ConfigError
+from pipeline.ensemble.plan import EnsemblePlan, ModelSignature, PlanStep, check_signatures
+from pipeline.protocol.codec import (
     Tensor,
     infer_response,
     request_tensors,
@@ -33,16 +33,15 @@ from pipeline.convert import (
     response_tensors,
     validate_inputs,
 )
-from pipeline.datatypes import element_count
-from pipeline.errors import DeadlineExceeded, InvalidInput, ItemError, PipelineError, StageError
-from pipeline.merge import StageCall, TensorBatching
-from pipeline.metrics import Metrics
-from pipeline.plan import EnsemblePlan, ModelSignature, PlanStep, check_signatures
-from pipeline.server import CallContext
-from pipeline.stage import TensorSpec
-from pipeline.stage_client import StageClient
-from pipeline.statistics import ModelStats
-from pipeline.telemetry import (
+from pipeline.protocol.datatypes import element_count
+from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, ItemError, PipelineError, StageError
+from pipeline.router.batching import BatchingConfig, DynamicBatcher
+from pipeline.router.merge import StageCall, TensorBatching
+from pipeline.router.stage_client import StageClient
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.server import CallContext
+from pipeline.runtime.statistics import ModelStats
+from pipeline.runtime.telemetry import (
     ENSEMBLE,
     MODEL,
     PEER,
@@ -53,6 +52,7 @@ from pipeline.telemetry import (
     STEP_SKIPPED,
     Telemetry,
 )
+from pipeline.stage.api import TensorSpec
 
 log = logging.getLogger(__name__)
 

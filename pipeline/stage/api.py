@@ -27,7 +27,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from pipeline.datatypes import DATATYPES
+from pipeline.protocol.datatypes import DATATYPES
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from opentelemetry.trace import Link, Span, SpanKind, set_span_in_context, use_span
 
-from pipeline.errors import DeadlineExceeded, InvalidInput, Unavailable
-from pipeline.statistics import ModelStats
-from pipeline.telemetry import BATCH_REQUESTS, BATCH_SIZE, BATCH_SPAN_ID, BATCH_TRACE_ID, MODEL
+from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
+from pipeline.runtime.statistics import ModelStats
+from pipeline.runtime.telemetry import BATCH_REQUESTS, BATCH_SIZE, BATCH_SPAN_ID, BATCH_TRACE_ID, MODEL
 
 if TYPE_CHECKING:
     from opentelemetry.util.types import AttributeValue
 
-    from pipeline.metrics import Metrics
-    from pipeline.telemetry import Telemetry
+    from pipeline.runtime.metrics import Metrics
+    from pipeline.runtime.telemetry import Telemetry
 
 In = TypeVar("In")
 Out = TypeVar("Out")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
-from pipeline.errors import InvalidInput
+from pipeline.protocol.errors import InvalidInput
 
 #: Every datatype of the protocol and the numpy dtype that holds it (little-endian).
 DATATYPES: dict[str, np.dtype] = {

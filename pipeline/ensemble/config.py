@@ -46,9 +46,7 @@ from pydantic import (
 )
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.batching import BatchingConfig
-from pipeline.datatypes import DATATYPES
-from pipeline.plan import (
+from pipeline.ensemble.plan import (
     COMPARISONS,
     Catalog,
     Comparison,
@@ -60,8 +58,10 @@ from pipeline.plan import (
     Switch,
     check_signatures,
 )
-from pipeline.repository import ModelRepository, RepositoryError, log_ignored, tensor_specs
-from pipeline.stage import TensorSpec
+from pipeline.protocol.datatypes import DATATYPES
+from pipeline.router.batching import BatchingConfig
+from pipeline.runtime.repository import ModelRepository, RepositoryError, log_ignored, tensor_specs
+from pipeline.stage.api import TensorSpec
 
 __all__ = [
     "ConfigError",

@@ -20,8 +20,13 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.repository import BACKEND_PLATFORMS, RepositoryEntry, check_response_cache, set_tensor_specs
-from pipeline.stage import Stage
+from pipeline.runtime.repository import (
+    BACKEND_PLATFORMS,
+    RepositoryEntry,
+    check_response_cache,
+    set_tensor_specs,
+)
+from pipeline.stage.api import Stage
 
 
 @runtime_checkable

@@ -1,0 +1,1 @@
+"""Ensembles: the YAML schema, Triton's `config.pbtxt` ensembles, and their compiled, immutable plans."""
