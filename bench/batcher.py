@@ -12,7 +12,8 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from pipeline.router.batching import BatchingConfig, DynamicBatcher
+from pipeline.protocol.types import BatchingConfig
+from pipeline.router.batching import DynamicBatcher
 
 
 async def _measure(depth: int, requests: int, max_batch_size: int, deadline: bool) -> tuple[float, float]:

@@ -13,8 +13,10 @@ import numpy as np
 
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import InvalidInput
-from pipeline.runtime.repository import ModelRepository, config_text, read_config
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.protocol.model_config import config_text, read_config
+from pipeline.protocol.types import TensorSpec
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.api import Stage
 from pipeline.stage.python_backend import PythonBackend
 
 

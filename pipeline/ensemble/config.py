@@ -1,4 +1,4 @@
-"""Ensembles: load, validate, and compile into the immutable plan of `pipeline.plan`.
+"""Ensembles: load, validate, and compile into the immutable plan of `pipeline.ensemble.plan`.
 
 Two front ends feed one compiler. An ensemble YAML file uses Triton's vocabulary: `inputs`, `outputs` and
 `steps`, each step calling a stage model and mapping its tensors with `input_map` / `output_map` (stage
@@ -12,7 +12,7 @@ Validation happens in three layers, each raising `ConfigError` with the file, th
 1. the schema (pydantic, unknown keys rejected, values typed) - `compile_ensemble`;
 2. the graph (one producer per tensor, everything consumed is produced, no cycle) - `compile_ensemble`;
 3. the stages' real signatures, learnt from `ModelMetadata` at start-up - `check_signatures` (defined in
-   `pipeline.plan`, re-exported here).
+   `pipeline.ensemble.plan`, re-exported here).
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ from pipeline.ensemble.plan import (
     check_signatures,
 )
 from pipeline.protocol.datatypes import DATATYPES
-from pipeline.router.batching import BatchingConfig
-from pipeline.runtime.repository import ModelRepository, RepositoryError, log_ignored, tensor_specs
-from pipeline.stage.api import TensorSpec
+from pipeline.protocol.errors import ConfigError, RepositoryError
+from pipeline.protocol.model_config import log_ignored, tensor_specs
+from pipeline.protocol.types import BatchingConfig, TensorSpec
+from pipeline.runtime.repository import ModelRepository
 
 __all__ = [
     "ConfigError",
@@ -78,10 +79,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """An ensemble file (or a set of them) is invalid; the message names the file, step and tensor."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -132,7 +129,7 @@ NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
 
 
 class DynamicBatchingConfig(_Schema):
-    """Triton's `dynamic_batching` for a stage model, as written in YAML (see `pipeline.batching`)."""
+    """Triton's `dynamic_batching` for a stage model, as written in YAML (see `pipeline.router.batching`)."""
 
     max_batch_size: PositiveInt = 64
     max_queue_delay_microseconds: NonNegativeInt = 1000

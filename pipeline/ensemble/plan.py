@@ -1,6 +1,6 @@
 """The compiled, immutable form of an ensemble: what the router's executor runs.
 
-`pipeline.config` turns ensemble YAML files into these after validating them; nothing here knows about YAML
+`pipeline.ensemble.config` turns ensemble YAML files into these after validating them; nothing here knows about YAML
 or pydantic, so the executor never depends on the file schema. `check_signatures` checks a plan against the
 stage models' real signatures, which the router learns from `ModelMetadata` at start-up.
 """
@@ -11,8 +11,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipeline.router.batching import BatchingConfig
-from pipeline.stage.api import TensorSpec
+from pipeline.protocol.errors import ConfigError
+from pipeline.protocol.types import BatchingConfig, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -248,15 +248,12 @@ def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature
     Every mapped tensor must exist on the stage model, every stage input must be mapped, and each ensemble
     tensor must have the same datatype and a compatible shape (same rank; each dimension equal or -1 on
     either side) at both ends: ensemble input → step input, step output → step input, step output →
-    ensemble output. A batching ensemble needs batching stage models. Raises `pipeline.config.ConfigError`
+    ensemble output. A batching ensemble needs batching stage models. Raises `ConfigError`
     listing every mismatch.
 
     A stage model whose metadata lists no tensor (`ModelSignature.declared` false) is accepted with a
     warning: its step is not checked here, and neither are the tensors it produces.
     """
-    # Imported here because pipeline.config imports this module to build plans.
-    from pipeline.ensemble.config import ConfigError
-
     errors: list[str] = []
     by_index = {step.index: step for step in plan.steps}
     ensemble_inputs = {spec.name: spec for spec in plan.inputs}

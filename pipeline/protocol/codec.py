@@ -8,17 +8,15 @@ those are converted to raw bytes once, on arrival.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.datatypes import DATATYPES, array_from_raw, array_to_raw, datatype_of, element_count
 from pipeline.protocol.errors import InvalidInput, ModelNotFound
-from pipeline.router.batching import BatchingConfig
-from pipeline.stage.api import TensorSpec
+from pipeline.protocol.types import TensorSpec
 
 _LENGTH = struct.Struct("<I")
 
@@ -36,11 +34,6 @@ _CONTENTS_FIELD = {
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
-}
-
-#: Triton's `DataType` enum for each protocol datatype (BYTES is Triton's TYPE_STRING).
-CONFIG_DATATYPE = {
-    name: mc.DataType.Value("TYPE_STRING" if name == "BYTES" else f"TYPE_{name}") for name in DATATYPES
 }
 
 
@@ -279,81 +272,3 @@ def specs_from_metadata(
 ) -> tuple[TensorSpec, ...]:
     """TensorSpecs from the tensor metadata another server reports."""
     return tuple(TensorSpec(t.name, t.datatype, tuple(t.shape)) for t in metadata)
-
-
-def model_config(
-    name: str,
-    *,
-    platform: str,
-    backend: str = "",
-    max_batch_size: int,
-    inputs: Sequence[TensorSpec],
-    outputs: Sequence[TensorSpec],
-    parameters: Mapping[str, str] | None = None,
-) -> mc.ModelConfig:
-    """Triton's `ModelConfig` for a model. Dims leave out the batch dimension when the model batches."""
-    skip = 1 if max_batch_size > 0 else 0
-    config = mc.ModelConfig(name=name, platform=platform, backend=backend, max_batch_size=max_batch_size)
-    for spec in inputs:
-        config.input.add(
-            name=spec.name,
-            data_type=CONFIG_DATATYPE[spec.datatype],
-            dims=spec.shape[skip:],
-            allow_ragged_batch=spec.pad_value is not None,
-        )
-    for spec in outputs:
-        config.output.add(name=spec.name, data_type=CONFIG_DATATYPE[spec.datatype], dims=spec.shape[skip:])
-    for key, value in (parameters or {}).items():
-        config.parameters[key].string_value = value
-    for spec in (*inputs, *outputs):
-        if spec.pad_value is not None:
-            config.parameters[PAD_VALUE_PARAMETER + spec.name].string_value = repr(spec.pad_value)
-    return config
-
-
-#: `ModelConfig.parameters` key prefix under which a stage publishes a tensor's `TensorSpec.pad_value`.
-PAD_VALUE_PARAMETER = "pad_value."
-
-
-def pad_values(config: mc.ModelConfig) -> dict[str, float]:
-    """The pad values a stage published in its `ModelConfig`, by tensor name."""
-    return {
-        key[len(PAD_VALUE_PARAMETER) :]: float(param.string_value)
-        for key, param in config.parameters.items()
-        if key.startswith(PAD_VALUE_PARAMETER)
-    }
-
-
-#: `ModelConfig.parameters` key by which a model says whether the same request always gets the same answer
-#: (`"false"`: it may not, so its responses must never be cached).
-DETERMINISTIC_PARAMETER = "deterministic"
-
-
-def is_deterministic(config: mc.ModelConfig) -> bool:
-    """Whether a model's config leaves it deterministic (anything but `deterministic: "false"`)."""
-    param = config.parameters.get(DETERMINISTIC_PARAMETER)
-    return param is None or param.string_value.strip().lower() != "false"
-
-
-def batching_of_config(config: mc.ModelConfig) -> BatchingConfig | None:
-    """The router's batching of a model whose `ModelConfig` sets Triton's `dynamic_batching`, with the
-    model's `max_batch_size` as the largest batch and one batch in flight per instance of the model
-    (`instance_group`: `count` on each GPU it lists) on each replica; None where it sets none or the model
-    does not batch. Raises `ValueError` for settings that do not fit together (a preferred size above
-    max_batch_size)."""
-    if config.WhichOneof("scheduling_choice") != "dynamic_batching" or config.max_batch_size <= 0:
-        return None
-    batching = config.dynamic_batching
-    policy = batching.default_queue_policy
-    return BatchingConfig(
-        max_batch_size=config.max_batch_size,
-        max_queue_delay_microseconds=batching.max_queue_delay_microseconds,
-        preferred_batch_size=tuple(batching.preferred_batch_size),
-        max_queue_size=policy.max_queue_size,
-        default_timeout_microseconds=policy.default_timeout_microseconds,
-        allow_timeout_override=policy.allow_timeout_override,
-        priority_levels=batching.priority_levels,
-        default_priority_level=batching.default_priority_level,
-        preserve_ordering=batching.preserve_ordering,
-        max_inflight_batches=max(1, sum(g.count * max(1, len(g.gpus)) for g in config.instance_group)),
-    )

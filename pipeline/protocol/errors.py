@@ -109,3 +109,19 @@ class StageError(PipelineError):
         super().__init__(message)
         self.code = code
         self.items = tuple(items)
+
+
+class ConfigError(ValueError):
+    """An ensemble file (or a set of them) is invalid; the message names the file, step and tensor."""
+
+
+class RepositoryError(PipelineError):
+    """A repository entry cannot be served: a bad config or artifact, a path that leaves the repository."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class RepositoryNotFound(RepositoryError):
+    """A model or version that the repository does not hold."""
+
+    code = grpc.StatusCode.NOT_FOUND

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from opentelemetry.trace import Link, Span, SpanKind, set_span_in_context, use_span
 
 from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
+from pipeline.protocol.types import BatchingConfig
 from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import BATCH_REQUESTS, BATCH_SIZE, BATCH_SPAN_ID, BATCH_TRACE_ID, MODEL
 
@@ -42,56 +43,6 @@ if TYPE_CHECKING:
 
 In = TypeVar("In")
 Out = TypeVar("Out")
-
-
-@dataclass(frozen=True, slots=True)
-class BatchingConfig:
-    """Triton's `dynamic_batching` settings for one stage model (times in microseconds)."""
-
-    max_batch_size: int = 64
-    max_queue_delay_microseconds: int = 1000
-    preferred_batch_size: tuple[int, ...] = ()
-    #: Requests that may wait at once; a request beyond it is refused with UNAVAILABLE. 0 = no limit.
-    max_queue_size: int = 1024
-    #: A request's time limit in the queue when it brings none; 0 = none.
-    default_timeout_microseconds: int = 0
-    #: Whether the request parameter `timeout` (µs) may shorten or lengthen the default.
-    allow_timeout_override: bool = True
-    #: 0 = one level. Otherwise requests carry the parameter `priority`, 1 (highest) .. priority_levels.
-    priority_levels: int = 0
-    default_priority_level: int = 0
-    #: Complete requests in the order they arrived, even when a later batch finishes first.
-    preserve_ordering: bool = False
-    #: How many batches may be in flight at once to each ready replica of the stage (with 3 replicas
-    #: serving and 1 here, 3 batches are in flight).
-    max_inflight_batches: int = 1
-    #: When no batch is in flight, send all that is queued (up to max_batch_size) at once instead of
-    #: waiting out the delay. While batches are in flight, a free slot waits for the largest preferred
-    #: size or the delay.
-    idle_dispatch: bool = True
-    #: When idle, still wait (never past the delay) while requests that the router already holds are on
-    #: their way here, until the queue reaches the largest preferred size (else max_batch_size) or they
-    #: have all come. A lone request never waits; under load the batches grow.
-    batch_upcoming: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        for size in self.preferred_batch_size:
-            if not 1 <= size <= self.max_batch_size:
-                raise ValueError(
-                    f"preferred_batch_size {size} is outside 1..max_batch_size ({self.max_batch_size})"
-                )
-        if self.max_inflight_batches < 1:
-            raise ValueError(f"max_inflight_batches must be >= 1, got {self.max_inflight_batches}")
-        if self.priority_levels and not 1 <= self.default_priority_level <= self.priority_levels:
-            raise ValueError(
-                f"default_priority_level must be in 1..{self.priority_levels}, got {self.default_priority_level}"
-            )
-
-    @property
-    def max_delay(self) -> float:
-        return self.max_queue_delay_microseconds / 1e6
 
 
 class Clock:

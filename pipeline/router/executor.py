@@ -4,7 +4,7 @@ Each step runs as soon as the tensors it consumes exist, so independent steps ru
 and a step that consumes several steps' outputs waits for all of them (fan-in). Tensors move between
 stages as raw bytes; the router never decodes elements. The client's deadline and metadata go with every
 stage call. A stage model with a batcher gets its calls queued and merged into one `ModelInfer` per batch,
-split back by offsets (`pipeline.merge`); an item the stage refuses fails only the request that carried it.
+split back by offsets (`pipeline.router.merge`); an item the stage refuses fails only the request that carried it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.config import ConfigError
 from pipeline.ensemble.plan import EnsemblePlan, ModelSignature, PlanStep, check_signatures
 from pipeline.protocol.codec import (
     Tensor,
@@ -34,12 +33,20 @@ from pipeline.protocol.codec import (
     validate_inputs,
 )
 from pipeline.protocol.datatypes import element_count
-from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, ItemError, PipelineError, StageError
-from pipeline.router.batching import BatchingConfig, DynamicBatcher
+from pipeline.protocol.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    ItemError,
+    PipelineError,
+    StageError,
+)
+from pipeline.protocol.types import BatchingConfig, TensorSpec
+from pipeline.router.batching import DynamicBatcher
 from pipeline.router.merge import StageCall, TensorBatching
 from pipeline.router.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.server import CallContext
+from pipeline.runtime.servicer import CallContext
 from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import (
     ENSEMBLE,
@@ -52,7 +59,6 @@ from pipeline.runtime.telemetry import (
     STEP_SKIPPED,
     Telemetry,
 )
-from pipeline.stage.api import TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ from pipeline.runtime.security import (
     TokenAuthenticator,
     server_ssl_context_of,
 )
-from pipeline.runtime.server import CallContext, InferenceServicer, internal_error, write_port
+from pipeline.runtime.server import write_port
+from pipeline.runtime.servicer import CallContext, InferenceServicer, internal_error
 
 log = logging.getLogger(__name__)
 

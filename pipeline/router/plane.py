@@ -1,8 +1,8 @@
 """The router's entry point: serves every ensemble as a model, and the stage models behind them.
 
 `RouterPlane` answers the protocol: it looks models up, answers their metadata, configuration, readiness
-and statistics, and hands inference to the DAG executor (`pipeline.executor`), which calls the stages
-through their clients (`pipeline.stage_client`). As Triton does for an ensemble's composing models, the
+and statistics, and hands inference to the DAG executor (`pipeline.router.executor`), which calls the stages
+through their clients (`pipeline.router.stage_client`). As Triton does for an ensemble's composing models, the
 stage models named in steps are served here too, by forwarding to their stage. `serve_router` and
 `run_router` are the process around it.
 """
@@ -22,21 +22,29 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
-import yaml
 from grpc_health.v1 import health, health_pb2
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.config import ConfigError, load_catalog
+from pipeline.ensemble.config import load_catalog
+from pipeline.ensemble.pbtxt import ensemble_config
 from pipeline.ensemble.plan import Catalog, EnsemblePlan, PlanStep, check_signatures
-from pipeline.protocol.codec import metadata_response, model_config, select_version
-from pipeline.protocol.errors import InvalidInput, ModelNotFound, PipelineError, StageError, Unavailable
-from pipeline.router.batching import BatchingConfig
+from pipeline.protocol.codec import metadata_response, select_version
+from pipeline.protocol.errors import (
+    ConfigError,
+    InvalidInput,
+    ModelNotFound,
+    PipelineError,
+    StageError,
+    Unavailable,
+)
+from pipeline.protocol.types import BatchingConfig
 from pipeline.router.cache import ResponseCache, Version, request_key
 from pipeline.router.executor import ENSEMBLE_VERSION, Executor, batch_items
 from pipeline.router.http import RestFrontDoor, RestServer, add_http_arguments
 from pipeline.router.stage_client import RESOLVE_INTERVAL_S, Resolve, StageClient
 from pipeline.router.workers import WorkerPeers, merge_statistics, run_workers
+from pipeline.runtime.arguments import add_server_arguments, bytes_argument, positive_int
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.security import (
     SecurityConfigError,
@@ -49,18 +57,14 @@ from pipeline.runtime.security import (
 )
 from pipeline.runtime.server import (
     INFERENCE_SERVICE,
-    CallContext,
-    DataPlane,
-    InferenceServicer,
-    add_server_arguments,
     configure_logging,
     create_server,
-    positive_int,
     serve,
     set_serving,
     start_metrics,
     write_port,
 )
+from pipeline.runtime.servicer import CallContext, DataPlane, InferenceServicer
 from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import CACHE_HIT, ENSEMBLE, NO_SPAN, Telemetry
 
@@ -807,52 +811,6 @@ class RouterPlane(DataPlane):
         return models
 
 
-def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
-    """Triton's `ModelConfig` of an ensemble: platform "ensemble" and its steps."""
-    config = model_config(
-        plan.name,
-        platform="ensemble",
-        max_batch_size=plan.max_batch_size,
-        inputs=plan.inputs,
-        outputs=plan.outputs,
-    )
-    for step in sorted(plan.steps, key=lambda s: s.index):
-        entry = config.ensemble_scheduling.step.add(
-            model_name=step.model_name, model_version=int(step.model_version or -1)
-        )
-        for stage_tensor, tensor_name in step.inputs:
-            entry.input_map[stage_tensor] = tensor_name
-        for stage_tensor, tensor_name in step.outputs:
-            entry.output_map[stage_tensor] = tensor_name
-    # What Triton's ensembles cannot say goes in `parameters`, as a config.pbtxt ensemble writes it.
-    if plan.response_cache:
-        config.response_cache.enable = True
-    switches = {}
-    text: dict[str, object]
-    for step in plan.steps:
-        when = step.when
-        if when is None:
-            continue
-        if when.switch is not None:
-            switches[when.switch.name] = when.switch
-            text = {"switch": when.switch.name, "case": when.case}
-        else:
-            assert when.comparison is not None
-            text = {"tensor": when.tensor, when.comparison.op: when.comparison.operand}
-        config.parameters[f"step.{step.index}.when"].string_value = _flow(text)
-    for name, switch in switches.items():
-        cases = [{"name": case, comparison.op: comparison.operand} for case, comparison in switch.cases]
-        config.parameters[f"switch.{name}"].string_value = _flow({"tensor": switch.tensor, "cases": cases})
-    if plan.optional_outputs:
-        config.parameters["optional_outputs"].string_value = ",".join(sorted(plan.optional_outputs))
-    return config
-
-
-def _flow(value: object) -> str:
-    """YAML flow text on one line, as `ensemble_config` writes conditions into `parameters`."""
-    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
-
-
 # --- process entry point -----------------------------------------------------------------------------
 
 
@@ -863,22 +821,6 @@ DEFAULT_STAGES = (
     ("model", "MODEL_ADDRESS", "127.0.0.1:8102"),
     ("postprocess", "POSTPROCESS_ADDRESS", "127.0.0.1:8103"),
 )
-
-
-def byte_size(value: str) -> int:
-    """An argparse type: a number of bytes, with an optional k, M or G suffix (powers of 1024)."""
-    text = value.strip()
-    scale = {"k": 1024, "m": 1024**2, "g": 1024**3}.get(text[-1:].lower(), 1)
-    number = text[:-1] if scale > 1 else text
-    try:
-        size = int(float(number) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a size in bytes such as 1048576 or 64M, got {value!r}"
-        ) from None
-    if size < 0:
-        raise argparse.ArgumentTypeError(f"a size cannot be negative, got {value!r}")
-    return size
 
 
 def stage_argument(value: str) -> tuple[str, str]:
@@ -949,8 +891,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cache-size",
-        type=byte_size,
-        default=byte_size(os.environ.get("PIPELINE_CACHE_SIZE", "0")),
+        type=bytes_argument,
+        default=bytes_argument(os.environ.get("PIPELINE_CACHE_SIZE", "0")),
         help="bytes of the response cache (suffixes k, M, G: powers of 1024), for the stage models and ensembles "
         "whose config enables response_cache; Triton's --cache-config local,size=N; 0 turns it off "
         "(env PIPELINE_CACHE_SIZE; default %(default)s)",

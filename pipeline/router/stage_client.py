@@ -27,7 +27,7 @@ from grpc_status import rpc_status
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.ensemble.plan import ModelSignature, StageEndpoint
-from pipeline.protocol.codec import batching_of_config, is_deterministic, pad_values, specs_from_metadata
+from pipeline.protocol.codec import specs_from_metadata
 from pipeline.protocol.errors import (
     ERROR_DOMAIN,
     NOT_STARTED,
@@ -36,6 +36,7 @@ from pipeline.protocol.errors import (
     StageError,
     Unavailable,
 )
+from pipeline.protocol.model_config import batching_of_config, is_deterministic, pad_values
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.security import bearer_metadata
 from pipeline.runtime.server import server_options

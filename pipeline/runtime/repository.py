@@ -26,14 +26,10 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
-
-import grpc
-from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import PipelineError
-from pipeline.stage.api import TensorSpec
+from pipeline.protocol.errors import RepositoryError, RepositoryNotFound
+from pipeline.protocol.model_config import check_response_cache, read_config, select_versions
 
 log = logging.getLogger(__name__)
 
@@ -79,198 +75,12 @@ _SUFFIX_BACKENDS: Mapping[str, str] = {
 }
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
-_PARSE_POSITION = re.compile(r"^(\d+):(\d+) : (.*)$", re.DOTALL)
-
-
-class RepositoryError(PipelineError):
-    """A repository entry cannot be served: a bad config or artifact, a path that leaves the repository."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class RepositoryNotFound(RepositoryError):
-    """A model or version that the repository does not hold."""
-
-    code = grpc.StatusCode.NOT_FOUND
 
 
 # ---- config.pbtxt ---------------------------------------------------------------------------------------------
 
 
-def parse_config(text: str, source: str) -> mc.ModelConfig:
-    """A `ModelConfig` from Triton's text format; `RepositoryError` naming `source`, the line and the cause."""
-    config = mc.ModelConfig()
-    try:
-        text_format.Parse(text, config)
-    except text_format.ParseError as exc:
-        match = _PARSE_POSITION.match(str(exc))
-        where, cause = (
-            (f"line {match.group(1)}, column {match.group(2)}", match.group(3)) if match else ("", str(exc))
-        )
-        raise RepositoryError(f"{source}: {where + ': ' if where else ''}{cause}") from None
-    return config
-
-
-def read_config(path: str | os.PathLike[str]) -> mc.ModelConfig:
-    """Read and parse a `config.pbtxt`; `RepositoryError` for a file that cannot be read or parsed."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RepositoryError(f"{path}: cannot read it: {exc}") from None
-    return parse_config(text, str(path))
-
-
-def config_text(config: mc.ModelConfig) -> str:
-    """A `ModelConfig` in Triton's text format, as `config.pbtxt` holds it."""
-    return text_format.MessageToString(config)
-
-
-def datatype_of_config(data_type: int) -> str:
-    """The protocol datatype (`FP32`, `BYTES`, ...) of a config `data_type` (`TYPE_FP32`, `TYPE_STRING`, ...)."""
-    name = mc.DataType.Name(data_type)
-    if name == "TYPE_INVALID":
-        raise ValueError("data_type is not set")
-    return "BYTES" if name == "TYPE_STRING" else name[len("TYPE_") :]
-
-
-def config_datatype(datatype: str) -> mc.DataType:
-    """The config `data_type` of a protocol datatype."""
-    # The stubs type enum values as plain int; the message fields take the enum type.
-    return cast(mc.DataType, mc.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"))
-
-
-#: `ModelConfig.parameters` key prefix under which a model declares a tensor's `TensorSpec.pad_value`.
-PAD_VALUE_PARAMETER = "pad_value."
-
-
-def tensor_specs(
-    config: mc.ModelConfig, source: str = ""
-) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """The inputs and outputs a config declares, as clients see them: for a batching model
-    (`max_batch_size > 0`) the batch dimension -1 comes first. `RepositoryError` for a tensor without a name,
-    a datatype or dims."""
-    where = source or f"model '{config.name}'"
-    pads = {
-        key[len(PAD_VALUE_PARAMETER) :]: float(param.string_value)
-        for key, param in config.parameters.items()
-        if key.startswith(PAD_VALUE_PARAMETER)
-    }
-    batch = (-1,) if config.max_batch_size > 0 else ()
-
-    def specs(tensors: Iterable[mc.ModelInput | mc.ModelOutput], kind: str) -> tuple[TensorSpec, ...]:
-        found = []
-        for index, tensor in enumerate(tensors):
-            if not tensor.name:
-                raise RepositoryError(f"{where}: {kind} {index} has no name")
-            try:
-                datatype = datatype_of_config(tensor.data_type)
-                spec = TensorSpec(
-                    tensor.name,
-                    datatype,
-                    (*batch, *tensor.dims),
-                    pad_value=pads.get(tensor.name),
-                    optional=bool(getattr(tensor, "optional", False)),
-                )
-            except ValueError as exc:
-                raise RepositoryError(f"{where}: {kind} '{tensor.name}': {exc}") from None
-            found.append(spec)
-        return tuple(found)
-
-    return specs(config.input, "input"), specs(config.output, "output")
-
-
-def set_tensor_specs(
-    config: mc.ModelConfig, inputs: Iterable[TensorSpec], outputs: Iterable[TensorSpec]
-) -> None:
-    """Write `inputs` and `outputs` (shapes as clients see them) into `config`, replacing what it declares;
-    `config.max_batch_size` must be set first (it says whether shapes carry a batch dimension)."""
-    skip = 1 if config.max_batch_size > 0 else 0
-    del config.input[:]
-    del config.output[:]
-    for spec in inputs:
-        config.input.add(
-            name=spec.name,
-            data_type=config_datatype(spec.datatype),
-            dims=spec.shape[skip:],
-            allow_ragged_batch=spec.pad_value is not None,
-            optional=spec.optional,
-        )
-    for spec in outputs:
-        config.output.add(name=spec.name, data_type=config_datatype(spec.datatype), dims=spec.shape[skip:])
-    for spec in (*inputs, *outputs):
-        if spec.pad_value is not None:
-            config.parameters[PAD_VALUE_PARAMETER + spec.name].string_value = repr(spec.pad_value)
-
-
-def parameters_of(config: mc.ModelConfig) -> dict[str, str]:
-    """A config's `parameters` as plain strings."""
-    return {key: param.string_value for key, param in config.parameters.items()}
-
-
-def check_response_cache(config: mc.ModelConfig, source: str) -> None:
-    """Refuse a config that enables `response_cache` for a model it declares non-deterministic
-    (`parameters { key: "deterministic" value { string_value: "false" } }`)."""
-    param = config.parameters.get("deterministic")
-    if config.response_cache.enable and param is not None and param.string_value.strip().lower() == "false":
-        raise RepositoryError(
-            f"{source}: response_cache is enabled, but the model declares itself non-deterministic (parameter "
-            'deterministic: "false"): a cached response would replay one of its answers for requests that '
-            "should get fresh ones; disable response_cache or drop the parameter"
-        )
-
-
-#: Config fields every service acts on (the router acts on `dynamic_batching` and `response_cache`); a backend
-#: adds its own and logs the rest as ignored at load (`log_ignored`).
-SERVED_FIELDS = frozenset(
-    {
-        "name",
-        "platform",
-        "backend",
-        "max_batch_size",
-        "input",
-        "output",
-        "instance_group",
-        "version_policy",
-        "default_model_filename",
-        "parameters",
-        "dynamic_batching",
-        "response_cache",
-    }
-)
-
-
-def log_ignored(config: mc.ModelConfig, acted_on: Collection[str], source: str) -> list[str]:
-    """Log (and return) the top-level fields a config sets that the service does not act on."""
-    ignored = sorted(field.name for field, _ in config.ListFields() if field.name not in acted_on)
-    if ignored:
-        log.warning("%s: ignoring field(s) this service does not act on: %s", source, ", ".join(ignored))
-    return ignored
-
-
 # ---- versions -------------------------------------------------------------------------------------------------
-
-
-def select_versions(policy: mc.ModelVersionPolicy, available: Iterable[str], source: str) -> list[str]:
-    """The versions a `version_policy` serves out of `available` (numeric folder names), oldest first.
-
-    Triton's default is the newest version alone (`latest { num_versions: 1 }`).
-    """
-    ordered = sorted(set(available), key=int)
-    choice = policy.WhichOneof("policy_choice")
-    if choice == "all":
-        return ordered
-    if choice == "specific":
-        wanted = sorted({str(v) for v in policy.specific.versions}, key=int)
-        missing = [v for v in wanted if v not in ordered]
-        if missing:
-            raise RepositoryNotFound(
-                f"{source}: version_policy names version(s) {', '.join(missing)}, which have no folder "
-                f"(found: {', '.join(ordered) or 'none'})"
-            )
-        return wanted
-    count = policy.latest.num_versions if choice == "latest" else 1
-    return ordered[-max(count, 1) :]
 
 
 # ---- entries --------------------------------------------------------------------------------------------------

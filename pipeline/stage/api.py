@@ -1,11 +1,11 @@
 """What a stage model is: named, typed tensors in and out, and batch inference on numpy arrays.
 
 A stage is a `Stage` subclass in a model repository's `<model>/<version>/model.py`, which the stage
-services serve through the python backend (`pipeline.python_backend`), or a `Stage` object handed to
-`pipeline.server.serve_stages` directly; the runtime does the protocol, validation, health and errors.
+services serve through the python backend (`pipeline.stage.python_backend`), or a `Stage` object handed to
+`pipeline.runtime.server.serve_stages` directly; the runtime does the protocol, validation, health and errors.
 
 From a repository, the model is named after its folder, and an optional `config.pbtxt` beside the version
-folders may declare the tensors, `max_batch_size` and `instance_group` (see `pipeline.python_backend`).
+folders may declare the tensors, `max_batch_size` and `instance_group` (see `pipeline.stage.python_backend`).
 Its `parameters` reach the stage as `Stage.parameters`, plain strings set before `load()`:
 
     parameters { key: "max_image_pixels" value { string_value: "1000000" } }
@@ -22,42 +22,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from types import MappingProxyType
 
 import numpy as np
 
-from pipeline.protocol.datatypes import DATATYPES
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """A tensor a model takes or gives.
-
-    `shape` is the whole shape as clients see it in `ModelMetadata`: -1 marks a variable dimension, and for a
-    model that batches (`max_batch_size > 0`) dimension 0 is the batch dimension and is -1.
-
-    `pad_value` lets the router's batcher put requests whose variable (non-batch) dimensions differ into one
-    batch: on an input, those dimensions are padded to the batch's largest with this value (give the model a
-    way to see the true lengths, such as an attention mask that is padded with 0); on an output, it says the
-    output's variable dimensions follow the padded inputs, so each request gets back only its own extent.
-    Without it, requests of different shapes are batched separately.
-
-    `optional` (inputs only, Triton's `optional: true`) lets a request leave the input out.
-    """
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    pad_value: float | None = None
-    optional: bool = False
-
-    def __post_init__(self) -> None:
-        if self.datatype not in DATATYPES:
-            raise ValueError(f"tensor {self.name!r}: unknown datatype {self.datatype!r}")
-        if any(d < -1 for d in self.shape):
-            raise ValueError(f"tensor {self.name!r}: dimensions must be -1 or >= 0, got {list(self.shape)}")
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+from pipeline.protocol.types import TensorSpec
 
 
 class Stage(abc.ABC):
@@ -108,5 +77,5 @@ class Stage(abc.ABC):
         `inputs` maps every declared input name to an array of the declared datatype (BYTES arrive as an
         object array of `bytes`), already checked against the declared shape. Return an array for every
         declared output, with the same dimension-0 size as the inputs when the model batches. Raise
-        `pipeline.errors.InvalidInput` naming the input and the batch index for content that cannot be used.
+        `pipeline.stage.InvalidInput` naming the input and the batch index for content that cannot be used.
         """

@@ -3,11 +3,11 @@
 A stage service serves the repository entries whose backend it runs. For each version it serves, its
 `Backend` reads the artifact, completes and checks the config (Triton's auto-complete), and hands back a
 `PreparedVersion`: the config clients will read through `ModelConfig`, and one unloaded `Instance` per
-instance of Triton's `instance_group`. The runtime (`pipeline.stage_plane.StagePlane`) loads the instances
+instance of Triton's `instance_group`. The runtime (`pipeline.stage.plane.StagePlane`) loads the instances
 (each on a thread of its own), routes requests to an idle one, and swaps versions in and out
 (`RepositoryModelLoad` / `RepositoryModelUnload`).
 
-`StageInstance` adapts a `pipeline.stage.Stage` object to an instance, and `stage_config` describes it as a
+`StageInstance` adapts a `pipeline.stage.api.Stage` object to an instance, and `stage_config` describes it as a
 `ModelConfig`: the python backend and in-process test servers both use them.
 """
 
@@ -20,12 +20,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.runtime.repository import (
-    BACKEND_PLATFORMS,
-    RepositoryEntry,
-    check_response_cache,
-    set_tensor_specs,
-)
+from pipeline.protocol.model_config import DETERMINISTIC_PARAMETER, check_response_cache, set_tensor_specs
+from pipeline.runtime.repository import BACKEND_PLATFORMS, RepositoryEntry
 from pipeline.stage.api import Stage
 
 
@@ -42,7 +38,7 @@ class Instance(Protocol):
     inline: bool
 
     def load(self) -> None:
-        """Read weights, build, warm up. Raise `pipeline.repository.RepositoryError` for a bad artifact."""
+        """Read weights, build, warm up. Raise `pipeline.protocol.errors.RepositoryError` for a bad artifact."""
         ...
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -89,7 +85,7 @@ def stage_config(stage: Stage, name: str | None = None) -> mc.ModelConfig:
     )
     set_tensor_specs(config, stage.inputs, stage.outputs)
     if not stage.deterministic:
-        config.parameters["deterministic"].string_value = "false"
+        config.parameters[DETERMINISTIC_PARAMETER].string_value = "false"
     if stage.response_cache:
         config.response_cache.enable = True
         check_response_cache(config, f"stage '{model}'")

@@ -4,8 +4,8 @@ A stage service serves two kinds of models through one `StagePlane`:
 
 - `Stage` objects handed to it in code (in-process servers, tests): one version each per `Stage.versions`,
   one instance, always loaded;
-- the entries of a model repository (`pipeline.repository`) whose backend it runs: each backend
-  (`pipeline.backend.Backend`) prepares a version (completed config, unloaded instances) and the plane does
+- the entries of a model repository (`pipeline.runtime.repository`) whose backend it runs: each backend
+  (`pipeline.stage.backend.Backend`) prepares a version (completed config, unloaded instances) and the plane does
   the rest.
 
 Each served version holds one or more instances (Triton's `instance_group`), each with its own thread, so
@@ -37,25 +37,32 @@ from google.protobuf import json_format
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.codec import (
+    Tensor,
+    infer_response,
     metadata_response,
     request_tensors,
     requested_outputs,
     select_version,
     validate_inputs,
 )
-from pipeline.protocol.errors import InvalidInput, ModelNotFound, PipelineError, Unavailable, Unimplemented
-from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.repository import (
-    ModelRepository,
-    RepositoryEntry,
+from pipeline.protocol.datatypes import DATATYPES, datatype_of
+from pipeline.protocol.errors import (
+    InvalidInput,
+    ModelNotFound,
+    PipelineError,
     RepositoryError,
     RepositoryNotFound,
-    tensor_specs,
+    Unavailable,
+    Unimplemented,
 )
-from pipeline.runtime.server import CallContext, DataPlane, stage_response
+from pipeline.protocol.model_config import tensor_specs
+from pipeline.protocol.types import TensorSpec
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.repository import ModelRepository, RepositoryEntry
+from pipeline.runtime.servicer import CallContext, DataPlane
 from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import BATCH_SIZE, MODEL, NO_SPAN, Telemetry
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage.api import Stage
 from pipeline.stage.backend import Backend, Instance, PreparedVersion, StageInstance, stage_config
 
 log = logging.getLogger(__name__)
@@ -568,3 +575,29 @@ class StagePlane(DataPlane):
             served = self._get(model, version)
             reply.model_stats.append(self._models[model].stats.proto(model, served.version))
         return reply
+
+
+def stage_response(
+    model: str,
+    version: str,
+    request_id: str,
+    wanted: Sequence[str],
+    result: dict[str, np.ndarray],
+    specs: Mapping[str, TensorSpec],
+    batch: int | None,
+) -> pb.ModelInferResponse:
+    """Check a stage's result against its declared outputs and build the response."""
+    tensors = []
+    for name in wanted:
+        if name not in result:
+            raise RuntimeError(f"model '{model}' returned no output '{name}'")
+        array = np.asarray(result[name])
+        spec = specs[name]
+        if datatype_of(array) != spec.datatype and spec.datatype != "BYTES":
+            array = array.astype(DATATYPES[spec.datatype])
+        if batch is not None and (array.ndim == 0 or array.shape[0] != batch):
+            raise RuntimeError(
+                f"model '{model}' output '{name}' has shape {list(array.shape)}, expected batch {batch}"
+            )
+        tensors.append(Tensor.from_array(name, array))
+    return infer_response(model, version, request_id, tensors)

@@ -5,7 +5,7 @@
 
 A `model.py` defines either
 
-- exactly one subclass of `pipeline.stage.Stage` (defined in that file; subclasses it imports don't count).
+- exactly one subclass of `pipeline.stage.api.Stage` (defined in that file; subclasses it imports don't count).
   The model is named after its folder. The class declares its tensors, `max_batch_size` and `inline`; a
   `config.pbtxt` may declare them too, and where it declares tensors it wins, as Triton users expect: the
   class's declarations, if it has any, must then agree with it (same names and datatypes; a dimension the
@@ -17,7 +17,7 @@ A `model.py` defines either
   `model_instance_name`, `model_instance_device_id`, `model_repository`, `model_version`, `model_name`),
   `execute(requests)` runs the batches, `finalize()` runs at unload. Its `config.pbtxt` must declare the
   tensors, as in Triton. `import triton_python_backend_utils as pb_utils` gets the subset in
-  `pipeline.triton_python_backend_utils`. A response's error becomes INVALID_ARGUMENT with its message.
+  `pipeline.stage.triton_python_backend_utils`. A response's error becomes INVALID_ARGUMENT with its message.
 
   Triton hands `execute` a list of requests; here the router has already merged the requests of a batch
   into one set of arrays and the stage runtime sees no boundaries between them, so `execute` gets one
@@ -52,26 +52,27 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import InvalidInput, PipelineError
-from pipeline.runtime.repository import (
+from pipeline.protocol.errors import InvalidInput, PipelineError, RepositoryError
+from pipeline.protocol.model_config import (
+    DETERMINISTIC_PARAMETER,
     SERVED_FIELDS,
-    RepositoryEntry,
-    RepositoryError,
     check_response_cache,
     log_ignored,
     parameters_of,
     set_tensor_specs,
     tensor_specs,
 )
+from pipeline.protocol.types import TensorSpec
+from pipeline.runtime.repository import RepositoryEntry
 from pipeline.stage import triton_python_backend_utils as pb_utils
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage.api import Stage
 from pipeline.stage.backend import PreparedVersion, StageInstance
 
 log = logging.getLogger(__name__)
 
 #: The name a Triton `model.py` imports the utilities under.
 PB_UTILS_MODULE = "triton_python_backend_utils"
-#: Config fields the python backend acts on: those every service does (`pipeline.repository`); others are logged.
+#: Config fields the python backend acts on: those every service does (`pipeline.runtime.repository`); others are logged.
 ACTED_ON = SERVED_FIELDS
 
 _module_ids = itertools.count(1)
@@ -256,8 +257,8 @@ def _prepare_stage(
     class_batch = int(getattr(first, "max_batch_size", 0) or 0)
     config.max_batch_size = config.max_batch_size or class_batch
     # The class's word on caching, published in its ModelConfig for the router, unless the config says.
-    if not getattr(first, "deterministic", True) and "deterministic" not in config.parameters:
-        config.parameters["deterministic"].string_value = "false"
+    if not getattr(first, "deterministic", True) and DETERMINISTIC_PARAMETER not in config.parameters:
+        config.parameters[DETERMINISTIC_PARAMETER].string_value = "false"
     if getattr(first, "response_cache", False) and not config.HasField("response_cache"):
         config.response_cache.enable = True
     check_response_cache(config, f"{entry.source} with {path}")

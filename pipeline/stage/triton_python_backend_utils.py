@@ -1,7 +1,7 @@
 """The common subset of Triton's `triton_python_backend_utils`, for `model.py` files written for its Python
 backend.
 
-The python backend (`pipeline.python_backend`) registers this module under the name
+The python backend (`pipeline.stage.python_backend`) registers this module under the name
 `triton_python_backend_utils` before it imports a `model.py`, so `import triton_python_backend_utils as
 pb_utils` works unchanged. What is here behaves as Triton's does: `Tensor` (with DLPack), `InferenceRequest`,
 `InferenceResponse`, `TritonError`, `TritonModelException`, `get_input_tensor_by_name`,

@@ -127,7 +127,7 @@ def stop(services: list[Service], grace: float) -> None:
             process.wait()
 
 
-#: The variables that turn authentication on in every service (`pipeline.security`).
+#: The variables that turn authentication on in every service (`pipeline.runtime.security`).
 AUTH_VARIABLES = (
     "PIPELINE_AUTH_TOKENS",
     "PIPELINE_AUTH_TOKENS_FILE",

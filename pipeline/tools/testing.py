@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequenc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline.runtime.server import serve_stages
 from pipeline.stage.api import Stage
+from pipeline.stage.service import serve_stages
 
 if TYPE_CHECKING:
     from pipeline.ensemble.plan import Catalog

@@ -1,7 +1,7 @@
 """`pipeline trace`: look at one request's trace from a JSON-lines span file, without a tracing backend.
 
 Services write the file with `OTEL_TRACES_EXPORTER=jsonl PIPELINE_TRACE_FILE=path` (see
-`pipeline.telemetry`). The command prints the trace as a waterfall: one line per span, indented under its
+`pipeline.runtime.telemetry`). The command prints the trace as a waterfall: one line per span, indented under its
 parent, with its service, start offset, duration and a bar scaled to the trace's time; `--png` draws the
 same with matplotlib. A batch that a request rode in lives in the trace of the batch's first request; the
 other members' spans link to it, and the waterfall shows the linked batch (and the stage's spans under it)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.runtime.repository import RepositoryError, config_datatype, datatype_of_config
+from pipeline.protocol.errors import RepositoryError
+from pipeline.protocol.model_config import config_datatype, datatype_of_config
 
 log = logging.getLogger(__name__)
 

@@ -24,14 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.runtime.repository import (
-    PAD_VALUE_PARAMETER,
-    SERVED_FIELDS,
-    RepositoryEntry,
-    RepositoryError,
-    datatype_of_config,
-    log_ignored,
-)
+from pipeline.protocol.errors import RepositoryError
+from pipeline.protocol.model_config import PAD_VALUE_PARAMETER, SERVED_FIELDS, datatype_of_config, log_ignored
+from pipeline.runtime.repository import RepositoryEntry
 from pipeline.stage.backend import PreparedVersion
 from services.model.artifacts import (
     KIND_BACKENDS,

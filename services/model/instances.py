@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.protocol.datatypes import DATATYPES, datatype_of
-from pipeline.protocol.errors import InvalidInput
-from pipeline.runtime.repository import RepositoryError
+from pipeline.protocol.errors import InvalidInput, RepositoryError
 from services.model.artifacts import (
     TORCH_EXPORT,
     TORCHSCRIPT,

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.runtime.repository import RepositoryError
+from pipeline.protocol.errors import RepositoryError
 from services.model.artifacts import (
     ONNX,
     TENSORRT_PLAN,

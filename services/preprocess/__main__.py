@@ -16,7 +16,8 @@ DEFAULT_PORT = 8101
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the shared server flags and the repository's."""
-    from pipeline.runtime.server import add_repository_arguments, add_server_arguments
+    from pipeline.runtime.arguments import add_server_arguments
+    from pipeline.stage.service import add_repository_arguments
 
     parser = argparse.ArgumentParser(prog="python -m services.preprocess", description=__doc__)
     add_server_arguments(parser, service=SERVICE, default_port=DEFAULT_PORT)
@@ -27,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the command line and serve until SIGTERM/SIGINT."""
     from pipeline.runtime.repository import ModelRepository
-    from pipeline.runtime.server import repository_models, run_stage_service
     from pipeline.stage.python_backend import PythonBackend
+    from pipeline.stage.service import repository_models, run_stage_service
 
     args = build_parser().parse_args(argv)
     run_stage_service(

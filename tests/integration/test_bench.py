@@ -14,7 +14,8 @@ import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import InvalidInput
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.protocol.types import TensorSpec
+from pipeline.stage.api import Stage
 from pipeline.tools.bench import (
     BenchError,
     BenchOptions,

@@ -19,16 +19,12 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.ensemble.config import load_ensembles
 from pipeline.protocol.codec import Tensor, infer_response, metadata_response, response_tensors
 from pipeline.protocol.errors import ModelNotFound
-from pipeline.runtime.repository import ModelRepository, read_config
-from pipeline.runtime.server import (
-    INFERENCE_SERVICE,
-    CallContext,
-    DataPlane,
-    InferenceServicer,
-    create_server,
-    set_serving,
-)
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.protocol.model_config import read_config
+from pipeline.protocol.types import TensorSpec
+from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.server import INFERENCE_SERVICE, create_server, set_serving
+from pipeline.runtime.servicer import CallContext, DataPlane, InferenceServicer
+from pipeline.stage.api import Stage
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import health_status, inference_stub, request_for, rpc_error, wait_serving

@@ -16,7 +16,8 @@ import pytest
 
 from pipeline.ensemble.config import load_ensembles
 from pipeline.protocol.codec import Tensor
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.protocol.types import TensorSpec
+from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
 from tests.integration.test_security import certs  # noqa: F401 - a fixture

@@ -15,8 +15,9 @@ from PIL import Image
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.config import load_ensembles
 from pipeline.protocol.codec import response_tensors
+from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.repository import ModelRepository
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage.api import Stage
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving

@@ -9,7 +9,8 @@ import numpy as np
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.config import load_ensembles
 from pipeline.protocol.codec import response_tensors
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.protocol.types import TensorSpec
+from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
 

@@ -14,12 +14,14 @@ from grpc_health.v1 import health
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.config import ConfigError, load_ensembles
+from pipeline.ensemble.config import load_ensembles
 from pipeline.protocol.codec import Tensor, infer_response, response_tensors
-from pipeline.protocol.errors import InvalidInput, ModelNotFound
+from pipeline.protocol.errors import ConfigError, InvalidInput, ModelNotFound
+from pipeline.protocol.types import TensorSpec
 from pipeline.router.plane import serve_router
-from pipeline.runtime.server import CallContext, DataPlane, InferenceServicer, create_server, set_serving
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.runtime.server import create_server, set_serving
+from pipeline.runtime.servicer import CallContext, DataPlane, InferenceServicer
+from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 

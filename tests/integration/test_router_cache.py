@@ -17,15 +17,17 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.config import ConfigError, load_catalog, load_ensembles
+from pipeline.ensemble.config import load_catalog, load_ensembles
 from pipeline.protocol.codec import Tensor, infer_response, metadata_response, response_tensors
-from pipeline.protocol.errors import ModelNotFound
+from pipeline.protocol.errors import ConfigError, ModelNotFound
+from pipeline.protocol.types import TensorSpec
 from pipeline.router.plane import RouterPlane
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
-from pipeline.runtime.server import DataPlane, InferenceServicer, create_server, set_serving
+from pipeline.runtime.server import create_server, set_serving
+from pipeline.runtime.servicer import DataPlane, InferenceServicer
 from pipeline.runtime.telemetry import Telemetry
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage.api import Stage
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving

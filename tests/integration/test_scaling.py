@@ -15,9 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.ensemble.config import load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import InvalidInput, ItemError, Unavailable
+from pipeline.protocol.types import TensorSpec
 from pipeline.router.stage_client import item_errors
 from pipeline.runtime.metrics import Metrics
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
 

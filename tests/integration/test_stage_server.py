@@ -17,7 +17,8 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.datatypes import DATATYPES
 from pipeline.protocol.errors import InvalidInput
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.protocol.types import TensorSpec
+from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_stages
 from tests.conftest import health_status, inference_stub, request_for, rpc_error, wait_serving
 

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
-from pipeline.router.batching import BatchingConfig, DynamicBatcher, ManualClock
+from pipeline.protocol.types import BatchingConfig
+from pipeline.router.batching import DynamicBatcher, ManualClock
 
 
 class Stage:

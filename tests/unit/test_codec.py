@@ -29,7 +29,7 @@ from pipeline.protocol.datatypes import (
     encode_bytes,
 )
 from pipeline.protocol.errors import InvalidInput
-from pipeline.stage.api import TensorSpec
+from pipeline.protocol.types import TensorSpec
 
 FIXED = [name for name in DATATYPES if name != "BYTES"]
 shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=5)

@@ -13,18 +13,12 @@ import yaml
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.config import (
-    ConfigError,
-    ModelSignature,
-    check_signatures,
-    compile_ensemble,
-    compile_model_config,
-)
+from pipeline.ensemble.config import ModelSignature, check_signatures, compile_ensemble, compile_model_config
+from pipeline.ensemble.pbtxt import ensemble_config
 from pipeline.protocol.codec import Tensor
-from pipeline.protocol.errors import InvalidInput
+from pipeline.protocol.errors import ConfigError, InvalidInput
+from pipeline.protocol.types import TensorSpec
 from pipeline.router.executor import condition_value
-from pipeline.router.plane import ensemble_config
-from pipeline.stage.api import TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 

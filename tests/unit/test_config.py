@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.ensemble.config import (
-    ConfigError,
     ModelSignature,
     check_signatures,
     compile_ensemble,
@@ -23,7 +22,8 @@ from pipeline.ensemble.config import (
     load_ensembles,
 )
 from pipeline.ensemble.plan import EnsemblePlan
-from pipeline.stage.api import TensorSpec
+from pipeline.protocol.errors import ConfigError
+from pipeline.protocol.types import TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,7 @@ def test_name_and_string_version(tmp_path: Path) -> None:
 def test_a_string_version_gives_the_ensemble_a_model_config(tmp_path: Path) -> None:
     """Triton's `ensemble_scheduling.step.model_version` is an int64: a numeric string maps onto it (it
     used to fail with INTERNAL when a client asked for the ensemble's ModelConfig)."""
-    from pipeline.router.plane import ensemble_config
+    from pipeline.ensemble.pbtxt import ensemble_config
 
     data = base()
     data["steps"][1]["model_version"] = "3"

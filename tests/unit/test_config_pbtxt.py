@@ -9,15 +9,10 @@ import pytest
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.config import (
-    ConfigError,
-    build_catalog,
-    compile_ensemble,
-    load_catalog,
-    load_repository_ensembles,
-)
-from pipeline.protocol.codec import batching_of_config
-from pipeline.router.batching import BatchingConfig
+from pipeline.ensemble.config import build_catalog, compile_ensemble, load_catalog, load_repository_ensembles
+from pipeline.protocol.errors import ConfigError
+from pipeline.protocol.model_config import batching_of_config
+from pipeline.protocol.types import BatchingConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

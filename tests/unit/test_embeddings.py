@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.protocol.errors import InvalidInput
-from pipeline.runtime.repository import ModelRepository, RepositoryError, tensor_specs
+from pipeline.protocol.errors import InvalidInput, RepositoryError
+from pipeline.protocol.model_config import tensor_specs
+from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.api import Stage
 from services.minilm_files import package_model_dir
 from services.model.backend import ModelBackend, ServiceSettings

@@ -14,8 +14,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.ensemble.config import ConfigError, load_ensemble
+from pipeline.ensemble.config import load_ensemble
 from pipeline.ensemble.plan import EnsemblePlan
+from pipeline.protocol.errors import ConfigError
 
 EXAMPLES = int(os.environ.get("PIPELINE_FUZZ_EXAMPLES", "200"))
 SETTINGS = settings(

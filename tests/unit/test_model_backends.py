@@ -11,8 +11,8 @@ import pytest
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import InvalidInput
-from pipeline.runtime.repository import ModelRepository, RepositoryError
+from pipeline.protocol.errors import InvalidInput, RepositoryError
+from pipeline.runtime.repository import ModelRepository
 from services.model import tensorrt
 from services.model.artifacts import (
     ONNX,

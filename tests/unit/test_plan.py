@@ -8,7 +8,7 @@ import types
 import pytest
 
 from pipeline.ensemble.plan import Catalog, EnsemblePlan, PlanStep, StageEndpoint
-from pipeline.stage.api import TensorSpec
+from pipeline.protocol.types import TensorSpec
 
 
 def _plan(name: str, models: dict[str, str]) -> EnsemblePlan:

@@ -11,8 +11,7 @@ import pytest
 from PIL import Image
 
 from examples.models.digits import load_split
-from pipeline.protocol.errors import InvalidInput
-from pipeline.runtime.repository import RepositoryError
+from pipeline.protocol.errors import InvalidInput, RepositoryError
 from pipeline.stage.api import Stage
 from tests.stages import example_module, example_stage
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import InvalidInput
-from pipeline.runtime.repository import ModelRepository, RepositoryError
+from pipeline.protocol.errors import InvalidInput, RepositoryError
+from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.python_backend import PythonBackend, triton_json
 from pipeline.stage.triton_python_backend_utils import triton_string_to_numpy
 from tests.stages import TRITON_ADD_SUB_CONFIG, TRITON_ADD_SUB_MODEL, write_model
@@ -369,7 +369,7 @@ def test_default_model_filename_cannot_leave_the_version_folder(tmp_path: Path) 
 
 
 def test_stage_services_take_the_repository_flags_in_triton_spelling(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.runtime.server import repository_models
+    from pipeline.stage.service import repository_models
     from services.postprocess.__main__ import build_parser as postprocess_parser
     from services.preprocess.__main__ import build_parser
 

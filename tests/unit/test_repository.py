@@ -8,16 +8,10 @@ from pathlib import Path
 import pytest
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.runtime.repository import (
-    ModelRepository,
-    RepositoryError,
-    RepositoryNotFound,
-    config_text,
-    parse_config,
-    select_versions,
-    tensor_specs,
-)
-from pipeline.stage.api import TensorSpec
+from pipeline.protocol.errors import RepositoryError, RepositoryNotFound
+from pipeline.protocol.model_config import config_text, parse_config, select_versions, tensor_specs
+from pipeline.protocol.types import TensorSpec
+from pipeline.runtime.repository import ModelRepository
 
 CONFIG = """
 name: "m"

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage import Stage, TensorSpec
 
 #: The digits: 0 to 9.
 NUM_CLASSES = 10

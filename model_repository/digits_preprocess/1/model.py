@@ -27,8 +27,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from PIL import Image
 
-from pipeline.protocol.errors import InvalidInput, ItemError
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage import InvalidInput, ItemError, Stage, TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.protocol.errors import InvalidInput, ItemError
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage import InvalidInput, ItemError, Stage, TensorSpec
 
 #: The width of MiniLM-L6's token embeddings.
 DIM = 384

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.protocol.errors import InvalidInput, ItemError
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage import InvalidInput, ItemError, Stage, TensorSpec
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

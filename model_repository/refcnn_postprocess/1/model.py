@@ -6,8 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.protocol.errors import InvalidInput, ItemError
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage import InvalidInput, ItemError, Stage, TensorSpec
 
 NUM_CLASSES = 10
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage import Stage, TensorSpec
 
 #: Image side and channels of the workload.
 SIZE = 64

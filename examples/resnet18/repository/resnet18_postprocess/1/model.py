@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage import Stage, TensorSpec
 
 
 class TopClass(Stage):

@@ -12,8 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 from PIL import Image
 
-from pipeline.protocol.errors import InvalidInput
-from pipeline.stage.api import Stage, TensorSpec
+from pipeline.stage import InvalidInput, Stage, TensorSpec
 
 MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32).reshape(3, 1, 1)
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32).reshape(3, 1, 1)

@@ -1,0 +1,291 @@
+"""The protocol servicer every server shares: it hands each RPC to a `DataPlane` (a stage service's or the
+router's) and maps the `PipelineError`s the plane raises to gRPC status codes, in one place."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+import pipeline
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.errors import (
+    ERROR_DOMAIN,
+    NOT_STARTED,
+    ModelNotFound,
+    PipelineError,
+    Unavailable,
+    Unimplemented,
+)
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.telemetry import MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+#: Metadata keys that belong to one hop and are not passed on to the next. The client's credentials are
+#: the router's to check; the router calls its stages with credentials of its own (its stage token or its
+#: client certificate), so a client's token never travels further.
+_HOP_HEADERS = frozenset(
+    {"user-agent", "content-type", "te", "grpc-timeout", "grpc-encoding", "host", "authorization"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What the data plane needs of the incoming call: its time left and the client's metadata."""
+
+    timeout: float | None
+    metadata: tuple[tuple[str, str | bytes], ...]
+
+    @classmethod
+    def of(cls, context: grpc.aio.ServicerContext) -> CallContext:
+        metadata = tuple(
+            (key, value)
+            for key, value in (context.invocation_metadata() or ())
+            if not key.startswith(":") and key not in _HOP_HEADERS
+        )
+        return cls(context.time_remaining(), metadata)
+
+
+class DataPlane(abc.ABC):
+    """What a server does, free of gRPC types: model lookup, metadata, configuration and inference."""
+
+    #: `ServerMetadata.extensions`: the protocol extensions this server supports.
+    extensions: tuple[str, ...] = ("model_configuration", "statistics")
+
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """Whether every model is ready to serve."""
+
+    @abc.abstractmethod
+    async def model_ready(self, name: str, version: str) -> bool:
+        """Whether a model (at a version, or its default one) is ready."""
+
+    @abc.abstractmethod
+    async def model_metadata(self, name: str, version: str, call: CallContext) -> pb.ModelMetadataResponse:
+        """`ModelMetadata` of a model; raises `ModelNotFound`."""
+
+    @abc.abstractmethod
+    async def model_config(self, name: str, version: str, call: CallContext) -> mc.ModelConfig:
+        """Triton's `ModelConfig` of a model; raises `ModelNotFound`."""
+
+    @abc.abstractmethod
+    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+        """Run one inference request."""
+
+    async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        """Triton's `ModelStatistics`: every model's counters, or one model's (`name`)."""
+        raise Unimplemented("this server keeps no statistics")
+
+    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
+        """Triton's `RepositoryIndex`: every model (version) in the repository and its state."""
+        raise Unimplemented("this server has no model repository")
+
+    async def repository_load(self, name: str, parameters: Mapping[str, object]) -> None:
+        """Triton's `RepositoryModelLoad`: load or reload a model."""
+        raise Unimplemented("this server has no model repository")
+
+    async def repository_unload(self, name: str, parameters: Mapping[str, object]) -> None:
+        """Triton's `RepositoryModelUnload`: stop serving a model."""
+        raise Unimplemented("this server has no model repository")
+
+
+async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+    """Await `work`, turning a `PipelineError` into its status and anything else into INTERNAL."""
+    try:
+        return await work
+    except PipelineError as err:
+        await context.abort(err.code, err.message, trailing_metadata=status_details(err))
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        await context.abort(grpc.StatusCode.INTERNAL, internal_error())
+    raise AssertionError("unreachable: abort raises")
+
+
+def status_details(err: PipelineError) -> tuple[tuple[str, bytes], ...]:
+    """The `google.rpc.Status` details of an error, as trailing metadata (grpcio-status): a `BadRequest`
+    field violation `TENSOR[i]` per refused item, and `ErrorInfo` NOT_STARTED on an UNAVAILABLE (the call was
+    refused before it started, so a client may send it to another replica)."""
+    details = []
+    if err.items:
+        bad = error_details_pb2.BadRequest()
+        for item in err.items:
+            bad.field_violations.add(field=item.field, description=item.description)
+        details.append(bad)
+    if isinstance(err, Unavailable):
+        details.append(error_details_pb2.ErrorInfo(reason=NOT_STARTED, domain=ERROR_DOMAIN))
+    if not details:
+        return ()
+    status = status_pb2.Status(code=err.code.value[0], message=err.message)
+    for detail in details:
+        status.details.add().Pack(detail)
+    return tuple(rpc_status.to_status(status).trailing_metadata)
+
+
+def internal_error() -> str:
+    """Log the exception being handled under a new incident id; return what the client is told instead."""
+    incident = uuid.uuid4().hex[:12]
+    log.exception("internal error, incident %s", incident)
+    return f"internal error (incident {incident} in the server log)"
+
+
+def outcome_of(err: BaseException) -> str:
+    """The gRPC status code name a request that raised `err` is answered with."""
+    if isinstance(err, PipelineError):
+        return err.code.name
+    if isinstance(err, asyncio.CancelledError):
+        return "CANCELLED"
+    return "INTERNAL"
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """`inference.GRPCInferenceService` over a `DataPlane`, with a span and metrics for each inference."""
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        name: str,
+        *,
+        telemetry: Telemetry | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.plane = plane
+        self.name = name
+        self.telemetry = telemetry or Telemetry()
+        self.metrics = metrics or Metrics()
+        # Triton's nv_inference_* metrics: read from the same statistics ModelStatistics answers with.
+        self.metrics.export_statistics(plane.statistics)
+
+    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+        """One inference through the plane: the request's server span (continuing the caller's trace)
+        and its count and latency. Every front door (gRPC here, HTTP in `pipeline.router.http`) infers through
+        this one path."""
+        model = request.model_name
+        started = time.perf_counter()
+        outcome = "OK"
+        telemetry = self.telemetry
+        span_scope = (
+            telemetry.server_span(
+                f"ModelInfer {model}", call.metadata, {MODEL: model, REQUEST_ID: request.id}
+            )
+            if telemetry.enabled
+            else NO_SPAN
+        )
+        with span_scope as span:
+            try:
+                return await self.plane.infer(request, call)
+            except BaseException as err:
+                outcome = outcome_of(err)
+                if isinstance(err, ModelNotFound):
+                    model = ""  # a client's made-up names must not become label values
+                if span is not None and outcome != "CANCELLED":
+                    record_error(span, err, outcome)
+                raise
+            finally:
+                self.metrics.requests.labels(model, outcome).inc()
+                if outcome == "OK":
+                    self.metrics.request_duration.labels(model).observe(time.perf_counter() - started)
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext):
+        return pb.ServerReadyResponse(ready=self.plane.ready())
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext):
+        ready = await _guarded(context, self.plane.model_ready(request.name, request.version))
+        return pb.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext):
+        return pb.ServerMetadataResponse(
+            name=self.name, version=pipeline.__version__, extensions=self.plane.extensions
+        )
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext):
+        call = CallContext.of(context)
+        return await _guarded(context, self.plane.model_metadata(request.name, request.version, call))
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext):
+        call = CallContext.of(context)
+        config = await _guarded(context, self.plane.model_config(request.name, request.version, call))
+        return pb.ModelConfigResponse(config=config)
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
+        return await _guarded(context, self.infer(request, CallContext.of(context)))
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext):
+        return await _guarded(context, self.plane.statistics(request.name, request.version))
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext):
+        return await _guarded(context, self.plane.repository_index(request.ready))
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
+    ):
+        params = {
+            k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
+            for k, v in request.parameters.items()
+        }
+        await _guarded(context, self.plane.repository_load(request.model_name, params))
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
+    ):
+        params = {
+            k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
+            for k, v in request.parameters.items()
+        }
+        await _guarded(context, self.plane.repository_unload(request.model_name, params))
+        return pb.RepositoryModelUnloadResponse()
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests on a stream run concurrently; each response (or error) is sent as it completes."""
+        call = CallContext.of(context)
+        done: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            try:
+                response = await self.infer(request, call)
+                await done.put(pb.ModelStreamInferResponse(infer_response=response))
+            except PipelineError as err:
+                failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+                await done.put(pb.ModelStreamInferResponse(error_message=err.message, infer_response=failed))
+            except Exception:
+                log.exception("internal error in a streamed request")
+                await done.put(pb.ModelStreamInferResponse(error_message="internal error"))
+
+        async def read() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(one(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*list(tasks))
+            await done.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await done.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()

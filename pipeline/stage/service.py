@@ -1,0 +1,160 @@
+"""A stage service process: serve `Stage` objects and the repository models of its backends until a signal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from grpc_health.v1 import health
+
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.security import (
+    SecurityConfigError,
+    access_policy_of,
+    interceptors_of,
+    server_credentials_of,
+)
+from pipeline.runtime.server import (
+    configure_logging,
+    create_server,
+    serve,
+    set_serving,
+    start_metrics,
+    write_port,
+)
+from pipeline.runtime.servicer import InferenceServicer
+from pipeline.runtime.telemetry import Telemetry
+from pipeline.stage.api import Stage
+
+if TYPE_CHECKING:
+    from pipeline.runtime.repository import ModelRepository
+    from pipeline.stage.backend import Backend
+log = logging.getLogger(__name__)
+
+
+def add_repository_arguments(parser: argparse.ArgumentParser, *, service: str) -> None:
+    """The model repository flags, in Triton's spelling too: `--model-dir` (alias `--model-repository`, env
+    `PIPELINE_MODEL_DIR`) and `--load-model NAME` (repeatable; env `PIPELINE_<SERVICE>_LOAD_MODEL`, names
+    separated by commas), which serves only the models named instead of every one the service runs."""
+    env = f"PIPELINE_{service.upper()}_LOAD_MODEL"
+    parser.add_argument(
+        "--model-dir",
+        "--model-repository",
+        dest="model_dir",
+        type=Path,
+        default=Path(os.environ.get("PIPELINE_MODEL_DIR", "model_repository")),
+        help="the model repository, in Triton's layout (env PIPELINE_MODEL_DIR; default %(default)s)",
+    )
+    parser.add_argument(
+        "--load-model",
+        action="append",
+        metavar="NAME",
+        default=None,
+        help=f"serve only this repository model (repeatable; env {env}, comma-separated); without it, "
+        "every model of the repository that this service runs",
+    )
+    parser.set_defaults(load_model_env=[n for n in os.environ.get(env, "").split(",") if n.strip()])
+
+
+def repository_models(args: argparse.Namespace) -> list[str] | None:
+    """The models `--load-model` (or its environment variable) names, or None for all of them."""
+    names = args.load_model if args.load_model is not None else args.load_model_env
+    return [name.strip() for name in names] or None
+
+
+async def serve_stages(
+    stages: Sequence[Stage],
+    args: argparse.Namespace,
+    *,
+    service: str,
+    stopping: asyncio.Event | None = None,
+    bound: Callable[[int], None] | None = None,
+    telemetry: Telemetry | None = None,
+    metrics: Metrics | None = None,
+    repository: ModelRepository | None = None,
+    backends: Sequence[Backend] = (),
+    models: Sequence[str] | None = None,
+) -> None:
+    """Serve stage models until a signal (or `stopping`): listen first, load the models, then SERVING.
+
+    The models are the `stages` objects, and the entries of `repository` whose backend is one of
+    `backends` (`models`: only those named). `bound` is called with the port once the server listens
+    (tests and launchers ask for port 0). `telemetry` defaults to tracing configured by the environment
+    (`Telemetry.from_env`), `metrics` to a registry of this server's own.
+    """
+    from pipeline.stage.plane import StagePlane
+
+    owned = telemetry is None
+    telemetry = Telemetry.from_env(service) if telemetry is None else telemetry
+    metrics = Metrics() if metrics is None else metrics
+    plane = StagePlane(
+        stages, repository=repository, backends=backends, models=models, telemetry=telemetry, metrics=metrics
+    )
+    health_servicer = health.aio.HealthServicer()
+    await set_serving(health_servicer, False)
+    server, port = await create_server(
+        f"{args.host}:{args.port}",
+        InferenceServicer(plane, service, telemetry=telemetry, metrics=metrics),
+        health_servicer,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        credentials=server_credentials_of(args),
+        interceptors=interceptors_of(access_policy_of(args, stage=True)),
+    )
+
+    async def start() -> None:
+        start_metrics(metrics, args)
+        write_port(args.port_file, port)
+        if bound is not None:
+            bound(port)
+        source = f" and the repository {repository.root}" if repository is not None else ""
+        log.info("%s listening on %s:%d, loading its models%s", service, args.host, port, source)
+        await plane.load()
+        await set_serving(health_servicer, True)
+        log.info(
+            "%s serving %s on %s:%d", service, ", ".join(plane.model_names) or "no model", args.host, port
+        )
+
+    async def stop() -> None:
+        await plane.unload()
+        metrics.close()
+        if owned:
+            # Flushing may wait on an exporter's endpoint: not on the event loop.
+            await asyncio.to_thread(telemetry.shutdown)
+
+    await serve(
+        server,
+        health_servicer,
+        grace=args.grace_period,
+        start=start,
+        stop=stop,
+        stopping=stopping,
+        drain_delay=getattr(args, "drain_delay", 0.0),
+    )
+
+
+def run_stage_service(
+    stages: Sequence[Stage],
+    args: argparse.Namespace,
+    *,
+    service: str,
+    repository: ModelRepository | None = None,
+    backends: Sequence[Backend] = (),
+    models: Sequence[str] | None = None,
+) -> None:
+    """Entry point of a stage service process: serve `stages` and the repository models of `backends` until
+    SIGTERM or SIGINT."""
+    configure_logging(args.log_level, service)
+    try:
+        asyncio.run(
+            serve_stages(
+                stages, args, service=service, repository=repository, backends=backends, models=models
+            )
+        )
+    except SecurityConfigError as err:
+        log.error("%s", err)
+        raise SystemExit(2) from None
