@@ -29,15 +29,13 @@ from typing import Any
 import grpc
 import numpy as np
 from aiohttp import web
-from google.protobuf import json_format
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
 
 import pipeline
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.codec import Tensor, response_tensors
 from pipeline.protocol.datatypes import DATATYPES, element_count
 from pipeline.protocol.errors import InvalidInput, PipelineError
+from pipeline.protocol.proto_json import message_json
 from pipeline.runtime.metrics import metrics_port
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
@@ -84,16 +82,6 @@ OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 
 #: Route names that change what is served: they need the admin scope.
 _ADMIN_ROUTES = frozenset({"repository_load", "repository_unload"})
-
-_INT64 = frozenset(
-    {
-        FieldDescriptor.TYPE_INT64,
-        FieldDescriptor.TYPE_UINT64,
-        FieldDescriptor.TYPE_SINT64,
-        FieldDescriptor.TYPE_FIXED64,
-        FieldDescriptor.TYPE_SFIXED64,
-    }
-)
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -352,35 +340,6 @@ def infer_response_body(response: pb.ModelInferResponse, form: OutputForm) -> tu
     if not binary:
         return header, None
     return b"".join([header, *binary]), len(header)
-
-
-def message_json(message: Message) -> dict[str, Any]:
-    """A protobuf message as Triton's REST JSON: proto field names, and 64-bit integers as numbers (the
-    proto3 JSON mapping would write them as strings)."""
-    return _int64_as_numbers(message, json_format.MessageToDict(message, preserving_proto_field_name=True))
-
-
-def _int64_as_numbers(message: Message, data: dict[str, Any]) -> dict[str, Any]:
-    for field, value in message.ListFields():
-        key = field.name
-        if key not in data:
-            continue
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            value_field = field.message_type.fields_by_name["value"]
-            for map_key, item in value.items():
-                if value_field.message_type is not None:
-                    _int64_as_numbers(item, data[key][str(map_key)])
-                elif value_field.type in _INT64:
-                    data[key][str(map_key)] = int(item)
-        elif field.message_type is not None:
-            if field.is_repeated:
-                for item, entry in zip(value, data[key], strict=True):
-                    _int64_as_numbers(item, entry)
-            else:
-                _int64_as_numbers(value, data[key])
-        elif field.type in _INT64:
-            data[key] = [int(v) for v in data[key]] if field.is_repeated else int(data[key])
-    return data
 
 
 def _metadata_json(reply: pb.ModelMetadataResponse) -> dict[str, Any]:

@@ -47,8 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from google.protobuf import json_format
-from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from pipeline._gen.inference import model_config_pb2 as mc
@@ -62,6 +60,7 @@ from pipeline.protocol.model_config import (
     set_tensor_specs,
     tensor_specs,
 )
+from pipeline.protocol.proto_json import message_json
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.repository import RepositoryEntry
 from pipeline.stage import triton_python_backend_utils as pb_utils
@@ -424,45 +423,7 @@ def triton_json(message: Message) -> dict[str, Any]:
     """A config as Triton's Python backend hands it to `initialize`: protobuf's JSON mapping in the proto's
     field names, every field present, and 64-bit integers as numbers (protobuf writes them as strings; Triton
     converts them back)."""
-    data = json_format.MessageToDict(
-        message, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
-    )
-    return _int64_as_numbers(message, data)
-
-
-_INT64_TYPES = frozenset(
-    {
-        FieldDescriptor.TYPE_INT64,
-        FieldDescriptor.TYPE_UINT64,
-        FieldDescriptor.TYPE_SINT64,
-        FieldDescriptor.TYPE_FIXED64,
-        FieldDescriptor.TYPE_SFIXED64,
-    }
-)
-
-
-def _int64_as_numbers(message: Message, data: dict[str, Any]) -> dict[str, Any]:
-    for field in message.DESCRIPTOR.fields:
-        if field.name not in data:
-            continue
-        value = getattr(message, field.name)
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
-            if field.message_type.GetOptions().map_entry:
-                value_field = field.message_type.fields_by_name["value"]
-                if value_field.type == FieldDescriptor.TYPE_MESSAGE:
-                    data[field.name] = {
-                        k: _int64_as_numbers(value[k], v) for k, v in data[field.name].items()
-                    }
-            elif field.is_repeated:
-                data[field.name] = [
-                    _int64_as_numbers(m, d) for m, d in zip(value, data[field.name], strict=True)
-                ]
-            else:
-                data[field.name] = _int64_as_numbers(value, data[field.name])
-        elif field.type in _INT64_TYPES:
-            repeated = field.is_repeated
-            data[field.name] = [int(v) for v in data[field.name]] if repeated else int(value)
-    return data
+    return message_json(message, every_field=True)
 
 
 class _TritonInstance:
