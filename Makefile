@@ -23,11 +23,12 @@ run: $(STAMP)
 model: $(STAMP)
 	$(BIN)/python -m examples.models.build --model-dir $(MODEL_DIR) --force
 
-## test: lint and type checks, then every test (unit, integration, end to end with real processes)
+## test: lint, type and architecture checks, then every test (unit, integration, end to end with real processes)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## fuzz: every fuzz test at $(FUZZ_EXAMPLES) cases each: requests over gRPC and HTTP, ensemble files, model
@@ -41,6 +42,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m mypy
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -12,7 +12,11 @@ from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health
 
+from pipeline.ensemble.config import load_ensembles, load_repository_ensembles
+from pipeline.protocol.errors import ConfigError
+from pipeline.runtime.arguments import add_server_arguments
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.security import (
     SecurityConfigError,
     access_policy_of,
@@ -30,9 +34,11 @@ from pipeline.runtime.server import (
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.telemetry import Telemetry
 from pipeline.stage.api import Stage
+from pipeline.stage.placement import python_models_of
+from pipeline.stage.plane import StagePlane
+from pipeline.stage.python_backend import PythonBackend
 
 if TYPE_CHECKING:
-    from pipeline.runtime.repository import ModelRepository
     from pipeline.stage.backend import Backend
 log = logging.getLogger(__name__)
 
@@ -87,8 +93,6 @@ async def serve_stages(
     (tests and launchers ask for port 0). `telemetry` defaults to tracing configured by the environment
     (`Telemetry.from_env`), `metrics` to a registry of this server's own.
     """
-    from pipeline.stage.plane import StagePlane
-
     owned = telemetry is None
     telemetry = Telemetry.from_env(service) if telemetry is None else telemetry
     metrics = Metrics() if metrics is None else metrics
@@ -158,3 +162,63 @@ def run_stage_service(
     except SecurityConfigError as err:
         log.error("%s", err)
         raise SystemExit(2) from None
+
+
+def add_ensembles_argument(parser: argparse.ArgumentParser) -> None:
+    """`--ensembles`: the YAML ensemble files (or folders of them) a Python stage service reads to know which
+    of the repository's Python models it serves (`pipeline.stage.placement`)."""
+    default = os.environ.get("PIPELINE_ENSEMBLES", "ensembles")
+    parser.add_argument(
+        "--ensembles",
+        type=Path,
+        nargs="+",
+        default=[Path(default)] if Path(default).exists() else [],
+        help="ensemble YAML files or folders of them, as the router's (env PIPELINE_ENSEMBLES; default: "
+        "ensembles where it exists)",
+    )
+
+
+def python_service_parser(service: str, default_port: int) -> argparse.ArgumentParser:
+    """The command line of a Python stage service: the shared server flags, the repository's and
+    `--ensembles`."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m services.{service}",
+        description=f"Serve the Python models (model.py) of a model repository that run in the {service} "
+        "service of their ensembles, over the Open Inference Protocol.",
+    )
+    add_server_arguments(parser, service=service, default_port=default_port)
+    add_repository_arguments(parser, service=service)
+    add_ensembles_argument(parser)
+    return parser
+
+
+def python_service_main(service: str, default_port: int, argv: Sequence[str] | None = None) -> None:
+    """The `preprocess` and `postprocess` services: serve the repository's Python models that run there
+    (`pipeline.stage.placement`, or those `--load-model` names) until SIGTERM or SIGINT."""
+    args = python_service_parser(service, default_port).parse_args(argv)
+    configure_logging(args.log_level, service)
+    repository = ModelRepository(args.model_dir)
+    models = repository_models(args)
+    if models is None:
+        models = _placed_models(service, repository, args.ensembles)
+    run_stage_service(
+        [], args, service=service, repository=repository, backends=[PythonBackend()], models=models
+    )
+
+
+def _placed_models(service: str, repository: ModelRepository, ensembles: Sequence[Path]) -> list[str] | None:
+    """The Python models the ensembles place in `service`; None (every Python model) where the ensembles
+    cannot be read (the router refuses them with the reason)."""
+    try:
+        plans = list(load_ensembles(ensembles).ensembles.values()) if ensembles else []
+    except ConfigError as err:
+        log.warning("cannot read the ensembles to place the python models, so serving all of them: %s", err)
+        return None
+    plans += load_repository_ensembles(repository.root)
+    models = python_models_of(service, repository, plans)
+    log.info(
+        "%s serves the python models %s (where their ensembles run them; --load-model chooses otherwise)",
+        service,
+        ", ".join(models) or "(none)",
+    )
+    return models

@@ -266,7 +266,9 @@ def test_stages_scale_on_the_routers_queue_for_their_own_models() -> None:
 
     rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["external"]
     defined = {rule["name"]["as"]: rule for rule in rules}
-    exported = set(re.findall(r"`(pipeline_\w+)`", (ROOT / "pipeline" / "metrics.py").read_text()))
+    exported = set(
+        re.findall(r"`(pipeline_\w+)`", (ROOT / "pipeline" / "runtime" / "metrics.py").read_text())
+    )
     for rule in rules:
         for series in re.findall(
             r"\b(pipeline_\w+?)(?:_sum|_count)?\{", rule["metricsQuery"] + rule["seriesQuery"]

@@ -56,3 +56,43 @@ def test_a_stage_process_serves_the_models_it_is_told_to(tmp_path: Path) -> None
             assert "ImportError: not today" in caught.value.details()
     finally:
         assert process.stop() == 0
+
+
+def test_each_python_service_loads_only_the_models_its_place_in_the_ensembles_gives_it(
+    tmp_path: Path,
+) -> None:
+    # Without --load-model, the preprocess service serves the Python models that run before the model
+    # service's in the repository's ensembles, the postprocess service those after: each is loaded once.
+    root = example_repository(tmp_path / "repository", ["refcnn_preprocess", "refcnn_postprocess"])
+    (root / "classify").mkdir()
+    (root / "classify" / "config.pbtxt").write_text(
+        'name: "classify" platform: "ensemble" max_batch_size: 8\n'
+        'input [{ name: "IMAGE" data_type: TYPE_UINT8 dims: [3, 64, 64] }]\n'
+        'output [{ name: "LABEL" data_type: TYPE_INT64 dims: [1] }, { name: "PROB" data_type: TYPE_FP32 dims: [1] }]\n'
+        "ensemble_scheduling { step [\n"
+        '  { model_name: "refcnn_preprocess" model_version: -1 input_map { key: "IMAGE" value: "IMAGE" }'
+        ' output_map { key: "INPUT" value: "pixels" } },\n'
+        '  { model_name: "refcnn_cnn" model_version: -1 input_map { key: "INPUT" value: "pixels" }'
+        ' output_map { key: "LOGITS" value: "logits" } },\n'
+        '  { model_name: "refcnn_postprocess" model_version: -1 input_map { key: "LOGITS" value: "logits" }'
+        ' output_map [{ key: "LABEL" value: "LABEL" }, { key: "PROB" value: "PROB" }] }\n'
+        "] }\n"
+    )
+    env = {"PIPELINE_ENSEMBLES": str(tmp_path / "no-yaml-ensembles")}
+    served = {}
+    for service in ("preprocess", "postprocess"):
+        process = start_service(
+            service, ["-m", f"services.{service}", "--model-repository", str(root)], tmp_path, env
+        )
+        try:
+            wait_serving(process)
+            with grpc.insecure_channel(process.address) as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                index = stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=10)
+                served[service] = {(m.name, m.state) for m in index.models}
+        finally:
+            assert process.stop() == 0
+    assert served == {
+        "preprocess": {("refcnn_preprocess", "READY")},
+        "postprocess": {("refcnn_postprocess", "READY")},
+    }

@@ -369,9 +369,13 @@ def test_default_model_filename_cannot_leave_the_version_folder(tmp_path: Path) 
 
 
 def test_stage_services_take_the_repository_flags_in_triton_spelling(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.stage.service import repository_models
-    from services.postprocess.__main__ import build_parser as postprocess_parser
-    from services.preprocess.__main__ import build_parser
+    from pipeline.stage.service import python_service_parser, repository_models
+
+    def build_parser():
+        return python_service_parser("preprocess", 8101)
+
+    def postprocess_parser():
+        return python_service_parser("postprocess", 8103)
 
     args = build_parser().parse_args(
         ["--model-repository", "/srv/models", "--load-model", "a", "--load-model", "b"]

@@ -1,0 +1,91 @@
+"""Which Python stage service serves which Python model: decided once, from the ensembles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.ensemble.config import load_ensembles, load_repository_ensembles
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.placement import python_models_of
+from tests.stages import EXAMPLE_REPOSITORY, write_model
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+PYTHON = "class M:\n    pass\n"
+
+
+def _ensemble(root: Path, name: str, steps: list[tuple[str, str, str]]) -> None:
+    """A config.pbtxt ensemble of (model, input tensor, output tensor) steps, X in and Y out."""
+    text = [f'name: "{name}"', 'platform: "ensemble"', "max_batch_size: 8"]
+    text.append('input [{ name: "X" data_type: TYPE_FP32 dims: [1] }]')
+    text.append('output [{ name: "Y" data_type: TYPE_FP32 dims: [1] }]')
+    text.append("ensemble_scheduling { step [")
+    text.append(
+        ",\n".join(
+            f'{{ model_name: "{model}" model_version: -1 input_map {{ key: "IN" value: "{source}" }} '
+            f'output_map {{ key: "OUT" value: "{target}" }} }}'
+            for model, source, target in steps
+        )
+    )
+    text.append("] }")
+    (root / name).mkdir(parents=True)
+    (root / name / "config.pbtxt").write_text("\n".join(text) + "\n")
+
+
+def test_the_example_ensembles_place_each_python_model_where_their_steps_name_it() -> None:
+    repository = ModelRepository(EXAMPLE_REPOSITORY)
+    plans = list(load_ensembles(REPOSITORY / "ensembles").ensembles.values())
+    assert python_models_of("preprocess", repository, plans) == [
+        "digits_preprocess",
+        "embeddings_tokenize",
+        "refcnn_preprocess",
+    ]
+    # digits_blank runs on the gated ensemble's blank branch, which names the postprocess stage.
+    assert python_models_of("postprocess", repository, plans) == [
+        "digits_blank",
+        "digits_postprocess",
+        "embeddings_pool",
+        "refcnn_postprocess",
+    ]
+
+
+def test_a_config_pbtxt_ensemble_places_by_the_steps_before_each_python_step(tmp_path: Path) -> None:
+    root = tmp_path / "repository"
+    for name in ("decode", "augment", "softmax", "spare"):
+        write_model(root, name, PYTHON, 'backend: "python"\n')
+    (root / "cnn" / "1").mkdir(parents=True)
+    (root / "cnn" / "1" / "model.onnx").write_bytes(b"")  # an ONNX model: the model service runs it
+    # decode -> augment -> cnn -> softmax: two Python steps before the model, one after.
+    _ensemble(
+        root,
+        "classify",
+        [("decode", "X", "a"), ("augment", "a", "b"), ("cnn", "b", "c"), ("softmax", "c", "Y")],
+    )
+    repository = ModelRepository(root)
+    plans = load_repository_ensembles(root)
+    # `spare` is in no ensemble: preprocess serves it.
+    assert python_models_of("preprocess", repository, plans) == ["augment", "decode", "spare"]
+    assert python_models_of("postprocess", repository, plans) == ["softmax"]
+
+
+def test_a_step_after_a_model_of_another_server_is_postprocess(tmp_path: Path) -> None:
+    root = tmp_path / "repository"
+    write_model(root, "pre", PYTHON, 'backend: "python"\n')
+    write_model(root, "post", PYTHON, 'backend: "python"\n')
+    # `remote` is not in this repository: some other server serves it.
+    _ensemble(root, "chain", [("pre", "X", "a"), ("remote", "a", "b"), ("post", "b", "Y")])
+    plans = load_repository_ensembles(root)
+    assert python_models_of("preprocess", ModelRepository(root), plans) == ["pre"]
+    assert python_models_of("postprocess", ModelRepository(root), plans) == ["post"]
+
+
+def test_ensembles_that_disagree_leave_the_model_with_the_first(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "repository"
+    write_model(root, "norm", PYTHON, 'backend: "python"\n')
+    (root / "cnn" / "1").mkdir(parents=True)
+    (root / "cnn" / "1" / "model.onnx").write_bytes(b"")
+    _ensemble(root, "a_first", [("norm", "X", "a"), ("cnn", "a", "Y")])
+    _ensemble(root, "b_second", [("cnn", "X", "a"), ("norm", "a", "Y")])
+    plans = load_repository_ensembles(root)
+    assert python_models_of("preprocess", ModelRepository(root), plans) == ["norm"]
+    assert python_models_of("postprocess", ModelRepository(root), plans) == []
+    assert "served by preprocess (give --load-model to choose)" in caplog.text
