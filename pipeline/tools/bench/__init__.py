@@ -40,7 +40,7 @@ import numpy as np
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.codec import Tensor
 from pipeline.protocol.datatypes import DATATYPES
-from pipeline.tools.bench_endpoints import (
+from pipeline.tools.bench.endpoints import (
     PROTOCOLS,
     Call,
     EndpointError,
