@@ -166,7 +166,9 @@ def measure(
 ) -> list[dict]:
     """`pipeline bench` at each concurrency: throughput, p50, p99, errors, the server's per-stage figures and
     the CPU each request cost in each process."""
-    from pipeline.tools.bench import BenchOptions, format_report, run_bench
+    from pipeline.tools.bench.options import BenchOptions
+    from pipeline.tools.bench.report import format_report
+    from pipeline.tools.bench.run import run_bench
 
     options = BenchOptions(
         url=url,

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     infer.set_defaults(func=_infer)
 
-    from pipeline.tools.bench import add_bench_arguments, run_bench_command
+    from pipeline.tools.bench.cli import add_bench_arguments, run_bench_command
 
     bench = commands.add_parser("bench", help="load a model or ensemble and report throughput and latency")
     add_bench_arguments(bench)

@@ -1,2 +1,2 @@
 """The project's tooling, apart from the serving runtime: `pipeline run` (launcher), `pipeline bench`
-(bench, bench_endpoints), `pipeline trace` (trace_view) and the protocol stubs' generator (codegen)."""
+(bench), `pipeline trace` (trace_view) and the protocol stubs' generator (codegen)."""

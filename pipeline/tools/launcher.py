@@ -29,6 +29,11 @@ from pipeline.runtime.security import channel_credentials
 
 log = logging.getLogger("pipeline.launcher")
 
+#: The stage services, each run as `python -m services.<stage>`.
+STAGES = ("preprocess", "model", "postprocess")
+#: The files `--tls-dir` holds (`scripts/make-certs.sh` writes them).
+TLS_FILES = ("ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem")
+
 
 class _Stop(Exception):
     """SIGTERM or SIGINT asked the launcher to stop."""
@@ -240,7 +245,7 @@ def _replicas(text: str) -> dict[str, int]:
     counts = {}
     for item in filter(None, text.split(",")):
         stage, _, count = item.partition("=")
-        if stage not in ("preprocess", "model", "postprocess") or not count.isdigit() or int(count) < 1:
+        if stage not in STAGES or not count.isdigit() or int(count) < 1:
             raise argparse.ArgumentTypeError(
                 f"expected STAGE=N with STAGE preprocess, model or postprocess: {item!r}"
             )
@@ -252,44 +257,73 @@ def run(args: argparse.Namespace) -> int:
     """Start the pipeline and supervise it until a signal or a death; returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
     stage_token = stage_token_env(os.environ)
-    host = args.host
-    connect = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
-    grace = ["--grace-period", str(args.grace_period)]
     tls_dir: Path | None = getattr(args, "tls_dir", None)
-    served_tls: list[str] = []  # a service's own certificate
-    stage_tls: list[str] = []  # and, for stages, the CA that signs the router's client certificate
-    router_tls: list[str] = []
-    credentials = None
-    if tls_dir is not None:
-        files = {
-            n: tls_dir / n for n in ("ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem")
-        }
-        missing = [str(path) for path in files.values() if not path.is_file()]
-        if missing:
-            log.error("--tls-dir: missing %s (make them with scripts/make-certs.sh)", ", ".join(missing))
-            return 2
-        ca, client_cert, client_key = (
-            str(files["ca.pem"]),
-            str(files["client.pem"]),
-            str(files["client-key.pem"]),
-        )
-        served_tls = ["--tls-cert", str(files["server.pem"]), "--tls-key", str(files["server-key.pem"])]
-        stage_tls = [*served_tls, "--tls-ca", ca]
-        router_tls = [*served_tls, *(["--tls-ca", ca] if args.mtls else [])]
-        router_tls += ["--stage-tls-ca", ca, "--stage-tls-cert", client_cert, "--stage-tls-key", client_key]
-        # The launcher's own health checks present the client certificate wherever one is asked for.
-        credentials = channel_credentials(ca, client_cert, client_key)
+    if tls_dir is not None and (missing := _missing_tls_files(tls_dir)):
+        log.error("--tls-dir: missing %s (make them with scripts/make-certs.sh)", ", ".join(missing))
+        return 2
+    tls = _tls(tls_dir, args.mtls) if tls_dir is not None else _Tls()
+    grace = ["--grace-period", str(args.grace_period)]
     # One repository for every service: each serves the entries whose backend it runs.
-    repository = ["--model-dir", str(args.model_dir)]
-    kinds = [
-        ("preprocess", args.preprocess_port, [*repository, *grace, *stage_tls]),
-        ("model", args.model_port, [*repository, *grace, *stage_tls]),
-        ("postprocess", args.postprocess_port, [*repository, *grace, *stage_tls]),
-    ]
-    replicas = args.replicas
+    stages = _stage_services(args, ["--model-dir", str(args.model_dir), *grace, *tls.stage])
+    ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
+    http_port_file = ports / "router.http"
+    router = _router_service(args, grace, tls.router, http_port_file)
+    everything = [router, *stages]  # stop order: the router drains while the stages still serve
+    for service in everything:
+        service.env.update(stage_token)
+    signals = _StopOnSignal()
+    try:
+        signals.install()
+        _start(stages, router, args.host, ports, args.startup_timeout, tls.credentials)
+        _announce(args, router, stages, ports, http_port_file, secure=tls_dir is not None)
+        return _supervise(everything, signals)
+    except _Stop:
+        return 0
+    except RuntimeError as err:
+        log.error("%s; stopping the pipeline", err)
+        return 1
+    finally:
+        log.info("stopping: router first, then the stages")
+        stop(everything, args.grace_period)
+        shutil.rmtree(ports, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _Tls:
+    """The TLS flags of each kind of service, and the credentials of the launcher's own health checks."""
+
+    #: A stage's: its own certificate, and the CA that signs the router's client certificate.
+    stage: list[str] = field(default_factory=list)
+    #: The router's: its own certificate, its clients' CA (with --mtls), and what it shows the stages.
+    router: list[str] = field(default_factory=list)
+    credentials: grpc.ChannelCredentials | None = None
+
+
+def _missing_tls_files(tls_dir: Path) -> list[str]:
+    return [str(tls_dir / name) for name in TLS_FILES if not (tls_dir / name).is_file()]
+
+
+def _tls(tls_dir: Path, mtls: bool) -> _Tls:
+    """TLS on every hop from the files of `tls_dir`: stages accept only the router's client certificate."""
+    ca, client_cert, client_key = (str(tls_dir / n) for n in ("ca.pem", "client.pem", "client-key.pem"))
+    served = ["--tls-cert", str(tls_dir / "server.pem"), "--tls-key", str(tls_dir / "server-key.pem")]
+    router = [*served, *(["--tls-ca", ca] if mtls else [])]
+    router += ["--stage-tls-ca", ca, "--stage-tls-cert", client_cert, "--stage-tls-key", client_key]
+    # The launcher's own health checks present the client certificate wherever one is asked for.
+    credentials = channel_credentials(ca, client_cert, client_key)
+    return _Tls(stage=[*served, "--tls-ca", ca], router=router, credentials=credentials)
+
+
+def _stage_services(args: argparse.Namespace, flags: list[str]) -> list[Service]:
+    """Every stage service, `--replicas` processes of each, all with `flags`."""
+    ports = {
+        "preprocess": args.preprocess_port,
+        "model": args.model_port,
+        "postprocess": args.postprocess_port,
+    }
     stages: list[Service] = []
-    for kind, port, extra in kinds:
-        count = replicas.get(kind, 1)
+    for kind in STAGES:
+        count = args.replicas.get(kind, 1)
         for i in range(count):
             # Further replicas take ports the OS picks: the default ports of the stages are adjacent.
             name = kind if count == 1 else f"{kind}-{i + 1}"
@@ -300,94 +334,127 @@ def run(args: argparse.Namespace) -> int:
             )
             metrics = ["--metrics-port", "off" if wanted is None else str(wanted)]
             stages.append(
-                Service(name, ["-m", f"services.{kind}"], port if i == 0 else 0, [*extra, *metrics])
+                Service(name, ["-m", f"services.{kind}"], ports[kind] if i == 0 else 0, [*flags, *metrics])
             )
+    return stages
+
+
+def _router_service(
+    args: argparse.Namespace, grace: list[str], tls: list[str], http_port_file: Path
+) -> Service:
+    """The router service; it writes the HTTP port it binds to `http_port_file`."""
     router_metrics = ["--metrics-port", "off" if args.metrics_port is None else str(args.metrics_port)]
-    ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
-    http_port_file = ports / "router.http"
     router_http = ["--http-port", "off" if args.http_port is None else str(args.http_port)]
     router_http += ["--http-port-file", str(http_port_file)]
     router = Service(
         "router",
         ["-m", "pipeline", "router"],
         args.port,
-        ["--ensembles", str(args.ensembles), *grace, *router_metrics, *router_http, *router_tls],
+        ["--ensembles", str(args.ensembles), *grace, *router_metrics, *router_http, *tls],
     )
     router.args += ["--model-dir", str(args.model_dir)]  # its config.pbtxt ensembles, the stages' models
     router.args += ["--workers", str(max(1, args.router_workers))]
-    everything = [router, *stages]  # stop order: the router drains while the stages still serve
-    for service in everything:
-        service.env.update(stage_token)
+    return router
 
-    stopping = False
 
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        if stopping:
+def _connect_address(host: str) -> str:
+    """Where the launcher reaches a service that binds `host` (a wildcard address is reached on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+
+
+def _start(
+    stages: list[Service],
+    router: Service,
+    host: str,
+    ports: Path,
+    timeout: float,
+    credentials: grpc.ChannelCredentials | None,
+) -> None:
+    """Start the stages, then the router on their addresses, and wait until every one is healthy; each
+    writes the port it binds to its file in `ports`."""
+    connect = _connect_address(host)
+    for service in stages:
+        service.start(host, ports / service.name)
+    for service in stages:
+        service.wait_port(ports / service.name, timeout)
+    # The ensembles name their stages' addresses through these variables; several replicas of a stage
+    # become one target that the router spreads calls over.
+    for kind in STAGES:
+        ports_of = [f"{connect}:{s.port}" for s in stages if s.name.split("-")[0] == kind]
+        address = ports_of[0] if len(ports_of) == 1 else "ipv4:" + ",".join(ports_of)
+        router.env[f"{kind.upper()}_ADDRESS"] = address
+    router.start(host, ports / router.name)
+    router.wait_port(ports / router.name, timeout)
+    for service in [*stages, router]:
+        log.info("waiting for %s to become healthy", service.name)
+        wait_healthy(service, f"{connect}:{service.port}", timeout, credentials)
+
+
+def _announce(
+    args: argparse.Namespace,
+    router: Service,
+    stages: list[Service],
+    ports: Path,
+    http_port_file: Path,
+    *,
+    secure: bool,
+) -> None:
+    """Print what the pipeline serves and where, and where each process's Prometheus metrics are."""
+    connect = _connect_address(args.host)
+    http = ""
+    if http_port_file.exists():  # written before the router's gRPC port, so there by now
+        scheme = "https" if secure else "http"
+        http = f" and {scheme}://{connect}:{int(http_port_file.read_text())} (HTTP/REST)"
+    print(
+        f"pipeline: serving {', '.join(_ensembles(args.ensembles, args.model_dir))} on "
+        f"{connect}:{router.port} (gRPC{' over TLS' if secure else ''}){http}, Open Inference Protocol; "
+        "stages: "
+        + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.pid})" for s in stages)
+        + ". Ctrl-C stops it.",
+        flush=True,
+    )
+    scraped = [(s.name, s.metrics_port(ports / s.name)) for s in [router, *stages]]
+    if any(port is not None for _, port in scraped):
+        print(
+            "pipeline: Prometheus metrics: "
+            + ", ".join(
+                f"{name} http://{connect}:{port}/metrics" for name, port in scraped if port is not None
+            ),
+            flush=True,
+        )
+
+
+class _StopOnSignal:
+    """SIGTERM and SIGINT stop the launcher: the first raises `_Stop`, later ones are ignored."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.stopping:
             return  # already stopping: a second signal must not interrupt the orderly stop
-        stopping = True
+        self.stopping = True
         # NOTE: raised in the main thread wherever it is (starting a process, waiting for a port or for
         # health), so a signal stops the launcher at once, not after the start-up timeout.
         raise _Stop
 
-    try:
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        for service in stages:
-            service.start(host, ports / service.name)
-        for service in stages:
-            service.wait_port(ports / service.name, args.startup_timeout)
-        # The ensembles name their stages' addresses through these variables; several replicas of a stage
-        # become one target that the router spreads calls over.
-        for kind, _, _ in kinds:
-            ports_of = [f"{connect}:{s.port}" for s in stages if s.name.split("-")[0] == kind]
-            address = ports_of[0] if len(ports_of) == 1 else "ipv4:" + ",".join(ports_of)
-            router.env[f"{kind.upper()}_ADDRESS"] = address
-        router.start(host, ports / router.name)
-        router.wait_port(ports / router.name, args.startup_timeout)
-        for service in [*stages, router]:
-            log.info("waiting for %s to become healthy", service.name)
-            wait_healthy(service, f"{connect}:{service.port}", args.startup_timeout, credentials)
-        http = ""
-        if http_port_file.exists():  # written before the router's gRPC port, so there by now
-            scheme = "https" if tls_dir else "http"
-            http = f" and {scheme}://{connect}:{int(http_port_file.read_text())} (HTTP/REST)"
-        print(
-            f"pipeline: serving {', '.join(_ensembles(args.ensembles, args.model_dir))} on "
-            f"{connect}:{router.port} (gRPC{' over TLS' if tls_dir else ''}){http}, Open Inference Protocol; "
-            "stages: "
-            + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.pid})" for s in stages)
-            + ". Ctrl-C stops it.",
-            flush=True,
-        )
-        scraped = [(s.name, s.metrics_port(ports / s.name)) for s in [router, *stages]]
-        if any(port is not None for _, port in scraped):
-            print(
-                "pipeline: Prometheus metrics: "
-                + ", ".join(
-                    f"{name} http://{connect}:{port}/metrics" for name, port in scraped if port is not None
-                ),
-                flush=True,
-            )
-        while not stopping:
-            for service in everything:
-                code = service.exit_code()
-                if code is not None:
-                    log.error(
-                        "%s (pid %s) exited with code %d; stopping the pipeline",
-                        service.name,
-                        service.pid,
-                        code,
-                    )
-                    return 1
-            time.sleep(0.2)
-        return 0
-    except _Stop:
-        return 0
-    except RuntimeError as err:
-        log.error("%s; stopping the pipeline", err)
-        return 1
-    finally:
-        log.info("stopping: router first, then the stages")
-        stop(everything, args.grace_period)
-        shutil.rmtree(ports, ignore_errors=True)
+
+def _supervise(everything: list[Service], signals: _StopOnSignal) -> int:
+    """Wait for a signal (0) or for a service to die (1, the service named in the log)."""
+    while not signals.stopping:
+        for service in everything:
+            code = service.exit_code()
+            if code is not None:
+                log.error(
+                    "%s (pid %s) exited with code %d; stopping the pipeline",
+                    service.name,
+                    service.pid,
+                    code,
+                )
+                return 1
+        time.sleep(0.2)
+    return 0

@@ -100,19 +100,6 @@ class Signature:
 # ---- reading files -------------------------------------------------------------------------------------------
 
 
-def read_signature(path: Path, kind: str) -> Signature:
-    """A model file's signature; `RepositoryError` naming the file when it cannot be read as its kind."""
-    if kind == ONNX:
-        return onnx_signature(path)
-    if kind == TORCH_EXPORT:
-        return export_signature(path)
-    if kind == TORCHSCRIPT:
-        return torchscript_signature(path)
-    from services.model.tensorrt import plan_signature
-
-    return plan_signature(path)
-
-
 def onnx_signature(path: Path) -> Signature:
     """The graph's inputs (initializers excluded: they are weights, or make an input optional) and outputs."""
     import onnx

@@ -28,6 +28,7 @@ from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import PAD_VALUE_PARAMETER, SERVED_FIELDS, datatype_of_config, log_ignored
 from pipeline.runtime.repository import RepositoryEntry
 from pipeline.stage.backend import PreparedVersion
+from services.model import tensorrt
 from services.model.artifacts import (
     KIND_BACKENDS,
     KIND_PLATFORMS,
@@ -38,9 +39,12 @@ from services.model.artifacts import (
     Bindings,
     Signature,
     artifact_kind,
-    read_signature,
+    export_signature,
+    onnx_signature,
     reconcile,
+    torchscript_signature,
 )
+from services.model.instances import OnnxRuntimeInstance, TorchInstance
 
 log = logging.getLogger(__name__)
 
@@ -198,9 +202,7 @@ class ModelBackend:
             )
         options = ModelOptions.of(config, source)
         if kind == TENSORRT_PLAN:
-            from services.model.tensorrt import tensorrt_status
-
-            usable, why = tensorrt_status()
+            usable, why = tensorrt.tensorrt_status()
             if not usable:
                 raise RepositoryError(
                     f"{artifact}: a TensorRT engine needs TensorRT and a CUDA GPU, and {why}"
@@ -248,12 +250,8 @@ class ModelBackend:
         common = dict(batching=config.max_batch_size > 0, device=device, reason=reason)
         threads = options.threads or self.settings.threads
         if runner == "onnxruntime":
-            from services.model.instances import OnnxRuntimeInstance
-
             return OnnxRuntimeInstance(artifact, bindings, datatypes, threads=threads, **common)
         if runner == "torch":
-            from services.model.instances import TorchInstance
-
             return TorchInstance(
                 artifact,
                 bindings,
@@ -265,9 +263,7 @@ class ModelBackend:
                 compile=options.torch_compile,
                 **common,
             )
-        from services.model.tensorrt import TensorRTInstance
-
-        return TensorRTInstance(
+        return tensorrt.TensorRTInstance(
             artifact,
             bindings,
             datatypes,
@@ -281,6 +277,17 @@ class ModelBackend:
             model=model,
             **common,
         )
+
+
+def read_signature(path: Path, kind: str) -> Signature:
+    """A model file's signature; `RepositoryError` naming the file when it cannot be read as its kind."""
+    if kind == ONNX:
+        return onnx_signature(path)
+    if kind == TORCH_EXPORT:
+        return export_signature(path)
+    if kind == TORCHSCRIPT:
+        return torchscript_signature(path)
+    return tensorrt.plan_signature(path)
 
 
 def unbounded_dimension(bindings: Bindings, signature: Signature) -> str:
@@ -300,8 +307,6 @@ def choose_runner(
     """The runner ("onnxruntime", "torch" or "tensorrt") for one instance of a model file on `device`, the
     device it ends up on, and why; `RepositoryError` when what the config pins cannot run there. `unbounded`
     names an input dimension that varies without a bound: TensorRT cannot build an engine for it."""
-    from services.model.tensorrt import tensorrt_status
-
     on_gpu = device.startswith("cuda")
     # An engine file runs at the precision it was built with; an engine built here, at the config's.
     at = "" if kind == TENSORRT_PLAN else f" at {options.precision}"
@@ -314,7 +319,7 @@ def choose_runner(
             f"{artifact}: runner {pinned} cannot run a {KIND_PLATFORMS[kind]} file (it runs on {own} or tensorrt)"
         )
     if kind == TENSORRT_PLAN or pinned == "tensorrt":
-        usable, why = tensorrt_status()
+        usable, why = tensorrt.tensorrt_status()
         if not on_gpu:
             raise RepositoryError(
                 f"{artifact}: TensorRT runs on a GPU, and this instance is on {device} "
@@ -326,7 +331,7 @@ def choose_runner(
         because = "a TensorRT engine file" if kind == TENSORRT_PLAN else "asked for"
         return "tensorrt", device, f"tensorrt on {device}{at}: {because}; {why}"
     if on_gpu and pinned == "auto":
-        usable, why = tensorrt_status()
+        usable, why = tensorrt.tensorrt_status()
         if usable and unbounded:
             usable, why = False, f"{why}, but {unbounded} varies without a bound an engine profile needs"
         if usable:

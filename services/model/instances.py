@@ -27,6 +27,7 @@ from services.model.artifacts import (
     Signature,
     first_line,
     load_program,
+    load_torchscript,
 )
 
 log = logging.getLogger(__name__)
@@ -232,8 +233,6 @@ class TorchInstance(ArtifactInstance):
 
     def _load(self) -> None:
         import torch
-
-        from services.model.artifacts import load_torchscript
 
         if self.device == "cpu":
             torch.set_num_threads(self.threads)

@@ -16,18 +16,12 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import InvalidInput
 from pipeline.protocol.types import TensorSpec
 from pipeline.stage.api import Stage
-from pipeline.tools.bench import (
-    BenchError,
-    BenchOptions,
-    build_request,
-    format_report,
-    parse_shape,
-    run_bench,
-    statistics_delta,
-    synthesize_inputs,
-    write_json,
-    write_plot,
-)
+from pipeline.tools.bench.cli import parse_shape
+from pipeline.tools.bench.options import BenchError, BenchOptions
+from pipeline.tools.bench.payloads import build_request, synthesize_inputs
+from pipeline.tools.bench.report import format_report, write_json, write_plot
+from pipeline.tools.bench.run import run_bench
+from pipeline.tools.bench.statistics import statistics_delta
 from pipeline.tools.testing import serving_stages
 from tests.conftest import wait_serving
 

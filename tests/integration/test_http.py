@@ -585,7 +585,8 @@ def test_the_error_table_covers_every_status():
 
 
 async def test_bench_drives_the_http_side(served):
-    from pipeline.tools.bench import BenchError, BenchOptions, run_bench
+    from pipeline.tools.bench.options import BenchError, BenchOptions
+    from pipeline.tools.bench.run import run_bench
 
     options = BenchOptions(
         # `shouted`: any random bytes are good input (`scaled` refuses negative numbers)
