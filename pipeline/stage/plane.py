@@ -27,9 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from google.protobuf import json_format
@@ -63,80 +61,10 @@ from pipeline.runtime.servicer import CallContext, DataPlane
 from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import BATCH_SIZE, MODEL, NO_SPAN, Telemetry
 from pipeline.stage.api import Stage
-from pipeline.stage.backend import Backend, Instance, PreparedVersion, StageInstance, stage_config
+from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
+from pipeline.stage.pool import InstancePool, Slot
 
 log = logging.getLogger(__name__)
-
-
-class _Slot:
-    """One instance and the one thread it runs on.
-
-    `started` and `finished` are written only by the instance's thread (one writer each, no lock)."""
-
-    def __init__(self, instance: Instance, label: str) -> None:
-        self.instance = instance
-        self.executor = None if instance.inline else ThreadPoolExecutor(1, thread_name_prefix=label)
-        self.started = 0
-        self.finished = 0
-
-    def run(self, arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int, int, int, int]:
-        """Run one batch and time it: the result, its perf-counter start and end, and its wall-clock ones."""
-        self.started += 1
-        wall_start, begun = time.time_ns(), time.perf_counter_ns()
-        try:
-            result = self.instance.run(arrays)
-        finally:
-            self.finished += 1
-        return result, begun, time.perf_counter_ns(), wall_start, time.time_ns()
-
-    async def call(self, method: Any, *args: Any) -> Any:
-        """Call one of the instance's blocking methods on its thread (or inline)."""
-        if self.executor is None:
-            return method(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, method, *args)
-
-    def close(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(wait=False)
-
-
-@dataclass(eq=False)
-class _Pool:
-    """The instances of a version, and a queue of the idle ones."""
-
-    slots: list[_Slot]
-    idle: asyncio.Queue[_Slot] = field(default_factory=asyncio.Queue)
-    unloaded: bool = False
-
-    def __post_init__(self) -> None:
-        for slot in self.slots:
-            self.idle.put_nowait(slot)
-
-    async def load(self) -> None:
-        """Load the first instance alone (it may build and cache an engine the others reuse), then the rest
-        together; on failure unload what loaded."""
-        loaded: list[_Slot] = []
-        try:
-            for group in (self.slots[:1], self.slots[1:]):
-                await asyncio.gather(*(s.call(s.instance.load) for s in group))
-                loaded += group
-        except BaseException:
-            await asyncio.gather(*(s.call(s.instance.unload) for s in loaded), return_exceptions=True)
-            for slot in self.slots:
-                slot.close()
-            raise
-
-    async def unload(self) -> None:
-        """Unload every instance (once, however many versions share the pool)."""
-        if self.unloaded:
-            return
-        self.unloaded = True
-        for slot in self.slots:
-            try:
-                await slot.call(slot.instance.unload)
-            except Exception:
-                log.exception("unloading an instance failed")
-            slot.close()
 
 
 @dataclass(eq=False)
@@ -149,7 +77,7 @@ class ServedVersion:
     config: mc.ModelConfig
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    pool: _Pool
+    pool: InstancePool
     #: Changes when the version's files or config do (repository models); "" for a `Stage` object.
     fingerprint: str = ""
     #: Set while no request is in flight; retiring waits for it.
@@ -272,7 +200,9 @@ class StagePlane(DataPlane):
     async def _load_stage(self, stage: Stage) -> None:
         config = stage_config(stage)
         inputs, outputs = tuple(stage.inputs), tuple(stage.outputs)
-        pool = _Pool([_Slot(StageInstance(stage, reason="built into this service"), f"stage-{stage.name}")])
+        pool = InstancePool(
+            [Slot(StageInstance(stage, reason="built into this service"), f"stage-{stage.name}")]
+        )
         await pool.load()
         model = self._models[stage.name]
         model.versions = {
@@ -356,7 +286,9 @@ class StagePlane(DataPlane):
             raise RepositoryError(f"{entry.source}: version {version} has no instance to run on")
         inputs, outputs = tensor_specs(config, entry.source)
         label = f"{entry.name}-{version}"
-        pool = _Pool([_Slot(instance, f"model-{label}-{i}") for i, instance in enumerate(prepared.instances)])
+        pool = InstancePool(
+            [Slot(instance, f"model-{label}-{i}") for i, instance in enumerate(prepared.instances)]
+        )
         await pool.load()
         first = prepared.instances[0]
         log.info(

@@ -1,0 +1,88 @@
+"""The instances of one model version (Triton's `instance_group`), each on a thread of its own, and the
+queue of the idle ones that a request takes an instance from."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pipeline.stage.backend import Instance
+
+log = logging.getLogger(__name__)
+
+
+class Slot:
+    """One instance and the one thread it runs on.
+
+    `started` and `finished` are written only by the instance's thread (one writer each, no lock)."""
+
+    def __init__(self, instance: Instance, label: str) -> None:
+        self.instance = instance
+        self.executor = None if instance.inline else ThreadPoolExecutor(1, thread_name_prefix=label)
+        self.started = 0
+        self.finished = 0
+
+    def run(self, arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int, int, int, int]:
+        """Run one batch and time it: the result, its perf-counter start and end, and its wall-clock ones."""
+        self.started += 1
+        wall_start, begun = time.time_ns(), time.perf_counter_ns()
+        try:
+            result = self.instance.run(arrays)
+        finally:
+            self.finished += 1
+        return result, begun, time.perf_counter_ns(), wall_start, time.time_ns()
+
+    async def call(self, method: Any, *args: Any) -> Any:
+        """Call one of the instance's blocking methods on its thread (or inline)."""
+        if self.executor is None:
+            return method(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, method, *args)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False)
+
+
+@dataclass(eq=False)
+class InstancePool:
+    """The instances of a version, and a queue of the idle ones."""
+
+    slots: list[Slot]
+    idle: asyncio.Queue[Slot] = field(default_factory=asyncio.Queue)
+    unloaded: bool = False
+
+    def __post_init__(self) -> None:
+        for slot in self.slots:
+            self.idle.put_nowait(slot)
+
+    async def load(self) -> None:
+        """Load the first instance alone (it may build and cache an engine the others reuse), then the rest
+        together; on failure unload what loaded."""
+        loaded: list[Slot] = []
+        try:
+            for group in (self.slots[:1], self.slots[1:]):
+                await asyncio.gather(*(s.call(s.instance.load) for s in group))
+                loaded += group
+        except BaseException:
+            await asyncio.gather(*(s.call(s.instance.unload) for s in loaded), return_exceptions=True)
+            for slot in self.slots:
+                slot.close()
+            raise
+
+    async def unload(self) -> None:
+        """Unload every instance (once, however many versions share the pool)."""
+        if self.unloaded:
+            return
+        self.unloaded = True
+        for slot in self.slots:
+            try:
+                await slot.call(slot.instance.unload)
+            except Exception:
+                log.exception("unloading an instance failed")
+            slot.close()
