@@ -57,6 +57,8 @@ class _Compiler:
         self.name = name
         self.source = source
         self.errors: list[str] = []
+        #: How messages name each step: `step N (model_name)`, N being the YAML position.
+        self.labels = [f"step {i} ({step.model_name})" for i, step in enumerate(config.steps)]
 
     def fail(self, message: str) -> None:
         self.errors.append(f"{self.source}: {message}")
@@ -72,6 +74,31 @@ class _Compiler:
         return None if chosen is None else chosen.compile()
 
     def compile(self) -> EnsemblePlan:
+        """The plan, or `ConfigError` listing every error of the graph: the declarations, the producers and
+        consumers of each tensor, the order of the steps, then (with conditions) every path through them."""
+        inputs, outputs = self._ensemble_tensors()
+        conditions = [self._condition(i) for i in range(len(self.config.steps))]
+        self._warn_unused_switches(conditions)
+        conditional = any(condition is not None for condition in conditions)
+        producers = self._producers(inputs, conditional)
+        depends_on, consumed = self._dependencies(producers, conditions)
+        self._check_outputs_produced(inputs, outputs, producers)
+        self._raise_errors()
+        order = self._topological_order(depends_on)
+        self._raise_errors()
+        optional = frozenset(t.name for t in self.config.outputs if t.optional)
+        if conditional:
+            self._check_paths(order, conditions, inputs, outputs, optional)
+            self._raise_errors()
+        self._log_unused(inputs, outputs, producers, consumed)
+        return self._plan(order, depends_on, conditions, inputs, outputs, optional)
+
+    def _raise_errors(self) -> None:
+        if self.errors:
+            raise ConfigError("\n".join(self.errors))
+
+    def _ensemble_tensors(self) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec]]:
+        """The ensemble's inputs and outputs by name, checked as declarations; and that there are steps."""
         config = self.config
         inputs = self._tensors(config.inputs, "input")
         outputs = self._tensors(config.outputs, "output")
@@ -82,60 +109,71 @@ class _Compiler:
             )
         if not config.steps:
             self.fail("steps: there are no steps; an ensemble needs at least one")
-        labels = [f"step {i} ({step.model_name})" for i, step in enumerate(config.steps)]
         for tensor in inputs:
             if any(t.name == tensor and t.optional for t in config.inputs):
                 self.fail(f"ensemble input '{tensor}': 'optional' applies to outputs only")
-        conditions = [self._condition(i, labels[i]) for i in range(len(config.steps))]
-        conditional = any(condition is not None for condition in conditions)
-        for name in config.switches.keys() - {c.switch.name for c in conditions if c and c.switch}:
+        return inputs, outputs
+
+    def _warn_unused_switches(self, conditions: list[Condition | None]) -> None:
+        used = {c.switch.name for c in conditions if c and c.switch}
+        for name in self.config.switches.keys() - used:
             log.warning("%s: switch '%s' is not used by any step", self.source, name)
 
+    def _producers(self, inputs: Mapping[str, TensorSpec], conditional: bool) -> dict[str, list[_Producer]]:
+        """Each tensor's producers: the ensemble input, or the steps whose output_map names it. Several steps
+        may produce one tensor only in an ensemble with conditions (`_check_paths` then checks that they
+        exclude each other)."""
         producers: dict[str, list[_Producer]] = {tensor: [_Producer(None, tensor)] for tensor in inputs}
-        for i, step in enumerate(config.steps):
-            if step.stage is not None and step.stage not in config.stages:
-                declared = ", ".join(sorted(config.stages)) or "none"
-                self.fail(
-                    f"{labels[i]}: stage '{step.stage}' is not declared under 'stages' (declared: {declared})"
-                )
-            if step.model_name == self.name:
-                self.fail(
-                    f"{labels[i]}: model_name '{step.model_name}' is the ensemble's own name; the router "
-                    f"serves ensembles and stage models in one namespace"
-                )
-            if not step.input_map:
-                self.fail(
-                    f"{labels[i]}: input_map is empty; map at least one stage input to an ensemble tensor"
-                )
-            if not step.output_map:
-                self.fail(
-                    f"{labels[i]}: output_map is empty; map at least one stage output to an ensemble tensor"
-                )
+        for i, step in enumerate(self.config.steps):
+            self._check_step(i)
+            label = self.labels[i]
             for stage_tensor, tensor in step.output_map.items():
                 previous = producers.get(tensor)
                 if previous is None:
                     producers[tensor] = [_Producer(i, stage_tensor)]
                 elif previous[0].step is None:
                     self.fail(
-                        f"{labels[i]}: output '{stage_tensor}' → tensor '{tensor}': "
+                        f"{label}: output '{stage_tensor}' → tensor '{tensor}': "
                         f"'{tensor}' is an ensemble input, and a tensor can have only one producer"
                     )
                 elif not conditional or previous[-1].step == i:
                     last = previous[-1]
                     assert last.step is not None
                     self.fail(
-                        f"{labels[i]}: output '{stage_tensor}' → tensor '{tensor}': '{tensor}' is already "
-                        f"produced by {labels[last.step]} output '{last.stage_tensor}'; "
+                        f"{label}: output '{stage_tensor}' → tensor '{tensor}': '{tensor}' is already "
+                        f"produced by {self.labels[last.step]} output '{last.stage_tensor}'; "
                         f"a tensor can have only one producer"
                         + ("" if last.step == i else " (unless the producers' conditions exclude each other)")
                     )
                 else:
-                    # Checked below, path by path: the producers must never run for the same request.
+                    # Checked by `_check_paths`: the producers must never run for the same request.
                     previous.append(_Producer(i, stage_tensor))
+        return producers
 
+    def _check_step(self, index: int) -> None:
+        """What a step says of itself: a declared stage, a model that is not the ensemble, tensors mapped."""
+        step, label = self.config.steps[index], self.labels[index]
+        if step.stage is not None and step.stage not in self.config.stages:
+            declared = ", ".join(sorted(self.config.stages)) or "none"
+            self.fail(f"{label}: stage '{step.stage}' is not declared under 'stages' (declared: {declared})")
+        if step.model_name == self.name:
+            self.fail(
+                f"{label}: model_name '{step.model_name}' is the ensemble's own name; the router "
+                f"serves ensembles and stage models in one namespace"
+            )
+        if not step.input_map:
+            self.fail(f"{label}: input_map is empty; map at least one stage input to an ensemble tensor")
+        if not step.output_map:
+            self.fail(f"{label}: output_map is empty; map at least one stage output to an ensemble tensor")
+
+    def _dependencies(
+        self, producers: Mapping[str, list[_Producer]], conditions: list[Condition | None]
+    ) -> tuple[list[tuple[int, ...]], set[str]]:
+        """The steps each step depends on (by YAML index, sorted), and every tensor some step consumes; a
+        tensor that nothing produces is an error."""
         depends_on: list[tuple[int, ...]] = []
         consumed: set[str] = set()
-        for i, step in enumerate(config.steps):
+        for i, step in enumerate(self.config.steps):
             deps: set[int] = set()
             needed: list[tuple[str | None, str]] = list(step.input_map.items())
             condition = conditions[i]
@@ -149,40 +187,39 @@ class _Compiler:
                     hint = f"; did you mean '{close[0]}'?" if close else ""
                     what = "condition" if reader is None else f"input '{reader}' ←"
                     self.fail(
-                        f"{labels[i]}: {what} tensor '{tensor}': "
+                        f"{self.labels[i]}: {what} tensor '{tensor}': "
                         f"nothing produces '{tensor}' (it is neither an ensemble input nor any step's output)"
                         f"{hint}"
                     )
                     continue
                 deps.update(producer.step for producer in found if producer.step is not None)
             depends_on.append(tuple(sorted(deps)))
+        return depends_on, consumed
 
+    def _check_outputs_produced(
+        self,
+        inputs: Mapping[str, TensorSpec],
+        outputs: Mapping[str, TensorSpec],
+        producers: Mapping[str, list[_Producer]],
+    ) -> None:
         for tensor in outputs:
-            if tensor in inputs:
+            if tensor in inputs or tensor in producers:
                 continue
-            producer = producers.get(tensor)
-            if producer is None:
-                close = difflib.get_close_matches(
-                    tensor, [t for t, p in producers.items() if p[0].step is not None], n=1
-                )
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                self.fail(
-                    f"ensemble output '{tensor}': no step produces it "
-                    f"(no output_map maps to '{tensor}'){hint}"
-                )
+            close = difflib.get_close_matches(
+                tensor, [t for t, p in producers.items() if p[0].step is not None], n=1
+            )
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            self.fail(
+                f"ensemble output '{tensor}': no step produces it (no output_map maps to '{tensor}'){hint}"
+            )
 
-        if self.errors:
-            raise ConfigError("\n".join(self.errors))
-
-        order = self._topological_order(depends_on, labels)
-        if self.errors:
-            raise ConfigError("\n".join(self.errors))
-        optional = frozenset(t.name for t in config.outputs if t.optional)
-        if conditional:
-            self._check_paths(order, conditions, labels, inputs, outputs, optional)
-            if self.errors:
-                raise ConfigError("\n".join(self.errors))
-
+    def _log_unused(
+        self,
+        inputs: Mapping[str, TensorSpec],
+        outputs: Mapping[str, TensorSpec],
+        producers: Mapping[str, list[_Producer]],
+        consumed: set[str],
+    ) -> None:
         for tensor in inputs.keys() - consumed - outputs.keys():
             log.warning("%s: ensemble input '%s' is not used by any step", self.source, tensor)
         for tensor, found in producers.items():
@@ -191,11 +228,21 @@ class _Compiler:
                     log.info(
                         "%s: %s output '%s' → tensor '%s' is not used",
                         self.source,
-                        labels[source.step],
+                        self.labels[source.step],
                         source.stage_tensor,
                         tensor,
                     )
 
+    def _plan(
+        self,
+        order: list[int],
+        depends_on: list[tuple[int, ...]],
+        conditions: list[Condition | None],
+        inputs: Mapping[str, TensorSpec],
+        outputs: Mapping[str, TensorSpec],
+        optional: frozenset[str],
+    ) -> EnsemblePlan:
+        config = self.config
         steps = tuple(
             PlanStep(
                 index=i,
@@ -227,8 +274,9 @@ class _Compiler:
             response_cache=config.response_cache.enable,
         )
 
-    def _condition(self, index: int, label: str) -> Condition | None:
+    def _condition(self, index: int) -> Condition | None:
         """A step's `when`, with the switch it names looked up."""
+        label = self.labels[index]
         when = self.config.steps[index].when
         if when is None:
             return None
@@ -253,7 +301,6 @@ class _Compiler:
         self,
         order: list[int],
         conditions: list[Condition | None],
-        labels: list[str],
         inputs: Mapping[str, TensorSpec],
         outputs: Mapping[str, TensorSpec],
         optional: frozenset[str],
@@ -265,6 +312,7 @@ class _Compiler:
         stand for every other: each constant compared with, one on either side of it, and one between each
         pair (for strings: each string and one other). Every outcome the conditions can have is among them.
         """
+        labels = self.labels
         operands: dict[str, set[float | str]] = {}
         for i, condition in enumerate(conditions):
             if condition is None:
@@ -339,7 +387,7 @@ class _Compiler:
             specs[tensor.name] = TensorSpec(tensor.name, tensor.datatype, tensor.shape)
         return specs
 
-    def _topological_order(self, depends_on: list[tuple[int, ...]], labels: list[str]) -> list[int]:
+    def _topological_order(self, depends_on: list[tuple[int, ...]]) -> list[int]:
         """Kahn's algorithm taking the lowest YAML index among ready steps, so ties keep the YAML order."""
         waiting = [len(deps) for deps in depends_on]
         dependents: list[list[int]] = [[] for _ in depends_on]
@@ -357,12 +405,11 @@ class _Compiler:
                 if waiting[dependent] == 0:
                     heapq.heappush(ready, dependent)
         if len(order) < len(depends_on):
-            self.fail(self._describe_cycle(set(range(len(depends_on))) - set(order), depends_on, labels))
+            self.fail(self._describe_cycle(set(range(len(depends_on))) - set(order), depends_on))
         return order
 
-    def _describe_cycle(
-        self, remaining: set[int], depends_on: list[tuple[int, ...]], labels: list[str]
-    ) -> str:
+    def _describe_cycle(self, remaining: set[int], depends_on: list[tuple[int, ...]]) -> str:
+        labels = self.labels
         # Every step left over by Kahn's algorithm waits on another left-over step, so walking back along
         # producers from any of them must come round to a step already seen: that loop is a cycle.
         path: list[int] = []
