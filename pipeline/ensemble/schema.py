@@ -74,21 +74,26 @@ PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
 
 
-class DynamicBatchingConfig(_Schema):
-    """Triton's `dynamic_batching` for a stage model, as written in YAML (see `pipeline.router.batching`)."""
+#: The router's batching defaults: `BatchingConfig` is their one home, the schema only types and bounds them.
+_BATCHING = BatchingConfig()
 
-    max_batch_size: PositiveInt = 64
-    max_queue_delay_microseconds: NonNegativeInt = 1000
-    preferred_batch_size: tuple[PositiveInt, ...] = ()
-    max_queue_size: NonNegativeInt = 1024
-    default_timeout_microseconds: NonNegativeInt = 0
-    allow_timeout_override: bool = True
-    priority_levels: NonNegativeInt = 0
-    default_priority_level: NonNegativeInt = 0
-    preserve_ordering: bool = False
-    max_inflight_batches: PositiveInt = 1  # per ready replica of the stage
-    idle_dispatch: bool = True
-    batch_upcoming: bool = True
+
+class DynamicBatchingConfig(_Schema):
+    """Triton's `dynamic_batching` for a stage model, as written in YAML (see `pipeline.router.batching`);
+    each knob's meaning and default are `BatchingConfig`'s."""
+
+    max_batch_size: PositiveInt = _BATCHING.max_batch_size
+    max_queue_delay_microseconds: NonNegativeInt = _BATCHING.max_queue_delay_microseconds
+    preferred_batch_size: tuple[PositiveInt, ...] = _BATCHING.preferred_batch_size
+    max_queue_size: NonNegativeInt = _BATCHING.max_queue_size
+    default_timeout_microseconds: NonNegativeInt = _BATCHING.default_timeout_microseconds
+    allow_timeout_override: bool = _BATCHING.allow_timeout_override
+    priority_levels: NonNegativeInt = _BATCHING.priority_levels
+    default_priority_level: NonNegativeInt = _BATCHING.default_priority_level
+    preserve_ordering: bool = _BATCHING.preserve_ordering
+    max_inflight_batches: PositiveInt = _BATCHING.max_inflight_batches  # per ready replica of the stage
+    idle_dispatch: bool = _BATCHING.idle_dispatch
+    batch_upcoming: bool = _BATCHING.batch_upcoming
 
     @model_validator(mode="after")
     def _consistent(self) -> DynamicBatchingConfig:

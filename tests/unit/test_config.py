@@ -18,9 +18,10 @@ from pipeline.ensemble.catalog import load_ensemble, load_ensembles
 from pipeline.ensemble.compiler import compile_ensemble
 from pipeline.ensemble.pbtxt import ensemble_config
 from pipeline.ensemble.plan import EnsemblePlan, ModelSignature
+from pipeline.ensemble.schema import DynamicBatchingConfig
 from pipeline.ensemble.signatures import check_signatures
 from pipeline.protocol.errors import ConfigError
-from pipeline.protocol.types import TensorSpec
+from pipeline.protocol.types import BatchingConfig, TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -174,6 +175,16 @@ def test_unconsumed_step_output_is_allowed_and_logged(
     assert ("FEATURES", "features") in plan.steps[1].outputs
     assert "step 1 (digits_cnn) output 'FEATURES'" in caplog.text
     assert "'features' is not used" in caplog.text
+
+
+def test_dynamic_batching_in_yaml_has_the_routers_knobs_and_defaults(tmp_path: Path) -> None:
+    """The YAML's `dynamic_batching` spells every knob of `BatchingConfig` and no other, and what a file
+    leaves out takes `BatchingConfig`'s default: the defaults have one home."""
+    assert set(DynamicBatchingConfig.model_fields) == {f.name for f in dataclasses.fields(BatchingConfig)}
+    data = base()
+    data["stages"]["model"]["dynamic_batching"] = {}
+    plan = load(tmp_path, data)
+    assert plan.steps[1].batching == BatchingConfig()
 
 
 # ------------------------------------------------------------------------------------------------------------
