@@ -16,21 +16,15 @@ from pipeline.protocol.errors import ConfigError
 from pipeline.protocol.types import BatchingConfig
 
 
-def _describe(batching: BatchingConfig | None, model_batching: bool) -> str:
-    if batching is None:
-        return "the model's own (none set)" if model_batching else "off"
-    return f"({batching})"
-
-
 def stage_endpoints(
     addresses: Mapping[str, str], *, environ: Mapping[str, str] | None = None
 ) -> dict[str, StageEndpoint]:
     """Stage endpoints given to the router by key (`--stage NAME=ADDRESS`), each address checked as an
     ensemble file's `stages` entry is."""
-    endpoints = {}
-    for key, address in addresses.items():
-        endpoints[key] = StageEndpoint(key, validate_stage_address(key, address, environ=environ))
-    return endpoints
+    return {
+        key: StageEndpoint(key, validate_stage_address(key, address, environ=environ))
+        for key, address in addresses.items()
+    }
 
 
 def load_ensemble(path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None) -> EnsemblePlan:
@@ -173,3 +167,9 @@ def build_catalog(
         ensembles=types.MappingProxyType(ensembles),
         stages=types.MappingProxyType({key: endpoint for key, (endpoint, _) in endpoints.items()}),
     )
+
+
+def _describe(batching: BatchingConfig | None, model_batching: bool) -> str:
+    if batching is None:
+        return "the model's own (none set)" if model_batching else "off"
+    return f"({batching})"

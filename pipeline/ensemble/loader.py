@@ -115,7 +115,7 @@ def _explain(error: Any, raw: Mapping[str, Any]) -> str:
         return f"{_context(loc, raw)}{_path(parent)}: unknown key '{loc[-1]}'{allowed}"
     if kind == "missing":
         return f"{_context(loc, raw)}{_path(loc[:-1])}: missing required key '{loc[-1]}'"
-    message = str(error["msg"]).removeprefix("Value error, ")
+    message = _message(error)
     if kind in _TYPE_WORDS:
         message = f"must be {_TYPE_WORDS[kind]}, found {_kind(error['input'])}"
     elif kind == "string_too_short":
@@ -152,9 +152,7 @@ def validate_ensemble(data: Any, source: str, *, environ: Mapping[str, str] | No
             f"found {_kind(data)}"
         )
     try:
-        return EnsembleConfig.model_validate(
-            data, context={"environ": os.environ if environ is None else environ}
-        )
+        return EnsembleConfig.model_validate(data, context=_validation_context(environ))
     except ValidationError as exc:
         lines = [f"{source}: {_explain(error, data)}" for error in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
@@ -164,10 +162,18 @@ def validate_stage_address(key: str, address: str, *, environ: Mapping[str, str]
     """A stage address given by key (`--stage NAME=ADDRESS`), checked and expanded as an ensemble file's
     `stages` entry is."""
     try:
-        stage = StageConfig.model_validate(
-            {"address": address}, context={"environ": os.environ if environ is None else environ}
-        )
+        stage = StageConfig.model_validate({"address": address}, context=_validation_context(environ))
     except ValidationError as exc:
-        causes = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        causes = "; ".join(_message(e) for e in exc.errors())
         raise ConfigError(f"stage '{key}': {causes}") from None
     return stage.address
+
+
+def _validation_context(environ: Mapping[str, str] | None) -> dict[str, Any]:
+    """What the schema's validators read: the environment that expands `${VAR}` (default `os.environ`)."""
+    return {"environ": os.environ if environ is None else environ}
+
+
+def _message(error: Any) -> str:
+    """A validator's own message, without pydantic's prefix."""
+    return str(error["msg"]).removeprefix("Value error, ")

@@ -1,5 +1,7 @@
-"""Triton's `config.pbtxt` ensembles in both directions: an ensemble plan as Triton's `ModelConfig` (what
-`ModelConfig` answers for an ensemble)."""
+"""Triton's `config.pbtxt` ensembles in both directions: a repository's ensembles (`platform: "ensemble"`
+with `ensemble_scheduling`) compiled as YAML ensembles are, and a plan as Triton's `ModelConfig` (what
+`ModelConfig` answers for an ensemble). What Triton's ensembles cannot say (conditions, switches, optional
+outputs) travels in `parameters`, each value YAML flow text in the YAML files' vocabulary."""
 
 from __future__ import annotations
 
@@ -20,6 +22,29 @@ from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.repository import ModelRepository
 
 log = logging.getLogger(__name__)
+
+#: The fields of an ensemble's `config.pbtxt` that the router acts on; any other is logged as ignored.
+ENSEMBLE_FIELDS = frozenset(
+    {
+        "name",
+        "platform",
+        "backend",
+        "max_batch_size",
+        "input",
+        "output",
+        "ensemble_scheduling",
+        "response_cache",
+        "parameters",
+    }
+)
+
+
+#: `parameters` of an ensemble's `config.pbtxt` that carry what Triton's ensembles cannot say, each value a
+#: YAML flow text in the YAML files' vocabulary: `step.<N>.when` (step N's condition), `switch.<NAME>` (a
+#: switch), and `optional_outputs` (comma-separated names).
+_STEP_WHEN = re.compile(r"step\.(\d+)\.when")
+_SWITCH = re.compile(r"switch\.(.+)")
+_OPTIONAL_OUTPUTS = "optional_outputs"
 
 
 def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
@@ -59,37 +84,13 @@ def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
         cases = [{"name": case, comparison.op: comparison.operand} for case, comparison in switch.cases]
         config.parameters[f"switch.{name}"].string_value = _flow({"tensor": switch.tensor, "cases": cases})
     if plan.optional_outputs:
-        config.parameters["optional_outputs"].string_value = ",".join(sorted(plan.optional_outputs))
+        config.parameters[_OPTIONAL_OUTPUTS].string_value = ",".join(sorted(plan.optional_outputs))
     return config
 
 
 def _flow(value: object) -> str:
     """YAML flow text on one line, as `ensemble_config` writes conditions into `parameters`."""
     return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
-
-
-#: The fields of an ensemble's `config.pbtxt` that the router acts on; any other is logged as ignored.
-ENSEMBLE_FIELDS = frozenset(
-    {
-        "name",
-        "platform",
-        "backend",
-        "max_batch_size",
-        "input",
-        "output",
-        "ensemble_scheduling",
-        "response_cache",
-        "parameters",
-    }
-)
-
-
-#: `parameters` of an ensemble's `config.pbtxt` that carry what Triton's ensembles cannot say, each value a
-#: YAML flow text in the YAML files' vocabulary: `step.<N>.when` (step N's condition), `switch.<NAME>` (a
-#: switch), and `optional_outputs` (comma-separated names).
-_STEP_WHEN = re.compile(r"step\.(\d+)\.when")
-_SWITCH = re.compile(r"switch\.(.+)")
-_OPTIONAL_OUTPUTS = "optional_outputs"
 
 
 def _extensions(config: mc.ModelConfig, source: str) -> tuple[dict[int, Any], dict[str, Any], set[str]]:
