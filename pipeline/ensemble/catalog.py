@@ -89,6 +89,14 @@ def load_catalog(
     return build_catalog(plans, endpoints)
 
 
+#: Stage key -> (its endpoint, the file that declares it, or `--stage`).
+_Endpoints = dict[str, tuple[StageEndpoint, str]]
+#: Model name -> (its stage, the file and the step label that name it).
+_Models = dict[str, tuple[str, str, str]]
+#: Model name -> (its batching, whether the model's own applies, where that is set).
+_Batching = dict[str, tuple[BatchingConfig | None, bool, str]]
+
+
 def build_catalog(
     plans: Iterable[EnsemblePlan], stages: Mapping[str, StageEndpoint] | None = None
 ) -> Catalog:
@@ -99,12 +107,9 @@ def build_catalog(
     """
     plans = list(plans)
     ensembles: dict[str, EnsemblePlan] = {}
-    endpoints: dict[str, tuple[StageEndpoint, str]] = {
-        key: (endpoint, "--stage") for key, endpoint in (stages or {}).items()
-    }
-    models: dict[str, tuple[str, str, str]] = {}  # model name -> (stage, file, step label)
-    # model name -> (its batching, whether the model's own applies, where)
-    batching: dict[str, tuple[BatchingConfig | None, bool, str]] = {}
+    endpoints: _Endpoints = {key: (endpoint, "--stage") for key, endpoint in (stages or {}).items()}
+    models: _Models = {}
+    batching: _Batching = {}
     errors: list[str] = []
     for plan in plans:
         if plan.name in ensembles:
@@ -114,45 +119,72 @@ def build_catalog(
             )
         else:
             ensembles[plan.name] = plan
-        for key, endpoint in plan.stages.items():
-            first, first_file = endpoints.get(key, (None, ""))
-            if first is None or (first_file == "--stage" and first.address == endpoint.address):
-                # A file may say more of a stage given by `--stage` (its limits).
-                endpoints[key] = (endpoint, plan.source)
-            elif first.address != endpoint.address:
-                errors.append(
-                    f"{plan.source}: stage '{key}' has address '{endpoint.address}', "
-                    f"but {first_file} declares it with address '{first.address}'; "
-                    "a stage key must name one endpoint"
-                )
-            elif first.max_inflight_requests != endpoint.max_inflight_requests:
-                errors.append(
-                    f"{plan.source}: stage '{key}' has max_inflight_requests {endpoint.max_inflight_requests}, "
-                    f"but {first_file} declares {first.max_inflight_requests}; a stage has one limit"
-                )
-        for step in sorted(plan.steps, key=lambda s: s.index):
-            where = f"{plan.source} ({step.label})"
-            first_batching, first_model, first_where = batching.setdefault(
-                step.model_name, (step.batching, step.model_batching, where)
+        errors += _stage_conflicts(plan, endpoints)
+        errors += _model_conflicts(plan, models, batching)
+    errors += _ensembles_named_like_models(plans)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return Catalog(
+        ensembles=types.MappingProxyType(ensembles),
+        stages=types.MappingProxyType({key: endpoint for key, (endpoint, _) in endpoints.items()}),
+    )
+
+
+def _stage_conflicts(plan: EnsemblePlan, endpoints: _Endpoints) -> list[str]:
+    """The plan's stages against those declared before (adding the new ones): one endpoint per key."""
+    errors: list[str] = []
+    for key, endpoint in plan.stages.items():
+        first, first_file = endpoints.get(key, (None, ""))
+        if first is None or (first_file == "--stage" and first.address == endpoint.address):
+            # A file may say more of a stage given by `--stage` (its limits).
+            endpoints[key] = (endpoint, plan.source)
+        elif first.address != endpoint.address:
+            errors.append(
+                f"{plan.source}: stage '{key}' has address '{endpoint.address}', "
+                f"but {first_file} declares it with address '{first.address}'; "
+                "a stage key must name one endpoint"
             )
-            if (first_batching, first_model) != (step.batching, step.model_batching):
-                errors.append(
-                    f"{where}: model '{step.model_name}' has dynamic_batching "
-                    f"{_describe(step.batching, step.model_batching)} here but "
-                    f"{_describe(first_batching, first_model)} in {first_where}; a model has one batcher, "
-                    "so one setting"
-                )
-            if not step.stage:
-                continue
-            if step.model_name not in models:
-                models[step.model_name] = (step.stage, plan.source, step.label)
-            elif models[step.model_name][0] != step.stage:
-                stage, file, label = models[step.model_name]
-                errors.append(
-                    f"{plan.source}: {step.label}: model '{step.model_name}' "
-                    f"is served by stage '{step.stage}' here but by stage '{stage}' in {file} ({label}); "
-                    "a model name must have one stage"
-                )
+        elif first.max_inflight_requests != endpoint.max_inflight_requests:
+            errors.append(
+                f"{plan.source}: stage '{key}' has max_inflight_requests {endpoint.max_inflight_requests}, "
+                f"but {first_file} declares {first.max_inflight_requests}; a stage has one limit"
+            )
+    return errors
+
+
+def _model_conflicts(plan: EnsemblePlan, models: _Models, batching: _Batching) -> list[str]:
+    """The plan's steps against the models named before (adding the new ones): a model has one batching
+    setting and one stage."""
+    errors: list[str] = []
+    for step in sorted(plan.steps, key=lambda s: s.index):
+        where = f"{plan.source} ({step.label})"
+        first_batching, first_model, first_where = batching.setdefault(
+            step.model_name, (step.batching, step.model_batching, where)
+        )
+        if (first_batching, first_model) != (step.batching, step.model_batching):
+            errors.append(
+                f"{where}: model '{step.model_name}' has dynamic_batching "
+                f"{_describe(step.batching, step.model_batching)} here but "
+                f"{_describe(first_batching, first_model)} in {first_where}; a model has one batcher, "
+                "so one setting"
+            )
+        if not step.stage:
+            continue
+        if step.model_name not in models:
+            models[step.model_name] = (step.stage, plan.source, step.label)
+        elif models[step.model_name][0] != step.stage:
+            stage, file, label = models[step.model_name]
+            errors.append(
+                f"{plan.source}: {step.label}: model '{step.model_name}' "
+                f"is served by stage '{step.stage}' here but by stage '{stage}' in {file} ({label}); "
+                "a model name must have one stage"
+            )
+    return errors
+
+
+def _ensembles_named_like_models(plans: list[EnsemblePlan]) -> list[str]:
+    """Ensembles named like a stage model of another file (its own steps are the compiler's business)."""
+    errors: list[str] = []
     step_models = {step.model_name: (plan.source, step.label) for plan in plans for step in plan.steps}
     for plan in plans:
         if plan.name in step_models and step_models[plan.name][0] != plan.source:
@@ -161,12 +193,7 @@ def build_catalog(
                 f"{plan.source}: ensemble name '{plan.name}' is also a stage model name ({file}, {label}); "
                 f"the router serves ensembles and stage models in one namespace"
             )
-    if errors:
-        raise ConfigError("\n".join(errors))
-    return Catalog(
-        ensembles=types.MappingProxyType(ensembles),
-        stages=types.MappingProxyType({key: endpoint for key, (endpoint, _) in endpoints.items()}),
-    )
+    return errors
 
 
 def _describe(batching: BatchingConfig | None, model_batching: bool) -> str:
