@@ -1,20 +1,16 @@
 """The compiled, immutable form of an ensemble: what the router's executor runs.
 
-`pipeline.ensemble.config` turns ensemble YAML files into these after validating them; nothing here knows about YAML
-or pydantic, so the executor never depends on the file schema. `check_signatures` checks a plan against the
-stage models' real signatures, which the router learns from `ModelMetadata` at start-up.
+`pipeline.ensemble.compiler` turns validated ensembles into these; nothing here knows about YAML or pydantic,
+so the executor never depends on the file schema. `ModelSignature` is a stage model's real interface, which
+the router learns from `ModelMetadata` at start-up and `pipeline.ensemble.signatures` checks a plan against.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipeline.protocol.errors import ConfigError
 from pipeline.protocol.types import BatchingConfig, TensorSpec
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,141 +236,3 @@ class ModelSignature:
         """Whether the model's `ModelMetadata` lists its tensors. The protocol does not require it: a server
         may leave them out (the signature is then learnt from the model's first response)."""
         return bool(self.inputs or self.outputs)
-
-
-def check_signatures(plan: EnsemblePlan, signatures: Mapping[str, ModelSignature]) -> None:
-    """Check an ensemble's steps against the stage models' real signatures, keyed by model name.
-
-    Every mapped tensor must exist on the stage model, every stage input must be mapped, and each ensemble
-    tensor must have the same datatype and a compatible shape (same rank; each dimension equal or -1 on
-    either side) at both ends: ensemble input → step input, step output → step input, step output →
-    ensemble output. A batching ensemble needs batching stage models. Raises `ConfigError`
-    listing every mismatch.
-
-    A stage model whose metadata lists no tensor (`ModelSignature.declared` false) is accepted with a
-    warning: its step is not checked here, and neither are the tensors it produces.
-    """
-    errors: list[str] = []
-    by_index = {step.index: step for step in plan.steps}
-    ensemble_inputs = {spec.name: spec for spec in plan.inputs}
-    # ensemble tensor -> (spec at the producing end, how to name that end), for each of its producers
-    produced: dict[str, list[tuple[TensorSpec, str]]] = {
-        name: [(spec, "an ensemble input")] for name, spec in ensemble_inputs.items()
-    }
-    known: dict[int, ModelSignature] = {}
-    for step in sorted(plan.steps, key=lambda s: s.index):
-        where = f"{plan.source}: {step.label}"
-        signature = signatures.get(step.model_name)
-        if signature is None:
-            errors.append(
-                f"{where}: model '{step.model_name}' is unknown to stage '{step.stage}' "
-                f"({_address(plan, step.stage)}); it does not serve a model of that name"
-            )
-            continue
-        if not signature.declared:
-            log.warning(
-                "%s: stage model '%s' on stage '%s' declares no tensors in its ModelMetadata: its tensors are "
-                "checked on its first response instead of now",
-                where,
-                step.model_name,
-                step.stage,
-            )
-            continue
-        known[step.index] = signature
-        if plan.max_batch_size > 0 and signature.max_batch_size == 0:
-            errors.append(
-                f"{where}: the ensemble batches (max_batch_size {plan.max_batch_size}) but stage model "
-                f"'{step.model_name}' does not (max_batch_size 0); set the ensemble's max_batch_size to 0"
-            )
-        stage_inputs = {spec.name for spec in signature.inputs}
-        stage_outputs = {spec.name: spec for spec in signature.outputs}
-        for stage_tensor, tensor in step.inputs:
-            if stage_tensor not in stage_inputs:
-                errors.append(
-                    f"{where}: input_map maps '{stage_tensor}' ← tensor '{tensor}', "
-                    f"but the stage model has no input '{stage_tensor}' "
-                    f"(its inputs: {_names(signature.inputs)})"
-                )
-        mapped = {stage_tensor for stage_tensor, _ in step.inputs}
-        for spec in signature.inputs:
-            if spec.name not in mapped:
-                errors.append(
-                    f"{where}: stage input '{spec.name}' ({spec.datatype} {list(spec.shape)}) is not mapped; "
-                    f"add it to input_map (mapped now: {', '.join(sorted(mapped))})"
-                )
-        for stage_tensor, tensor in step.outputs:
-            if stage_tensor not in stage_outputs:
-                errors.append(
-                    f"{where}: output_map maps '{stage_tensor}' → tensor '{tensor}', but the stage model has "
-                    f"no output '{stage_tensor}' (its outputs: {_names(signature.outputs)})"
-                )
-            else:
-                produced.setdefault(tensor, []).append(
-                    (stage_outputs[stage_tensor], f"produced by {step.label} output '{stage_tensor}'")
-                )
-
-    for index, signature in known.items():
-        step = by_index[index]
-        input_specs = {spec.name: spec for spec in signature.inputs}
-        for stage_tensor, tensor in step.inputs:
-            if stage_tensor not in input_specs or tensor not in produced:
-                # Reported above: an unknown input, or a producer that is unknown or lacks the output.
-                continue
-            for source_spec, origin in produced[tensor]:
-                mismatch = _mismatch(input_specs[stage_tensor], "expected by the stage", source_spec, tensor)
-                if mismatch:
-                    errors.append(
-                        f"{plan.source}: {step.label}: input '{stage_tensor}' ← tensor '{tensor}': "
-                        f"{mismatch} ({origin})"
-                    )
-    for step in sorted(plan.steps, key=lambda s: s.index):
-        if step.when is None or step.when.tensor not in produced:
-            continue
-        strings = {isinstance(operand, str) for operand in step.when.operands}
-        for source_spec, origin in produced[step.when.tensor]:
-            if source_spec.datatype == "BYTES" and False in strings:
-                kind = "compares it with a number"
-            elif source_spec.datatype != "BYTES" and True in strings:
-                kind = "compares it with a string"
-            else:
-                continue
-            errors.append(
-                f"{plan.source}: {step.label}: condition on tensor '{step.when.tensor}': the tensor is "
-                f"{source_spec.datatype} ({origin}) but the condition {kind}; strings compare with BYTES "
-                "tensors only, numbers with numeric ones"
-            )
-    for spec in plan.outputs:
-        if spec.name not in produced or spec.name in ensemble_inputs:
-            continue
-        for source_spec, origin in produced[spec.name]:
-            mismatch = _mismatch(spec, "declared by the ensemble", source_spec, spec.name)
-            if mismatch:
-                errors.append(f"{plan.source}: ensemble output '{spec.name}': {mismatch} ({origin})")
-    if errors:
-        raise ConfigError("\n".join(errors))
-
-
-def _mismatch(expected: TensorSpec, expected_by: str, found: TensorSpec, tensor: str) -> str:
-    if expected.datatype != found.datatype:
-        return f"datatype {expected.datatype} {expected_by}, but '{tensor}' is {found.datatype}"
-    if len(expected.shape) != len(found.shape):
-        return (
-            f"shape {list(expected.shape)} (rank {len(expected.shape)}) {expected_by}, but '{tensor}' has "
-            f"shape {list(found.shape)} (rank {len(found.shape)})"
-        )
-    for i, (want, got) in enumerate(zip(expected.shape, found.shape, strict=True)):
-        if want != got and -1 not in (want, got):
-            return (
-                f"shape {list(expected.shape)} {expected_by}, but '{tensor}' has shape {list(found.shape)} "
-                f"(dimension {i}: {want} vs {got})"
-            )
-    return ""
-
-
-def _names(specs: tuple[TensorSpec, ...]) -> str:
-    return ", ".join(spec.name for spec in specs) or "none"
-
-
-def _address(plan: EnsemblePlan, stage: str) -> str:
-    endpoint = plan.stages.get(stage)
-    return endpoint.address if endpoint is not None else "undeclared"

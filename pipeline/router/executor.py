@@ -23,7 +23,8 @@ import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.plan import EnsemblePlan, ModelSignature, PlanStep, check_signatures
+from pipeline.ensemble.plan import EnsemblePlan, ModelSignature, PlanStep
+from pipeline.ensemble.signatures import check_signatures
 from pipeline.protocol.codec import (
     Tensor,
     infer_response,

@@ -26,9 +26,10 @@ from grpc_health.v1 import health, health_pb2
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.config import load_catalog
+from pipeline.ensemble.catalog import load_catalog
 from pipeline.ensemble.pbtxt import ensemble_config
-from pipeline.ensemble.plan import Catalog, EnsemblePlan, PlanStep, check_signatures
+from pipeline.ensemble.plan import Catalog, EnsemblePlan, PlanStep
+from pipeline.ensemble.signatures import check_signatures
 from pipeline.protocol.codec import metadata_response, select_version
 from pipeline.protocol.errors import (
     ConfigError,

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health
 
-from pipeline.ensemble.config import load_ensembles, load_repository_ensembles
+from pipeline.ensemble.catalog import load_ensembles
+from pipeline.ensemble.pbtxt import load_repository_ensembles
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime.arguments import add_server_arguments
 from pipeline.runtime.metrics import Metrics

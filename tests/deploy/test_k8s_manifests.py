@@ -262,7 +262,7 @@ ADAPTER_VALUES = K8S / "autoscaling" / "prometheus-adapter-values.yaml"
 def test_stages_scale_on_the_routers_queue_for_their_own_models() -> None:
     """Each stage's HPA scales on external metrics the adapter's rules define, selecting exactly the models
     the ensembles run on that stage; the rules read only series the router exports."""
-    from pipeline.ensemble.config import load_ensembles
+    from pipeline.ensemble.catalog import load_ensembles
 
     rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["external"]
     defined = {rule["name"]["as"]: rule for rule in rules}
@@ -315,7 +315,7 @@ def test_configmap_is_generated_from_the_ensemble_files() -> None:
 
 
 def test_router_mounts_the_ensembles_and_reaches_every_stage(tmp_path: Path) -> None:
-    from pipeline.ensemble.config import load_ensembles
+    from pipeline.ensemble.catalog import load_ensembles
 
     router = named("Deployment", "router")
     (container,) = containers(router)

@@ -255,7 +255,7 @@ class Cached(Stage):
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 async def test_repeat_share_mixes_one_repeated_input_with_unique_ones(protocol: str, tmp_path: Path) -> None:
-    from pipeline.ensemble.config import load_ensembles
+    from pipeline.ensemble.catalog import load_ensembles
     from pipeline.tools.testing import serving_router
 
     stage = Cached()

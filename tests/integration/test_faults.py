@@ -16,7 +16,7 @@ from PIL import Image
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.config import load_ensembles
+from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import Tensor, infer_response, metadata_response, response_tensors
 from pipeline.protocol.errors import ModelNotFound
 from pipeline.protocol.model_config import read_config

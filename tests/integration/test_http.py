@@ -14,7 +14,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from pipeline.ensemble.config import load_ensembles
+from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import Tensor
 from pipeline.protocol.types import TensorSpec
 from pipeline.stage.api import Stage

@@ -13,7 +13,7 @@ import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.ensemble.config import load_ensembles
+from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.server import INFERENCE_SERVICE
 from pipeline.tools.testing import serving_router, serving_stages

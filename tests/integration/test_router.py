@@ -14,7 +14,7 @@ from grpc_health.v1 import health
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.config import load_ensembles
+from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import Tensor, infer_response, response_tensors
 from pipeline.protocol.errors import ConfigError, InvalidInput, ModelNotFound
 from pipeline.protocol.types import TensorSpec

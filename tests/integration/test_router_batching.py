@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.config import load_ensembles
+from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.types import TensorSpec
 from pipeline.stage.api import Stage

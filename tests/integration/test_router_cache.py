@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.config import load_catalog, load_ensembles
+from pipeline.ensemble.catalog import load_catalog, load_ensembles
 from pipeline.protocol.codec import Tensor, infer_response, metadata_response, response_tensors
 from pipeline.protocol.errors import ConfigError, ModelNotFound
 from pipeline.protocol.types import TensorSpec

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.config import load_ensembles
+from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.metrics import Metrics

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.config import load_catalog
+from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import ConfigError
 from pipeline.router.plane import add_router_arguments, router_catalog, serve_router

@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.config import load_ensembles
+from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.telemetry import Telemetry

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.ensemble.config import load_catalog
+from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.python_backend import PythonBackend

@@ -13,8 +13,10 @@ import yaml
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.config import ModelSignature, check_signatures, compile_ensemble, compile_model_config
-from pipeline.ensemble.pbtxt import ensemble_config
+from pipeline.ensemble.compiler import compile_ensemble
+from pipeline.ensemble.pbtxt import compile_model_config, ensemble_config
+from pipeline.ensemble.plan import ModelSignature
+from pipeline.ensemble.signatures import check_signatures
 from pipeline.protocol.codec import Tensor
 from pipeline.protocol.errors import ConfigError, InvalidInput
 from pipeline.protocol.types import TensorSpec

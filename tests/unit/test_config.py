@@ -14,16 +14,14 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.ensemble.config import (
-    ModelSignature,
-    check_signatures,
-    compile_ensemble,
-    load_ensemble,
-    load_ensembles,
-)
-from pipeline.ensemble.plan import EnsemblePlan
+from pipeline.ensemble.catalog import load_ensemble, load_ensembles
+from pipeline.ensemble.compiler import compile_ensemble
+from pipeline.ensemble.pbtxt import ensemble_config
+from pipeline.ensemble.plan import EnsemblePlan, ModelSignature
+from pipeline.ensemble.schema import DynamicBatchingConfig
+from pipeline.ensemble.signatures import check_signatures
 from pipeline.protocol.errors import ConfigError
-from pipeline.protocol.types import TensorSpec
+from pipeline.protocol.types import BatchingConfig, TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -140,8 +138,6 @@ def test_name_and_string_version(tmp_path: Path) -> None:
 def test_a_string_version_gives_the_ensemble_a_model_config(tmp_path: Path) -> None:
     """Triton's `ensemble_scheduling.step.model_version` is an int64: a numeric string maps onto it (it
     used to fail with INTERNAL when a client asked for the ensemble's ModelConfig)."""
-    from pipeline.ensemble.pbtxt import ensemble_config
-
     data = base()
     data["steps"][1]["model_version"] = "3"
     config = ensemble_config(load(tmp_path, data))
@@ -174,11 +170,21 @@ def test_unconsumed_step_output_is_allowed_and_logged(
 ) -> None:
     data = base()
     data["steps"][1]["output_map"]["FEATURES"] = "features"
-    with caplog.at_level(logging.INFO, logger="pipeline.ensemble.config"):
+    with caplog.at_level(logging.INFO, logger="pipeline.ensemble.compiler"):
         plan = load(tmp_path, data)
     assert ("FEATURES", "features") in plan.steps[1].outputs
     assert "step 1 (digits_cnn) output 'FEATURES'" in caplog.text
     assert "'features' is not used" in caplog.text
+
+
+def test_dynamic_batching_in_yaml_has_the_routers_knobs_and_defaults(tmp_path: Path) -> None:
+    """The YAML's `dynamic_batching` spells every knob of `BatchingConfig` and no other, and what a file
+    leaves out takes `BatchingConfig`'s default: the defaults have one home."""
+    assert set(DynamicBatchingConfig.model_fields) == {f.name for f in dataclasses.fields(BatchingConfig)}
+    data = base()
+    data["stages"]["model"]["dynamic_batching"] = {}
+    plan = load(tmp_path, data)
+    assert plan.steps[1].batching == BatchingConfig()
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ import pytest
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.config import build_catalog, compile_ensemble, load_catalog, load_repository_ensembles
+from pipeline.ensemble.catalog import build_catalog, load_catalog
+from pipeline.ensemble.compiler import compile_ensemble
+from pipeline.ensemble.pbtxt import load_repository_ensembles
 from pipeline.protocol.errors import ConfigError
 from pipeline.protocol.model_config import batching_of_config
 from pipeline.protocol.types import BatchingConfig
@@ -139,7 +141,7 @@ def test_other_models_and_unreadable_entries_are_not_the_routers(tmp_path: Path,
     (tmp_path / "net" / "1" / "model.onnx").write_bytes(b"")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.pbtxt").write_text("platform: {")
-    with caplog.at_level(logging.WARNING, logger="pipeline.ensemble.config"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.ensemble.pbtxt"):
         plans = load_repository_ensembles(tmp_path)
     assert [plan.name for plan in plans] == ["chain"]
     assert "broken" in caplog.text and "config.pbtxt" in caplog.text

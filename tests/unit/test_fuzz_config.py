@@ -14,7 +14,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.ensemble.config import load_ensemble
+from pipeline.ensemble.catalog import load_ensemble
 from pipeline.ensemble.plan import EnsemblePlan
 from pipeline.protocol.errors import ConfigError
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.ensemble.config import compile_model_config, load_repository_ensembles
+from pipeline.ensemble.pbtxt import compile_model_config, load_repository_ensembles
 from pipeline.protocol.errors import ConfigError, RepositoryError
 from pipeline.protocol.model_config import parse_config, select_versions, tensor_specs
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.ensemble.config import load_ensembles, load_repository_ensembles
+from pipeline.ensemble.catalog import load_ensembles
+from pipeline.ensemble.pbtxt import load_repository_ensembles
 from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.placement import python_models_of
 from tests.stages import EXAMPLE_REPOSITORY, write_model

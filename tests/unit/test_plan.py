@@ -8,7 +8,9 @@ import types
 import pytest
 
 from pipeline.ensemble.plan import Catalog, EnsemblePlan, PlanStep, StageEndpoint
+from pipeline.protocol.errors import InvalidInput
 from pipeline.protocol.types import TensorSpec
+from pipeline.router.executor import _first_error
 
 
 def _plan(name: str, models: dict[str, str]) -> EnsemblePlan:
@@ -54,9 +56,6 @@ def test_stage_models_across_ensembles() -> None:
 
 
 def test_a_failed_ensemble_reports_the_step_error_that_says_what_was_wrong():
-    from pipeline.protocol.errors import InvalidInput
-    from pipeline.router.executor import _first_error
-
     said = InvalidInput("IMAGE[2]: cannot decode image")
     group = BaseExceptionGroup("steps", [RuntimeError("bug"), BaseExceptionGroup("inner", [said])])
     assert _first_error(group) is said
