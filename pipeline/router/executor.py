@@ -110,9 +110,9 @@ class Executor:
             telemetry=self.telemetry,
             metrics=self.metrics,
             model=model,
-            replicas=lambda: client.ready_replicas,
+            replicas=lambda: client.replicas.ready_count,
         )
-        client.listeners.append(batcher.replicas_changed)
+        client.replicas.listeners.append(batcher.replicas_changed)
         batcher.start()
         self.batchers[model] = (batcher, tensors)
 

@@ -42,7 +42,8 @@ from pipeline.protocol.types import BatchingConfig
 from pipeline.router.cache import ResponseCache, Version, request_key
 from pipeline.router.executor import ENSEMBLE_VERSION, Executor, batch_items
 from pipeline.router.http import RestFrontDoor, RestServer, add_http_arguments
-from pipeline.router.stage_client import RESOLVE_INTERVAL_S, Resolve, StageClient
+from pipeline.router.stage_client import StageClient
+from pipeline.router.targets import RESOLVE_INTERVAL_S, Resolve
 from pipeline.router.workers import WorkerPeers, merge_statistics, run_workers
 from pipeline.runtime.arguments import add_server_arguments, bytes_argument, positive_int
 from pipeline.runtime.metrics import Metrics
@@ -186,20 +187,22 @@ class RouterPlane(DataPlane):
             "The router's calls in flight to each replica of a stage",
             ("stage", "replica"),
             lambda: [
-                ((key, r.address), r.outstanding) for key, c in clients.items() for r in c.replicas.values()
+                ((key, r.address), r.outstanding)
+                for key, c in clients.items()
+                for r in c.replicas.by_address.values()
             ],
         )
         self.metrics.gauge(
             "pipeline_stage_replicas_ready",
             "Replicas of the stage whose health says SERVING",
             "stage",
-            lambda: [(key, c.ready_replicas) for key, c in clients.items()],
+            lambda: [(key, c.replicas.ready_count) for key, c in clients.items()],
         )
         self.metrics.gauge(
             "pipeline_stage_healthy",
             "1 when the stage's health check says SERVING",
             "stage",
-            lambda: [(key, float(c.healthy)) for key, c in clients.items()],
+            lambda: [(key, float(c.replicas.healthy)) for key, c in clients.items()],
         )
 
     # --- start-up and health -------------------------------------------------------------------------
@@ -212,7 +215,7 @@ class RouterPlane(DataPlane):
             client.start()
         await self._find_stages(retry_interval)
         for model, key in self.stage_of_model.items():
-            self.clients[key].models.add(model)
+            self.clients[key].replicas.models.add(model)
         waiting_since = time.monotonic()
         reported: set[str] = set()
         # NOTE: `signatures` may also hold repository models that clients called meanwhile.
@@ -238,7 +241,9 @@ class RouterPlane(DataPlane):
                 if batching is not None and step.model_name not in self.batchers:
                     self.executor.add_batcher(step.model_name, self.clients[step.stage], batching)
         # Metadata answers before a stage has loaded its models: wait for every stage to be SERVING too.
-        while not all(await asyncio.gather(*(c.check_health(timeout=2.0) for c in self.clients.values()))):
+        while not all(
+            await asyncio.gather(*(c.replicas.check_health(timeout=2.0) for c in self.clients.values()))
+        ):
             await asyncio.sleep(retry_interval)
 
     def _check_caching(self) -> None:
@@ -320,7 +325,7 @@ class RouterPlane(DataPlane):
                 before = list(self.clients)[: list(self.clients).index(found[0])]
                 if time.monotonic() - started < SETTLE_S and any(
                     key not in self.indexes
-                    or (self.indexes[key] is not None and not self.clients[key].healthy)
+                    or (self.indexes[key] is not None and not self.clients[key].replicas.healthy)
                     for key in before
                 ):
                     continue
@@ -439,10 +444,10 @@ class RouterPlane(DataPlane):
         was_ready: bool | None = None
         changed = asyncio.Event()
         for client in self.clients.values():
-            client.listeners.append(changed.set)
+            client.replicas.listeners.append(changed.set)
         while True:
             changed.clear()
-            await asyncio.gather(*(c.check_health(timeout=interval) for c in self.clients.values()))
+            await asyncio.gather(*(c.replicas.check_health(timeout=interval) for c in self.clients.values()))
             if self.cache is not None and len(self.cache):
                 # A version a stage stopped serving takes its cached responses with it.
                 await self.refresh_index()
@@ -462,7 +467,7 @@ class RouterPlane(DataPlane):
         return (
             not self._unresolved
             and all(model in self.signatures for model in self.stage_of_model)
-            and all(c.healthy for c in self.clients.values())
+            and all(c.replicas.healthy for c in self.clients.values())
         )
 
     async def close(self) -> None:
@@ -517,7 +522,7 @@ class RouterPlane(DataPlane):
         except ModelNotFound:
             return False
         if plan is not None:
-            return self.ready() and all(self.clients[step.stage].healthy for step in plan.steps)
+            return self.ready() and all(self.clients[step.stage].replicas.healthy for step in plan.steps)
         try:
             client = await self._stage_client(name)
         except ModelNotFound:

@@ -20,7 +20,7 @@ from pipeline.stage.service import serve_stages
 
 if TYPE_CHECKING:
     from pipeline.ensemble.plan import Catalog
-    from pipeline.router.stage_client import Resolve
+    from pipeline.router.targets import Resolve
     from pipeline.runtime.metrics import Metrics
     from pipeline.runtime.repository import ModelRepository
     from pipeline.runtime.telemetry import Telemetry
