@@ -18,7 +18,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.config import load_catalog
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import ConfigError
-from pipeline.router.plane import add_router_arguments, router_catalog, serve_router
+from pipeline.router.main import add_router_arguments, router_catalog, serve_router
 from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
