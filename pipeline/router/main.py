@@ -14,6 +14,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import grpc
 from grpc_health.v1 import health, health_pb2
 
 from pipeline.ensemble.config import load_catalog
@@ -210,6 +211,24 @@ def _front_door(servicer: InferenceServicer, args: argparse.Namespace, policy: A
     )
 
 
+async def _listen(
+    args: argparse.Namespace,
+    servicer: InferenceServicer,
+    health_servicer: health.aio.HealthServicer,
+    policy: AccessPolicy,
+) -> tuple[grpc.aio.Server, int]:
+    """The router's gRPC server, listening where its flags say, with their TLS and access policy."""
+    return await create_server(
+        f"{args.host}:{args.port}",
+        servicer,
+        health_servicer,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        credentials=server_credentials_of(args),
+        interceptors=interceptors_of(policy),
+        reuse_port=args.reuse_port,
+    )
+
+
 async def serve_router(
     args: argparse.Namespace,
     *,
@@ -239,15 +258,7 @@ async def serve_router(
     await set_serving(health_servicer, False)
     servicer = InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics)
     rest = RestServer(_front_door(servicer, args, policy), grace=args.grace_period)
-    server, port = await create_server(
-        f"{args.host}:{args.port}",
-        servicer,
-        health_servicer,
-        max_message_bytes=args.max_message_mb * 1024 * 1024,
-        credentials=server_credentials_of(args),
-        interceptors=interceptors_of(policy),
-        reuse_port=args.reuse_port,
-    )
+    server, port = await _listen(args, servicer, health_servicer, policy)
     monitor: asyncio.Task[None] | None = None
 
     async def start() -> None:
@@ -260,7 +271,10 @@ async def serve_router(
         if bound is not None:
             bound(port)
         log.info(
-            "router listening on %s:%d; waiting for stages %s", args.host, port, ", ".join(plane.clients)
+            "router listening on %s:%d; waiting for stages %s",
+            args.host,
+            port,
+            ", ".join(plane.stages.clients),
         )
         await plane.discover()
         await set_serving(health_servicer, True)

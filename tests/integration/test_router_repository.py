@@ -308,7 +308,7 @@ async def test_the_router_waits_for_a_stage_that_is_still_loading_the_model(tmp_
     try:
         async with serving_repository(repository) as stage:
             catalog = load_catalog(repository=tmp_path, stages={"only": stage.address})
-            with caplog.at_level(logging.INFO, logger="pipeline.router.plane"):
+            with caplog.at_level(logging.INFO, logger="pipeline.router.discovery"):
                 async with serving_router(catalog) as router, inference_stub(router.address) as stub:
                     waiting = re.compile(r"waiting for a stage that serves model\(s\) (\w+, )*slow\b")
                     for _ in range(200):
