@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pipeline", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    from pipeline.router.plane import add_router_arguments, run_router
+    from pipeline.router.main import add_router_arguments, run_router
     from pipeline.tools.launcher import add_run_arguments, run
 
     run_parser = commands.add_parser("run", help="start the stage services and the router as local processes")

@@ -14,106 +14,34 @@ or exception per request, so one bad item fails only its own request.
 Tracing: a request may bring its span (the router's step span). A batch then gets one span, a child of its
 first member's span and linked to every member's span, current while `execute` runs (so the stage call
 carries its context); each member gets a `queue` span for its wait, and the batch's size and ids as
-attributes and a link, so its own trace says which batch it rode in.
+attributes and a link, so its own trace says which batch it rode in (`pipeline.router.batch_spans`). Time
+is read from a `pipeline.router.clock.Clock`, which tests replace.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from opentelemetry.trace import Link, Span, SpanKind, set_span_in_context, use_span
+from opentelemetry.trace import Span, use_span
 
 from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
 from pipeline.protocol.types import BatchingConfig
+from pipeline.router.batch_spans import batch_span
+from pipeline.router.clock import Clock, Timer
 from pipeline.runtime.statistics import ModelStats
-from pipeline.runtime.telemetry import BATCH_REQUESTS, BATCH_SIZE, BATCH_SPAN_ID, BATCH_TRACE_ID, MODEL
 
 if TYPE_CHECKING:
-    from opentelemetry.util.types import AttributeValue
-
     from pipeline.runtime.metrics import Metrics
     from pipeline.runtime.telemetry import Telemetry
 
 In = TypeVar("In")
 Out = TypeVar("Out")
-
-
-class Clock:
-    """Monotonic time, waiting and timers; tests substitute `ManualClock`."""
-
-    def now(self) -> float:
-        return time.monotonic()
-
-    def call_at(self, when: float, callback: Callable[[], None]) -> _Timer:
-        """Run `callback` on the event loop at the time `when` (on this clock) unless cancelled first."""
-        loop = asyncio.get_running_loop()
-        return loop.call_at(loop.time() + (when - self.now()), callback)
-
-    async def wait(self, event: asyncio.Event, until: float | None) -> None:
-        """Wait until `event` is set or the time `until` comes, whichever is first."""
-        timeout = None if until is None else max(0.0, until - self.now())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
-
-
-class ManualClock(Clock):
-    """A clock that moves only when told to: for deterministic tests of delays and deadlines."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.time = start
-        self._waiters: list[tuple[float, asyncio.Event]] = []
-        self._timers: list[_ManualTimer] = []
-
-    def now(self) -> float:
-        return self.time
-
-    def call_at(self, when: float, callback: Callable[[], None]) -> _Timer:
-        timer = _ManualTimer(when, callback)
-        self._timers.append(timer)
-        return timer
-
-    async def wait(self, event: asyncio.Event, until: float | None) -> None:
-        if until is not None and until <= self.time:
-            return
-        entry = (until if until is not None else float("inf"), event)
-        self._waiters.append(entry)
-        try:
-            await event.wait()
-        finally:
-            self._waiters.remove(entry)
-
-    def advance(self, seconds: float) -> None:
-        """Move time forward, running every timer and waking every wait whose time has come."""
-        self.time += seconds
-        due = [t for t in self._timers if t.when <= self.time]
-        self._timers = [t for t in self._timers if t.when > self.time]
-        for timer in sorted(due, key=lambda t: t.when):
-            if not timer.cancelled:
-                timer.callback()
-        for until, event in list(self._waiters):
-            if until <= self.time:
-                event.set()
-
-
-class _Timer(Protocol):
-    def cancel(self) -> None: ...
-
-
-@dataclass(slots=True, eq=False)
-class _ManualTimer:
-    when: float
-    callback: Callable[[], None]
-    cancelled: bool = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 #: A `_Pending`'s states: waiting in its queue, taken into a batch, or dropped (cancelled, expired).
@@ -133,7 +61,7 @@ class _Pending(Generic[In, Out]):
     span: Span | None = None
     enqueued_ns: int = 0  # wall clock, for the queue span
     state: int = _QUEUED
-    timer: _Timer | None = None
+    timer: Timer | None = None
 
 
 class _KeyQueue(Generic[In, Out]):
@@ -559,42 +487,10 @@ class DynamicBatcher(Generic[In, Out]):
                 done.set_result(None)
 
     def _batch_span(self, batch: list[_Pending[In, Out]], size: int) -> Span | None:
-        """Start the batch's span (child of the first traced member, linked to each) and end each traced
-        member's queue span; None when no member is traced."""
-        members = [p for p in batch if p.span is not None]
+        """Start the batch's span (see `batch_spans`); None when no member is traced."""
+        members = [(p.span, p.enqueued_ns) for p in batch if p.span is not None]
         if not members:
             return None
         tracer = self._telemetry.tracer  # type: ignore[union-attr]
         assert tracer is not None
-        dispatched = time.time_ns()
-        model = self.model
-        for pending in members:
-            tracer.start_span(
-                f"queue {model}",
-                context=set_span_in_context(pending.span),  # type: ignore[arg-type]
-                attributes={MODEL: model},
-                start_time=pending.enqueued_ns,
-            ).end(end_time=dispatched)
-        span = tracer.start_span(
-            f"batch {model}",
-            context=set_span_in_context(members[0].span),  # type: ignore[arg-type]
-            kind=SpanKind.CLIENT,
-            links=[Link(p.span.get_span_context()) for p in members],  # type: ignore[union-attr]
-            attributes={MODEL: model, BATCH_SIZE: size, BATCH_REQUESTS: len(batch)},
-            start_time=dispatched,
-        )
-        context = span.get_span_context()
-        attributes: dict[str, AttributeValue] = {
-            BATCH_SIZE: size,
-            BATCH_REQUESTS: len(batch),
-            BATCH_TRACE_ID: f"{context.trace_id:032x}",
-            BATCH_SPAN_ID: f"{context.span_id:016x}",
-        }
-        for pending in members:
-            member = pending.span
-            assert member is not None
-            if member.is_recording():
-                member.set_attributes(attributes)
-                if pending is not members[0]:  # the first member's trace holds the batch span itself
-                    member.add_link(context, {"pipeline.link": "batch"})
-        return span
+        return batch_span(tracer, self.model, members, size, len(batch))

@@ -1,80 +1,41 @@
-"""The router's entry point: serves every ensemble as a model, and the stage models behind them.
+"""The router's data plane: serves every ensemble as a model, and the stage models behind them.
 
-`RouterPlane` answers the protocol: it looks models up, answers their metadata, configuration, readiness
-and statistics, and hands inference to the DAG executor (`pipeline.router.executor`), which calls the stages
-through their clients (`pipeline.router.stage_client`). As Triton does for an ensemble's composing models, the
-stage models named in steps are served here too, by forwarding to their stage. `serve_router` and
-`run_router` are the process around it.
+`RouterPlane` answers the protocol by delegating: the stages behind it, which of them serves each model
+and their health are `pipeline.router.discovery`'s; what is known of each model (signatures, batchers,
+statistics) is the `pipeline.router.registry`'s; ensembles run on the DAG executor
+(`pipeline.router.executor`) and stage models are called through `pipeline.router.calls`, batched or
+forwarded; the response cache's policy is `pipeline.router.caching`'s. As Triton does for an ensemble's
+composing models, the stage models named in steps are served here too, by forwarding to their stage. The
+process around it is `pipeline.router.main`.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import contextlib
 import logging
-import os
-import sys
-import time
-import types
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import replace
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.catalog import load_catalog
 from pipeline.ensemble.pbtxt import ensemble_config
-from pipeline.ensemble.plan import Catalog, EnsemblePlan, PlanStep
-from pipeline.ensemble.signatures import check_signatures
+from pipeline.ensemble.plan import Catalog, EnsemblePlan
 from pipeline.protocol.codec import metadata_response, select_version
-from pipeline.protocol.errors import (
-    ConfigError,
-    InvalidInput,
-    ModelNotFound,
-    PipelineError,
-    StageError,
-    Unavailable,
-)
-from pipeline.protocol.types import BatchingConfig
-from pipeline.router.cache import ResponseCache, Version, request_key
-from pipeline.router.executor import ENSEMBLE_VERSION, Executor, batch_items
-from pipeline.router.http import RestFrontDoor, RestServer, add_http_arguments
-from pipeline.router.stage_client import RESOLVE_INTERVAL_S, Resolve, StageClient
-from pipeline.router.workers import WorkerPeers, merge_statistics, run_workers
-from pipeline.runtime.arguments import add_server_arguments, bytes_argument, positive_int
+from pipeline.protocol.errors import InvalidInput, ModelNotFound, Unavailable
+from pipeline.router.caching import ResponseCaching
+from pipeline.router.calls import StageCalls
+from pipeline.router.discovery import StageDiscovery
+from pipeline.router.executor import Executor
+from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
+from pipeline.router.stage_client import StageClient
+from pipeline.router.targets import Resolve
+from pipeline.router.workers import WorkerPeers, merge_statistics
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.security import (
-    SecurityConfigError,
-    access_policy_of,
-    add_client_tls_arguments,
-    channel_credentials,
-    interceptors_of,
-    server_credentials_of,
-    stage_token_of,
-)
-from pipeline.runtime.server import (
-    INFERENCE_SERVICE,
-    configure_logging,
-    create_server,
-    serve,
-    set_serving,
-    start_metrics,
-    write_port,
-)
-from pipeline.runtime.servicer import CallContext, DataPlane, InferenceServicer
+from pipeline.runtime.servicer import CallContext, DataPlane
 from pipeline.runtime.statistics import ModelStats
-from pipeline.runtime.telemetry import CACHE_HIT, ENSEMBLE, NO_SPAN, Telemetry
+from pipeline.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
-
-
-#: How long a model served by several stages waits for an earlier declared stage that has not answered or
-#: is still loading (it may serve the model too) before the first stage found serving it is used.
-SETTLE_S = 30.0
 
 
 class RouterPlane(DataPlane):
@@ -102,20 +63,18 @@ class RouterPlane(DataPlane):
         `cache_size`: bytes of the response cache, for the models and ensembles that enable it (0: off).
         `resolve_interval`: seconds between look-ups of the stages' DNS names (`resolve` looks them up;
         tests give their own)."""
-        self.catalog = catalog
-        self.telemetry = telemetry or Telemetry()
-        self.metrics = metrics or Metrics()
+        self.telemetry = telemetry = telemetry or Telemetry()
+        self.metrics = metrics = metrics or Metrics()
         self.max_inflight_requests = max_inflight_requests
         self.max_batch_items = max_batch_items
         self._inflight = 0
-        self.cache = ResponseCache(cache_size, self.metrics) if cache_size > 0 else None
-        #: Stage model -> the version that answers a request naming none, as the stage last said.
-        self.default_versions: dict[str, str] = {}
-        self.clients = {
+        self.registry = ModelRegistry(metrics)
+        self.caching = ResponseCaching(self.registry, cache_size, telemetry=telemetry, metrics=metrics)
+        clients = {
             key: StageClient(
                 endpoint,
                 max_message_bytes=max_message_bytes,
-                metrics=self.metrics,
+                metrics=metrics,
                 credentials=stage_credentials,
                 resolve_interval=resolve_interval,
                 resolve=resolve,
@@ -123,85 +82,13 @@ class RouterPlane(DataPlane):
             )
             for key, endpoint in catalog.stages.items()
         }
-        self.stage_of_model: dict[str, str] = catalog.stage_models()
-        #: The ensembles served, each step's stage found once `discover` has found it.
-        self.ensembles: dict[str, EnsemblePlan] = dict(catalog.ensembles)
-        #: Models of steps that name no stage, until a stage's `RepositoryIndex` lists them.
-        self._unresolved = {
-            step.model_name
-            for plan in catalog.ensembles.values()
-            for step in plan.steps
-            if not step.stage and step.model_name not in self.stage_of_model
-        }
-        #: Stage key -> the models its `RepositoryIndex` lists as READY, with their READY versions; None for
-        #: a stage without the RPC.
-        self.indexes: dict[str, Mapping[str, frozenset[str]] | None] = {}
-        #: Every model of the stages' repositories -> the first declared stage that serves it.
-        self.repository_models: dict[str, str] = {}
-        self._refreshing: asyncio.Future[None] | None = None
+        self.stages = StageDiscovery(catalog, clients, self.registry, self.caching, metrics)
+        self.calls = StageCalls(self.registry, self.caching, telemetry=telemetry, metrics=metrics)
+        self.executor = Executor(self.registry, clients, self.calls, telemetry=telemetry, metrics=metrics)
         #: The other router workers on this port (`--workers`), whose statistics are summed with ours.
         self.peers: WorkerPeers | None = None
-        self.executor = Executor(self.clients, telemetry=self.telemetry, metrics=self.metrics)
-        self.executor.on_version = self._observe_version
-        self.signatures = self.executor.signatures
-        self.batchers = self.executor.batchers
-        # Per ensemble, and per stage model called without batching (batchers keep their own).
-        self.stats = self.executor.stats
-        self.stats.update((name, ModelStats()) for name in (*catalog.ensembles, *self.stage_of_model))
-        batchers = self.batchers
-        clients = self.clients
-        self.metrics.gauge(
-            "pipeline_queue_depth",
-            "Requests waiting now",
-            "model",
-            lambda: [(model, b.queue_depth) for model, (b, _) in batchers.items()],
-        )
-        self.metrics.gauge(
-            "pipeline_inflight_batches",
-            "Executions running now",
-            "model",
-            lambda: [(model, b.inflight_batches) for model, (b, _) in batchers.items()],
-        )
-        cache = self.cache
-        if cache is not None:
-            self.metrics.gauge(
-                "pipeline_cache_bytes",
-                "Bytes the response cache holds now",
-                "cache",
-                lambda: [("responses", cache.bytes)],
-            )
-            self.metrics.gauge(
-                "pipeline_cache_waiting",
-                "Requests waiting now for an identical request's response",
-                "cache",
-                lambda: [("responses", cache.waiting)],
-            )
-            self.metrics.gauge(
-                "pipeline_cache_entries",
-                "Responses the cache holds now",
-                "cache",
-                lambda: [("responses", len(cache))],
-            )
-        self.metrics.gauge(
-            "pipeline_stage_inflight_calls",
-            "The router's calls in flight to each replica of a stage",
-            ("stage", "replica"),
-            lambda: [
-                ((key, r.address), r.outstanding) for key, c in clients.items() for r in c.replicas.values()
-            ],
-        )
-        self.metrics.gauge(
-            "pipeline_stage_replicas_ready",
-            "Replicas of the stage whose health says SERVING",
-            "stage",
-            lambda: [(key, c.ready_replicas) for key, c in clients.items()],
-        )
-        self.metrics.gauge(
-            "pipeline_stage_healthy",
-            "1 when the stage's health check says SERVING",
-            "stage",
-            lambda: [(key, float(c.healthy)) for key, c in clients.items()],
-        )
+        stats = self.registry.stats
+        stats.update((name, ModelStats()) for name in (*catalog.ensembles, *self.stages.stage_of_model))
 
     # --- start-up and health -------------------------------------------------------------------------
 
@@ -209,308 +96,43 @@ class RouterPlane(DataPlane):
         """Find the stage of every step that names none, learn every stage model's signature from its
         stage, waiting for stages that are not up yet, then check every ensemble against them (a mismatch
         raises `ConfigError`) and start the batchers."""
-        for client in self.clients.values():
-            client.start()
-        await self._find_stages(retry_interval)
-        for model, key in self.stage_of_model.items():
-            self.clients[key].models.add(model)
-        waiting_since = time.monotonic()
-        reported: set[str] = set()
-        # NOTE: `signatures` may also hold repository models that clients called meanwhile.
-        while missing := [model for model in self.stage_of_model if model not in self.signatures]:
-            for model in missing:
-                key = self.stage_of_model[model]
-                try:
-                    self.signatures[model] = await self.clients[key].signature(model)
-                except PipelineError as err:
-                    if model not in reported or time.monotonic() - waiting_since > 30:
-                        log.info("waiting for model '%s' on stage '%s': %s", model, key, err.message)
-                        reported.add(model)
-            if any(model not in self.signatures for model in missing):
-                await asyncio.sleep(retry_interval)
-        for plan in self.ensembles.values():
-            check_signatures(plan, self.signatures)
-        for model, signature in self.signatures.items():
-            self.default_versions.setdefault(model, signature.versions[-1] if signature.versions else "")
-        self._check_caching()
-        for plan in self.ensembles.values():
-            for step in plan.steps:
-                batching = self._batching(step)
-                if batching is not None and step.model_name not in self.batchers:
-                    self.executor.add_batcher(step.model_name, self.clients[step.stage], batching)
-        # Metadata answers before a stage has loaded its models: wait for every stage to be SERVING too.
-        while not all(await asyncio.gather(*(c.check_health(timeout=2.0) for c in self.clients.values()))):
-            await asyncio.sleep(retry_interval)
-
-    def _check_caching(self) -> None:
-        """Refuse a response cache asked for a model that says its answers may differ for one request (an
-        ensemble's cache covers every step's model); say when the cache is asked for but off."""
-        errors = []
-        for plan in self.ensembles.values():
-            if not plan.response_cache:
-                continue
-            for step in sorted(plan.steps, key=lambda s: s.index):
-                if not self.signatures[step.model_name].deterministic:
-                    errors.append(
-                        f"{plan.source}: response_cache is enabled, but {step.label} calls model "
-                        f"'{step.model_name}', which declares itself non-deterministic (parameter "
-                        'deterministic: "false"): a cached response would replay one of its answers for '
-                        "requests that should get fresh ones; disable the ensemble's response_cache"
-                    )
-        for model in self.stage_of_model:
-            signature = self.signatures[model]
-            if signature.response_cache and not signature.deterministic:
-                errors.append(
-                    f"model '{model}' on stage '{self.stage_of_model[model]}': its config enables "
-                    "response_cache but declares the model non-deterministic (parameter deterministic: "
-                    '"false"); a cached response would replay one answer for requests that should get fresh ones'
-                )
-        if errors:
-            raise ConfigError("\n".join(errors))
-        asking = [p.name for p in self.ensembles.values() if p.response_cache] + [
-            m for m in self.stage_of_model if self.signatures[m].response_cache
-        ]
-        if asking and self.cache is None:
-            log.warning(
-                "response_cache is enabled for %s, but the router's cache is off (--cache-size 0)",
-                ", ".join(asking),
-            )
-
-    def _observe_version(self, model: str, asked: str, answered: str) -> None:
-        """A stage answered `model`: when a request naming no version got another version than before, the
-        old one's cached responses go (the stage serves a new default, or was reloaded)."""
-        if asked or not answered:
-            return
-        known = self.default_versions.get(model)
-        if known == answered:
-            return
-        self.default_versions[model] = answered
-        if known is not None and self.cache is not None:
-            dropped = self.cache.drop(model, known)
-            log.info(
-                "model '%s' now answers as version %s (was %s): %d cached responses dropped",
-                model,
-                answered,
-                known or "unknown",
-                dropped,
-            )
-
-    def _batching(self, step: PlanStep) -> BatchingConfig | None:
-        """How a step's model is batched: as the ensemble says, else as the model's own config says."""
-        if step.batching is not None or not step.model_batching:
-            return step.batching
-        own = self.signatures[step.model_name].batching
-        if own is not None and step.model_name not in self.batchers:
-            log.info("model '%s': batched as its own dynamic_batching says (%s)", step.model_name, own)
-        return own
-
-    async def _find_stages(self, retry_interval: float) -> None:
-        """Give each step that names no stage the stage whose `RepositoryIndex` lists its model as READY
-        (the first declared where several do: an earlier stage that has not answered yet or is still loading
-        is waited for, up to `SETTLE_S`), waiting for stages that are down or still loading."""
-        waiting_since: float | None = None
-        started = time.monotonic()
-        while True:
-            await self.refresh_index()
-            for model in sorted(self._unresolved):
-                # The first declared stage that serves it: a stage declared before that one and still
-                # loading (not SERVING yet) may list it later, so wait for it to settle.
-                found = [key for key in self.clients if model in (self.indexes.get(key) or ())]
-                if not found:
-                    continue
-                before = list(self.clients)[: list(self.clients).index(found[0])]
-                if time.monotonic() - started < SETTLE_S and any(
-                    key not in self.indexes
-                    or (self.indexes[key] is not None and not self.clients[key].healthy)
-                    for key in before
-                ):
-                    continue
-                if len(found) > 1:
-                    log.info(
-                        "model '%s' is served by stages %s: using '%s', the first declared",
-                        model,
-                        ", ".join(found),
-                        found[0],
-                    )
-                else:
-                    log.info("model '%s' is served by stage '%s'", model, found[0])
-                self.stage_of_model[model] = found[0]
-                self.stats.setdefault(model, ModelStats())
-                self._unresolved.discard(model)
-            if not self._unresolved:
-                break
-            if not self.clients:
-                raise ConfigError(
-                    f"no stage to serve model(s) {', '.join(sorted(self._unresolved))}: a step names no stage "
-                    "and the router has none (give them with --stage NAME=ADDRESS)"
-                )
-            if len(self.indexes) == len(self.clients) and all(m is None for m in self.indexes.values()):
-                raise ConfigError(
-                    f"no stage can say whether it serves model(s) {', '.join(sorted(self._unresolved))}: "
-                    f"none of {', '.join(self.clients)} implements RepositoryIndex; name the stage in the step"
-                )
-            now = time.monotonic()
-            if waiting_since is None or now - waiting_since > 30:
-                waiting_since = now
-                asked = ", ".join(f"'{key}' ({c.endpoint.address})" for key, c in self.clients.items())
-                log.info(
-                    "waiting for a stage that serves model(s) %s: no RepositoryIndex of %s lists them as "
-                    "READY yet",
-                    ", ".join(sorted(self._unresolved)),
-                    asked,
-                )
-            await asyncio.sleep(retry_interval)
-        self.ensembles = {name: self._resolved(plan) for name, plan in self.ensembles.items()}
-
-    def _resolved(self, plan: EnsemblePlan) -> EnsemblePlan:
-        """`plan` with the stage found for each step that names none."""
-        if all(step.stage for step in plan.steps):
-            return plan
-        steps = tuple(
-            step if step.stage else replace(step, stage=self.stage_of_model[step.model_name])
-            for step in plan.steps
-        )
-        stages = {**plan.stages, **{step.stage: self.catalog.stages[step.stage] for step in steps}}
-        return replace(plan, steps=steps, stages=types.MappingProxyType(stages))
-
-    async def refresh_index(self) -> None:
-        """Ask every stage for its `RepositoryIndex` (READY models) now; calls made meanwhile share one."""
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.ensure_future(self._refresh_index())
-        await asyncio.shield(self._refreshing)
-
-    async def _refresh_index(self) -> None:
-        keys = list(self.clients)
-        found = await asyncio.gather(*(self._index_of(self.clients[key]) for key in keys))
-        for key, models in zip(keys, found, strict=True):
-            if not isinstance(models, PipelineError):  # a stage that is down keeps what it said last
-                self.indexes[key] = models
-        served: dict[str, str] = {}
-        for key in keys:
-            for model in sorted(self.indexes.get(key) or ()):
-                served.setdefault(model, key)
-        self.repository_models = served
-        if self.cache is not None:
-            self._drop_unserved()
-
-    def _drop_unserved(self) -> None:
-        """Drop the cached responses of every version that its stage's `RepositoryIndex` no longer lists as
-        READY (a stage without the RPC cannot say; NOT_FOUND and version changes cover it)."""
-        assert self.cache is not None
-        for model, version in self.cache.versions():
-            key = self.stage_of_model.get(model) or self.repository_models.get(model)
-            index = self.indexes.get(key) if key is not None else None
-            if index is None or not version:
-                continue
-            if version not in index.get(model, frozenset()):
-                dropped = self.cache.drop(model, version)
-                log.info(
-                    "model '%s' version %s is no longer served: %d cached responses dropped",
-                    model,
-                    version,
-                    dropped,
-                )
-
-    @staticmethod
-    async def _index_of(client: StageClient) -> dict[str, frozenset[str]] | PipelineError | None:
-        """The models a stage's `RepositoryIndex` lists as READY, with their READY versions; None for a
-        stage without the RPC (a plain OIP server); the error for a stage that cannot answer now."""
-        try:
-            reply = await client.call(
-                "RepositoryIndex",
-                pb.RepositoryIndexRequest(ready=True),
-                timeout=2.0,
-                what="its repository index",
-            )
-        except StageError as err:
-            return None if err.code == grpc.StatusCode.UNIMPLEMENTED else err
-        except PipelineError as err:
-            return err
-        ready: dict[str, set[str]] = {}
-        for model in reply.models:
-            if model.state == "READY":
-                ready.setdefault(model.name, set()).add(model.version)
-        return {name: frozenset(versions) for name, versions in ready.items()}
+        stages = self.stages
+        await stages.discover(retry_interval)
+        self.caching.check(stages.ensembles.values(), stages.stage_of_model)
+        self.calls.batch_steps(stages.ensembles.values(), stages.clients)
+        await stages.wait_serving(retry_interval)
 
     async def monitor(
         self, interval: float = 1.0, on_ready: Callable[[bool], Awaitable[None]] | None = None
     ) -> None:
-        """Keep each stage's health current, so readiness reflects stages that stop or return; `on_ready`
-        hears of every change of `ready()` (the router's health service reports it)."""
-        was_ready: bool | None = None
-        changed = asyncio.Event()
-        for client in self.clients.values():
-            client.listeners.append(changed.set)
-        while True:
-            changed.clear()
-            await asyncio.gather(*(c.check_health(timeout=interval) for c in self.clients.values()))
-            if self.cache is not None and len(self.cache):
-                # A version a stage stopped serving takes its cached responses with it.
-                await self.refresh_index()
-            ready = self.ready()
-            if ready != was_ready and on_ready is not None:
-                await on_ready(ready)
-            if ready != was_ready and was_ready is not None:
-                log.info(
-                    "router %s", "ready: every stage is serving" if ready else "not ready: a stage is down"
-                )
-            was_ready = ready
-            # The replicas' health watches wake this at once when a stage's readiness changes.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), interval)
+        """Keep each stage's health current (see `StageDiscovery.monitor`)."""
+        await self.stages.monitor(interval, on_ready)
 
     def ready(self) -> bool:
-        return (
-            not self._unresolved
-            and all(model in self.signatures for model in self.stage_of_model)
-            and all(c.healthy for c in self.clients.values())
-        )
+        return self.stages.ready()
 
     async def close(self) -> None:
-        if self._refreshing is not None:
-            self._refreshing.cancel()
-        await self.executor.close()
-        await asyncio.gather(*(c.close() for c in self.clients.values()))
+        await self.registry.close()
+        await self.stages.close()
 
     # --- model lookup --------------------------------------------------------------------------------
 
     def _ensemble(self, name: str, version: str) -> EnsemblePlan | None:
-        plan = self.ensembles.get(name)
+        plan = self.stages.ensembles.get(name)
         if plan is not None:
             select_version(name, (ENSEMBLE_VERSION,), version)
         return plan
-
-    async def _stage_client(self, name: str) -> StageClient:
-        """The client of the stage that serves a stage model: the one its steps name or were given, else
-        the first declared stage whose repository holds it (asked again for a model not seen yet)."""
-        key = self.stage_of_model.get(name) or self.repository_models.get(name)
-        # Ask again only where a stage has a repository index, or has not answered yet.
-        if key is None and self.indexes and any(self.indexes.get(k, ()) is not None for k in self.clients):
-            await self.refresh_index()
-            key = self.repository_models.get(name)
-        if key is None:
-            served = sorted({*self.ensembles, *self.stage_of_model, *self.repository_models})
-            raise ModelNotFound(f"unknown model '{name}' (served here: {', '.join(served)})")
-        return self.clients[key]
 
     async def _learn(self, name: str, client: StageClient) -> None:
         """A repository model that no ensemble names, called for the first time: learn its signature and,
         where its config sets `dynamic_batching`, batch its calls as that says."""
         signature = await client.signature(name)
-        if name in self.signatures:  # learnt by a concurrent call meanwhile
+        if not self.registry.learn(name, signature):  # learnt by a concurrent call meanwhile
             return
-        self.signatures[name] = signature
-        self.stats.setdefault(name, ModelStats())
-        self.default_versions.setdefault(name, signature.versions[-1] if signature.versions else "")
-        if signature.response_cache and not signature.deterministic:
-            log.error(
-                "model '%s': its config enables response_cache but declares the model non-deterministic; "
-                "its responses are not cached",
-                name,
-            )
+        self.caching.learn(name, signature)
         if signature.batching is not None:
             log.info("model '%s': batched as its own dynamic_batching says (%s)", name, signature.batching)
-            self.executor.add_batcher(name, client, signature.batching)
+            self.calls.add_batcher(name, client, signature.batching)
 
     async def model_ready(self, name: str, version: str) -> bool:
         try:
@@ -518,28 +140,16 @@ class RouterPlane(DataPlane):
         except ModelNotFound:
             return False
         if plan is not None:
-            return self.ready() and all(self.clients[step.stage].healthy for step in plan.steps)
-        try:
-            client = await self._stage_client(name)
-        except ModelNotFound:
-            return False
-        try:
-            reply = await client.call(
-                "ModelReady",
-                pb.ModelReadyRequest(name=name, version=version),
-                timeout=2.0,
-                what=f"model '{name}'",
-            )
-        except PipelineError:
-            return False
-        return reply.ready
+            clients = self.stages.clients
+            return self.ready() and all(clients[step.stage].replicas.healthy for step in plan.steps)
+        return await self.stages.model_ready(name, version)
 
     async def model_metadata(self, name: str, version: str, call: CallContext) -> pb.ModelMetadataResponse:
         plan = self._ensemble(name, version)
         if plan is not None:
             return metadata_response(plan.name, (ENSEMBLE_VERSION,), "ensemble", plan.inputs, plan.outputs)
         request = pb.ModelMetadataRequest(name=name, version=version)
-        client = await self._stage_client(name)
+        client = await self.stages.stage_client(name)
         return await client.call(
             "ModelMetadata", request, timeout=call.timeout, metadata=call.metadata, what=f"model '{name}'"
         )
@@ -549,7 +159,7 @@ class RouterPlane(DataPlane):
         if plan is not None:
             return ensemble_config(plan)
         request = pb.ModelConfigRequest(name=name, version=version)
-        client = await self._stage_client(name)
+        client = await self.stages.stage_client(name)
         reply = await client.call(
             "ModelConfig", request, timeout=call.timeout, metadata=call.metadata, what=f"model '{name}'"
         )
@@ -589,149 +199,43 @@ class RouterPlane(DataPlane):
         name = request.model_name
         client: StageClient | None = None
         if plan is not None:
-            if self._unresolved and not all(step.stage for step in plan.steps):
+            if self.stages.unresolved and not all(step.stage for step in plan.steps):
                 raise Unavailable(
                     f"ensemble '{name}' is not ready: waiting for a stage that serves "
-                    f"{', '.join(sorted(self._unresolved))}"
+                    f"{', '.join(sorted(self.stages.unresolved))}"
                 )
             self._check_items(request, plan.max_batch_size > 0)
         else:
-            client = await self._stage_client(name)
+            client = await self.stages.stage_client(name)
             # An ensemble member is learnt (and batched as its steps say) by `discover`.
-            member = name in self.stage_of_model or name in self._unresolved
-            if not member and name not in self.signatures:
+            member = name in self.stages.stage_of_model or name in self.stages.unresolved
+            if not member and name not in self.registry.signatures:
                 await self._learn(name, client)
-        if plan is None and (signature := self.signatures.get(name)) is not None:
+        if plan is None and (signature := self.registry.signatures.get(name)) is not None:
             self._check_items(request, signature.max_batch_size > 0)
-        versions = self._cache_versions(plan, name, request.model_version)
+        versions = self.caching.versions(plan, name, request.model_version)
         if versions is not None:
-            return await self._cached(name, plan, client, request, call, versions)
-        return await self._execute(name, plan, client, request, call)
-
-    def _cache_versions(
-        self, plan: EnsemblePlan | None, name: str, version: str
-    ) -> tuple[Version, ...] | None:
-        """The versions that would answer a request, for its cache key; None when it is not to be cached."""
-        if self.cache is None:
-            return None
-        if plan is not None:
-            if not plan.response_cache:
-                return None
-            steps = sorted(plan.steps, key=lambda s: s.index)
-            return tuple(
-                dict.fromkeys(
-                    (s.model_name, s.model_version or self.default_versions.get(s.model_name, ""))
-                    for s in steps
-                )
+            return await self.caching.fetch(
+                plan, request, call, versions, lambda: self._execute(plan, client, request, call)
             )
-        signature = self.signatures.get(name)
-        if signature is None or not signature.response_cache or not signature.deterministic:
-            return None
-        return ((name, version or self.default_versions.get(name, "")),)
-
-    def _stats_of(self, name: str) -> ModelStats:
-        """The statistics `ModelStatistics` reports for a model: its batcher's where it has one."""
-        if name in self.batchers and name not in self.ensembles:
-            return self.batchers[name][0].stats
-        return self.stats.setdefault(name, ModelStats())
-
-    async def _cached(
-        self,
-        name: str,
-        plan: EnsemblePlan | None,
-        client: StageClient | None,
-        request: pb.ModelInferRequest,
-        call: CallContext,
-        versions: tuple[Version, ...],
-    ) -> pb.ModelInferResponse:
-        """Answer from the response cache, or run the request and keep its response there."""
-        assert self.cache is not None
-        started = time.perf_counter_ns()
-        key = request_key(name, versions, request)
-        stats = self._stats_of(name)
-        computed = False
-
-        async def compute() -> tuple[bytes, tuple[Version, ...]]:
-            nonlocal computed
-            computed = True
-            response = await self._execute(name, plan, client, request, call)
-            # A stage model's entry belongs to the version that answered.
-            answered = versions if plan is not None else ((name, response.model_version or versions[0][1]),)
-            return response.SerializeToString(), answered
-
-        deadline = None if call.timeout is None else time.monotonic() + call.timeout
-        try:
-            raw, hit, cache_ns = await self.cache.fetch(key, compute, deadline=deadline)
-        except BaseException as err:
-            if not computed:  # the request it waited for failed and this one ran out of time
-                stats.request_failed(time.perf_counter_ns() - started)
-            if isinstance(err, StageError) and err.code == grpc.StatusCode.NOT_FOUND:
-                for model, version in versions:
-                    self.cache.drop(model, version)
-            raise
-        span = self.telemetry.current_span() if self.telemetry.enabled else None
-        if span is not None:
-            span.set_attribute(CACHE_HIT, hit)
-        self.metrics.cache_requests.labels(name, "hit" if hit else "miss").inc()
-        if not hit:
-            stats.cache_missed(cache_ns)
-            return pb.ModelInferResponse.FromString(raw)
-        response = pb.ModelInferResponse.FromString(raw)
-        response.id = request.id
-        if plan is not None:
-            first = request.inputs[0].shape if request.inputs else ()
-            items = int(first[0]) if plan.max_batch_size > 0 and first else 1
-        else:
-            items = batch_items(
-                self.signatures.get(name), response.outputs[0].shape if response.outputs else ()
-            )
-        stats.cache_hit_done(items=items, total_ns=time.perf_counter_ns() - started, cache_ns=cache_ns)
-        return response
+        return await self._execute(plan, client, request, call)
 
     async def _execute(
         self,
-        name: str,
         plan: EnsemblePlan | None,
         client: StageClient | None,
         request: pb.ModelInferRequest,
         call: CallContext,
     ) -> pb.ModelInferResponse:
         """Run a request: an ensemble's steps, a batched stage model's queue, or a forwarded call."""
-        batched = plan is None and name in self.batchers
-        started = time.perf_counter_ns()
-        # A batched stage model's statistics are its batcher's (queue and batch figures included).
-        stats = None if batched else self.stats.get(name)
-        try:
-            if plan is not None:
-                if self.telemetry.enabled and (span := self.telemetry.current_span()) is not None:
-                    span.set_attribute(ENSEMBLE, plan.name)
-                response, items = await self.executor.run(plan, request, call)
-            elif batched:
-                response, items = await self.executor.infer_batched(request, call)
-            else:
-                assert client is not None
-                with self.executor.stage_call_span(name, client) if self.telemetry.enabled else NO_SPAN:
-                    response = await client.call(
-                        "ModelInfer",
-                        request,
-                        timeout=call.timeout,
-                        metadata=self.telemetry.inject(call.metadata),
-                        what=f"model '{name}'",
-                    )
-                items = batch_items(
-                    self.signatures.get(name), response.outputs[0].shape if response.outputs else ()
-                )
-                self._observe_version(name, request.model_version, response.model_version)
-        except BaseException:
-            if stats is not None:
-                stats.request_failed(time.perf_counter_ns() - started)
-            raise
-        if stats is not None:
-            elapsed = time.perf_counter_ns() - started
-            # NOTE: an ensemble (like a forwarded call) executes once per request, taking it whole.
-            stats.request_done(items=items, total_ns=elapsed, compute_ns=elapsed)
-            stats.batch_done(items, elapsed)
-        return response
+        if plan is not None:
+            return await self.executor.infer(plan, request, call)
+        if request.model_name in self.registry.batchers:
+            return await self.calls.infer_batched(request, call)
+        assert client is not None
+        return await self.calls.forward(client, request, call)
+
+    # --- statistics and repository -------------------------------------------------------------------
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         """This router's statistics; with several workers, every worker's summed (one view)."""
@@ -742,307 +246,10 @@ class RouterPlane(DataPlane):
 
     async def local_statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         """This process's own statistics."""
-        names = [name] if name else sorted({*self.stats, *self.repository_models})
-        reply = pb.ModelStatisticsResponse()
-        for model in names:
-            if model in self.batchers:
-                stats = self.batchers[model][0].stats
-            elif model in self.stats:
-                stats = self.stats[model]
-            elif model in self.repository_models:
-                stats = ModelStats()  # served here, not called yet
-            else:
-                raise ModelNotFound(f"unknown model '{model}'")
-            reply.model_stats.append(stats.proto(model, version or ENSEMBLE_VERSION))
-        return reply
+        served = self.stages.repository_models
+        names = [name] if name else sorted({*self.registry.stats, *served})
+        return self.registry.statistics(names, version, served)
 
     async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
-        """The ensembles, then every stage's models as its own `RepositoryIndex` lists them (a model that
-        several stages hold, as the stage that serves it here); a stage without the RPC lists the models
-        the ensembles name on it."""
-        reply = pb.RepositoryIndexResponse()
-        ready = self.ready()
-        for name in sorted(self.ensembles):
-            if ready:
-                reply.models.add(name=name, version=ENSEMBLE_VERSION, state="READY")
-            elif not ready_only:
-                reply.models.add(
-                    name=name, version=ENSEMBLE_VERSION, state="UNAVAILABLE", reason="waiting for its stages"
-                )
-        keys = list(self.clients)
-        answers = await asyncio.gather(
-            *(self._stage_index(key, ready_only) for key in keys), return_exceptions=False
-        )
-        owner: dict[str, str] = {}
-        for key, models in zip(keys, answers, strict=True):
-            for model in models:
-                serving = self.stage_of_model.get(model.name) or owner.setdefault(model.name, key)
-                if serving == key and model.name not in self.ensembles:
-                    reply.models.append(model)
-        return reply
-
-    async def _stage_index(self, key: str, ready_only: bool) -> list[pb.RepositoryIndexResponse.ModelIndex]:
-        client = self.clients[key]
-        problem = ""
-        try:
-            answer = await client.call(
-                "RepositoryIndex",
-                pb.RepositoryIndexRequest(ready=ready_only),
-                timeout=2.0,
-                what="its repository index",
-            )
-            return list(answer.models)
-        except StageError as err:
-            if err.code != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-        except Unavailable as err:
-            problem = err.message
-        # A plain OIP server, or a stage that is down: the models the ensembles name on it.
-        models = []
-        for model in sorted(m for m, k in self.stage_of_model.items() if k == key):
-            ready = not problem and await self.model_ready(model, "")
-            if ready:
-                models.append(pb.RepositoryIndexResponse.ModelIndex(name=model, state="READY"))
-            elif not ready_only:
-                models.append(
-                    pb.RepositoryIndexResponse.ModelIndex(
-                        name=model, state="UNAVAILABLE", reason=problem or "not ready"
-                    )
-                )
-        return models
-
-
-# --- process entry point -----------------------------------------------------------------------------
-
-
-#: The stages of a router given a model repository and no `--stage`: the environment variables that the
-#: example ensembles and `pipeline run` use, and their defaults.
-DEFAULT_STAGES = (
-    ("preprocess", "PREPROCESS_ADDRESS", "127.0.0.1:8101"),
-    ("model", "MODEL_ADDRESS", "127.0.0.1:8102"),
-    ("postprocess", "POSTPROCESS_ADDRESS", "127.0.0.1:8103"),
-)
-
-
-def stage_argument(value: str) -> tuple[str, str]:
-    """An argparse type: `NAME=ADDRESS`."""
-    name, sep, address = value.partition("=")
-    if not sep or not name.strip() or not address.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=ADDRESS (e.g. model=127.0.0.1:8102), got {value!r}")
-    return name.strip(), address.strip()
-
-
-def router_catalog(args: argparse.Namespace) -> Catalog:
-    """What the router's flags say to serve: the YAML ensembles, the model repository's ensembles and the
-    stages. Without `--stage`, a router given a repository calls the stages `DEFAULT_STAGES` names."""
-    model_dir: Path | None = getattr(args, "model_dir", None)
-    if model_dir is not None and not model_dir.is_dir():
-        raise ConfigError(f"--model-dir {model_dir}: no such folder")
-    stages: dict[str, str] = {}
-    for key, address in getattr(args, "stage", None) or ():
-        if key in stages:
-            raise ConfigError(f"--stage {key}: given twice ({stages[key]} and {address})")
-        stages[key] = address
-    if not stages and model_dir is not None:
-        # Like the ensemble files' ${VAR:-default}: an empty variable counts as unset.
-        stages = {key: os.environ.get(var) or default for key, var, default in DEFAULT_STAGES}
-    ensembles = args.ensembles
-    if ensembles is None:
-        default = Path(os.environ.get("PIPELINE_ENSEMBLES", "ensembles"))
-        # A router serving a repository needs no ensemble files, unless they are asked for.
-        quiet = model_dir is not None and "PIPELINE_ENSEMBLES" not in os.environ and not default.exists()
-        ensembles = [] if quiet else [default]
-    return load_catalog(ensembles, repository=model_dir, stages=stages)
-
-
-def add_router_arguments(parser: argparse.ArgumentParser) -> None:
-    add_server_arguments(parser, service="router", default_port=8001, default_metrics_port=8002)
-    parser.add_argument(
-        "--ensembles",
-        type=Path,
-        nargs="+",
-        default=None,
-        help="ensemble YAML files or folders of them (env PIPELINE_ENSEMBLES; default: ensembles, which a "
-        "router given --model-dir may lack)",
-    )
-    parser.add_argument(
-        "--model-dir",
-        "--model-repository",
-        type=Path,
-        default=Path(os.environ["PIPELINE_MODEL_DIR"]) if os.environ.get("PIPELINE_MODEL_DIR") else None,
-        help="the Triton model repository the stages serve: its config.pbtxt ensembles (platform "
-        '"ensemble") are served beside the YAML ones (env PIPELINE_MODEL_DIR)',
-    )
-    parser.add_argument(
-        "--stage",
-        type=stage_argument,
-        action="append",
-        metavar="NAME=ADDRESS",
-        help="a stage service the router calls (repeatable): it serves the steps that name it, and the steps "
-        "that name no stage whose model its RepositoryIndex lists; every model of its repository is served "
-        "here too. Default with --model-dir: "
-        + ", ".join(f"{key}=${var} (else {default})" for key, var, default in DEFAULT_STAGES),
-    )
-    parser.add_argument(
-        "--max-inflight-requests",
-        type=int,
-        default=int(os.environ.get("PIPELINE_MAX_INFLIGHT_REQUESTS", 1024)),
-        help="inference requests held at once; more are refused with UNAVAILABLE, so memory stays bounded "
-        "under overload; 0 for no limit (env PIPELINE_MAX_INFLIGHT_REQUESTS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--cache-size",
-        type=bytes_argument,
-        default=bytes_argument(os.environ.get("PIPELINE_CACHE_SIZE", "0")),
-        help="bytes of the response cache (suffixes k, M, G: powers of 1024), for the stage models and ensembles "
-        "whose config enables response_cache; Triton's --cache-config local,size=N; 0 turns it off "
-        "(env PIPELINE_CACHE_SIZE; default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-batch-items",
-        type=positive_int,
-        default=int(os.environ.get("PIPELINE_MAX_BATCH_ITEMS", 1024)),
-        help="items (dimension 0) one request may carry, whatever the model allows "
-        "(env PIPELINE_MAX_BATCH_ITEMS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--workers",
-        type=positive_int,
-        default=int(os.environ.get("PIPELINE_ROUTER_WORKERS", 1)),
-        help="router processes serving the same ports (SO_REUSEPORT: the kernel spreads connections over "
-        "them); each batches its own share, and metrics and statistics cover them all "
-        "(env PIPELINE_ROUTER_WORKERS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--resolve-interval",
-        type=float,
-        default=RESOLVE_INTERVAL_S,
-        help="seconds between look-ups of the stages' DNS names: a new replica gets calls, and one that is "
-        "gone stops getting them, within about this long (env PIPELINE_RESOLVE_INTERVAL_S; default "
-        "%(default)s)",
-    )
-    add_http_arguments(parser)
-    add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
-
-
-async def serve_router(
-    args: argparse.Namespace,
-    *,
-    catalog: Catalog | None = None,
-    stopping: asyncio.Event | None = None,
-    bound: Callable[[int], None] | None = None,
-    telemetry: Telemetry | None = None,
-    metrics: Metrics | None = None,
-    http_bound: Callable[[int], None] | None = None,
-    resolve: Resolve | None = None,
-) -> None:
-    """Serve the ensembles until a signal (or `stopping`): listen, wait for the stages and check the plans,
-    then SERVING. `bound` is called with the port once the server listens (`http_bound` with the HTTP
-    port, first). `telemetry` defaults to tracing configured by the environment, `metrics` to a registry
-    of this server's own."""
-    if catalog is None:
-        catalog = router_catalog(args)
-    owned = telemetry is None
-    telemetry = Telemetry.from_env("router") if telemetry is None else telemetry
-    metrics = Metrics() if metrics is None else metrics
-    policy = access_policy_of(args)
-    plane = RouterPlane(
-        catalog,
-        max_message_bytes=args.max_message_mb * 1024 * 1024,
-        telemetry=telemetry,
-        metrics=metrics,
-        stage_credentials=channel_credentials(
-            getattr(args, "stage_tls_ca", None),
-            getattr(args, "stage_tls_cert", None),
-            getattr(args, "stage_tls_key", None),
-        ),
-        stage_token=stage_token_of(args),
-        max_inflight_requests=getattr(args, "max_inflight_requests", 0),
-        max_batch_items=getattr(args, "max_batch_items", 0),
-        cache_size=getattr(args, "cache_size", 0),
-        resolve_interval=getattr(args, "resolve_interval", None),
-        resolve=resolve,
-    )
-    plane.peers = peers = WorkerPeers.from_env()
-    # A worker of `--workers N` shares its ports with the others.
-    args.reuse_port = peers is not None
-    health_servicer = health.aio.HealthServicer()
-    await set_serving(health_servicer, False)
-    servicer = InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics)
-    rest = RestServer(
-        RestFrontDoor(
-            servicer, authenticator=policy.tokens, max_body_bytes=args.max_message_mb * 1024 * 1024
-        ),
-        grace=args.grace_period,
-    )
-    server, port = await create_server(
-        f"{args.host}:{args.port}",
-        servicer,
-        health_servicer,
-        max_message_bytes=args.max_message_mb * 1024 * 1024,
-        credentials=server_credentials_of(args),
-        interceptors=interceptors_of(policy),
-        reuse_port=args.reuse_port,
-    )
-    monitor: asyncio.Task[None] | None = None
-
-    async def readiness(ready: bool) -> None:
-        # "" is liveness: SERVING from the end of start-up until shutdown, whatever the stages do, so
-        # that no probe restarts a router that only waits for a stage. The inference service is readiness:
-        # SERVING exactly while ServerReady is true (every stage healthy).
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        await health_servicer.set(INFERENCE_SERVICE, status)
-
-    async def start() -> None:
-        nonlocal monitor
-        if peers is not None:
-            await peers.start(plane.local_statistics)
-        start_metrics(metrics, args)
-        await rest.start(args, http_bound)
-        write_port(args.port_file, port)
-        if bound is not None:
-            bound(port)
-        log.info(
-            "router listening on %s:%d; waiting for stages %s", args.host, port, ", ".join(plane.clients)
-        )
-        await plane.discover()
-        await set_serving(health_servicer, True)
-        monitor = asyncio.create_task(plane.monitor(on_ready=readiness))
-        log.info("router serving ensembles %s on %s:%d", ", ".join(catalog.ensembles), args.host, port)
-
-    async def stop() -> None:
-        if monitor is not None:
-            monitor.cancel()
-        await rest.stop()
-        if peers is not None:
-            await peers.stop()
-        await plane.close()
-        metrics.close()
-        if owned:
-            # Flushing may wait on an exporter's endpoint: not on the event loop.
-            await asyncio.to_thread(telemetry.shutdown)
-
-    await serve(
-        server,
-        health_servicer,
-        grace=args.grace_period,
-        start=start,
-        stop=stop,
-        stopping=stopping,
-        drain_delay=getattr(args, "drain_delay", 0.0),
-    )
-
-
-def run_router(args: argparse.Namespace) -> int:
-    """Entry point of the router process."""
-    configure_logging(args.log_level, "router")
-    if args.workers > 1:
-        return run_workers(args, sys.argv[1:])
-    try:
-        asyncio.run(serve_router(args))
-    except (ConfigError, SecurityConfigError) as err:
-        log.error("%s", err)
-        return 2
-    return 0
+        """The ensembles, then every stage's models (see `StageDiscovery.repository_index`)."""
+        return await self.stages.repository_index(ready_only)

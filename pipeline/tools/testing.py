@@ -20,7 +20,7 @@ from pipeline.stage.service import serve_stages
 
 if TYPE_CHECKING:
     from pipeline.ensemble.plan import Catalog
-    from pipeline.router.stage_client import Resolve
+    from pipeline.router.targets import Resolve
     from pipeline.runtime.metrics import Metrics
     from pipeline.runtime.repository import ModelRepository
     from pipeline.runtime.telemetry import Telemetry
@@ -139,7 +139,7 @@ async def serving_router(
     at `http_address` (`telemetry`, `metrics`, `metrics_port` and `options` as for `serving_stages`;
     router flags such as `max_inflight_requests`, `auth_tokens_file`, `stage_tls_ca` or `http_port` by
     their attribute names). `resolve` looks up the stages' DNS names instead of the system's resolver."""
-    from pipeline.router.plane import serve_router
+    from pipeline.router.main import serve_router
 
     args = _args(
         max_message_mb, grace, metrics_port=metrics_port, options={"http_port": 0, **(options or {})}

@@ -18,7 +18,7 @@ from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import Tensor, infer_response, response_tensors
 from pipeline.protocol.errors import ConfigError, InvalidInput, ModelNotFound
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.plane import serve_router
+from pipeline.router.main import serve_router
 from pipeline.runtime.server import create_server, set_serving
 from pipeline.runtime.servicer import CallContext, DataPlane, InferenceServicer
 from pipeline.stage.api import Stage

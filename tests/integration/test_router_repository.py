@@ -18,7 +18,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import ConfigError
-from pipeline.router.plane import add_router_arguments, router_catalog, serve_router
+from pipeline.router.main import add_router_arguments, router_catalog, serve_router
 from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
@@ -308,7 +308,7 @@ async def test_the_router_waits_for_a_stage_that_is_still_loading_the_model(tmp_
     try:
         async with serving_repository(repository) as stage:
             catalog = load_catalog(repository=tmp_path, stages={"only": stage.address})
-            with caplog.at_level(logging.INFO, logger="pipeline.router.plane"):
+            with caplog.at_level(logging.INFO, logger="pipeline.router.discovery"):
                 async with serving_router(catalog) as router, inference_stub(router.address) as stub:
                     waiting = re.compile(r"waiting for a stage that serves model\(s\) (\w+, )*slow\b")
                     for _ in range(200):

@@ -311,3 +311,25 @@ async def test_metrics_and_statistics_count_the_requests_sent(served):
     shift = stats_after["shift"].inference_stats
     assert 0 < shift.compute_infer.ns <= shift.success.ns
     assert shift.compute_input.count == shift.success.count
+
+
+async def test_a_stage_model_called_directly_is_counted_as_a_steps_call(served):
+    """A client's call of an unbatched stage model takes the path of a step's call: the model's
+    statistics, and its batch-size and compute-duration metrics, count it (one execution of its items)."""
+    router_metrics = served.traced["router"].metrics
+    before = await asyncio.to_thread(_scrape, router_metrics)
+    stats_before = await _statistics(served.router, "scale")
+    async with inference_stub(served.router) as stub:
+        await stub.ModelInfer(request_for("scale", "direct", X=_x(rows=2)), timeout=30)
+    after = await asyncio.to_thread(_scrape, router_metrics)
+    stats_after = await _statistics(served.router, "scale")
+
+    def delta(name: str) -> float:
+        key = (name, (("model", "scale"),))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("pipeline_batch_size_count") == 1
+    assert delta("pipeline_batch_size_sum") == 2
+    assert delta("pipeline_compute_duration_seconds_count") == 1
+    assert stats_after.inference_count - stats_before.inference_count == 2
+    assert stats_after.execution_count - stats_before.execution_count == 1

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.router.stage_client import RetryBudget, Target, _tls_name, resolve_dns
+from pipeline.router.retry import RetryBudget
+from pipeline.router.targets import Target, resolve_dns, tls_name
 
 
 @pytest.mark.parametrize(
@@ -25,9 +26,9 @@ def test_targets_are_read_in_grpc_syntax(address, target):
 
 
 def test_the_tls_name_is_the_targets_host():
-    assert _tls_name("dns:///model:8102") == "model"
-    assert _tls_name("ipv4:127.0.0.1:1,127.0.0.2:2") == "127.0.0.1"
-    assert _tls_name("localhost:8102") == "localhost"
+    assert tls_name("dns:///model:8102") == "model"
+    assert tls_name("ipv4:127.0.0.1:1,127.0.0.2:2") == "127.0.0.1"
+    assert tls_name("localhost:8102") == "localhost"
 
 
 async def test_a_name_resolves_to_one_address_per_host_preferring_ipv4():

@@ -20,7 +20,7 @@ from google.protobuf import json_format
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.router.http import HEADER_LENGTH
+from pipeline.router.rest_codec import HEADER_LENGTH
 
 #: The RPC the gRPC load is made of, called with pre-serialised bytes.
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"

@@ -1,0 +1,303 @@
+"""How the router calls a stage model: one request per stage call, or queued and merged into batches.
+
+An unbatched call (`StageCalls.call`) sends one request to the stage as it is, and counts it: the model's
+statistics (one execution, taking the request whole), its span, the compute-duration and batch-size
+metrics, and the version that answered. Both the calls of ensemble steps and the clients' requests for a
+stage model take that one path. A stage model with a batcher gets its calls queued and merged into one
+`ModelInfer` per batch, split back by offsets (`pipeline.router.merge`); an item the stage refuses fails
+only the request that carried it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+from opentelemetry.trace import Span, SpanKind
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.ensemble.plan import EnsemblePlan, PlanStep
+from pipeline.protocol.codec import (
+    Tensor,
+    infer_response,
+    request_tensors,
+    requested_outputs,
+    response_tensors,
+    validate_inputs,
+)
+from pipeline.protocol.errors import ConfigError, DeadlineExceeded, InvalidInput, ItemError, StageError
+from pipeline.protocol.types import BatchingConfig
+from pipeline.router.batching import DynamicBatcher
+from pipeline.router.caching import ResponseCaching
+from pipeline.router.merge import StageCall, TensorBatching
+from pipeline.router.registry import ModelRegistry, batch_items
+from pipeline.router.stage_client import StageClient
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.servicer import CallContext
+from pipeline.runtime.telemetry import MODEL, PEER, STAGE, Telemetry
+
+log = logging.getLogger(__name__)
+
+
+class StageCalls:
+    """Calls the stage models, unbatched or through their batchers, and counts every call.
+
+    The batchers and statistics are the `registry`'s; `caching` hears which version answered each call.
+    """
+
+    def __init__(
+        self, registry: ModelRegistry, caching: ResponseCaching, *, telemetry: Telemetry, metrics: Metrics
+    ) -> None:
+        self.registry = registry
+        self.caching = caching
+        self.telemetry = telemetry
+        self.metrics = metrics
+
+    # --- one request, one stage call -----------------------------------------------------------------
+
+    async def call(
+        self,
+        client: StageClient,
+        request: pb.ModelInferRequest,
+        *,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str | bytes]],
+        what: str,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> pb.ModelInferResponse:
+        """Send one request to its stage model unbatched, and count it; `what` names the step or model in
+        errors, `attributes` go on the call's span (whose context goes to the stage in the metadata)."""
+        model = request.model_name
+        stats = self.registry.stats.get(model)
+        first = request.inputs[0].shape if request.inputs else ()
+        items = batch_items(self.registry.signatures.get(model), first)
+        started = time.perf_counter_ns()
+        try:
+            if self.telemetry.enabled:
+                with self._span(model, client, attributes or {}):
+                    response = await client.call(
+                        "ModelInfer",
+                        request,
+                        timeout=timeout,
+                        metadata=self.telemetry.inject(metadata),
+                        what=what,
+                    )
+            else:
+                response = await client.call(
+                    "ModelInfer", request, timeout=timeout, metadata=metadata, what=what
+                )
+        except BaseException:
+            if stats is not None:
+                stats.request_failed(time.perf_counter_ns() - started)
+            raise
+        elapsed = time.perf_counter_ns() - started
+        if stats is not None:
+            # NOTE: an unbatched call executes once per request, taking it whole.
+            stats.request_done(items=items, total_ns=elapsed, compute_ns=elapsed)
+            stats.batch_done(items, elapsed)
+        self.metrics.compute_duration.labels(model).observe(elapsed / 1e9)
+        self.metrics.batch_size.labels(model).observe(items)
+        self.caching.observe_version(model, request.model_version, response.model_version)
+        return response
+
+    def _span(self, model: str, client: StageClient, attributes: Mapping[str, Any]):
+        """The span of one unbatched stage call."""
+        return self.telemetry.span(
+            f"ModelInfer {model}",
+            {MODEL: model, STAGE: client.endpoint.name, PEER: client.endpoint.address, **attributes},
+            kind=SpanKind.CLIENT,
+        )
+
+    async def forward(
+        self, client: StageClient, request: pb.ModelInferRequest, call: CallContext
+    ) -> pb.ModelInferResponse:
+        """A client's request for a stage model without a batcher: sent to its stage as it came."""
+        what = f"model '{request.model_name}'"
+        return await self.call(client, request, timeout=call.timeout, metadata=call.metadata, what=what)
+
+    # --- batches -------------------------------------------------------------------------------------
+
+    def batch_steps(self, plans: Iterable[EnsemblePlan], clients: Mapping[str, StageClient]) -> None:
+        """Give the model of every batched step its batcher (`clients`: each step's stage's)."""
+        for plan in plans:
+            for step in plan.steps:
+                batching = self._batching(step)
+                if batching is not None and step.model_name not in self.registry.batchers:
+                    self.add_batcher(step.model_name, clients[step.stage], batching)
+
+    def _batching(self, step: PlanStep) -> BatchingConfig | None:
+        """How a step's model is batched: as the ensemble says, else as the model's own config says."""
+        if step.batching is not None or not step.model_batching:
+            return step.batching
+        own = self.registry.signatures[step.model_name].batching
+        if own is not None and step.model_name not in self.registry.batchers:
+            log.info("model '%s': batched as its own dynamic_batching says (%s)", step.model_name, own)
+        return own
+
+    def add_batcher(self, model: str, client: StageClient, config: BatchingConfig) -> None:
+        """Queue the calls of `model` (on `client`'s stage) and send them as batches, as `config` says; raises
+        `ConfigError` when the batches would be larger than the model takes."""
+        signature = self.registry.signatures[model]
+        if signature.max_batch_size and config.max_batch_size > signature.max_batch_size:
+            raise ConfigError(
+                f"model '{model}': dynamic_batching max_batch_size {config.max_batch_size} is larger than the "
+                f"stage model's own max_batch_size {signature.max_batch_size}"
+            )
+        tensors = TensorBatching(signature)
+        name = f"stage '{client.endpoint.name}' (model '{model}')"
+
+        async def execute(calls: Sequence[StageCall]) -> list[dict[str, Tensor] | BaseException]:
+            return await self._execute_batch(model, client, tensors, calls)
+
+        batcher: DynamicBatcher[StageCall, dict[str, Tensor]] = DynamicBatcher(
+            name,
+            execute,
+            config,
+            telemetry=self.telemetry,
+            metrics=self.metrics,
+            model=model,
+            replicas=lambda: client.replicas.ready_count,
+        )
+        client.replicas.listeners.append(batcher.replicas_changed)
+        batcher.start()
+        self.registry.batchers[model] = (batcher, tensors)
+
+    async def infer_batched(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+        """A client's call of a stage model that has a batcher: it queues like the ensembles' calls."""
+        name = request.model_name
+        signature = self.registry.signatures[name]
+        batcher, _ = self.registry.batchers[name]
+        inputs = validate_inputs(
+            name, request_tensors(request), signature.inputs, batcher.config.max_batch_size
+        )
+        wanted = requested_outputs(request, signature.outputs, name)
+        deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        stage_call = StageCall(inputs, tuple(wanted), request.model_version, deadline)
+        outputs = await self.submit(
+            name, stage_call, deadline, request.parameters, self.telemetry.current_span()
+        )
+        return infer_response(name, request.model_version, request.id, (outputs[n] for n in wanted))
+
+    async def submit(
+        self,
+        model: str,
+        stage_call: StageCall,
+        deadline: float | None,
+        parameters: Mapping[str, pb.InferParameter],
+        span: Span | None = None,
+        *,
+        expected: bool = False,
+    ) -> dict[str, Tensor]:
+        """Queue one request's call of a batched model and wait for its outputs; `parameters` may give its
+        `priority` and queue `timeout`, `expected`: announced to the batcher by `expect()`."""
+        batcher, tensors = self.registry.batchers[model]
+        try:
+            priority = batcher.priority_of(_int_parameter(parameters, "priority"))
+            queue_deadline = batcher.deadline_of(deadline, _int_parameter(parameters, "timeout"))
+            key = tensors.key(stage_call)
+        except BaseException:
+            if expected:
+                batcher.unexpect()
+            raise
+        return await batcher.submit(
+            stage_call,
+            size=stage_call.size,
+            key=key,
+            deadline=queue_deadline,
+            priority=priority,
+            span=span,
+            expected=expected,
+        )
+
+    async def _execute_batch(
+        self, model: str, client: StageClient, tensors: TensorBatching, calls: Sequence[StageCall]
+    ) -> list[dict[str, Tensor] | BaseException]:
+        """One stage call for a batch of requests; an item the stage refuses fails only its request."""
+        request = pb.ModelInferRequest(model_name=model, model_version=calls[0].version)
+        for tensor in tensors.merge(calls):
+            request.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+            request.raw_input_contents.append(tensor.raw)
+        for name in dict.fromkeys(name for call in calls for name in call.outputs):
+            request.outputs.add(name=name)
+        what = f"a batch of {len(calls)} requests for model '{model}'"
+        metadata: Sequence[tuple[str, str | bytes]] = ()
+        if self.telemetry.enabled:
+            # The batcher made the batch span current: the stage continues it.
+            span = self.telemetry.current_span()
+            if span is not None:
+                span.set_attributes({STAGE: client.endpoint.name, PEER: client.endpoint.address})
+            metadata = self.telemetry.inject(())
+        # The batch's deadline is its last member's: the stage works on while anyone still waits for it.
+        deadlines = [call.deadline for call in calls if call.deadline is not None]
+        timeout = None
+        if len(deadlines) == len(calls):
+            timeout = max(deadlines) - time.monotonic()
+            if timeout <= 0:
+                raise DeadlineExceeded(f"deadline exceeded before {what} was sent")
+        try:
+            response = await client.call("ModelInfer", request, timeout=timeout, metadata=metadata, what=what)
+        except StageError as err:
+            refused = _item_errors(err, calls) if len(calls) > 1 else {}
+            if not refused or len(refused) == len(calls):
+                if refused:  # every request carried a bad item: each hears of its own
+                    return [refused[i] for i in range(len(calls))]
+                raise
+            # Answer the requests whose items were refused, and send the others again without them: one
+            # more stage call, however many items were bad (the stage reports them all).
+            if self.telemetry.enabled and (span := self.telemetry.current_span()) is not None:
+                span.add_event(
+                    "items refused; the rest sent again", {"pipeline.batch.items": sorted(refused)}
+                )
+            rest = [call for i, call in enumerate(calls) if i not in refused]
+            answers = iter(await self._execute_batch(model, client, tensors, rest))
+            return [refused[i] if i in refused else next(answers) for i in range(len(calls))]
+        self.caching.observe_version(model, calls[0].version, response.model_version)
+        return list(tensors.split(response_tensors(response), calls))
+
+
+#: A foreign stage's refusal names its item only in the message (`NAME[i]: ...`); ours send details.
+_ITEM = re.compile(r"\b([A-Za-z_][\w.]*)\[(\d+)\]")
+
+
+def _item_errors(err: StageError, calls: Sequence[StageCall]) -> dict[int, StageError]:
+    """Which requests of a batch a stage's INVALID_ARGUMENT refused, each with its own error (its items'
+    indices made its own). The items come from the error's `BadRequest` details; from a stage that sends
+    none, the first `NAME[i]` of the message."""
+    if err.code != grpc.StatusCode.INVALID_ARGUMENT:
+        return {}
+    items = list(err.items)
+    if not items:
+        match = _ITEM.search(err.message)
+        if match is None:
+            return {}
+        items = [ItemError(match.group(1), int(match.group(2)), err.message[match.end() :].lstrip(": "))]
+    starts = list(itertools.accumulate((call.size for call in calls), initial=0))
+    mine: dict[int, list[ItemError]] = {}
+    for item in items:
+        index = bisect.bisect_right(starts, item.index) - 1
+        if not 0 <= index < len(calls) or item.index >= starts[-1]:
+            return {}  # an index outside the batch: the error is not about items of this batch
+        mine.setdefault(index, []).append(
+            ItemError(item.tensor, item.index - starts[index], item.description)
+        )
+    return {
+        index: StageError(InvalidInput.for_items(own).message, err.code, items=own)
+        for index, own in mine.items()
+    }
+
+
+def _int_parameter(parameters: Mapping[str, pb.InferParameter], key: str) -> int | None:
+    """A request parameter given as int64 or uint64 (`priority`, `timeout`), or None."""
+    if key not in parameters:
+        return None
+    param = parameters[key]
+    choice = param.WhichOneof("parameter_choice")
+    if choice in ("int64_param", "uint64_param"):
+        return int(getattr(param, choice))
+    raise InvalidInput(f"request parameter '{key}' must be an integer, got {choice}")

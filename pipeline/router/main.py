@@ -1,0 +1,317 @@
+"""The router process: its flags, what they say to serve, and the server around `RouterPlane`.
+
+`serve_router` listens (gRPC, and HTTP/REST beside it), waits for the stages and checks the plans, then
+reports SERVING; `run_router` is the `pipeline router` command, one process or `--workers` of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from pipeline.ensemble.catalog import load_catalog
+from pipeline.ensemble.plan import Catalog
+from pipeline.protocol.errors import ConfigError
+from pipeline.router.http import RestFrontDoor, RestServer, add_http_arguments
+from pipeline.router.plane import RouterPlane
+from pipeline.router.targets import RESOLVE_INTERVAL_S, Resolve
+from pipeline.router.workers import WorkerPeers, run_workers
+from pipeline.runtime.arguments import add_server_arguments, bytes_argument, positive_int
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.security import (
+    AccessPolicy,
+    SecurityConfigError,
+    access_policy_of,
+    add_client_tls_arguments,
+    channel_credentials,
+    interceptors_of,
+    server_credentials_of,
+    stage_token_of,
+)
+from pipeline.runtime.server import (
+    INFERENCE_SERVICE,
+    configure_logging,
+    create_server,
+    serve,
+    set_serving,
+    start_metrics,
+    write_port,
+)
+from pipeline.runtime.servicer import InferenceServicer
+from pipeline.runtime.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+#: The stages of a router given a model repository and no `--stage`: the environment variables that the
+#: example ensembles and `pipeline run` use, and their defaults.
+DEFAULT_STAGES = (
+    ("preprocess", "PREPROCESS_ADDRESS", "127.0.0.1:8101"),
+    ("model", "MODEL_ADDRESS", "127.0.0.1:8102"),
+    ("postprocess", "POSTPROCESS_ADDRESS", "127.0.0.1:8103"),
+)
+
+
+def stage_argument(value: str) -> tuple[str, str]:
+    """An argparse type: `NAME=ADDRESS`."""
+    name, sep, address = value.partition("=")
+    if not sep or not name.strip() or not address.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=ADDRESS (e.g. model=127.0.0.1:8102), got {value!r}")
+    return name.strip(), address.strip()
+
+
+def router_catalog(args: argparse.Namespace) -> Catalog:
+    """What the router's flags say to serve: the YAML ensembles, the model repository's ensembles and the
+    stages. Without `--stage`, a router given a repository calls the stages `DEFAULT_STAGES` names."""
+    model_dir: Path | None = getattr(args, "model_dir", None)
+    if model_dir is not None and not model_dir.is_dir():
+        raise ConfigError(f"--model-dir {model_dir}: no such folder")
+    stages: dict[str, str] = {}
+    for key, address in getattr(args, "stage", None) or ():
+        if key in stages:
+            raise ConfigError(f"--stage {key}: given twice ({stages[key]} and {address})")
+        stages[key] = address
+    if not stages and model_dir is not None:
+        # Like the ensemble files' ${VAR:-default}: an empty variable counts as unset.
+        stages = {key: os.environ.get(var) or default for key, var, default in DEFAULT_STAGES}
+    ensembles = args.ensembles
+    if ensembles is None:
+        default = Path(os.environ.get("PIPELINE_ENSEMBLES", "ensembles"))
+        # A router serving a repository needs no ensemble files, unless they are asked for.
+        quiet = model_dir is not None and "PIPELINE_ENSEMBLES" not in os.environ and not default.exists()
+        ensembles = [] if quiet else [default]
+    return load_catalog(ensembles, repository=model_dir, stages=stages)
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser, service="router", default_port=8001, default_metrics_port=8002)
+    parser.add_argument(
+        "--ensembles",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="ensemble YAML files or folders of them (env PIPELINE_ENSEMBLES; default: ensembles, which a "
+        "router given --model-dir may lack)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        "--model-repository",
+        type=Path,
+        default=Path(os.environ["PIPELINE_MODEL_DIR"]) if os.environ.get("PIPELINE_MODEL_DIR") else None,
+        help="the Triton model repository the stages serve: its config.pbtxt ensembles (platform "
+        '"ensemble") are served beside the YAML ones (env PIPELINE_MODEL_DIR)',
+    )
+    parser.add_argument(
+        "--stage",
+        type=stage_argument,
+        action="append",
+        metavar="NAME=ADDRESS",
+        help="a stage service the router calls (repeatable): it serves the steps that name it, and the steps "
+        "that name no stage whose model its RepositoryIndex lists; every model of its repository is served "
+        "here too. Default with --model-dir: "
+        + ", ".join(f"{key}=${var} (else {default})" for key, var, default in DEFAULT_STAGES),
+    )
+    parser.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=int(os.environ.get("PIPELINE_MAX_INFLIGHT_REQUESTS", 1024)),
+        help="inference requests held at once; more are refused with UNAVAILABLE, so memory stays bounded "
+        "under overload; 0 for no limit (env PIPELINE_MAX_INFLIGHT_REQUESTS; default %(default)s)",
+    )
+    parser.add_argument(
+        "--cache-size",
+        type=bytes_argument,
+        default=bytes_argument(os.environ.get("PIPELINE_CACHE_SIZE", "0")),
+        help="bytes of the response cache (suffixes k, M, G: powers of 1024), for the stage models and ensembles "
+        "whose config enables response_cache; Triton's --cache-config local,size=N; 0 turns it off "
+        "(env PIPELINE_CACHE_SIZE; default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-batch-items",
+        type=positive_int,
+        default=int(os.environ.get("PIPELINE_MAX_BATCH_ITEMS", 1024)),
+        help="items (dimension 0) one request may carry, whatever the model allows "
+        "(env PIPELINE_MAX_BATCH_ITEMS; default %(default)s)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=positive_int,
+        default=int(os.environ.get("PIPELINE_ROUTER_WORKERS", 1)),
+        help="router processes serving the same ports (SO_REUSEPORT: the kernel spreads connections over "
+        "them); each batches its own share, and metrics and statistics cover them all "
+        "(env PIPELINE_ROUTER_WORKERS; default %(default)s)",
+    )
+    parser.add_argument(
+        "--resolve-interval",
+        type=float,
+        default=RESOLVE_INTERVAL_S,
+        help="seconds between look-ups of the stages' DNS names: a new replica gets calls, and one that is "
+        "gone stops getting them, within about this long (env PIPELINE_RESOLVE_INTERVAL_S; default "
+        "%(default)s)",
+    )
+    add_http_arguments(parser)
+    add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
+
+
+def router_plane(
+    args: argparse.Namespace,
+    catalog: Catalog,
+    *,
+    telemetry: Telemetry,
+    metrics: Metrics,
+    resolve: Resolve | None = None,
+) -> RouterPlane:
+    """The router's data plane as its flags say (`resolve` looks the stages' DNS names up)."""
+    return RouterPlane(
+        catalog,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        telemetry=telemetry,
+        metrics=metrics,
+        stage_credentials=channel_credentials(
+            getattr(args, "stage_tls_ca", None),
+            getattr(args, "stage_tls_cert", None),
+            getattr(args, "stage_tls_key", None),
+        ),
+        stage_token=stage_token_of(args),
+        max_inflight_requests=getattr(args, "max_inflight_requests", 0),
+        max_batch_items=getattr(args, "max_batch_items", 0),
+        cache_size=getattr(args, "cache_size", 0),
+        resolve_interval=getattr(args, "resolve_interval", None),
+        resolve=resolve,
+    )
+
+
+def _readiness(health_servicer: health.aio.HealthServicer) -> Callable[[bool], Awaitable[None]]:
+    """What reports the router's readiness on its health service."""
+
+    async def readiness(ready: bool) -> None:
+        # "" is liveness: SERVING from the end of start-up until shutdown, whatever the stages do, so
+        # that no probe restarts a router that only waits for a stage. The inference service is readiness:
+        # SERVING exactly while ServerReady is true (every stage healthy).
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await health_servicer.set(INFERENCE_SERVICE, status)
+
+    return readiness
+
+
+def _front_door(servicer: InferenceServicer, args: argparse.Namespace, policy: AccessPolicy) -> RestFrontDoor:
+    """The HTTP/REST endpoints over the gRPC servicer, with its tokens and message limit."""
+    return RestFrontDoor(
+        servicer, authenticator=policy.tokens, max_body_bytes=args.max_message_mb * 1024 * 1024
+    )
+
+
+async def _listen(
+    args: argparse.Namespace,
+    servicer: InferenceServicer,
+    health_servicer: health.aio.HealthServicer,
+    policy: AccessPolicy,
+) -> tuple[grpc.aio.Server, int]:
+    """The router's gRPC server, listening where its flags say, with their TLS and access policy."""
+    return await create_server(
+        f"{args.host}:{args.port}",
+        servicer,
+        health_servicer,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        credentials=server_credentials_of(args),
+        interceptors=interceptors_of(policy),
+        reuse_port=args.reuse_port,
+    )
+
+
+async def serve_router(
+    args: argparse.Namespace,
+    *,
+    catalog: Catalog | None = None,
+    stopping: asyncio.Event | None = None,
+    bound: Callable[[int], None] | None = None,
+    telemetry: Telemetry | None = None,
+    metrics: Metrics | None = None,
+    http_bound: Callable[[int], None] | None = None,
+    resolve: Resolve | None = None,
+) -> None:
+    """Serve the ensembles until a signal (or `stopping`): listen, wait for the stages and check the plans,
+    then SERVING. `bound` is called with the port once the server listens (`http_bound` with the HTTP
+    port, first). `telemetry` defaults to tracing configured by the environment, `metrics` to a registry
+    of this server's own."""
+    if catalog is None:
+        catalog = router_catalog(args)
+    owned = telemetry is None
+    telemetry = Telemetry.from_env("router") if telemetry is None else telemetry
+    metrics = Metrics() if metrics is None else metrics
+    policy = access_policy_of(args)
+    plane = router_plane(args, catalog, telemetry=telemetry, metrics=metrics, resolve=resolve)
+    plane.peers = peers = WorkerPeers.from_env()
+    # A worker of `--workers N` shares its ports with the others.
+    args.reuse_port = peers is not None
+    health_servicer = health.aio.HealthServicer()
+    await set_serving(health_servicer, False)
+    servicer = InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics)
+    rest = RestServer(_front_door(servicer, args, policy), grace=args.grace_period)
+    server, port = await _listen(args, servicer, health_servicer, policy)
+    monitor: asyncio.Task[None] | None = None
+
+    async def start() -> None:
+        nonlocal monitor
+        if peers is not None:
+            await peers.start(plane.local_statistics)
+        start_metrics(metrics, args)
+        await rest.start(args, http_bound)
+        write_port(args.port_file, port)
+        if bound is not None:
+            bound(port)
+        log.info(
+            "router listening on %s:%d; waiting for stages %s",
+            args.host,
+            port,
+            ", ".join(plane.stages.clients),
+        )
+        await plane.discover()
+        await set_serving(health_servicer, True)
+        monitor = asyncio.create_task(plane.monitor(on_ready=_readiness(health_servicer)))
+        log.info("router serving ensembles %s on %s:%d", ", ".join(catalog.ensembles), args.host, port)
+
+    async def stop() -> None:
+        if monitor is not None:
+            monitor.cancel()
+        await rest.stop()
+        if peers is not None:
+            await peers.stop()
+        await plane.close()
+        metrics.close()
+        if owned:
+            # Flushing may wait on an exporter's endpoint: not on the event loop.
+            await asyncio.to_thread(telemetry.shutdown)
+
+    await serve(
+        server,
+        health_servicer,
+        grace=args.grace_period,
+        start=start,
+        stop=stop,
+        stopping=stopping,
+        drain_delay=getattr(args, "drain_delay", 0.0),
+    )
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Entry point of the router process."""
+    configure_logging(args.log_level, "router")
+    if args.workers > 1:
+        return run_workers(args, sys.argv[1:])
+    try:
+        asyncio.run(serve_router(args))
+    except (ConfigError, SecurityConfigError) as err:
+        log.error("%s", err)
+        return 2
+    return 0
