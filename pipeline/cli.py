@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from pipeline.runtime import settings
 
 
 def _infer(args: argparse.Namespace) -> int:
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     infer.add_argument(
         "--url",
         "-u",
-        default=os.environ.get("PIPELINE_URL", "127.0.0.1:8001"),
+        default=settings.URL.get(),
         help="host:port of the router",
     )
     infer.add_argument(
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     add_client_tls_arguments(infer, prefix="", env_prefix="PIPELINE_CLIENT_")
     infer.add_argument(
         "--token",
-        default=os.environ.get("PIPELINE_TOKEN") or None,
+        default=settings.TOKEN.get(),
         help="bearer token for a router that asks for one (env PIPELINE_TOKEN)",
     )
     infer.set_defaults(func=_infer)

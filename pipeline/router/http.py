@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -34,7 +33,7 @@ from pipeline.router.rest_codec import (
     json_object,
     metadata_json,
 )
-from pipeline.runtime.metrics import metrics_port
+from pipeline.runtime import settings
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
     Scope,
@@ -330,12 +329,12 @@ class RestServer:
             await runner.cleanup()
 
 
-def add_http_arguments(parser: argparse.ArgumentParser, default_port: int = 8000) -> None:
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     """`--http-port` and `--http-port-file` (env `PIPELINE_HTTP_PORT`)."""
     parser.add_argument(
         "--http-port",
-        type=metrics_port,
-        default=metrics_port(os.environ.get("PIPELINE_HTTP_PORT", str(default_port))),
+        type=settings.port_or_off,
+        default=settings.HTTP_PORT.get(),
         help="port of the HTTP/REST side of the protocol, 0 for one the OS picks, 'off' for none "
         "(env PIPELINE_HTTP_PORT; default %(default)s)",
     )

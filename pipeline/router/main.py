@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -22,9 +21,10 @@ from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ConfigError
 from pipeline.router.http import RestFrontDoor, RestServer, add_http_arguments
 from pipeline.router.plane import RouterPlane
-from pipeline.router.targets import RESOLVE_INTERVAL_S, Resolve
+from pipeline.router.targets import Resolve
 from pipeline.router.workers import WorkerPeers, run_workers
-from pipeline.runtime.arguments import add_server_arguments, bytes_argument, positive_int
+from pipeline.runtime import settings
+from pipeline.runtime.arguments import add_server_arguments, positive_int
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.security import (
     AccessPolicy,
@@ -51,15 +51,6 @@ from pipeline.runtime.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 
-#: The stages of a router given a model repository and no `--stage`: the environment variables that the
-#: example ensembles and `pipeline run` use, and their defaults.
-DEFAULT_STAGES = (
-    ("preprocess", "PREPROCESS_ADDRESS", "127.0.0.1:8101"),
-    ("model", "MODEL_ADDRESS", "127.0.0.1:8102"),
-    ("postprocess", "POSTPROCESS_ADDRESS", "127.0.0.1:8103"),
-)
-
-
 def stage_argument(value: str) -> tuple[str, str]:
     """An argparse type: `NAME=ADDRESS`."""
     name, sep, address = value.partition("=")
@@ -70,7 +61,7 @@ def stage_argument(value: str) -> tuple[str, str]:
 
 def router_catalog(args: argparse.Namespace) -> Catalog:
     """What the router's flags say to serve: the YAML ensembles, the model repository's ensembles and the
-    stages. Without `--stage`, a router given a repository calls the stages `DEFAULT_STAGES` names."""
+    stages. Without `--stage`, a router given a repository calls the three stages at their `<STAGE>_ADDRESS`."""
     model_dir: Path | None = getattr(args, "model_dir", None)
     if model_dir is not None and not model_dir.is_dir():
         raise ConfigError(f"--model-dir {model_dir}: no such folder")
@@ -80,19 +71,18 @@ def router_catalog(args: argparse.Namespace) -> Catalog:
             raise ConfigError(f"--stage {key}: given twice ({stages[key]} and {address})")
         stages[key] = address
     if not stages and model_dir is not None:
-        # Like the ensemble files' ${VAR:-default}: an empty variable counts as unset.
-        stages = {key: os.environ.get(var) or default for key, var, default in DEFAULT_STAGES}
+        stages = {stage: settings.stage_address(stage).get() for stage in settings.STAGES}
     ensembles = args.ensembles
     if ensembles is None:
-        default = Path(os.environ.get("PIPELINE_ENSEMBLES", "ensembles"))
+        default = settings.ENSEMBLES.get()
         # A router serving a repository needs no ensemble files, unless they are asked for.
-        quiet = model_dir is not None and "PIPELINE_ENSEMBLES" not in os.environ and not default.exists()
+        quiet = model_dir is not None and not settings.ENSEMBLES.given() and not default.exists()
         ensembles = [] if quiet else [default]
     return load_catalog(ensembles, repository=model_dir, stages=stages)
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
-    add_server_arguments(parser, service="router", default_port=8001, default_metrics_port=8002)
+    add_server_arguments(parser, service="router")
     parser.add_argument(
         "--ensembles",
         type=Path,
@@ -105,7 +95,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-dir",
         "--model-repository",
         type=Path,
-        default=Path(os.environ["PIPELINE_MODEL_DIR"]) if os.environ.get("PIPELINE_MODEL_DIR") else None,
+        default=settings.Setting(settings.MODEL_DIR.variable, None, Path).get(),
         help="the Triton model repository the stages serve: its config.pbtxt ensembles (platform "
         '"ensemble") are served beside the YAML ones (env PIPELINE_MODEL_DIR)',
     )
@@ -117,19 +107,22 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="a stage service the router calls (repeatable): it serves the steps that name it, and the steps "
         "that name no stage whose model its RepositoryIndex lists; every model of its repository is served "
         "here too. Default with --model-dir: "
-        + ", ".join(f"{key}=${var} (else {default})" for key, var, default in DEFAULT_STAGES),
+        + ", ".join(
+            f"{stage}=${settings.stage_address(stage).variable} (else {settings.stage_address(stage).default})"
+            for stage in settings.STAGES
+        ),
     )
     parser.add_argument(
         "--max-inflight-requests",
         type=int,
-        default=int(os.environ.get("PIPELINE_MAX_INFLIGHT_REQUESTS", 1024)),
+        default=settings.MAX_INFLIGHT_REQUESTS.get(),
         help="inference requests held at once; more are refused with UNAVAILABLE, so memory stays bounded "
         "under overload; 0 for no limit (env PIPELINE_MAX_INFLIGHT_REQUESTS; default %(default)s)",
     )
     parser.add_argument(
         "--cache-size",
-        type=bytes_argument,
-        default=bytes_argument(os.environ.get("PIPELINE_CACHE_SIZE", "0")),
+        type=settings.byte_count,
+        default=settings.CACHE_SIZE.get(),
         help="bytes of the response cache (suffixes k, M, G: powers of 1024), for the stage models and ensembles "
         "whose config enables response_cache; Triton's --cache-config local,size=N; 0 turns it off "
         "(env PIPELINE_CACHE_SIZE; default %(default)s)",
@@ -137,14 +130,14 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-batch-items",
         type=positive_int,
-        default=int(os.environ.get("PIPELINE_MAX_BATCH_ITEMS", 1024)),
+        default=settings.MAX_BATCH_ITEMS.get(),
         help="items (dimension 0) one request may carry, whatever the model allows "
         "(env PIPELINE_MAX_BATCH_ITEMS; default %(default)s)",
     )
     parser.add_argument(
         "--workers",
         type=positive_int,
-        default=int(os.environ.get("PIPELINE_ROUTER_WORKERS", 1)),
+        default=settings.ROUTER_WORKERS.get(),
         help="router processes serving the same ports (SO_REUSEPORT: the kernel spreads connections over "
         "them); each batches its own share, and metrics and statistics cover them all "
         "(env PIPELINE_ROUTER_WORKERS; default %(default)s)",
@@ -152,7 +145,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resolve-interval",
         type=float,
-        default=RESOLVE_INTERVAL_S,
+        default=settings.RESOLVE_INTERVAL_S.get(),
         help="seconds between look-ups of the stages' DNS names: a new replica gets calls, and one that is "
         "gone stops getting them, within about this long (env PIPELINE_RESOLVE_INTERVAL_S; default "
         "%(default)s)",

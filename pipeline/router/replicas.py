@@ -22,7 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.router.retry import StageRetry
-from pipeline.router.targets import RESOLVE_INTERVAL_S, Resolve, Target, resolve_dns, tls_name
+from pipeline.router.targets import Resolve, Target, resolve_dns, tls_name
+from pipeline.runtime import settings
 from pipeline.runtime.server import server_options
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ class Replicas:
         self.retry = retry
         self.target = Target.parse(address)
         self._resolve = resolve or resolve_dns
-        self.resolve_interval = RESOLVE_INTERVAL_S if resolve_interval is None else resolve_interval
+        self.resolve_interval = (
+            settings.RESOLVE_INTERVAL_S.get() if resolve_interval is None else resolve_interval
+        )
         self._credentials = credentials
         self._auth = tuple(auth)
         self._options: list[tuple[str, str | int]] = [

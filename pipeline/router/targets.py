@@ -7,15 +7,9 @@ looks up again and again (`dns:///host:port`, plain `host:port`), so that replic
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-
-#: Seconds between look-ups of a stage's DNS name (env `PIPELINE_RESOLVE_INTERVAL_S`): a replica that starts
-#: gets calls within about this long, and one that is gone from DNS stops getting them as promptly.
-RESOLVE_INTERVAL_S = float(os.environ.get("PIPELINE_RESOLVE_INTERVAL_S", "5"))
-
 
 #: How a stage target's addresses are found: `(host, port) -> ["ip:port", ...]`. Tests inject their own.
 Resolve = Callable[[str, int], Awaitable[list[str]]]

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 
-from pipeline.runtime.metrics import metrics_port
+from pipeline.runtime import settings
 from pipeline.runtime.security import (
     add_auth_arguments,
     add_tls_arguments,
@@ -28,25 +27,18 @@ def add_server_arguments(
     parser: argparse.ArgumentParser,
     *,
     service: str,
-    default_port: int,
-    default_metrics_port: int | None = None,
 ) -> None:
-    """Flags every service takes; each defaults from a `PIPELINE_...` environment variable.
-
-    The metrics port defaults to `default_metrics_port`, else the service's port plus 100 (8101 -> 8201).
-    """
+    """Flags every service takes; each defaults from its `PIPELINE_...` variable (`pipeline.runtime.settings`)."""
     env = service.upper()
-    if default_metrics_port is None:
-        default_metrics_port = default_port + 100
     parser.add_argument(
         "--host",
-        default=os.environ.get("PIPELINE_HOST", "127.0.0.1"),
+        default=settings.HOST.get(),
         help="address to listen on (env PIPELINE_HOST; 0.0.0.0 in containers)",
     )
     parser.add_argument(
         "--port",
         type=int,
-        default=int(os.environ.get(f"PIPELINE_{env}_PORT", default_port)),
+        default=settings.port(service).get(),
         help=f"port to listen on, 0 for one the OS picks (env PIPELINE_{env}_PORT)",
     )
     parser.add_argument(
@@ -54,8 +46,8 @@ def add_server_arguments(
     )
     parser.add_argument(
         "--metrics-port",
-        type=metrics_port,
-        default=metrics_port(os.environ.get(f"PIPELINE_{env}_METRICS_PORT", str(default_metrics_port))),
+        type=settings.port_or_off,
+        default=settings.metrics_port(service).get(),
         help=f"port of the Prometheus /metrics endpoint, 0 for one the OS picks, 'off' or negative for none "
         f"(env PIPELINE_{env}_METRICS_PORT; default %(default)s)",
     )
@@ -65,19 +57,19 @@ def add_server_arguments(
     parser.add_argument(
         "--max-message-mb",
         type=positive_int,
-        default=int(os.environ.get("PIPELINE_MAX_MESSAGE_MB", 64)),
+        default=settings.MAX_MESSAGE_MB.get(),
         help="largest gRPC message accepted or sent, in MiB (env PIPELINE_MAX_MESSAGE_MB)",
     )
     parser.add_argument(
         "--grace-period",
         type=float,
-        default=float(os.environ.get("PIPELINE_GRACE_PERIOD", 10.0)),
+        default=settings.GRACE_PERIOD.get(),
         help="seconds in-flight requests get to finish on SIGTERM (env PIPELINE_GRACE_PERIOD)",
     )
     parser.add_argument(
         "--drain-delay",
         type=float,
-        default=float(os.environ.get("PIPELINE_DRAIN_DELAY", 1.0)),
+        default=settings.DRAIN_DELAY.get(),
         help="seconds a stopping server keeps serving while reporting NOT_SERVING, so that clients move "
         "to other replicas first (env PIPELINE_DRAIN_DELAY)",
     )
@@ -85,22 +77,6 @@ def add_server_arguments(
     add_auth_arguments(parser, router=service == "router")
     parser.add_argument(
         "--log-level",
-        default=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
+        default=settings.LOG_LEVEL.get(),
         help="logging level (env PIPELINE_LOG_LEVEL)",
     )
-
-
-def bytes_argument(value: str) -> int:
-    """An argparse type: a number of bytes, with an optional k, M or G suffix (powers of 1024)."""
-    text = value.strip()
-    scale = {"k": 1024, "m": 1024**2, "g": 1024**3}.get(text[-1:].lower(), 1)
-    number = text[:-1] if scale > 1 else text
-    try:
-        size = int(float(number) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a size in bytes such as 1048576 or 64M, got {value!r}"
-        ) from None
-    if size < 0:
-        raise argparse.ArgumentTypeError(f"a size cannot be negative, got {value!r}")
-    return size

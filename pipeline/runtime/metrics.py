@@ -38,7 +38,6 @@ also holds Prometheus' standard process collector (`process_cpu_seconds_total`, 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import socket
@@ -344,14 +343,3 @@ def _triton_text(stats: Iterable[pb.ModelStatistics], pending: dict[str, float])
         for s in stats
     ]
     return ("\n".join(lines) + "\n").encode()
-
-
-def metrics_port(text: str) -> int | None:
-    """An argparse type for `--metrics-port`: a port, 0 for one the OS picks, `off` or negative for none."""
-    if text.strip().lower() in ("off", "none", ""):
-        return None
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number or 'off', got {text!r}") from None
-    return None if port < 0 else port

@@ -36,6 +36,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from pipeline.runtime import settings
+
 log = logging.getLogger(__name__)
 
 _INFERENCE = "/inference.GRPCInferenceService/"
@@ -112,18 +114,17 @@ def channel_credentials(
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     """`--tls-cert`, `--tls-key`, `--tls-ca` for a server (env `PIPELINE_TLS_CERT`, ...)."""
-    env = os.environ.get
     parser.add_argument(
         "--tls-cert",
-        default=env("PIPELINE_TLS_CERT") or None,
+        default=settings.TLS_CERT.get(),
         help="PEM certificate (chain): serve with TLS only (env PIPELINE_TLS_CERT)",
     )
     parser.add_argument(
-        "--tls-key", default=env("PIPELINE_TLS_KEY") or None, help="PEM private key (env PIPELINE_TLS_KEY)"
+        "--tls-key", default=settings.TLS_KEY.get(), help="PEM private key (env PIPELINE_TLS_KEY)"
     )
     parser.add_argument(
         "--tls-ca",
-        default=env("PIPELINE_TLS_CA") or None,
+        default=settings.TLS_CA.get(),
         help="PEM CA: clients must present a certificate signed by it, i.e. mutual TLS (env PIPELINE_TLS_CA)",
     )
 
@@ -164,7 +165,6 @@ def server_ssl_context_of(args: argparse.Namespace) -> ssl.SSLContext | None:
 
 def add_client_tls_arguments(parser: argparse.ArgumentParser, *, prefix: str, env_prefix: str) -> None:
     """`--<prefix>tls-ca/cert/key` for a client side (env `<env_prefix>TLS_CA`, ...)."""
-    env = os.environ.get
     for part, text in (
         ("ca", "PEM CA that signed the server's certificate (turns TLS on)"),
         ("cert", "PEM client certificate, for servers that require one (mutual TLS)"),
@@ -173,7 +173,7 @@ def add_client_tls_arguments(parser: argparse.ArgumentParser, *, prefix: str, en
         variable = f"{env_prefix}TLS_{part.upper()}"
         parser.add_argument(
             f"--{prefix}tls-{part}",
-            default=env(variable) or None,
+            default=settings.Setting(variable, None, str).get(),
             help=f"{text} (env {variable})",
         )
 
@@ -244,24 +244,23 @@ class TokenAuthenticator:
 def add_auth_arguments(parser: argparse.ArgumentParser, *, router: bool = False) -> None:
     """Every server's authentication flags: tokens, and the identities of client certificates. Authentication
     is on when any token is configured, or client certificates are required (`--tls-ca`)."""
-    env = os.environ.get
     parser.add_argument(
         "--auth-tokens-file",
-        default=env("PIPELINE_AUTH_TOKENS_FILE") or None,
+        default=settings.AUTH_TOKENS_FILE.get(),
         help="file of bearer tokens allowed to infer, one a line; with it (or PIPELINE_AUTH_TOKENS, "
         "comma-separated) every RPC but health needs 'authorization: Bearer <token>' "
         "(env PIPELINE_AUTH_TOKENS_FILE)",
     )
     parser.add_argument(
         "--admin-tokens-file",
-        default=env("PIPELINE_ADMIN_TOKENS_FILE") or None,
+        default=settings.ADMIN_TOKENS_FILE.get(),
         help="file of bearer tokens allowed everything, RepositoryModelLoad/Unload included (or "
         "PIPELINE_ADMIN_TOKENS, comma-separated; env PIPELINE_ADMIN_TOKENS_FILE)",
     )
     parser.add_argument(
         "--tls-identities",
         type=identities,
-        default=identities(env("PIPELINE_TLS_IDENTITIES", "")),
+        default=frozenset(settings.TLS_IDENTITIES.get()),
         metavar="NAME[,NAME]",
         help="with --tls-ca: only client certificates whose subject CN or a subject alternative name is one "
         "of these may infer (default: every certificate the CA signed; env PIPELINE_TLS_IDENTITIES)",
@@ -269,7 +268,7 @@ def add_auth_arguments(parser: argparse.ArgumentParser, *, router: bool = False)
     parser.add_argument(
         "--tls-admin-identities",
         type=identities,
-        default=identities(env("PIPELINE_TLS_ADMIN_IDENTITIES", "")),
+        default=frozenset(settings.TLS_ADMIN_IDENTITIES.get()),
         metavar="NAME[,NAME]",
         help="with --tls-ca: client certificates whose subject CN or a subject alternative name is one of "
         "these may do everything, RepositoryModelLoad/Unload included (env PIPELINE_TLS_ADMIN_IDENTITIES)",
@@ -295,11 +294,10 @@ def identities(text: str) -> frozenset[str]:
 def stage_token_of(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str | None:
     """The router's stage token: `--stage-token`, else `PIPELINE_STAGE_TOKEN`, else the first token of the
     file `PIPELINE_STAGE_TOKEN_FILE` names (a mounted secret); None when none is set."""
-    environ = os.environ if environ is None else environ
-    token = getattr(args, "stage_token", None) or environ.get("PIPELINE_STAGE_TOKEN")
+    token = getattr(args, "stage_token", None) or settings.STAGE_TOKEN.get(environ)
     if token:
         return token.strip()
-    from_file = read_tokens(environ.get("PIPELINE_STAGE_TOKEN_FILE"))
+    from_file = read_tokens(settings.STAGE_TOKEN_FILE.get(environ))
     if len(from_file) > 1:
         raise SecurityConfigError("PIPELINE_STAGE_TOKEN_FILE: one token expected, found several")
     return from_file[0] if from_file else None
@@ -310,9 +308,8 @@ def authenticator_of(
 ) -> TokenAuthenticator | None:
     """The authenticator a server's flags and environment ask for, or None when no token is configured.
     With `stage_token` (a stage service) the router's token is accepted too, with the infer scope."""
-    environ = os.environ if environ is None else environ
-    tokens = read_tokens(getattr(args, "auth_tokens_file", None), environ.get("PIPELINE_AUTH_TOKENS"))
-    admin = read_tokens(getattr(args, "admin_tokens_file", None), environ.get("PIPELINE_ADMIN_TOKENS"))
+    tokens = read_tokens(getattr(args, "auth_tokens_file", None), settings.AUTH_TOKENS.get(environ))
+    admin = read_tokens(getattr(args, "admin_tokens_file", None), settings.ADMIN_TOKENS.get(environ))
     router = stage_token_of(args, environ) if stage_token else None
     if router is not None:
         tokens.append(router)

@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
@@ -22,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline.runtime import settings
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.servicer import InferenceServicer
 
@@ -40,9 +40,6 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-#: Clients reconnect after this long, and so look the server's name up again: a router whose stage
-#: address is a DNS name then finds replicas that started after it connected.
-MAX_CONNECTION_AGE_MS = int(float(os.environ.get("PIPELINE_MAX_CONNECTION_AGE_S", "30")) * 1000)
 #: How long calls still open on a recycled connection (streams: the router's health watches) may go on.
 MAX_CONNECTION_AGE_GRACE_MS = 60_000
 
@@ -63,7 +60,7 @@ async def create_server(
     `reuse_port` shares the port with other processes that ask for it too (`SO_REUSEPORT`)."""
     options = [
         *server_options(max_message_bytes),
-        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+        ("grpc.max_connection_age_ms", int(settings.MAX_CONNECTION_AGE_S.get() * 1000)),
         # In-flight calls on a recycled connection get this long to finish.
         ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
     ]

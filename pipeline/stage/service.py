@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +14,7 @@ from grpc_health.v1 import health
 from pipeline.ensemble.catalog import load_ensembles
 from pipeline.ensemble.pbtxt import load_repository_ensembles
 from pipeline.protocol.errors import ConfigError
+from pipeline.runtime import settings
 from pipeline.runtime.arguments import add_server_arguments
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
@@ -48,13 +48,13 @@ def add_repository_arguments(parser: argparse.ArgumentParser, *, service: str) -
     """The model repository flags, in Triton's spelling too: `--model-dir` (alias `--model-repository`, env
     `PIPELINE_MODEL_DIR`) and `--load-model NAME` (repeatable; env `PIPELINE_<SERVICE>_LOAD_MODEL`, names
     separated by commas), which serves only the models named instead of every one the service runs."""
-    env = f"PIPELINE_{service.upper()}_LOAD_MODEL"
+    load = settings.load_models(service)
     parser.add_argument(
         "--model-dir",
         "--model-repository",
         dest="model_dir",
         type=Path,
-        default=Path(os.environ.get("PIPELINE_MODEL_DIR", "model_repository")),
+        default=settings.MODEL_DIR.get(),
         help="the model repository, in Triton's layout (env PIPELINE_MODEL_DIR; default %(default)s)",
     )
     parser.add_argument(
@@ -62,10 +62,10 @@ def add_repository_arguments(parser: argparse.ArgumentParser, *, service: str) -
         action="append",
         metavar="NAME",
         default=None,
-        help=f"serve only this repository model (repeatable; env {env}, comma-separated); without it, "
-        "every model of the repository that this service runs",
+        help=f"serve only this repository model (repeatable; env {load.variable}, comma-separated); without "
+        "it, the models of the repository that run in this service",
     )
-    parser.set_defaults(load_model_env=[n for n in os.environ.get(env, "").split(",") if n.strip()])
+    parser.set_defaults(load_model_env=list(load.get()))
 
 
 def repository_models(args: argparse.Namespace) -> list[str] | None:
@@ -168,18 +168,18 @@ def run_stage_service(
 def add_ensembles_argument(parser: argparse.ArgumentParser) -> None:
     """`--ensembles`: the YAML ensemble files (or folders of them) a Python stage service reads to know which
     of the repository's Python models it serves (`pipeline.stage.placement`)."""
-    default = os.environ.get("PIPELINE_ENSEMBLES", "ensembles")
+    default = settings.ENSEMBLES.get()
     parser.add_argument(
         "--ensembles",
         type=Path,
         nargs="+",
-        default=[Path(default)] if Path(default).exists() else [],
+        default=[default] if default.exists() else [],
         help="ensemble YAML files or folders of them, as the router's (env PIPELINE_ENSEMBLES; default: "
         "ensembles where it exists)",
     )
 
 
-def python_service_parser(service: str, default_port: int) -> argparse.ArgumentParser:
+def python_service_parser(service: str) -> argparse.ArgumentParser:
     """The command line of a Python stage service: the shared server flags, the repository's and
     `--ensembles`."""
     parser = argparse.ArgumentParser(
@@ -187,16 +187,16 @@ def python_service_parser(service: str, default_port: int) -> argparse.ArgumentP
         description=f"Serve the Python models (model.py) of a model repository that run in the {service} "
         "service of their ensembles, over the Open Inference Protocol.",
     )
-    add_server_arguments(parser, service=service, default_port=default_port)
+    add_server_arguments(parser, service=service)
     add_repository_arguments(parser, service=service)
     add_ensembles_argument(parser)
     return parser
 
 
-def python_service_main(service: str, default_port: int, argv: Sequence[str] | None = None) -> None:
+def python_service_main(service: str, argv: Sequence[str] | None = None) -> None:
     """The `preprocess` and `postprocess` services: serve the repository's Python models that run there
     (`pipeline.stage.placement`, or those `--load-model` names) until SIGTERM or SIGINT."""
-    args = python_service_parser(service, default_port).parse_args(argv)
+    args = python_service_parser(service).parse_args(argv)
     configure_logging(args.log_level, service)
     repository = ModelRepository(args.model_dir)
     models = repository_models(args)

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pipeline.runtime.metrics import metrics_port
+from pipeline.runtime import settings
 from pipeline.runtime.security import channel_credentials
 
 log = logging.getLogger("pipeline.launcher")
@@ -132,12 +132,12 @@ def stop(services: list[Service], grace: float) -> None:
             process.wait()
 
 
-#: The variables that turn authentication on in every service (`pipeline.runtime.security`).
-AUTH_VARIABLES = (
-    "PIPELINE_AUTH_TOKENS",
-    "PIPELINE_AUTH_TOKENS_FILE",
-    "PIPELINE_ADMIN_TOKENS",
-    "PIPELINE_ADMIN_TOKENS_FILE",
+#: The settings that turn authentication on in every service (`pipeline.runtime.security`).
+AUTH_SETTINGS = (
+    settings.AUTH_TOKENS,
+    settings.AUTH_TOKENS_FILE,
+    settings.ADMIN_TOKENS,
+    settings.ADMIN_TOKENS_FILE,
 )
 
 
@@ -145,11 +145,11 @@ def stage_token_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The router's stage token for the services' environment: with tokens configured, every stage asks the
     router for one too, so the launcher makes one (unless `PIPELINE_STAGE_TOKEN` or `..._FILE` gives it).
     It travels in the environment, which other users cannot read, not on the command line."""
-    if not any(environ.get(name) for name in AUTH_VARIABLES):
+    if not any(setting.given(environ) for setting in AUTH_SETTINGS):
         return {}
-    if environ.get("PIPELINE_STAGE_TOKEN") or environ.get("PIPELINE_STAGE_TOKEN_FILE"):
+    if settings.STAGE_TOKEN.given(environ) or settings.STAGE_TOKEN_FILE.given(environ):
         return {}
-    return {"PIPELINE_STAGE_TOKEN": secrets.token_urlsafe(32)}
+    return {settings.STAGE_TOKEN.variable: secrets.token_urlsafe(32)}
 
 
 def _ensembles(folder: Path, model_dir: Path) -> list[str]:
@@ -163,41 +163,36 @@ def _ensembles(folder: Path, model_dir: Path) -> list[str]:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    parser.add_argument(
-        "--host", default=env("PIPELINE_HOST", "127.0.0.1"), help="address every service binds"
-    )
+    parser.add_argument("--host", default=settings.HOST.get(), help="address every service binds")
     parser.add_argument(
         "--port",
         type=int,
-        default=int(env("PIPELINE_ROUTER_PORT", 8001)),
+        default=settings.port("router").get(),
         help="router port (env PIPELINE_ROUTER_PORT)",
     )
     parser.add_argument(
         "--http-port",
-        type=metrics_port,
-        default=metrics_port(env("PIPELINE_HTTP_PORT", "8000")),
+        type=settings.port_or_off,
+        default=settings.HTTP_PORT.get(),
         help="router's HTTP/REST port, 0 for one the OS picks, 'off' for none (env PIPELINE_HTTP_PORT; "
         "default 8000)",
     )
-    for name, port in (("preprocess", 8101), ("model", 8102), ("postprocess", 8103)):
+    for name in settings.STAGES:
+        port = settings.port(name)
         parser.add_argument(
-            f"--{name}-port",
-            type=int,
-            default=int(env(f"PIPELINE_{name.upper()}_PORT", port)),
-            help=f"{name} service port (env PIPELINE_{name.upper()}_PORT)",
+            f"--{name}-port", type=int, default=port.get(), help=f"{name} service port (env {port.variable})"
         )
     parser.add_argument(
         "--metrics-port",
-        type=metrics_port,
-        default=metrics_port(env("PIPELINE_ROUTER_METRICS_PORT", "8002")),
+        type=settings.port_or_off,
+        default=settings.metrics_port("router").get(),
         help="router's Prometheus port, 'off' for none (env PIPELINE_ROUTER_METRICS_PORT; default 8002). "
         "Stages get ports the OS picks unless PIPELINE_<STAGE>_METRICS_PORT says otherwise; all are printed",
     )
     parser.add_argument(
         "--ensembles",
         type=Path,
-        default=Path(env("PIPELINE_ENSEMBLES", "ensembles")),
+        default=settings.ENSEMBLES.get(),
         help="folder of ensemble YAML files (env PIPELINE_ENSEMBLES)",
     )
     parser.add_argument(
@@ -205,7 +200,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-repository",
         dest="model_dir",
         type=Path,
-        default=Path(env("PIPELINE_MODEL_DIR", "model_repository")),
+        default=settings.MODEL_DIR.get(),
         help="model repository; the example models' missing files are written into it (env PIPELINE_MODEL_DIR)",
     )
     parser.add_argument(
@@ -215,7 +210,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tls-dir",
         type=Path,
-        default=Path(tls_dir) if (tls_dir := env("PIPELINE_TLS_DIR")) else None,
+        default=settings.TLS_DIR.get(),
         help="TLS on every hop from the files scripts/make-certs.sh writes there (ca.pem, server.pem, "
         "server-key.pem, client.pem, client-key.pem): stages accept only the router's client certificate "
         "(mutual TLS), the router serves TLS (env PIPELINE_TLS_DIR)",
@@ -235,7 +230,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--router-workers",
         type=int,
-        default=int(os.environ.get("PIPELINE_ROUTER_WORKERS", 1)),
+        default=settings.ROUTER_WORKERS.get(),
         help="router processes on the router's ports (SO_REUSEPORT), each batching its own share of the "
         "connections (env PIPELINE_ROUTER_WORKERS; default %(default)s)",
     )
@@ -329,9 +324,8 @@ def _stage_services(args: argparse.Namespace, flags: list[str]) -> list[Service]
             name = kind if count == 1 else f"{kind}-{i + 1}"
             # Metrics: where the environment says for the first replica, else a port the OS picks, so
             # that stages (and further replicas) never collide.
-            wanted = (
-                metrics_port(os.environ.get(f"PIPELINE_{kind.upper()}_METRICS_PORT", "0")) if i == 0 else 0
-            )
+            stage_metrics = settings.metrics_port(kind)
+            wanted = stage_metrics.get() if i == 0 and stage_metrics.given() else 0
             metrics = ["--metrics-port", "off" if wanted is None else str(wanted)]
             stages.append(
                 Service(name, ["-m", f"services.{kind}"], ports[kind] if i == 0 else 0, [*flags, *metrics])

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline.runtime import settings
+
 SERVICE = "model"
-DEFAULT_PORT = 8102
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,24 +16,24 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.runtime.arguments import add_server_arguments, positive_int
 
     parser = argparse.ArgumentParser(prog="python -m services.model", description=__doc__)
-    add_server_arguments(parser, service=SERVICE, default_port=DEFAULT_PORT)
+    add_server_arguments(parser, service=SERVICE)
     parser.add_argument(
         "--model-dir",
         "--model-repository",
         dest="model_dir",
-        default=os.environ.get("PIPELINE_MODEL_DIR", "model_repository"),
+        default=settings.MODEL_DIR.get(),
         help="Triton model repository: <model>/config.pbtxt and <model>/<version>/model.{onnx,pt,pt2,plan}; "
         "the models whose backend is onnxruntime, pytorch or tensorrt are served (env PIPELINE_MODEL_DIR; "
         "default %(default)s)",
     )
     parser.add_argument(
         "--engine-cache",
-        default=os.environ.get("PIPELINE_ENGINE_CACHE") or None,
+        default=settings.ENGINE_CACHE.get(),
         help="folder of built TensorRT engines (env PIPELINE_ENGINE_CACHE; default <model-dir>/.engines)",
     )
     parser.add_argument(
         "--device",
-        default=os.environ.get("PIPELINE_DEVICE", "auto"),
+        default=settings.DEVICE.get(),
         help="where instances of kind KIND_AUTO go: auto (a GPU when one is visible, else the CPU), cpu, "
         "cuda or cuda:N (env PIPELINE_DEVICE; default %(default)s)",
     )
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--intra-op-threads",
         dest="torch_threads",
         type=positive_int,
-        default=os.environ.get("PIPELINE_TORCH_THREADS", "1"),
+        default=settings.TORCH_THREADS.get(),
         help="intra-op threads of each instance, torch and ONNX Runtime alike, unless its config's "
         "intra_op_thread_count says otherwise; raise only after measuring (env PIPELINE_TORCH_THREADS; "
         "default %(default)s)",
@@ -50,14 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--disable-auto-complete-config",
         action="store_true",
-        default=os.environ.get("PIPELINE_DISABLE_AUTO_COMPLETE_CONFIG", "") not in ("", "0", "false"),
+        default=settings.DISABLE_AUTO_COMPLETE_CONFIG.get(),
         help="do not complete configs from the model files: every model needs a config.pbtxt declaring its "
         "inputs, outputs and max_batch_size (env PIPELINE_DISABLE_AUTO_COMPLETE_CONFIG)",
     )
     parser.add_argument(
         "--default-max-batch-size",
         type=positive_int,
-        default=os.environ.get("PIPELINE_DEFAULT_MAX_BATCH_SIZE", "4"),
+        default=settings.DEFAULT_MAX_BATCH_SIZE.get(),
         help="max_batch_size that auto-complete gives a model that batches, as Triton's "
         "default-max-batch-size (env PIPELINE_DEFAULT_MAX_BATCH_SIZE; default %(default)s)",
     )
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        settings = ServiceSettings(
+        options = ServiceSettings(
             device=args.device,
             threads=args.torch_threads,
             engine_cache=Path(args.engine_cache) if args.engine_cache else None,
@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     repository = ModelRepository(args.model_dir)
-    backend = ModelBackend(settings, repository_root=repository.root)
+    backend = ModelBackend(options, repository_root=repository.root)
     run_stage_service([], args, service=SERVICE, repository=repository, backends=[backend])
 
 

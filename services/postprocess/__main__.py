@@ -4,4 +4,4 @@ the model service in their ensembles (`pipeline.stage.placement`): softmax, top-
 from pipeline.stage.service import python_service_main
 
 if __name__ == "__main__":
-    python_service_main("postprocess", default_port=8103)
+    python_service_main("postprocess")

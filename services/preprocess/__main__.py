@@ -4,4 +4,4 @@ the model service in their ensembles (`pipeline.stage.placement`): decoding, res
 from pipeline.stage.service import python_service_main
 
 if __name__ == "__main__":
-    python_service_main("preprocess", default_port=8101)
+    python_service_main("preprocess")

@@ -264,7 +264,7 @@ async def test_a_lone_replica_that_recycles_its_connections_loses_no_call(tmp_pa
     # ends with them. Watched again at once, the replica is never taken for down in between.
     import pipeline.runtime.server
 
-    monkeypatch.setattr(pipeline.runtime.server, "MAX_CONNECTION_AGE_MS", 300)
+    monkeypatch.setenv("PIPELINE_MAX_CONNECTION_AGE_S", "0.3")
     monkeypatch.setattr(pipeline.runtime.server, "MAX_CONNECTION_AGE_GRACE_MS", 100)
     stage = Echo()
     async with serving_stages([stage]) as s:

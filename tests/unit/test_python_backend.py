@@ -372,10 +372,10 @@ def test_stage_services_take_the_repository_flags_in_triton_spelling(monkeypatch
     from pipeline.stage.service import python_service_parser, repository_models
 
     def build_parser():
-        return python_service_parser("preprocess", 8101)
+        return python_service_parser("preprocess")
 
     def postprocess_parser():
-        return python_service_parser("postprocess", 8103)
+        return python_service_parser("postprocess")
 
     args = build_parser().parse_args(
         ["--model-repository", "/srv/models", "--load-model", "a", "--load-model", "b"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pipeline.runtime import settings
 from pipeline.tools.bench.endpoints import PROTOCOLS
 from pipeline.tools.bench.options import ARRIVALS, BenchError, BenchOptions
 from pipeline.tools.bench.report import format_report, write_json, write_plot
@@ -50,7 +50,7 @@ def _add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url",
         "-u",
-        default=os.environ.get("PIPELINE_URL", "127.0.0.1:8001"),
+        default=settings.URL.get(),
         help="host:port of any OIP endpoint: the router or a stage over gRPC, the router's HTTP port over "
         "http (env PIPELINE_URL)",
     )
@@ -132,7 +132,7 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--token",
-        default=os.environ.get("PIPELINE_TOKEN") or None,
+        default=settings.TOKEN.get(),
         help="bearer token sent with every call, where the server asks for one (env PIPELINE_TOKEN)",
     )
 
