@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline.runtime import settings
+from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 from pipeline.runtime.security import channel_credentials
 
 log = logging.getLogger("pipeline.launcher")
@@ -154,7 +155,6 @@ def stage_token_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 def _ensembles(folder: Path, model_dir: Path) -> list[str]:
     """The ensembles the router serves: the YAML files' and the repository's `platform: "ensemble"` ones."""
-    from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 
     names = {path.stem for path in folder.glob("*.y*ml")}
     entries = ModelRepository(model_dir).entries({"ensemble"})

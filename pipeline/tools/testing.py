@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequenc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pipeline.router.main import serve_router
 from pipeline.stage.api import Stage
 from pipeline.stage.service import serve_stages
 
@@ -139,7 +140,6 @@ async def serving_router(
     at `http_address` (`telemetry`, `metrics`, `metrics_port` and `options` as for `serving_stages`;
     router flags such as `max_inflight_requests`, `auth_tokens_file`, `stage_tls_ca` or `http_port` by
     their attribute names). `resolve` looks up the stages' DNS names instead of the system's resolver."""
-    from pipeline.router.main import serve_router
 
     args = _args(
         max_message_mb, grace, metrics_port=metrics_port, options={"http_port": 0, **(options or {})}

@@ -7,13 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.runtime import settings
+from pipeline.runtime.arguments import add_server_arguments, positive_int
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.service import run_stage_service
 
 SERVICE = "model"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the shared server flags plus this service's own."""
-    from pipeline.runtime.arguments import add_server_arguments, positive_int
 
     parser = argparse.ArgumentParser(prog="python -m services.model", description=__doc__)
     add_server_arguments(parser, service=SERVICE)
@@ -67,8 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the command line and serve until SIGTERM/SIGINT. A model that cannot load is reported
     UNAVAILABLE with its reason (RepositoryIndex, ModelReady, the log); the others serve."""
-    from pipeline.runtime.repository import ModelRepository
-    from pipeline.stage.service import run_stage_service
     from services.model.backend import ModelBackend, ServiceSettings
 
     parser = build_parser()

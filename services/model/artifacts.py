@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.datatypes import datatype_of
 from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import config_datatype, datatype_of_config
 
@@ -244,8 +245,6 @@ def torch_datatype(dtype) -> str:
 
 def _numpy_datatype(dtype) -> str:
     import numpy as np
-
-    from pipeline.protocol.datatypes import datatype_of
 
     return datatype_of(np.empty(0, dtype=dtype))
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.runtime.repository import ModelRepository
+
 #: runner label → (model file, config `parameters` runner)
 RUNNERS = {
     "onnxruntime": ("model.onnx", "onnxruntime"),
@@ -90,7 +92,6 @@ def run(
     *, batches: Sequence[int], rounds: int, seconds: float, threads: int, device: str
 ) -> dict[str, dict[int, list[float]]]:
     """Every runner's items/s at every batch, `rounds` times (runners interleaved within each round)."""
-    from pipeline.runtime.repository import ModelRepository
     from services.model.backend import ModelBackend, ServiceSettings
 
     figures: dict[str, dict[int, list[float]]] = {label: {b: [] for b in batches} for label in RUNNERS}

@@ -21,6 +21,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.router.rest_codec import HEADER_LENGTH
+from pipeline.runtime.server import server_options
 
 #: The RPC the gRPC load is made of, called with pre-serialised bytes.
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -45,7 +46,6 @@ class GrpcEndpoint:
     def __init__(
         self, url: str, max_message_bytes: int, connections: int = 1, token: str | None = None
     ) -> None:
-        from pipeline.runtime.server import server_options
 
         #: Sent with every call where the server asks for a token.
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
