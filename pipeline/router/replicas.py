@@ -21,7 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline.protocol.streams import STREAM_STATUS_EXTENSION
 from pipeline.router.retry import StageRetry
+from pipeline.router.stage_stream import StageStream
 from pipeline.router.targets import Resolve, Target, resolve_dns, tls_name
 from pipeline.runtime import settings
 from pipeline.runtime.server import server_options
@@ -55,6 +57,37 @@ class Replica:
         self.latency = 0.0
         self.sampled = 0.0
         self.watch: asyncio.Task[None] | None = None
+        #: Whether its server carries a failed streamed request's status (None: not asked yet).
+        self.streams: bool | None = None
+        self._stream: StageStream | None = None
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    async def stream(self, auth: Sequence[tuple[str, str | bytes]]) -> StageStream | None:
+        """The stream its `ModelInfer` calls travel on, or None where its server takes unary calls only."""
+        if self.streams is None:
+            try:
+                meta = await self.stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=2.0, metadata=auth)
+            except grpc.aio.AioRpcError:
+                return None  # asked again on the next call
+            self.streams = STREAM_STATUS_EXTENSION in meta.extensions
+        if not self.streams:
+            return None
+        current = self._stream
+        if current is None or not current.fresh:
+            if current is not None:
+                task = asyncio.get_running_loop().create_task(current.close())
+                self._retiring.add(task)
+                task.add_done_callback(self._retiring.discard)
+            current = self._stream = StageStream(self.stub, auth)
+        return current
+
+    def close_streams(self) -> None:
+        """Cut its streams off (the channel is closing)."""
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+        for task in self._retiring:
+            task.cancel()
 
     def cost(self, now: float) -> float:
         """The expected wait of one more call (peak-EWMA): latency times the calls already out."""
@@ -153,6 +186,7 @@ class Replicas:
         replica = self.by_address.pop(address)
         if replica.watch is not None:
             replica.watch.cancel()
+        replica.close_streams()
         # Calls in flight finish on the old channel; new ones no longer pick it.
         task = asyncio.get_running_loop().create_task(replica.channel.close(grace=60.0))
         self._closing.add(task)
@@ -300,6 +334,7 @@ class Replicas:
         for replica in self.by_address.values():
             if replica.watch is not None:
                 replica.watch.cancel()
+            replica.close_streams()
         await asyncio.gather(
             *(r.channel.close() for r in self.by_address.values()), *self._closing, return_exceptions=True
         )

@@ -32,6 +32,7 @@ from pipeline.protocol.errors import (
     Unavailable,
 )
 from pipeline.protocol.model_config import batching_of_config, is_deterministic, pad_values
+from pipeline.protocol.streams import TRACE_PARAMETERS
 from pipeline.router.replicas import DOWN, Replica, Replicas
 from pipeline.router.retry import RetryBudget, StageRetry
 from pipeline.router.targets import Resolve
@@ -41,7 +42,7 @@ from pipeline.runtime.security import bearer_metadata
 log = logging.getLogger(__name__)
 
 
-def _refused(err: grpc.aio.AioRpcError) -> bool:
+def not_started(err: grpc.aio.AioRpcError) -> bool:
     """Whether a stage's UNAVAILABLE says, in its `google.rpc.Status` details, that it did not start the call."""
     try:
         status = rpc_status.from_call(err)
@@ -180,7 +181,7 @@ class StageClient:
             except grpc.aio.AioRpcError as err:
                 code, details = err.code(), err.details() or ""
                 if self.metrics is not None:
-                    self.metrics.stage_calls.labels(name, code.name).inc()
+                    self.metrics.child(self.metrics.stage_calls, name, code.name).inc()
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
                 # NOTE: our own cancellation arrives as asyncio.CancelledError; a CANCELLED status is the
@@ -190,7 +191,7 @@ class StageClient:
                         f"{what} on stage '{name}': {details}", code, items=item_errors(err)
                     ) from None
                 unavailable = Unavailable(f"stage '{name}' ({address}) is unavailable for {what}: {details}")
-                refused = _refused(err)
+                refused = not_started(err)
                 if not refused:
                     # Nothing came back: the replica is gone or going. Skip it until its health says SERVING.
                     replicas.set_state(replica, DOWN)
@@ -218,11 +219,11 @@ class StageClient:
                 now = time.monotonic()
                 replica.observe(now - started, now)
             if self.metrics is not None:
-                self.metrics.stage_calls.labels(name, "OK").inc()
+                self.metrics.child(self.metrics.stage_calls, name, "OK").inc()
             return reply
 
-    @staticmethod
     async def _send(
+        self,
         replica: Replica,
         method: str,
         request: object,
@@ -232,6 +233,14 @@ class StageClient:
         replica.outstanding += 1
         replica.calls += 1
         try:
+            if method == "ModelInfer" and isinstance(request, pb.ModelInferRequest):
+                # A call whose metadata is only the router's own (its token, the trace context) may go on
+                # the replica's stream; the client's own metadata needs a call of its own.
+                trace = {key: str(value) for key, value in metadata if key in TRACE_PARAMETERS}
+                if len(trace) + len(self._auth) == len(metadata):
+                    stream = await replica.stream(self._auth)
+                    if stream is not None:
+                        return await stream.infer(request, timeout, trace)
             return await getattr(replica.stub, method)(request, timeout=timeout, metadata=metadata)
         finally:
             replica.outstanding -= 1

@@ -28,12 +28,16 @@ from pipeline.protocol.errors import (
     Unavailable,
     Unimplemented,
 )
+from pipeline.protocol.streams import STREAM_STATUS_EXTENSION, error_response, hop_context
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.telemetry import MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
+#: Requests of one `ModelStreamInfer` stream held at once, answered or not (see `ModelStreamInfer`).
+STREAM_INFLIGHT = 64
 
 #: Metadata keys that belong to one hop and are not passed on to the next. The client's credentials are
 #: the router's to check; the router calls its stages with credentials of its own (its stage token or its
@@ -64,7 +68,7 @@ class DataPlane(abc.ABC):
     """What a server does, free of gRPC types: model lookup, metadata, configuration and inference."""
 
     #: `ServerMetadata.extensions`: the protocol extensions this server supports.
-    extensions: tuple[str, ...] = ("model_configuration", "statistics")
+    extensions: tuple[str, ...] = ("model_configuration", "statistics", STREAM_STATUS_EXTENSION)
 
     @abc.abstractmethod
     def ready(self) -> bool:
@@ -116,10 +120,10 @@ async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
     raise AssertionError("unreachable: abort raises")
 
 
-def status_details(err: PipelineError) -> tuple[tuple[str, bytes], ...]:
-    """The `google.rpc.Status` details of an error, as trailing metadata (grpcio-status): a `BadRequest`
-    field violation `TENSOR[i]` per refused item, and `ErrorInfo` NOT_STARTED on an UNAVAILABLE (the call was
-    refused before it started, so a client may send it to another replica)."""
+def rpc_status_of(err: PipelineError) -> status_pb2.Status | None:
+    """The `google.rpc.Status` of an error that has details: a `BadRequest` field violation `TENSOR[i]` per
+    refused item, and `ErrorInfo` NOT_STARTED on an UNAVAILABLE (the call was refused before it started, so a
+    client may send it to another replica). None for an error without details."""
     details = []
     if err.items:
         bad = error_details_pb2.BadRequest()
@@ -129,11 +133,17 @@ def status_details(err: PipelineError) -> tuple[tuple[str, bytes], ...]:
     if isinstance(err, Unavailable):
         details.append(error_details_pb2.ErrorInfo(reason=NOT_STARTED, domain=ERROR_DOMAIN))
     if not details:
-        return ()
+        return None
     status = status_pb2.Status(code=err.code.value[0], message=err.message)
     for detail in details:
         status.details.add().Pack(detail)
-    return tuple(rpc_status.to_status(status).trailing_metadata)
+    return status
+
+
+def status_details(err: PipelineError) -> tuple[tuple[str, bytes], ...]:
+    """The `google.rpc.Status` details of an error, as trailing metadata (grpcio-status)."""
+    status = rpc_status_of(err)
+    return () if status is None else tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 def internal_error() -> str:
@@ -196,9 +206,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     record_error(span, err, outcome)
                 raise
             finally:
-                self.metrics.requests.labels(model, outcome).inc()
+                self.metrics.child(self.metrics.requests, model, outcome).inc()
                 if outcome == "OK":
-                    self.metrics.request_duration.labels(model).observe(time.perf_counter() - started)
+                    self.metrics.child(self.metrics.request_duration, model).observe(
+                        time.perf_counter() - started
+                    )
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext):
         return pb.ServerLiveResponse(live=True)
@@ -256,35 +268,45 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Requests on a stream run concurrently; each response (or error) is sent as it completes."""
+        """Requests on a stream run concurrently; each response (or error, with its id and status) is sent
+        as it completes. At most `STREAM_INFLIGHT` requests of a stream are held at once, answered or not:
+        a client that stops reading its responses is not read from either (backpressure)."""
         call = CallContext.of(context)
         done: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(STREAM_INFLIGHT)
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(request: pb.ModelInferRequest) -> None:
+            timeout, metadata = hop_context(request, call.metadata)
+            own = call if timeout is None and metadata is call.metadata else CallContext(timeout, metadata)
             try:
-                response = await self.infer(request, call)
-                await done.put(pb.ModelStreamInferResponse(infer_response=response))
+                response = await self.infer(request, own)
+                done.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             except PipelineError as err:
-                failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-                await done.put(pb.ModelStreamInferResponse(error_message=err.message, infer_response=failed))
+                done.put_nowait(error_response(request, err.code, err.message, rpc_status_of(err)))
             except Exception:
-                log.exception("internal error in a streamed request")
-                await done.put(pb.ModelStreamInferResponse(error_message="internal error"))
+                message = internal_error()
+                done.put_nowait(error_response(request, grpc.StatusCode.INTERNAL, message, None))
 
         async def read() -> None:
-            async for request in request_iterator:
-                task = asyncio.create_task(one(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+            try:
+                while True:
+                    await slots.acquire()
+                    request = await request_iterator.__anext__()
+                    task = asyncio.create_task(one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            except StopAsyncIteration:
+                pass
             while tasks:
                 await asyncio.gather(*list(tasks))
-            await done.put(None)
+            done.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
             while (item := await done.get()) is not None:
                 yield item
+                slots.release()
         finally:
             reader.cancel()
             for task in list(tasks):

@@ -1,0 +1,141 @@
+"""Stage calls over a long-lived `ModelStreamInfer` stream instead of one unary call each.
+
+Python gRPC spends a third as much CPU on a message of a stream as on a unary call (`bench/grpc_floor.py`
+measures both), so the router sends a stage's `ModelInfer` requests on one stream per replica where the
+replica's server says (`STREAM_STATUS_EXTENSION`) that a failed request's response carries its whole
+status. Requests on a stream are matched with their responses by `id`, which the stream assigns; the
+caller's deadline and trace context travel in the request's parameters (`pipeline.protocol.streams`), and a
+failure comes back as the `grpc.aio.AioRpcError` a unary call would have raised, with the same status
+details, so retries and error mapping do not know the difference.
+
+A stream is replaced after `MAX_AGE_S`: servers recycle their connections (`max_connection_age`), and a
+stream opened afterwards travels on the new connection while the old one finishes what it carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+from grpc_status import rpc_status
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline.protocol.streams import add_hop_parameters, remove_hop_parameters, status_of
+
+log = logging.getLogger(__name__)
+
+#: Seconds a stream takes new requests (see the module docstring).
+MAX_AGE_S = 10.0
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _rpc_error(code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, str | bytes]] = ()):
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+class StageStream:
+    """One `ModelStreamInfer` call to a replica, carrying many requests at once."""
+
+    def __init__(
+        self, stub: pb_grpc.GRPCInferenceServiceStub, metadata: Sequence[tuple[str, str | bytes]]
+    ) -> None:
+        self._call = stub.ModelStreamInfer(metadata=tuple(metadata))
+        self._pending: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
+        self._ids = itertools.count()
+        self._writing = asyncio.Lock()
+        self.opened = time.monotonic()
+        self.broken: grpc.aio.AioRpcError | None = None
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the stream should take new requests."""
+        return self.broken is None and time.monotonic() - self.opened < MAX_AGE_S
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending
+
+    async def infer(
+        self, request: pb.ModelInferRequest, timeout: float | None, trace: dict[str, str]
+    ) -> pb.ModelInferResponse:
+        """Send `request` and wait for its response (at most `timeout` seconds); raises `AioRpcError` as a
+        unary call would. The request's `id` is the stream's while it travels."""
+        if self.broken is not None:
+            raise self.broken
+        own_id = request.id
+        key = request.id = f"s{next(self._ids)}"
+        add_hop_parameters(request, timeout, trace)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[pb.ModelStreamInferResponse] = loop.create_future()
+        self._pending[key] = future
+        timer = None
+        if timeout is not None:
+            timer = loop.call_later(timeout, self._expire, key)
+        try:
+            async with self._writing:
+                try:
+                    await self._call.write(request)
+                except asyncio.InvalidStateError:  # the call ended before this request could go
+                    raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream ended") from None
+            response = await future
+        finally:
+            self._pending.pop(key, None)
+            if timer is not None:
+                timer.cancel()
+            request.id = own_id
+            remove_hop_parameters(request)
+        reply = response.infer_response
+        if response.error_message:
+            status = status_of(response)
+            code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+            raise _rpc_error(code, status.message, rpc_status.to_status(status).trailing_metadata)
+        reply.id = own_id
+        return reply
+
+    def _expire(self, key: str) -> None:
+        future = self._pending.pop(key, None)
+        if future is not None and not future.done():
+            future.set_exception(_rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    async def _read(self) -> None:
+        broken = _rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream ended")
+        try:
+            async for response in self._call:
+                future = self._pending.pop(response.infer_response.id, None)
+                if future is not None and not future.done():
+                    future.set_result(response)
+        except grpc.aio.AioRpcError as err:
+            broken = _rpc_error(err.code(), err.details() or "the stage's stream failed")
+        except asyncio.CancelledError:
+            broken = _rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream was closed")
+            raise
+        finally:
+            self.broken = broken
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(_rpc_error(broken.code(), broken.details() or ""))
+            self._pending.clear()
+
+    async def close(self) -> None:
+        """Stop sending; the requests in flight still get their responses."""
+        if self.broken is None:
+            try:
+                async with self._writing:
+                    await self._call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+    def cancel(self) -> None:
+        """Cut the stream off: its requests in flight fail as UNAVAILABLE."""
+        self.broken = self.broken or _rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream was closed")
+        self._call.cancel()
+        self._reader.cancel()
