@@ -8,7 +8,7 @@ the router learns from `ModelMetadata` at start-up and `pipeline.ensemble.signat
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.protocol.types import BatchingConfig, TensorSpec
 
@@ -183,10 +183,19 @@ class EnsemblePlan:
     #: one gets its response without any step running.
     response_cache: bool = False
 
-    @property
-    def conditional(self) -> bool:
-        """Whether some request may skip a step (a step has a condition)."""
-        return any(step.when is not None for step in self.steps)
+    #: Whether some request may skip a step (a step has a condition). Derived from `steps`.
+    conditional: bool = field(init=False)
+    #: Whether the steps form one chain, each consuming only the one before it (and the ensemble's inputs),
+    #: none of them conditional: they then run one after another in the request's own task. Derived.
+    linear: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        conditional = any(step.when is not None for step in self.steps)
+        chained = all(
+            step.depends_on == ((self.steps[i - 1].index,) if i else ()) for i, step in enumerate(self.steps)
+        )
+        object.__setattr__(self, "conditional", conditional)
+        object.__setattr__(self, "linear", chained and not conditional)
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,7 +110,7 @@ class Executor:
         wanted = requested_outputs(request, plan.outputs, plan.name)
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
         values: dict[str, Tensor] = dict(inputs)
-        finished = {step.index: asyncio.Event() for step in plan.steps}
+        finished = None if plan.linear else {step.index: asyncio.Event() for step in plan.steps}
         # Tell each batched step's batcher that this request is on its way, so that under load a partial
         # batch may wait for it (`BatchingConfig.batch_upcoming`); whatever never arrives is taken back.
         batchers = self.registry.batchers
@@ -124,8 +124,9 @@ class Executor:
         conditional = plan.conditional
 
         async def run_step(step: PlanStep) -> None:
-            for producer in step.depends_on:
-                await finished[producer].wait()
+            if finished is not None:
+                for producer in step.depends_on:
+                    await finished[producer].wait()
             attributes: dict[str, Any] = {}
             if telemetry.enabled:
                 attributes = {
@@ -146,7 +147,8 @@ class Executor:
                     batcher = awaited.pop(step.index, None)
                     if batcher is not None:
                         batcher.unexpect()  # it will not come: its batch need not wait for it
-                    finished[step.index].set()
+                    if finished is not None:
+                        finished[step.index].set()
                     return
             if telemetry.enabled:
                 with telemetry.span(f"step {step.model_name}", attributes):
@@ -159,14 +161,21 @@ class Executor:
                 if signature is not None and not signature.declared:
                     self._check_first_response(plan, step, values, outputs)
             values.update(outputs)
-            finished[step.index].set()
+            if finished is not None:
+                finished[step.index].set()
 
         try:
-            # NOTE: a failing step makes the TaskGroup cancel every other step of this request, so no
-            # stage call outlives the request it belongs to.
-            async with asyncio.TaskGroup() as group:
+            if plan.linear:
+                # A chain: each step waits for the one before it anyway, so they run in this task, with
+                # no task or event of their own.
                 for step in plan.steps:
-                    group.create_task(run_step(step))
+                    await run_step(step)
+            else:
+                # NOTE: a failing step makes the TaskGroup cancel every other step of this request, so no
+                # stage call outlives the request it belongs to.
+                async with asyncio.TaskGroup() as group:
+                    for step in plan.steps:
+                        group.create_task(run_step(step))
         except BaseExceptionGroup as failure:
             raise _first_error(failure) from None
         finally:
