@@ -223,6 +223,8 @@ class Metrics:
             ["stage"],
             registry=r,
         )
+        #: (metric, label values) -> the child `labels()` gave: looked up once, not per request.
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._gauges = _Gauges()
         r.register(self._gauges)
         ProcessCollector(registry=r)
@@ -230,6 +232,15 @@ class Metrics:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: ThreadingHTTPServer | None = None
         self.port: int | None = None
+
+    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: prometheus-client takes a lock and builds a key on every
+        `labels()`, which the hot path need not pay for each request."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def gauge(self, name: str, documentation: str, label: str | tuple[str, ...], source: GaugeSource) -> None:
         """Add a gauge read from `source` at scrape time (several sources may share a name)."""
