@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
+import uvloop
 from grpc_health.v1 import health, health_pb2
 
 from pipeline.ensemble.catalog import load_catalog
@@ -303,7 +304,7 @@ def run_router(args: argparse.Namespace) -> int:
     if args.workers > 1:
         return run_workers(args, sys.argv[1:])
     try:
-        asyncio.run(serve_router(args))
+        uvloop.run(serve_router(args))
     except (ConfigError, SecurityConfigError) as err:
         log.error("%s", err)
         return 2

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import uvloop
 from grpc_health.v1 import health
 
 from pipeline.ensemble.catalog import load_ensembles
@@ -155,7 +156,7 @@ def run_stage_service(
     SIGTERM or SIGINT."""
     configure_logging(args.log_level, service)
     try:
-        asyncio.run(
+        uvloop.run(
             serve_stages(
                 stages, args, service=service, repository=repository, backends=backends, models=models
             )

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+import uvloop
 
 from pipeline.runtime import settings
 from pipeline.tools.bench.endpoints import PROTOCOLS
@@ -188,7 +189,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     """`pipeline bench`: measure, print the tables, write the JSON and the plot; returns the exit code."""
     try:
         options = options_from_args(args)
-        report = asyncio.run(run_bench(options))
+        report = uvloop.run(run_bench(options))
         print(format_report(report), flush=True)
         if args.json:
             write_json(report, args.json)

@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import uvloop
+
 from pipeline.tools.bench.load import drive
 from pipeline.tools.bench.options import BenchError, BenchOptions, Level
 from pipeline.tools.bench.payloads import Payloads
@@ -17,7 +19,7 @@ from pipeline.tools.bench.payloads import Payloads
 
 def _child_main(conn: Any, options: BenchOptions, payload: Any) -> None:
     """A load process: connects, says "ready", then runs each level it is sent until it is sent None."""
-    asyncio.run(_child_loop(conn, options, payload))
+    uvloop.run(_child_loop(conn, options, payload))
 
 
 async def _child_loop(conn: Any, options: BenchOptions, payload: Any) -> None:
