@@ -1,15 +1,20 @@
-"""Compare the refcnn workload served three ways on this machine, in one run, and write the figures.
+"""Compare the refcnn workload served on this machine, in one run, and write the figures.
 
-(a) the ceiling: pre + model + post in plain PyTorch, in this process, on batches of 1, 8 and 32, with the
-    same thread count as the model service (1);
-(b) the pipeline started by `pipeline run` with the router's dynamic batching OFF;
-(c) the same with batching ON (`dynamic_batching` on each of the three stages).
+    bench/run.sh RESULTS_DIR [--duration S] [--warmup S] [--peers DIR]
 
-Each pipeline is loaded by `pipeline bench`'s core at concurrency 1, 8 and 32. Variant (b) also measures the
-router's hop: `refcnn_cnn` called directly on the model stage against the same model called through the
-router, at concurrency 1. The machine is shared and noisy: read the ratios, which come from one run.
+- the floor: what a bare Python gRPC server spends on a call, in each server flavour (`bench.grpc_floor`);
+- the ceiling: pre + model + post in plain PyTorch, in this process, on batches of 1, 8 and 32, with the
+  same thread count as the model service (1);
+- the pipeline started by `pipeline run`, with the router's dynamic batching OFF and ON, loaded by
+  `pipeline bench` at concurrency 1, 8 and 32 (the OFF variant also measures the router's own hop);
+- with `--peers DIR` (shared/peers laid out there by its install.sh and set up by its setup.sh): the
+  pipeline (batching ON) under the peers' load generator at 1, 8 and 32 with the CPU each request cost in
+  each process and the model step's mean batch, the same with tracing on (every request sampled, OTLP over
+  HTTP to a local receiver) against off in two interleaved pairs, then the peers' in-process baseline,
+  TorchServe and Triton (its two configurations) under the same load generator; and every ratio the
+  performance targets name.
 
-    bench/run.sh RESULTS_DIR [--duration S] [--warmup S]
+The machine is shared and noisy: read the ratios, which come from one run.
 """
 
 from __future__ import annotations
@@ -20,8 +25,6 @@ import copy
 import json
 import math
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,14 +34,12 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-LEVELS = (1, 8, 32)
+from bench import grpc_floor, peers
+from bench.running import REPO, Pipeline, mean_batch, per_request, statistics, wait_ready
+
+LEVELS = peers.LEVELS
 #: What batching ON means when the committed ensemble does not say.
 DEFAULT_BATCHING = {"max_batch_size": 64, "max_queue_delay_microseconds": 2000, "max_inflight_batches": 1}
-_SERVING = re.compile(r"pipeline: serving .* on (\S+) \(gRPC")
-_STAGE = re.compile(r"(\w+) (\S+:\d+) \(pid \d+\)")
-_METRICS = re.compile(r"pipeline: Prometheus metrics: (.*)")
-_METRIC_URL = re.compile(r"([\w-]+) (http://\S+/metrics)")
 
 
 def ceiling(levels: tuple[int, ...], seconds: float) -> list[dict[str, Any]]:
@@ -89,73 +90,6 @@ def ensemble_variant(folder: Path, batching: bool) -> Path:
     return folder
 
 
-class Pipeline:
-    """`pipeline run` on ports the OS picks, its output in a log file; the router's and stages' addresses."""
-
-    def __init__(self, ensembles: Path, log: Path, timeout: float = 240.0) -> None:
-        self.log = log
-        command = [sys.executable, "-m", "pipeline", "run", "--ensembles", str(ensembles), "--port", "0"]
-        command += [
-            "--preprocess-port",
-            "0",
-            "--model-port",
-            "0",
-            "--postprocess-port",
-            "0",
-            "--http-port",
-            "0",
-            "--metrics-port",
-            "0",
-        ]
-        with open(log, "wb") as out:
-            self.process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            text = log.read_text(errors="replace")
-            found = _SERVING.search(text)
-            if found:
-                self.router = found.group(1)
-                line = text[found.start() :].splitlines()[0]
-                self.stages = dict(_STAGE.findall(line.split("stages:", 1)[1]))
-                # Every process's Prometheus endpoint, for the CPU each request costs in it.
-                while (metrics := _METRICS.search(log.read_text(errors="replace"))) is None:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("`pipeline run` printed no metrics addresses")
-                    time.sleep(0.1)
-                self.metrics = dict(_METRIC_URL.findall(metrics.group(1)))
-                return
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = "\n".join(text.strip().splitlines()[-5:])
-                raise RuntimeError(f"`pipeline run` did not start (see {log.name}):\n{tail}")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)  # the launcher drains the router, then the stages
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-async def wait_ready(url: str, model: str, timeout: float = 180.0) -> None:
-    """Wait until `model` is ready at `url` (stages load their models one after another)."""
-    import grpc
-
-    from pipeline._gen.inference import grpc_service_pb2 as pb
-    from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-
-    deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(url) as channel:
-        stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        while not (await stub.ModelReady(pb.ModelReadyRequest(name=model), timeout=5)).ready:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{model} not ready at {url} within {timeout:.0f}s")
-            await asyncio.sleep(0.2)
-
-
 def measure(
     url: str,
     model: str,
@@ -195,69 +129,41 @@ def measure(
     ]
 
 
-# --------------------------------------------------------------------------------------------------------
-# The peers (shared/peers laid out and set up in a folder: its install.sh and setup.sh), side by side
-
-
-def peer_loadgen(
-    peers: Path, mode: str, url: str, label: str, out: Path, warmup: float, duration: float, *extra: str
-) -> list[dict[str, Any]]:
-    """The peers' own closed-loop load generator against `url` at concurrency 32 (rows of concurrency,
-    throughput, p50_ms, p99_ms, errors)."""
-    command = [str(peers / "loadgen" / "venv" / "bin" / "python"), str(peers / "loadgen" / "loadgen.py")]
-    command += ["--mode", mode, "--url", url, "--concurrency", "32", "--label", label, "--json-out", str(out)]
-    command += ["--warmup", str(warmup), "--duration", str(duration), "--quiet-wait", "30", *extra]
-    subprocess.run(command, check=True, timeout=warmup + duration + 120)
-    return json.loads(out.read_text())
-
-
-def peer_baseline(peers: Path, out: Path) -> list[dict[str, Any]]:
-    """The peers' in-process baseline with one torch thread: images/s at batches of 1, 8 and 32."""
-    python = peers / "baseline" / "venv" / "bin" / "python"
-    subprocess.run(
-        [str(python), str(peers / "baseline" / "bench.py"), "1", str(out)], check=True, timeout=300
-    )
-    return json.loads(out.read_text())
-
-
-def peer_torchserve(peers: Path, out: Path, warmup: float, duration: float) -> list[dict[str, Any]]:
-    """TorchServe as the peers run it (batch 32, 5 ms, one worker, one torch thread), loaded over HTTP."""
-    folder = peers / "torchserve"
-    (folder / "model_store").mkdir(exist_ok=True)
-    if not (folder / "model_store" / "refcnn.mar").exists():
-        archiver = folder / "venv" / "bin" / "torch-model-archiver"
-        extra = str(peers / "common" / "refmodel.py")
-        archive = [
-            "--model-name",
-            "refcnn",
-            "--version",
-            "1.0",
-            "--handler",
-            "handler.py",
-            "--extra-files",
-            extra,
-        ]
-        subprocess.run(
-            [str(archiver), *archive, "--export-path", "model_store", "--force"], cwd=folder, check=True
-        )
-    env = {**os.environ, "REF_TORCH_THREADS": "1", "SERVER_TIMEOUT": "900"}
-    subprocess.run(["bash", "serve.sh"], cwd=folder, env=env, check=True, timeout=180)
-    try:
-        return peer_loadgen(
-            peers,
-            "http",
-            "http://127.0.0.1:8085/predictions/refcnn",
-            "torchserve http",
-            out,
+def peers_levels(
+    running: Pipeline, peer_dir: Path, out: Path, label: str, warmup: float, duration: float
+) -> list[dict]:
+    """The peers' load generator on the pipeline at every level, with each process's CPU per request and
+    the model step's mean batch over the measured interval."""
+    rows = []
+    for c in LEVELS:
+        stats_before, cpu_before = statistics(running.router, "refcnn_cnn"), running.cpu()
+        row = peers.loadgen(
+            peer_dir,
+            "v2grpc",
+            running.router,
+            label,
+            out.with_suffix(f".c{c}.json"),
             warmup,
             duration,
-            "--server-pidfile",
-            str(folder / "server.pid"),
+            c,
+            "--model",
+            "refcnn",
+            "--input-name",
+            "IMAGE",
+            "--output-name",
+            "LABEL",
         )
-    finally:
-        subprocess.run(
-            ["bash", str(peers / "common" / "stop_group.sh"), str(folder / "server.pid")], check=False
+        cpu_after, stats_after = running.cpu(), statistics(running.router, "refcnn_cnn")
+        # CPU over warm-up and measurement alike, per request answered in that time.
+        answered = row["throughput"] * (warmup + duration)
+        row["cpu_us_per_request"] = per_request(cpu_before, cpu_after, answered)
+        row["model_mean_batch"] = mean_batch(stats_before, stats_after)
+        print(
+            f"   cpu µs/request {row['cpu_us_per_request']}; model step mean batch {row['model_mean_batch']}",
+            flush=True,
         )
+        rows.append(row)
+    return rows
 
 
 def run_pipeline_variant(
@@ -267,7 +173,7 @@ def run_pipeline_variant(
     out: Path,
     warmup: float,
     duration: float,
-    peers: Path | None = None,
+    peer_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Start the pipeline with batching OFF or ON, load it, stop it; the figures or why there are none."""
     print(f"\n== pipeline, batching {name}", flush=True)
@@ -286,32 +192,103 @@ def run_pipeline_variant(
             direct = measure(running.stages["model"], "refcnn_cnn", (1,), warmup / 2, duration / 2)
             routed = measure(running.router, "refcnn_cnn", (1,), warmup / 2, duration / 2)
             result["hop"] = {"model": "refcnn_cnn", "direct": direct[0], "through_router": routed[0]}
-        if peers is not None:
-            print("\n== the pipeline under the peers' load generator (OIP gRPC, concurrency 32)", flush=True)
-            result["peers_loadgen"] = peer_loadgen(
-                peers,
-                "v2grpc",
-                running.router,
+        if peer_dir is not None:
+            print("\n== the pipeline under the peers' load generator (OIP gRPC)", flush=True)
+            result["peers_loadgen"] = peers_levels(
+                running,
+                peer_dir,
+                out / f"loadgen-pipeline-{name.lower()}",
                 f"pipeline batching {name}",
-                out / f"loadgen-pipeline-{name.lower()}.json",
                 warmup,
                 duration,
-                "--model",
-                "refcnn",
-                "--input-name",
-                "IMAGE",
-                "--output-name",
-                "LABEL",
             )
         return result
     finally:
         running.stop()
 
 
+def tracing_pairs(
+    work: Path, out: Path, peer_dir: Path, warmup: float, duration: float
+) -> list[dict[str, Any]]:
+    """Throughput at concurrency 32 with tracing off and on (every request sampled, OTLP over HTTP to a
+    local receiver on the same cores), interleaved: off, on, off, on."""
+    folder = ensemble_variant(work / "ensembles-tracing", True)
+    port_file = work / "otlp.port"
+    sink = subprocess.Popen(
+        [sys.executable, "-m", "bench.otlp_sink", "--port-file", str(port_file)], cwd=REPO
+    )
+    try:
+        while not port_file.exists():
+            time.sleep(0.05)
+        endpoint = f"http://127.0.0.1:{int(port_file.read_text())}"
+        tracing = {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+            "OTEL_TRACES_SAMPLER": "always_on",
+        }
+        rows = []
+        for i, on in enumerate((False, True, False, True)):
+            label = f"pipeline tracing {'on' if on else 'off'}"
+            print(f"\n== {label} ({i + 1} of 4)", flush=True)
+            running = Pipeline(folder, out / f"pipeline-tracing-{i}.log", env=tracing if on else None)
+            try:
+                asyncio.run(wait_ready(running.router, "refcnn"))
+                cpu_before = running.cpu()
+                row = peers.loadgen(
+                    peer_dir,
+                    "v2grpc",
+                    running.router,
+                    label,
+                    out / f"loadgen-tracing-{i}.json",
+                    warmup,
+                    duration,
+                    32,
+                    "--model",
+                    "refcnn",
+                    "--input-name",
+                    "IMAGE",
+                    "--output-name",
+                    "LABEL",
+                )
+                row["cpu_us_per_request"] = per_request(
+                    cpu_before, running.cpu(), row["throughput"] * (warmup + duration)
+                )
+                row["tracing"] = on
+                rows.append(row)
+            finally:
+                running.stop()
+        return rows
+    finally:
+        sink.terminate()
+        sink.wait()
+
+
+def floors() -> list[dict[str, Any]]:
+    """A bare server's CPU per call at concurrency 32 in each flavour (12 KiB, one refcnn image)."""
+    rows = []
+    for flavour in grpc_floor.FLAVOURS:
+        floor = grpc_floor.measure(flavour, 32)
+        print(
+            f"{flavour}: {floor.calls_per_s:,.0f} calls/s, server {floor.server_us:.0f} µs, client {floor.client_us:.0f} µs per call",
+            flush=True,
+        )
+        rows.append(
+            {
+                "flavour": flavour,
+                "calls_per_s": floor.calls_per_s,
+                "server_us": floor.server_us,
+                "client_us": floor.client_us,
+            }
+        )
+    return rows
+
+
 def _at(rows: list[dict] | None, concurrency: int, key: str) -> float:
     for row in rows or []:
         if row["concurrency"] == concurrency:
-            return row[key]
+            value = row.get(key)
+            return math.nan if value is None else value
     return math.nan
 
 
@@ -319,15 +296,20 @@ def _ratio(a: float, b: float) -> str:
     return "n/a" if not (a > 0 and b > 0) else f"{a / b:.2f}"
 
 
+def _mean(values: list[float]) -> float:
+    good = [v for v in values if v == v]
+    return sum(good) / len(good) if good else math.nan
+
+
 def summarise(results: dict[str, Any]) -> str:
-    """The table and the ratios, as Markdown."""
+    """The tables and the ratios, as Markdown."""
+    head = " | ".join(f"c={c} infer/s | p50 ms | p99 ms" for c in LEVELS)
+    lines = ["`pipeline bench`:", "", f"| variant | {head} |", "|---|" + "---:|" * (3 * len(LEVELS))]
     variants = {
         "ceiling (in-process PyTorch)": results["ceiling"],
         "pipeline, batching OFF": results["off"].get("levels"),
         "pipeline, batching ON": results["on"].get("levels"),
     }
-    head = " | ".join(f"c={c} infer/s | p50 ms | p99 ms" for c in LEVELS)
-    lines = [f"| variant | {head} |", "|---|" + "---:|" * (3 * len(LEVELS))]
     for name, rows in variants.items():
         cells = []
         for c in LEVELS:
@@ -337,27 +319,9 @@ def summarise(results: dict[str, Any]) -> str:
                 f"{_at(rows, c, 'p99_ms'):.2f}",
             ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    off, on, ceil = variants["pipeline, batching OFF"], variants["pipeline, batching ON"], results["ceiling"]
+    off, on = variants["pipeline, batching OFF"], variants["pipeline, batching ON"]
     thr = "throughput_infer_per_s"
-    lines += [
-        "",
-        f"- batching ON / OFF throughput at c=32: {_ratio(_at(on, 32, thr), _at(off, 32, thr))}",
-        f"- pipeline ON / ceiling throughput at c=32: {_ratio(_at(on, 32, thr), _at(ceil, 32, thr))}",
-        f"- pipeline OFF / ceiling throughput at c=32: {_ratio(_at(off, 32, thr), _at(ceil, 32, thr))}",
-        f"- p50 at c=1: ceiling {_at(ceil, 1, 'p50_ms'):.2f} ms, OFF {_at(off, 1, 'p50_ms'):.2f} ms, "
-        f"ON {_at(on, 1, 'p50_ms'):.2f} ms",
-    ]
-    peers = results.get("peers")
-    if peers:
-        ours = _at(results["on"].get("peers_loadgen"), 32, "throughput")
-        torchserve = _at(peers.get("torchserve"), 32, "throughput")
-        baseline = max((row["images_per_s"] for row in peers.get("baseline", [])), default=math.nan)
-        lines += [
-            f"- the peers' load generator at c=32: pipeline (batching ON) {ours:,.0f} req/s, TorchServe "
-            f"{torchserve:,.0f} req/s: **{_ratio(ours, torchserve)}×** TorchServe",
-            f"- the peers' in-process baseline, one thread, best of batch 1/8/32: {baseline:,.0f} images/s; the "
-            f"pipeline reaches **{_ratio(ours, baseline)}** of it",
-        ]
+    lines += ["", f"- batching ON / OFF throughput at c=32: {_ratio(_at(on, 32, thr), _at(off, 32, thr))}"]
     hop = results["off"].get("hop")
     if hop:
         direct, routed = hop["direct"]["p50_ms"], hop["through_router"]["p50_ms"]
@@ -365,95 +329,112 @@ def summarise(results: dict[str, Any]) -> str:
             f"- router hop ({hop['model']} at c=1): direct p50 {direct:.2f} ms, through the router "
             f"{routed:.2f} ms, overhead {routed - direct:.2f} ms"
         )
+    floor = {row["flavour"]: row for row in results.get("floor", [])}
+    if floor:
+        lines += ["", "The floor, a bare server's CPU per call at c=32 (µs, server / client):", ""]
+        lines += [f"- {name}: {row['server_us']:.0f} / {row['client_us']:.0f}" for name, row in floor.items()]
+    if results.get("peers"):
+        lines += ["", *_peer_summary(results, floor)]
     for key in ("off", "on"):
         if "error" in results[key]:
             lines.append(f"- batching {key.upper()} not measured: {results[key]['error'].splitlines()[0]}")
     return "\n".join(lines)
 
 
-def _levels(variant: Any) -> list[dict[str, Any]]:
-    return variant if isinstance(variant, list) else variant["levels"]
+def _peer_summary(results: dict[str, Any], floor: dict[str, dict[str, Any]]) -> list[str]:
+    """The side-by-side table under the peers' load generator, and the targets' ratios."""
+    found = results["peers"]
+    ours = results["on"].get("peers_loadgen")
+    triton = {int(delay): rows for delay, rows in found.get("triton", {}).items()}
+    systems = {"pipeline (batching ON)": ours, "TorchServe": found.get("torchserve")}
+    for delay, rows in sorted(triton.items(), reverse=True):
+        systems[f"Triton, {delay} µs queue delay"] = rows
+    head = " | ".join(f"c={c} infer/s | p50 ms" for c in LEVELS)
+    lines = ["The peers' load generator, one server at a time:", "", f"| system | {head} | p99 ms at 32 |"]
+    lines.append("|---|" + "---:|" * (2 * len(LEVELS) + 1))
+    for name, rows in systems.items():
+        cells = [
+            f"{_at(rows, c, k):,.{0 if k == 'throughput' else 2}f}"
+            for c in LEVELS
+            for k in ("throughput", "p50_ms")
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_at(rows, 32, 'p99_ms'):.2f} |")
 
+    def best(c: int) -> float:
+        return max((_at(rows, c, "throughput") for rows in triton.values()), default=math.nan)
 
-def write_comparison_plot(results: dict[str, Any], path: Path) -> None:
-    """Throughput and p99 latency against concurrency for the three variants, as a PNG (matplotlib)."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is missing (pip install 'pipeline-serving[bench]'): no plot", flush=True)
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = {
-        "ceiling": "in-process PyTorch (ceiling)",
-        "off": "pipeline, batching off",
-        "on": "pipeline, batching on",
-    }
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
-    try:
-        for key, label in names.items():
-            rows = _levels(results[key])
-            x = [row["concurrency"] for row in rows]
-            left.plot(x, [row["throughput_infer_per_s"] for row in rows], marker="o", label=label)
-            right.plot(x, [row["p99_ms"] for row in rows], marker="o", label=label)
-        left.set(xlabel="concurrency (the ceiling: batch size)", ylabel="images/s", title="throughput")
-        right.set(xlabel="concurrency (the ceiling: batch size)", ylabel="ms", title="p99 latency")
-        for axis in (left, right):
-            axis.set_xscale("log", base=2)
-            axis.set_xticks(list(LEVELS), [str(v) for v in LEVELS])
-            axis.grid(True, alpha=0.3)
-            axis.set_ylim(bottom=0)
-        left.legend()
-        fig.suptitle("refcnn on this machine, one run")
-        fig.savefig(path, dpi=100)
-    finally:
-        plt.close(fig)
+    lowest_p50 = min((_at(rows, 1, "p50_ms") for rows in triton.values()), default=math.nan)
+    cpu = next((r["cpu_us_per_request"] for r in ours or [] if r["concurrency"] == 32), {})
+    aio = floor.get("aio", {}).get("server_us", math.nan)
+    baseline = max((row["images_per_s"] for row in found.get("baseline", [])), default=math.nan)
+    lines += [
+        "",
+        f"- pipeline / Triton's better configuration: c=8 **{_ratio(_at(ours, 8, 'throughput'), best(8))}**, "
+        f"c=32 **{_ratio(_at(ours, 32, 'throughput'), best(32))}** (target ≥ 0.75)",
+        f"- pipeline / TorchServe at c=32: **{_ratio(_at(ours, 32, 'throughput'), _at(found.get('torchserve'), 32, 'throughput'))}** (target ≥ 1.0)",
+        f"- p50 at c=1: pipeline {_at(ours, 1, 'p50_ms'):.2f} ms, Triton's best {lowest_p50:.2f} ms (target: no higher)",
+        f"- CPU per request at c=32 (µs): router {cpu.get('router', math.nan):.0f}, preprocess "
+        f"{cpu.get('preprocess', math.nan):.0f}, model {cpu.get('model', math.nan):.0f}, postprocess "
+        f"{cpu.get('postprocess', math.nan):.0f}, all **{cpu.get('all', math.nan):.0f}** (target ≤ 900)",
+        f"- router / a bare grpc.aio server's CPU per call: **{_ratio(cpu.get('router', math.nan), aio)}** (target ≤ 1.5)",
+        f"- model step mean batch at c=32: **{_at(ours, 32, 'model_mean_batch'):.1f}** (target ≥ 12)",
+        f"- the peers' in-process baseline, one thread, best of batch 1/8/32: {baseline:,.0f} images/s",
+    ]
+    pairs = results.get("tracing") or []
+    if pairs:
+        off = _mean([row["throughput"] for row in pairs if not row["tracing"]])
+        on = _mean([row["throughput"] for row in pairs if row["tracing"]])
+        each = ", ".join(f"{'on' if r['tracing'] else 'off'} {r['throughput']:,.0f}" for r in pairs)
+        lines.append(f"- tracing on / off at c=32: **{_ratio(on, off)}** ({each} req/s; target ≥ 0.9)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the comparison and write results.json, summary.md and refcnn.png into the results folder."""
+    """Run the comparison and write results.json and summary.md into the results folder."""
     parser = argparse.ArgumentParser(prog="bench/run.sh", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="folder for results.json, summary.md and the logs")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each measured level")
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per level")
+    parser.add_argument("--peers", type=Path, help="a folder where shared/peers was laid out and set up")
     parser.add_argument(
-        "--peers",
-        type=Path,
-        help="a folder where shared/peers was laid out and set up (its install.sh, then setup.sh): also load "
-        "the pipeline with the peers' load generator, and run TorchServe and the in-process baseline beside it",
+        "--skip-off", action="store_true", help="do not measure the pipeline with batching off"
     )
     args = parser.parse_args(argv)
     out = args.results
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PIPELINE_TORCH_THREADS", "1")  # the ceiling and the model stage: the same count
     started = time.monotonic()
-    print("== ceiling: pre + model + post in plain PyTorch, 1 thread, batches of 1, 8, 32", flush=True)
-    results: dict[str, Any] = {"ceiling": ceiling(LEVELS, max(2.0, args.duration / 2))}
+    print("== the floor: a bare gRPC server's CPU per call", flush=True)
+    results: dict[str, Any] = {"floor": floors()}
+    print("\n== ceiling: pre + model + post in plain PyTorch, 1 thread, batches of 1, 8, 32", flush=True)
+    results["ceiling"] = ceiling(LEVELS, max(2.0, args.duration / 2))
     for row in results["ceiling"]:
         print(
-            f"batch {row['concurrency']:>3}: {row['throughput_infer_per_s']:,.0f} images/s, "
-            f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms",
+            f"batch {row['concurrency']:>3}: {row['throughput_infer_per_s']:,.0f} images/s, p50 {row['p50_ms']:.2f} ms",
             flush=True,
         )
     with tempfile.TemporaryDirectory(prefix="refcnn-bench-") as work:
-        results["off"] = run_pipeline_variant("OFF", False, Path(work), out, args.warmup, args.duration)
+        results["off"] = (
+            {}
+            if args.skip_off
+            else run_pipeline_variant("OFF", False, Path(work), out, args.warmup, args.duration)
+        )
         results["on"] = run_pipeline_variant(
             "ON", True, Path(work), out, args.warmup, args.duration, args.peers
         )
+        if args.peers is not None:
+            results["tracing"] = tracing_pairs(Path(work), out, args.peers, args.warmup, args.duration)
     if args.peers is not None:
-        print("\n== peers: the in-process baseline (one thread), then TorchServe", flush=True)
+        print("\n== peers: the in-process baseline (one thread), TorchServe, Triton", flush=True)
         results["peers"] = {
-            "baseline": peer_baseline(args.peers, out / "peers-baseline.json"),
-            "torchserve": peer_torchserve(
-                args.peers, out / "peers-torchserve.json", args.warmup, args.duration
-            ),
+            "baseline": peers.baseline(args.peers, out / "peers-baseline.json"),
+            "torchserve": peers.torchserve(args.peers, out / "peers-torchserve", args.warmup, args.duration),
+            "triton": peers.triton(args.peers, out / "peers-triton", args.warmup, args.duration),
         }
     results["seconds"] = time.monotonic() - started
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     summary = summarise(results)
     (out / "summary.md").write_text(summary + "\n")
-    write_comparison_plot(results, out / "refcnn.png")
     print("\n" + summary + f"\n\n({results['seconds']:.0f} s; written to {out})", flush=True)
     return 0
 
