@@ -66,6 +66,11 @@ started_dockerd=""
 compose_up=""
 stack_up=""
 started_swarm=""
+leave_swarm() {  # and the bridge network `swarm init` made, which leaving keeps
+    docker swarm leave --force >/dev/null 2>&1 || true
+    docker network rm docker_gwbridge >/dev/null 2>&1 || true
+    started_swarm=""
+}
 finish() {
     local code=$?
     step_end
@@ -90,7 +95,7 @@ finish() {
     fi
     if [[ -n "$started_swarm" && "${KEEP_UP:-0}" != 1 ]]; then
         say "== leaving the single-node swarm this run made"
-        docker swarm leave --force >/dev/null 2>&1 || true
+        leave_swarm
     fi
     cd /
     if [[ "${KEEP_UP:-0}" == 1 && $code != 0 ]]; then say "KEEP_UP=1: the clone stays in $work"; else rm -rf "$work"; fi
@@ -557,10 +562,7 @@ say "model tasks running: $(running_images)"
 
 step "swarm: docker stack rm; leave the swarm"
 remove_stack
-if [[ -n "$started_swarm" ]]; then
-    docker swarm leave --force >/dev/null
-    started_swarm=""
-fi
+if [[ -n "$started_swarm" ]]; then leave_swarm; fi
 
 # --- 10. the scaling benchmark's Compose mode --------------------------------------------------------------
 # `up --scale model=1` and `=2` for the embeddings ensemble in a project of its own (no tokens), the load
