@@ -4,11 +4,15 @@
 #   docker build --target preprocess  -t pipeline-preprocess .
 #   docker build --target postprocess -t pipeline-postprocess .
 #   docker build --target model       -t pipeline-model .     # PyTorch and ONNX Runtime
+#   docker build --target model-repository -t pipeline-model-repository .   # the example repository
 #
-# (compose.yaml builds all four.) Builds with the classic builder and with BuildKit: no RUN --mount,
+# (compose.yaml builds all five.) Builds with the classic builder and with BuildKit: no RUN --mount,
 # no heredocs. Router, preprocess and postprocess share every layer (no PyTorch of their own; a shared
 # dependency that needs it gets the same pinned CPU build); the model image adds PyTorch and ONNX Runtime.
-# No image holds model files: the services serve the model repository mounted at /models (compose.yaml).
+# No service image holds model files: the services serve the model repository mounted at /models
+# (compose.yaml). The last target builds the example models and copies the example repository into the
+# volume mounted at /models when it runs (compose.yaml's one-shot `model-repository` service): the
+# examples need nothing but Docker on the host.
 #
 # Build arguments:
 #   TORCH_INDEX_URL   where pip looks for torch when docker/wheels/ has no torch wheel. Default: PyTorch's
@@ -124,3 +128,23 @@ USER pipeline
 HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py"]
 EXPOSE 8102
 CMD ["python", "-m", "services.model"]
+
+# --- the example repository: model_repository/'s Python stages and configs, and the example models built
+# from the code (examples/models/build.py: trained or exported here, deterministically). Last, so that the
+# classic builder, which builds every stage above its target, builds it for this target alone.
+FROM deps-model AS build-examples
+RUN /src/pip-install $(python3 requirements.py pyproject.toml --only scikit-learn tqdm)
+COPY services/__init__.py services/minilm_files.py services/
+COPY examples/__init__.py examples/
+COPY examples/models/ examples/models/
+COPY model_repository/ /opt/model_repository/
+RUN python -m examples.models.build --model-dir /opt/model_repository --missing --no-progress \
+    && rm -rf /opt/model_repository/*/1/__pycache__
+
+FROM python AS model-repository
+COPY --from=build-examples /opt/model_repository /opt/model_repository
+COPY docker/copy-repository.py /app/copy-repository.py
+# A volume mounted here for the first time takes this folder's owner, so the unprivileged user can write it.
+RUN mkdir /models && chown pipeline:pipeline /models
+USER pipeline
+CMD ["python", "/app/copy-repository.py", "/opt/model_repository", "/models"]

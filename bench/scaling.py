@@ -295,6 +295,10 @@ def run_compose(name: str, variant: Variant, results: Path, duration: float) -> 
         )
 
 
+#: A container's name, state, health ("none" without a health check) and host pid.
+INSPECT_STATE = "{{.Name}} {{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}} {{.State.Pid}}"
+
+
 def wait_healthy(compose: list[str], env: dict[str, str], count: int, timeout: float = 180) -> dict[str, int]:
     """Wait until `count` containers of the project are healthy; returns their names and host pids."""
     deadline = time.monotonic() + timeout
@@ -302,13 +306,14 @@ def wait_healthy(compose: list[str], env: dict[str, str], count: int, timeout: f
         ids = subprocess.run([*compose, "ps", "-q"], env=env, capture_output=True, text=True).stdout.split()
         states = {}
         for container in ids:
-            name, health, pid = subprocess.run(
-                ["docker", "inspect", "-f", "{{.Name}} {{.State.Health.Status}} {{.State.Pid}}", container],
+            name, status, health, pid = subprocess.run(
+                ["docker", "inspect", "-f", INSPECT_STATE, container],
                 capture_output=True,
                 text=True,
                 check=True,
             ).stdout.split()
-            states[name.strip("/")] = (health, int(pid))
+            if status != "exited":  # the one-shot model-repository service, once it has written the volume
+                states[name.strip("/")] = (health, int(pid))
         if len(states) >= count and all(health == "healthy" for health, _ in states.values()):
             return {name: pid for name, (_, pid) in sorted(states.items())}
         if time.monotonic() > deadline:

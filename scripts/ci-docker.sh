@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# CI for the containers: install Docker's engine if missing, build the images offline, start the pipeline
-# with Compose and tokens on, classify digits through the router from the host with Triton's client and
-# with the Go client of examples/go, scale preprocess and model to two replicas and show all serve, start
-# Prometheus (the observability profile) and check during a bench run that it scrapes every replica and that
-# every query of the Grafana dashboard returns data, stop a preprocess replica and kill a model replica
-# (SIGKILL) under load and check no request failed, tear down, and run the scaling benchmark's Compose mode.
-# Prints each step's time. About 5 minutes from nothing on 2 cores (most of it the first image build).
+# CI for the containers: install Docker's engine if missing, clone this checkout into a temporary folder
+# (what a user gets: the model files are not in git) and, from that clone: build the images offline, start
+# the pipeline with Compose and tokens on (the one-shot `model-repository` service writes the example models,
+# built in its image, into the repository volume: nothing is built on the host), classify digits through the
+# router from the host with Triton's client and with the Go client of examples/go, scale preprocess and
+# model to two replicas and show all serve, load a new version of the digits model with RepositoryModelLoad
+# on every model replica under load, start Prometheus (the observability profile) and check during a bench
+# run that it scrapes every replica and that every query of the Grafana dashboard returns data, stop a
+# preprocess replica and kill a model replica (SIGKILL) under load, tear down; then deploy compose.swarm.yaml
+# on a single-node Swarm: classify, scale the model service to two and show both serve, a rolling update of
+# the model service under load and a rollback; and run the scaling benchmark's Compose mode. No request may
+# fail under load; each load run prints its counts. Prints each step's time. About 15 minutes on 2 cores
+# when the images are built already, 20 from nothing.
 #
 #   bash scripts/ci-docker.sh            # as root on a Debian machine (CI here), from anywhere
 #
@@ -13,7 +19,8 @@
 #      COMPOSE_PROJECT_NAME (default pipelineci), PIPELINE_ROUTER_PUBLISHED_PORT (default 18001),
 #      PIPELINE_HTTP_PUBLISHED_PORT (default 18000),
 #      PIPELINE_PROMETHEUS_PUBLISHED_PORT (default 19090),
-#      KEEP_UP=1 leaves the pipeline running at the end.
+#      PIPELINE_STACK_NAME (default pipelineci): the Swarm stack's name,
+#      KEEP_UP=1 leaves the pipeline (or the stack) and the clone in place when a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,8 +34,12 @@ export PIPELINE_RESOLVE_INTERVAL_S=${PIPELINE_RESOLVE_INTERVAL_S:-2}
 random_token() { od -An -N16 -tx1 /dev/urandom | tr -d ' \n'; }
 export PIPELINE_AUTH_TOKENS=${PIPELINE_AUTH_TOKENS:-$(random_token)}
 export PIPELINE_STAGE_TOKEN=${PIPELINE_STAGE_TOKEN:-$(random_token)}
+export PIPELINE_ADMIN_TOKENS=${PIPELINE_ADMIN_TOKENS:-$(random_token)}
 export CLIENT_TOKEN=${PIPELINE_AUTH_TOKENS%%,*}
 PYTHON=${PYTHON:-.venv/bin/python}
+# Absolute, for use from the clone; not resolved through the link, which would leave the virtual environment.
+[[ "$PYTHON" == */* ]] && PYTHON=$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")
+STACK=${PIPELINE_STACK_NAME:-pipelineci}
 ROUTER=127.0.0.1:$PIPELINE_ROUTER_PUBLISHED_PORT
 PROMETHEUS=http://127.0.0.1:$PIPELINE_PROMETHEUS_PUBLISHED_PORT
 work=$(mktemp -d)
@@ -53,6 +64,13 @@ step_end() {
 
 started_dockerd=""
 compose_up=""
+stack_up=""
+started_swarm=""
+leave_swarm() {  # and the bridge network `swarm init` made, which leaving keeps
+    docker swarm leave --force >/dev/null 2>&1 || true
+    docker network rm docker_gwbridge >/dev/null 2>&1 || true
+    started_swarm=""
+}
 finish() {
     local code=$?
     step_end
@@ -65,7 +83,22 @@ finish() {
         say "== teardown: compose down -v"
         $COMPOSE --profile observability down -v --remove-orphans >/dev/null 2>&1 || true
     fi
-    rm -rf "$work"
+    if [[ -n "$stack_up" && "${KEEP_UP:-0}" != 1 ]]; then
+        if ((code != 0)); then
+            say "logs of the failed run (last 40 lines per service):"
+            docker stack ps --no-trunc "$STACK" || true
+            for service in router preprocess model postprocess; do
+                docker service logs --no-task-ids --tail 40 "${STACK}_$service" 2>&1 || true
+            done
+        fi
+        remove_stack
+    fi
+    if [[ -n "$started_swarm" && "${KEEP_UP:-0}" != 1 ]]; then
+        say "== leaving the single-node swarm this run made"
+        leave_swarm
+    fi
+    cd /
+    if [[ "${KEEP_UP:-0}" == 1 && $code != 0 ]]; then say "KEEP_UP=1: the clone stays in $work"; else rm -rf "$work"; fi
     if [[ -n "$started_dockerd" ]]; then
         kill "$started_dockerd" 2>/dev/null || true
         wait "$started_dockerd" 2>/dev/null || true
@@ -116,6 +149,13 @@ say "engine $(docker version -f '{{.Server.Version}}'), compose: $($COMPOSE vers
 # A previous run's leftovers (an interrupted CI) would hold the port.
 $COMPOSE --profile observability down -v --remove-orphans >/dev/null 2>&1 || true
 
+# --- 1b. a clean clone: what a user gets (git's files only: no model files, no virtual environment) -----
+step "a clean clone of this checkout (git clone; the rest runs there)"
+git diff --quiet HEAD 2>/dev/null || say "note: uncommitted changes are not in the clone (it checks HEAD)"
+git clone --quiet --no-hardlinks "$PWD" "$work/clone"
+cd "$work/clone"
+say "cloned $(git log -1 --format='%h %s' | cut -c1-80)"
+
 # --- 2. the base image, made locally (no registry here) ------------------------------------------------
 step "base image (debootstrap + docker import; skipped when present)"
 bash scripts/offline-base-image.sh
@@ -140,22 +180,26 @@ wait_healthy() {
         sleep 1
     done
 }
-step "the example models' files in ./model_repository (the repository every service mounts)"
-"$PYTHON" -m examples.models.build --model-dir model_repository --missing --no-progress
-
-step "compose up; wait until every container is healthy"
+step "compose up (the model-repository service writes the example repository first); wait until healthy"
 compose_up=1
 $COMPOSE up -d
 wait_healthy 4
 $COMPOSE ps
+writer=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME" \
+    --filter "label=com.docker.compose.service=model-repository")
+[[ $(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$writer") == "exited 0" ]] \
+    || die "the model-repository service did not complete"
+say "model-repository: $(docker logs "$writer" 2>&1 | tail -1)"
 
 # --- 5. classify through the router from the host -------------------------------------------------------
 # Triton's client runs in a process of its own (it cannot share one with pipeline._gen).
-step "classify digits through the router with tritonclient"
-"$PYTHON" - "$ROUTER" <<'EOF'
+classify() {  # ROUTER: wait until it is ready (at most 120 s), see a request without a token refused, then
+              # classify 200 digits; fails below 90% accuracy
+    "$PYTHON" - "$1" <<'EOF'
 import io
 import os
 import sys
+import time
 
 import numpy as np
 import tritonclient.grpc as triton
@@ -171,7 +215,15 @@ for pixels in digits.images[-count:]:  # 8x8, 0..16: dark ink on light paper, sc
     Image.fromarray(grey).resize((28, 28), Image.NEAREST).save(buffer, format="PNG")
     pngs.append(buffer.getvalue())
 client = triton.InferenceServerClient(sys.argv[1])
-assert client.is_server_ready(), "router not ready"
+deadline = time.monotonic() + 120
+while True:
+    try:
+        if client.is_server_ready():
+            break
+    except triton.InferenceServerException:
+        pass
+    assert time.monotonic() < deadline, "router not ready within 120 s"
+    time.sleep(1)
 token = {"authorization": f"Bearer {os.environ['CLIENT_TOKEN']}"}
 one = triton.InferInput("IMAGE", [1, 1], "BYTES")
 one.set_data_from_numpy(np.array([[pngs[0]]], dtype=np.object_))
@@ -191,6 +243,9 @@ accuracy = float(np.mean(np.array(labels) == digits.target[-count:]))
 print(f"classified {count} digits through the router: accuracy {accuracy:.1%}; first ten {labels[:10]}")
 assert accuracy >= 0.9, f"accuracy {accuracy:.1%} is below 90%"
 EOF
+}
+step "classify digits through the router with tritonclient"
+classify "$ROUTER"
 
 # --- 5b. the Go client, built offline from protos/ with Debian's packages --------------------------------
 step "build the Go client (examples/go) and classify digits through the router with it"
@@ -223,8 +278,10 @@ say "the Go client classified $right of 40 digits right"
 # Per-replica counts: inside the router's container (on the stages' network), resolve `preprocess` to every
 # replica's address and ask each for ModelStatistics.
 # The stages ask for a token too: the router's (its container has it).
+# in_router runs a command in the router's container: Compose's here, the Swarm task's later.
+in_router() { $COMPOSE exec -T router "$@"; }
 replica_counts() {  # SERVICE PORT MODEL
-    $COMPOSE exec -T router python - "$@" <<'EOF'
+    in_router python - "$@" <<'EOF'
 import json
 import os
 import socket
@@ -249,9 +306,9 @@ print(json.dumps(counts))
 EOF
 }
 
-# Closed-loop load from the host for a bounded time: DURATION seconds, THREADS threads, one image per
-# request; prints a JSON summary and fails if any request failed.
-load() {
+# Closed-loop load from the host for a bounded time: DURATION seconds (or until the file STOP_FILE exists,
+# when given), THREADS threads, one image per request; prints a JSON summary and fails if any request failed.
+load() {  # DURATION THREADS [STOP_FILE]
     "$PYTHON" - "$ROUTER" "$@" <<'EOF'
 import io
 import json
@@ -265,6 +322,7 @@ import tritonclient.grpc as triton
 from PIL import Image
 
 router, duration, threads = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+stop_file = sys.argv[4] if len(sys.argv) > 4 else None
 grey = np.full((28, 28), 255, np.uint8)
 grey[6:22, 12:16] = 0  # a one
 buffer = io.BytesIO()
@@ -279,7 +337,7 @@ def worker() -> None:
     client = triton.InferenceServerClient(router)
     image = triton.InferInput("IMAGE", list(batch.shape), "BYTES")
     image.set_data_from_numpy(batch)
-    while time.monotonic() < stop:
+    while time.monotonic() < stop and not (stop_file and os.path.exists(stop_file)):
         try:
             client.infer("digits", [image], client_timeout=10, headers=token)
             with lock:
@@ -323,6 +381,53 @@ done
 say "replicas after: preprocess $after, model $after_model"
 ((served)) || die "the replicas did not all serve within 60s of load (preprocess $before -> $after, model $before_model -> $after_model)"
 
+# --- 6a. a new model version, loaded under load ------------------------------------------------------------
+# Version 2 of digits_cnn is written into the repository volume (a copy of version 1, renamed into place in
+# one step) and loaded with RepositoryModelLoad on every model replica, one after the other, while 32
+# clients run; Triton's default version policy then serves version 2 alone.
+load_version() {  # SERVICE PORT MODEL VERSION: RepositoryModelLoad on every replica; what each then serves
+    in_router python - "$@" <<'EOF'
+import json
+import os
+import socket
+import sys
+
+import grpc
+import numpy as np
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+
+service, port, model, version = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+addresses = sorted({info[4][0] for info in socket.getaddrinfo(service, port, proto=socket.IPPROTO_TCP)})
+admin = (("authorization", f"Bearer {os.environ['PIPELINE_ADMIN_TOKENS'].split(',')[0]}"),)
+token = (("authorization", f"Bearer {os.environ['PIPELINE_STAGE_TOKEN']}"),)
+request = pb.ModelInferRequest(model_name=model)  # no version: the one the router's steps get
+request.inputs.add(name="INPUT", datatype="FP32", shape=[1, 1, 8, 8])
+request.raw_input_contents.append(np.zeros(64, np.float32).tobytes())
+replicas = {}
+for address in addresses:
+    with grpc.insecure_channel(f"{address}:{port}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=model), timeout=60, metadata=admin)
+        versions = list(stub.ModelMetadata(pb.ModelMetadataRequest(name=model), timeout=5, metadata=token).versions)
+        answered = stub.ModelInfer(request, timeout=10, metadata=token).model_version
+        replicas[address] = {"versions": versions, "answered_by": answered}
+print(json.dumps(replicas))
+sys.exit(0 if all(r == {"versions": [version], "answered_by": version} for r in replicas.values()) else 1)
+EOF
+}
+step "load version 2 of digits_cnn with RepositoryModelLoad on every model replica under 32 clients"
+$COMPOSE run --rm --no-deps -T model-repository \
+    sh -c 'cp -r /models/digits_cnn/1 /models/digits_cnn/.2 && mv /models/digits_cnn/.2 /models/digits_cnn/2'
+load 14 32 >"$work/load.json" &
+loader=$!
+sleep 4
+loaded=$(load_version "${MODEL[@]}" 2) || { kill "$loader" 2>/dev/null; die "version 2 is not what every replica serves: $loaded"; }
+wait "$loader" || { cat "$work/load.json"; die "requests failed while version 2 was loaded"; }
+say "model replicas after the load: $loaded"
+say "load while loading version 2: $(cat "$work/load.json")"
+
 # --- 6b. Prometheus and the dashboard, during a bench run ---------------------------------------------------
 step "observability: Prometheus scrapes every replica; every dashboard query returns data during a bench run"
 $COMPOSE --profile observability up -d --no-deps prometheus
@@ -364,14 +469,107 @@ docker kill "$victim" >/dev/null
 wait "$loader" || { cat /tmp/ci-docker-load.json; die "requests failed while a model replica was killed"; }
 say "load while killing a model replica: $(cat /tmp/ci-docker-load.json)"
 
-# --- 9. the scaling benchmark's Compose mode ---------------------------------------------------------------
-# `up --scale model=1` and `=2` for the embeddings ensemble in a project of its own (no tokens), after this
-# one is down, the load generator in a container on the stages' network. Its figures are printed for the
-# record, not checked: this machine's speed is not CI's concern.
-step "bench.scaling --compose: embeddings with 1 and 2 model replicas"
+# --- 9. the Swarm stack: deploy, scale, a rolling update and a rollback under load ---------------------------
+# compose.swarm.yaml on a single-node swarm (made here, left at the end), the same images and tokens. Swarm
+# runs no one-shot service before the others: the repository volume is filled first, as its header says.
+# Swarm's routing mesh needs the kernel's IPVS; without it the router publishes on this node (mode host).
+remove_stack() {
+    say "== teardown: docker stack rm $STACK"
+    docker stack rm "$STACK" >/dev/null 2>&1 || true
+    for _ in $(seq 60); do
+        [[ -z $(docker ps -aq --filter "label=com.docker.stack.namespace=$STACK") \
+            && -z $(docker network ls -q --filter "label=com.docker.stack.namespace=$STACK") ]] && break
+        sleep 1
+    done
+    docker volume rm "${STACK}_model-repository" "${STACK}_engine-cache" >/dev/null 2>&1 || true
+    docker image rm pipeline-model:ci-rollout >/dev/null 2>&1 || true
+    stack_up=""
+}
+# Until every service of the stack runs all its replicas, healthy, on the image it asks for (at most 180 s).
+wait_stack() {
+    local deadline=$(($(date +%s) + 180)) states
+    while true; do
+        states=$(docker service ls --filter "label=com.docker.stack.namespace=$STACK" --format '{{.Name}} {{.Replicas}}')
+        if awk '{ split($2, r, "/"); if (r[1] != r[2]) bad = 1 } END { exit bad }' <<<"$states" \
+            && [[ -z $(docker ps --filter "label=com.docker.stack.namespace=$STACK" --format '{{.Status}}' | grep -v '(healthy)') ]]; then
+            return 0
+        fi
+        (($(date +%s) < deadline)) || { printf '%s\n' "$states" >&2; die "the stack did not converge within 180s"; }
+        sleep 2
+    done
+}
+# Load (16 clients) while a command runs, and 3 s beyond; prints the counts, fails if a request failed.
+under_load() {  # WHAT COMMAND...
+    local what=$1 stop_file="$work/stop-load"
+    shift
+    rm -f "$stop_file"
+    load 600 16 "$stop_file" >"$work/load.json" &
+    local loader=$!
+    sleep 3
+    "$@" || { touch "$stop_file"; wait "$loader" || true; die "$what failed"; }
+    sleep 3
+    touch "$stop_file"
+    wait "$loader" || true
+    say "load during the $what: $(cat "$work/load.json")"
+    "$PYTHON" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["failed"] != 0)' "$work/load.json" \
+        || die "requests failed during the $what"
+}
+running_images() {
+    docker service ps "${STACK}_model" --filter desired-state=running --format '{{.Image}}' | sort | uniq -c | xargs
+}
+
+step "swarm: docker stack deploy of compose.swarm.yaml on a single-node swarm; classify digits through the router"
 $COMPOSE --profile observability down -v --remove-orphans >/dev/null 2>&1
 compose_up=""
-env -u PIPELINE_AUTH_TOKENS -u PIPELINE_STAGE_TOKEN -u COMPOSE_PROJECT_NAME "$PYTHON" -m bench.scaling \
+if [[ $(docker info -f '{{.Swarm.LocalNodeState}}') != active ]]; then
+    docker swarm init --advertise-addr 127.0.0.1 >/dev/null
+    started_swarm=1
+fi
+[[ -d /proc/sys/net/ipv4/vs ]] || export PIPELINE_ROUTER_PUBLISH_MODE=${PIPELINE_ROUTER_PUBLISH_MODE:-host}
+stack_up=1
+docker run --rm -v "${STACK}_model-repository:/models" "pipeline-model-repository:${PIPELINE_IMAGE_TAG:-latest}"
+docker stack deploy --resolve-image never -c compose.swarm.yaml "$STACK" >/dev/null
+wait_stack
+docker service ls --filter "label=com.docker.stack.namespace=$STACK" --format '  {{.Name}} {{.Replicas}} {{.Image}} {{.Ports}}'
+classify "$ROUTER"
+router_task=$(docker ps -q --filter "label=com.docker.swarm.service.name=${STACK}_router" | head -1)
+in_router() { docker exec -i "$router_task" "$@"; }
+
+step "swarm: docker service scale the model service to 2; both replicas serve"
+docker service scale --detach=false "${STACK}_model=2" >/dev/null
+wait_stack
+before_model=$(replica_counts "${MODEL[@]}")
+served=0
+for _ in $(seq 6); do
+    load 5 4 >/dev/null || die "requests failed while the model service scaled up"
+    after_model=$(replica_counts "${MODEL[@]}")
+    if "$PYTHON" -c "$both_served" "$before_model" "$after_model"; then served=1; break; fi
+done
+say "model replicas: $before_model -> $after_model"
+((served)) || die "the model replicas did not both serve within 60s of load ($before_model -> $after_model)"
+
+step "swarm: rolling update of the model service under load (a new image tag, start-first)"
+docker tag "pipeline-model:${PIPELINE_IMAGE_TAG:-latest}" pipeline-model:ci-rollout
+under_load "rolling update" docker service update --detach=false --quiet --no-resolve-image \
+    --image pipeline-model:ci-rollout "${STACK}_model"
+say "model tasks running: $(running_images)"
+[[ $(running_images) == "2 pipeline-model:ci-rollout" ]] || die "the update did not replace both tasks"
+
+step "swarm: rollback of the model service under load"
+under_load "rollback" docker service rollback --detach=false --quiet "${STACK}_model"
+say "model tasks running: $(running_images)"
+[[ $(running_images) == "2 pipeline-model:${PIPELINE_IMAGE_TAG:-latest}" ]] || die "the rollback did not restore both tasks"
+
+step "swarm: docker stack rm; leave the swarm"
+remove_stack
+if [[ -n "$started_swarm" ]]; then leave_swarm; fi
+
+# --- 10. the scaling benchmark's Compose mode --------------------------------------------------------------
+# `up --scale model=1` and `=2` for the embeddings ensemble in a project of its own (no tokens), the load
+# generator in a container on the stages' network. Its figures are printed for the record, not checked:
+# this machine's speed is not CI's concern.
+step "bench.scaling --compose: embeddings with 1 and 2 model replicas"
+env -u PIPELINE_AUTH_TOKENS -u PIPELINE_STAGE_TOKEN -u PIPELINE_ADMIN_TOKENS -u COMPOSE_PROJECT_NAME "$PYTHON" -m bench.scaling \
     "$work/scaling" --compose --variants embeddings-model1,embeddings-model2 --duration 10 \
     || die "the scaling benchmark did not run with Compose"
 

@@ -485,8 +485,8 @@ def test_compose_gives_the_engine_cache_a_writable_volume_and_every_service_its_
     assert mounts["/models"].endswith(":ro")
     # With tokens set, the router calls the stages with its own token, which the stages take.
     for name, service in services.items():
-        if service.get("profiles"):
-            continue  # Prometheus and the like: no inference service
+        if service.get("profiles") or "healthcheck" not in service:
+            continue  # Prometheus, the one-shot model-repository writer: no inference service
         assert "PIPELINE_STAGE_TOKEN" in service["environment"], name
         assert "PIPELINE_ADMIN_TOKENS" in service["environment"], name
     assert "PIPELINE_AUTH_TOKENS" in services["router"]["environment"]
