@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -30,6 +30,8 @@ from pipeline.protocol.errors import (
 )
 from pipeline.protocol.streams import STREAM_STATUS_EXTENSION, error_response, hop_context
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
+from pipeline.runtime.shared_memory import SharedMemoryRegistry
 from pipeline.runtime.telemetry import MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,12 @@ class DataPlane(abc.ABC):
     """What a server does, free of gRPC types: model lookup, metadata, configuration and inference."""
 
     #: `ServerMetadata.extensions`: the protocol extensions this server supports.
-    extensions: tuple[str, ...] = ("model_configuration", "statistics", STREAM_STATUS_EXTENSION)
+    extensions: tuple[str, ...] = (
+        "model_configuration",
+        "statistics",
+        SHARED_MEMORY_EXTENSION,
+        STREAM_STATUS_EXTENSION,
+    )
 
     @abc.abstractmethod
     def ready(self) -> bool:
@@ -118,6 +125,11 @@ async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
     except Exception:
         await context.abort(grpc.StatusCode.INTERNAL, internal_error())
     raise AssertionError("unreachable: abort raises")
+
+
+async def _now(function: Callable[..., T], *args: object) -> T:
+    """A plain call, as an awaitable for `_guarded`."""
+    return function(*args)
 
 
 def rpc_status_of(err: PipelineError) -> status_pb2.Status | None:
@@ -179,6 +191,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.metrics = metrics or Metrics()
         # Triton's nv_inference_* metrics: read from the same statistics ModelStatistics answers with.
         self.metrics.export_statistics(plane.statistics)
+        #: The system shared-memory regions clients registered (Triton's extension).
+        self.shared_memory = SharedMemoryRegistry()
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         """One inference through the plane: the request's server span (continuing the caller's trace)
@@ -197,7 +211,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
         with span_scope as span:
             try:
-                return await self.plane.infer(request, call)
+                shared = self.shared_memory
+                shared.resolve_inputs(request)
+                placed = shared.requested_outputs(request)
+                response = await self.plane.infer(request, call)
+                if placed:
+                    shared.write_outputs(response, placed)
+                return response
             except BaseException as err:
                 outcome = outcome_of(err)
                 if isinstance(err, ModelNotFound):
@@ -264,6 +284,24 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         }
         await _guarded(context, self.plane.repository_unload(request.model_name, params))
         return pb.RepositoryModelUnloadResponse()
+
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: grpc.aio.ServicerContext
+    ):
+        return await _guarded(context, _now(self.shared_memory.status, request.name))
+
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: grpc.aio.ServicerContext
+    ):
+        register = self.shared_memory.register
+        await _guarded(context, _now(register, request.name, request.key, request.offset, request.byte_size))
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: grpc.aio.ServicerContext
+    ):
+        await _guarded(context, _now(self.shared_memory.unregister, request.name))
+        return pb.SystemSharedMemoryUnregisterResponse()
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
