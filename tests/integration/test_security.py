@@ -261,7 +261,7 @@ UNSAFE = [
     (re.compile(r"\bpickle\.loads?\("), "pickle"),
     (re.compile(r"torch\.load\((?![^)]*weights_only\s*=\s*True)"), "torch.load without weights_only=True"),
     (
-        re.compile(r"yaml\.load\((?![^)]*Loader\s*=\s*\w*Safe\w*Loader|[^)]*Loader\s*=\s*_StrictLoader)"),
+        re.compile(r"yaml\.load\((?![^)]*Loader\s*=\s*\w*Safe\w*Loader|[^)]*Loader\s*=\s*_?StrictLoader)"),
         "yaml.load",
     ),
     (
