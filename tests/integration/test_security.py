@@ -279,7 +279,7 @@ UNSAFE = [
 #: Where a pattern is the feature itself: (path, what) -> why.
 ALLOWED = {
     (
-        "pipeline/stage/python_backend.py",
+        "pipeline/stage/model_file.py",
         "eval/exec",
     ): "runs a repository's model.py, as Triton's Python backend "
     "does: the repository must be trusted (README, Writing a stage)",

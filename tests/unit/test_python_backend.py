@@ -14,7 +14,8 @@ import pytest
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import InvalidInput, RepositoryError
 from pipeline.runtime.repository import ModelRepository
-from pipeline.stage.python_backend import PythonBackend, triton_json
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.stage.triton_model import triton_json
 from pipeline.stage.triton_python_backend_utils import triton_string_to_numpy
 from tests.stages import TRITON_ADD_SUB_CONFIG, TRITON_ADD_SUB_MODEL, write_model
 
