@@ -62,6 +62,7 @@ from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import BATCH_SIZE, MODEL, NO_SPAN, Telemetry
 from pipeline.stage.api import Stage
 from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
+from pipeline.stage.control import ModelControl
 from pipeline.stage.pool import InstancePool, Slot
 
 log = logging.getLogger(__name__)
@@ -134,14 +135,18 @@ class StagePlane(DataPlane):
         models: Sequence[str] | None = None,
         telemetry: Telemetry | None = None,
         metrics: Metrics | None = None,
+        control: ModelControl | None = None,
     ) -> None:
-        """`models` limits the repository models served to those named (Triton's `--load-model`)."""
+        """`models` limits the repository models served to those named (Triton's `--load-model`); `control`
+        says whether `RepositoryModelLoad`/`Unload` may run (by default they are refused) and caps the
+        instances of every repository model."""
         names = [stage.name for stage in stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage model names must be unique, got {names}")
         self.repository = repository
         self.backends = {name: backend for backend in backends for name in backend.names}
         self._only = set(models) if models is not None else None
+        self.control = control or ModelControl()
         self._stages = list(stages)
         self._models: dict[str, _Model] = {name: _Model(name, fixed=True) for name in names}
         self._lifecycle = asyncio.Lock()
@@ -240,6 +245,7 @@ class StagePlane(DataPlane):
         current = model.versions
         fresh: dict[str, ServedVersion] = {}
         try:
+            self.control.check_instances(entry.config, entry.source)
             wanted = entry.served_versions()
             for version in wanted:
                 fingerprint = entry.fingerprint(version)
@@ -362,8 +368,10 @@ class StagePlane(DataPlane):
 
     async def repository_load(self, name: str, parameters: Mapping[str, object]) -> None:
         """Load or reload a model. Parameter `config`: a `ModelConfig` as JSON (Triton's field names) that
-        replaces the model's `config.pbtxt` for this load."""
+        replaces the model's `config.pbtxt` for this load. Refused unless repository control is enabled
+        (`pipeline.stage.control`)."""
         self._require_repository()
+        self.control.check_enabled("RepositoryModelLoad")
         override = None
         for key in parameters:
             if key != "config":
@@ -379,8 +387,10 @@ class StagePlane(DataPlane):
             await self._load_model(name, override)
 
     async def repository_unload(self, name: str, parameters: Mapping[str, object]) -> None:
-        """Stop serving a model: new requests are refused, in-flight ones finish, then it unloads."""
+        """Stop serving a model: new requests are refused, in-flight ones finish, then it unloads. Refused
+        unless repository control is enabled (`pipeline.stage.control`)."""
         self._require_repository()
+        self.control.check_enabled("RepositoryModelUnload")
         async with self._lifecycle:
             model = self._models.get(name)
             if model is None:

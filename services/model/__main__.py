@@ -14,9 +14,11 @@ DEFAULT_PORT = 8102
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the shared server flags plus this service's own."""
     from pipeline.runtime.arguments import add_server_arguments, positive_int
+    from pipeline.stage.control import add_model_control_arguments
 
     parser = argparse.ArgumentParser(prog="python -m services.model", description=__doc__)
     add_server_arguments(parser, service=SERVICE, default_port=DEFAULT_PORT)
+    add_model_control_arguments(parser)
     parser.add_argument(
         "--model-dir",
         "--model-repository",

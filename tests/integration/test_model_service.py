@@ -37,9 +37,11 @@ KIND_NAMES = list(KINDS)
 
 @contextlib.asynccontextmanager
 async def serving(root: Path, backend=None, **settings) -> AsyncIterator:
-    """The model service serving `root`; yields an inference stub."""
+    """The model service serving `root` in explicit model-control mode; yields an inference stub."""
     backend = backend or ModelBackend(ServiceSettings(device="cpu", **settings))
-    async with serving_stages([], repository=ModelRepository(root), backends=[backend]) as stage:
+    async with serving_stages(
+        [], repository=ModelRepository(root), backends=[backend], options={"model_control_mode": "explicit"}
+    ) as stage:
         await wait_serving(stage.address, timeout=120)
         async with inference_stub(stage.address) as stub:
             yield stub

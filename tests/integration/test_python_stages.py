@@ -62,7 +62,14 @@ def outputs(reply: pb.ModelInferResponse) -> dict[str, np.ndarray]:
 
 
 def serving(root: Path, models: list[str] | None = None):
-    return serving_stages([], repository=ModelRepository(root), backends=[PythonBackend()], models=models)
+    """A stage service of `root`'s python models, in explicit model-control mode (it loads on request)."""
+    return serving_stages(
+        [],
+        repository=ModelRepository(root),
+        backends=[PythonBackend()],
+        models=models,
+        options={"model_control_mode": "explicit"},
+    )
 
 
 async def index(stub) -> dict[str, tuple[str, str]]:
