@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +45,7 @@ from pipeline.protocol.codec import (
 )
 from pipeline.protocol.datatypes import DATATYPES, datatype_of
 from pipeline.protocol.errors import (
+    DeadlineExceeded,
     InvalidInput,
     ModelNotFound,
     PipelineError,
@@ -60,10 +61,10 @@ from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 from pipeline.runtime.servicer import CallContext, DataPlane
 from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import BATCH_SIZE, MODEL, NO_SPAN, Telemetry
-from pipeline.stage.api import Stage
+from pipeline.stage.api import Deadline, Stage
 from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
 from pipeline.stage.control import ModelControl
-from pipeline.stage.pool import InstancePool, Slot
+from pipeline.stage.pool import NOT_STARTED_MESSAGE, InstancePool, Slot
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +137,11 @@ class StagePlane(DataPlane):
         telemetry: Telemetry | None = None,
         metrics: Metrics | None = None,
         control: ModelControl | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`models` limits the repository models served to those named (Triton's `--load-model`); `control`
         says whether `RepositoryModelLoad`/`Unload` may run (by default they are refused) and caps the
-        instances of every repository model."""
+        instances of every repository model. `clock` times the calls' deadlines (a test may give its own)."""
         names = [stage.name for stage in stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage model names must be unique, got {names}")
@@ -147,6 +149,7 @@ class StagePlane(DataPlane):
         self.backends = {name: backend for backend in backends for name in backend.names}
         self._only = set(models) if models is not None else None
         self.control = control or ModelControl()
+        self.clock = clock
         self._stages = list(stages)
         self._models: dict[str, _Model] = {name: _Model(name, fixed=True) for name in names}
         self._lifecycle = asyncio.Lock()
@@ -438,6 +441,7 @@ class StagePlane(DataPlane):
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         started = time.perf_counter_ns()
+        deadline = Deadline.after(call.timeout, self.clock)
         served = self._get(request.model_name, request.model_version)
         name, version = served.name, served.version
         stats = self._models[name].stats
@@ -456,7 +460,7 @@ class StagePlane(DataPlane):
                 span = telemetry.current_span()
                 if span is not None:
                     span.set_attribute(BATCH_SIZE, items)
-            result, queue_ns, compute_ns, wall = await self._execute(served, arrays)
+            result, queue_ns, compute_ns, wall = await self._execute(served, arrays, deadline)
             if telemetry.enabled:
                 telemetry.record_span("compute", wall[0], wall[1], {MODEL: name, BATCH_SIZE: items})
             encoding = time.perf_counter_ns()
@@ -483,10 +487,12 @@ class StagePlane(DataPlane):
         return response
 
     async def _execute(
-        self, served: ServedVersion, arrays: dict[str, np.ndarray]
+        self, served: ServedVersion, arrays: dict[str, np.ndarray], deadline: Deadline
     ) -> tuple[dict[str, np.ndarray], int, int, tuple[int, int]]:
         """Run on an idle instance of the version: the result, the wait and run times (ns), and the run's
-        wall-clock start and end (for its span)."""
+        wall-clock start and end (for its span). A call whose deadline passes while it waits for an instance
+        is answered DEADLINE_EXCEEDED and never run; one whose caller goes away while it runs has its
+        deadline marked, so that a stage checking `expired()` stops early."""
         if served.retired:
             # Replaced between lookup and execution: use what serves that version now, if anything does.
             served = self._get(served.name, served.version)
@@ -500,7 +506,12 @@ class StagePlane(DataPlane):
         try:
             slot = await served.pool.idle.get()
             try:
-                result, begun, ended, wall_start, wall_end = await slot.call(slot.run, arrays)
+                if deadline.expired():
+                    raise DeadlineExceeded(NOT_STARTED_MESSAGE)
+                result, begun, ended, wall_start, wall_end = await slot.call(slot.run, arrays, deadline)
+            except asyncio.CancelledError:
+                deadline.cancelled = True
+                raise
             finally:
                 served.pool.idle.put_nowait(slot)
         finally:

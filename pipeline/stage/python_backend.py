@@ -54,7 +54,7 @@ from pipeline.protocol.model_config import (
 )
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.repository import RepositoryEntry
-from pipeline.stage.api import Stage
+from pipeline.stage.api import NO_DEADLINE, Deadline, Stage
 from pipeline.stage.backend import PreparedVersion, StageInstance
 from pipeline.stage.model_file import (
     SharedModule,
@@ -265,8 +265,10 @@ class _StageFileInstance:
                 f"{self._path}: {type(self.stage).__name__}.load() failed: {where(exc, self._path)}{cause(exc)}"
             ) from exc
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self._adapted.run(inputs)
+    def run(
+        self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+    ) -> dict[str, np.ndarray]:
+        return self._adapted.run(inputs, deadline)
 
     def unload(self) -> None:
         try:

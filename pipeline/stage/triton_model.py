@@ -20,6 +20,7 @@ from pipeline.protocol.model_config import (
 from pipeline.protocol.proto_json import message_json
 from pipeline.runtime.repository import RepositoryEntry
 from pipeline.stage import triton_python_backend_utils as pb_utils
+from pipeline.stage.api import NO_DEADLINE, Deadline
 from pipeline.stage.backend import PreparedVersion
 from pipeline.stage.model_file import SharedModule, cause, device_of, instance_placements, where
 
@@ -106,11 +107,16 @@ class TritonInstance:
             ) from exc
         self._model = model
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(
+        self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+    ) -> dict[str, np.ndarray]:
+        remaining = deadline.remaining()
         request = pb_utils.InferenceRequest(
             model_name=self._args["model_name"],
             inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
             requested_output_names=self._outputs,
+            timeout=0 if remaining is None else max(1, int(remaining * 1e6)),
+            cancelled=deadline.expired,
         )
         try:
             responses = self._model.execute([request])

@@ -13,7 +13,7 @@ refused: stages call no other models here; an ensemble chains them instead.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -125,8 +125,11 @@ class InferenceRequest:
         flags: int = 0,
         timeout: int = 0,
         parameters: Mapping[str, Any] | str | None = None,
+        cancelled: Callable[[], bool] | None = None,
         **_: Any,
     ) -> None:
+        """Triton's arguments; `cancelled` is what `is_cancelled` asks (the runtime passes the call's deadline
+        check)."""
         self._model_name = model_name
         self._inputs = list(inputs)
         self._requested = list(requested_output_names)
@@ -134,6 +137,7 @@ class InferenceRequest:
         self._correlation_id = correlation_id
         self._flags = flags
         self._timeout = timeout
+        self._cancelled = cancelled
         if parameters is None:
             self._parameters = "{}"
         elif isinstance(parameters, str):
@@ -162,7 +166,7 @@ class InferenceRequest:
         return self._flags
 
     def timeout(self) -> int:
-        """The request's timeout in microseconds (0: none given)."""
+        """The request's timeout in microseconds (0: none): the time its call had left when it started."""
         return self._timeout
 
     def parameters(self) -> str:
@@ -174,8 +178,9 @@ class InferenceRequest:
         return self._model_name
 
     def is_cancelled(self) -> bool:
-        """Always False: a cancelled request never reaches the model here."""
-        return False
+        """Whether the request's answer is no longer wanted: its deadline passed or its client went away. A
+        model may check it between pieces of work and answer `TritonError.CANCELLED`."""
+        return self._cancelled is not None and self._cancelled()
 
     def exec(self, *_: Any, **__: Any) -> InferenceResponse:
         """Refused: calling other models from a model (BLS) is not supported; chain them in an ensemble."""

@@ -27,6 +27,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.api import NO_DEADLINE
 from pipeline.tools.testing import serving_stages
 from services.model.backend import ModelBackend, ServiceSettings
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
@@ -399,11 +400,11 @@ class _Held:
         self.instance.load()
         self.loaded = True
 
-    def run(self, inputs):
+    def run(self, inputs, deadline=NO_DEADLINE):
         if self.backend.armed and len(self.backend.ran) < self.backend.barrier.parties:
             self.backend.ran.append(self.number)
             self.backend.barrier.wait()
-        return self.instance.run(inputs)
+        return self.instance.run(inputs, deadline)
 
     def unload(self) -> None:
         self.instance.unload()
