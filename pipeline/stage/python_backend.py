@@ -1,6 +1,6 @@
 """The python backend: stages written in Python, served from a model repository.
 
-    <repository>/<model>/config.pbtxt      # optional for a Stage subclass, required for a TritonPythonModel
+    <repository>/<model>/config.pbtxt      # optional for a Stage subclass and an auto-completing TritonPythonModel
     <repository>/<model>/1/model.py
 
 A `model.py` defines either
@@ -16,8 +16,9 @@ A `model.py` defines either
   Triton's args (`model_config` as JSON in Triton's field names, `model_instance_kind`,
   `model_instance_name`, `model_instance_device_id`, `model_repository`, `model_version`, `model_name`),
   `execute(requests)` runs the batches, `finalize()` runs at unload. Its `config.pbtxt` must declare the
-  tensors, as in Triton. `import triton_python_backend_utils as pb_utils` gets the subset in
-  `pipeline.stage.triton_python_backend_utils`. A response's error becomes INVALID_ARGUMENT with its message.
+  tensors, as in Triton, unless its `auto_complete_config` does. `import triton_python_backend_utils as
+  pb_utils` gets `pipeline.stage.triton_python_backend_utils`; `pipeline.stage.triton_model` says how its
+  errors are answered.
 
   Triton hands `execute` a list of requests; here the router has already merged the requests of a batch
   into one set of arrays and the stage runtime sees no boundaries between them, so `execute` gets one
@@ -68,8 +69,9 @@ from pipeline.stage.triton_model import prepare_triton
 
 log = logging.getLogger(__name__)
 
-#: Config fields the python backend acts on: those every service does (`pipeline.runtime.repository`); others are logged.
-ACTED_ON = SERVED_FIELDS
+#: Config fields the python backend acts on: those every service does (`pipeline.runtime.repository`), and the
+#: transaction policy (a decoupled model is refused); others are logged.
+ACTED_ON = SERVED_FIELDS | {"model_transaction_policy"}
 
 
 class PythonBackend:

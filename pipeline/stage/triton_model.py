@@ -1,18 +1,38 @@
 """Models written for Triton's Python backend (`TritonPythonModel`), served unmodified by the python backend
-(`pipeline.stage.python_backend`): their config, the `args` their `initialize` gets, and their instances."""
+(`pipeline.stage.python_backend`): their config, the `args` their `initialize` gets, and their instances.
+
+As in Triton, `auto_complete_config(pb_utils.ModelConfig)`, when the class defines it, completes the config
+before anything else reads it (`pipeline.stage.triton_model_config`); decoupled models are refused at load.
+`execute` may be a coroutine function (Triton's async execute); it then runs to completion on the instance's
+thread. An error a response carries is answered with the gRPC status of its `TritonError` code (INVALID_ARG:
+INVALID_ARGUMENT, UNSUPPORTED: UNIMPLEMENTED, INTERNAL, the default: INTERNAL, ...) and its message; so is a
+`TritonModelException` that `execute` raises (INTERNAL), while any other exception is an internal error whose
+details stay in the log. A CANCELLED answer to a request whose deadline has passed is DEADLINE_EXCEEDED.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
+from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import InvalidInput, PipelineError, RepositoryError
+from pipeline.protocol.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    PipelineError,
+    RepositoryError,
+    StageError,
+    Unavailable,
+)
 from pipeline.protocol.model_config import (
     set_tensor_specs,
     tensor_specs,
@@ -23,23 +43,45 @@ from pipeline.stage import triton_python_backend_utils as pb_utils
 from pipeline.stage.api import NO_DEADLINE, Deadline
 from pipeline.stage.backend import PreparedVersion
 from pipeline.stage.model_file import SharedModule, cause, device_of, instance_placements, where
+from pipeline.stage.triton_model_config import COMPLETED_FIELDS
+
+_ERROR = pb_utils.TritonError
+#: The gRPC status of each `TritonError` code (INVALID_ARG and UNAVAILABLE have error classes of their own).
+_STATUS = {
+    _ERROR.UNKNOWN: grpc.StatusCode.UNKNOWN,
+    _ERROR.INTERNAL: grpc.StatusCode.INTERNAL,
+    _ERROR.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    _ERROR.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    _ERROR.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    _ERROR.CANCELLED: grpc.StatusCode.CANCELLED,
+}
 
 
 def prepare_triton(
     entry: RepositoryEntry, version: str, path: Path, cls: type, module: SharedModule
 ) -> PreparedVersion:
-    """A version of a `TritonPythonModel`: its config, checked, and one unloaded instance per placement."""
-    if not entry.has_config or not (entry.config.input and entry.config.output):
-        raise RepositoryError(
-            f"{path}: a TritonPythonModel needs a config.pbtxt beside its version folders that declares its "
-            f"input and output tensors, as Triton's Python backend does ({entry.folder / 'config.pbtxt'})"
-        )
+    """A version of a `TritonPythonModel`: its config, completed and checked, and one unloaded instance per
+    placement."""
     if not callable(getattr(cls, "execute", None)):
         raise RepositoryError(f"{path}: TritonPythonModel has no execute(requests) method")
     config = mc.ModelConfig()
     config.CopyFrom(entry.config)
     config.backend = "python"
     config.platform = config.platform or "python"
+    hook = getattr(cls, "auto_complete_config", None)
+    if callable(hook):
+        auto_complete(config, hook, path)
+    if not (config.input and config.output):
+        raise RepositoryError(
+            f"{path}: a TritonPythonModel needs its input and output tensors declared, as Triton's Python "
+            f"backend does: in a config.pbtxt beside its version folders ({entry.folder / 'config.pbtxt'}), "
+            "or by its auto_complete_config"
+        )
+    if config.model_transaction_policy.decoupled:
+        raise RepositoryError(
+            f"{entry.source}: model_transaction_policy {{ decoupled: true }}: decoupled models (any number of "
+            "responses per request) are not supported by this server yet"
+        )
     placements = instance_placements(config)
     inputs, outputs = tensor_specs(config, entry.source)
     set_tensor_specs(config, inputs, outputs)
@@ -61,6 +103,39 @@ def prepare_triton(
             )
         )
     return PreparedVersion(config, list(instances))
+
+
+def auto_complete(config: mc.ModelConfig, hook: Callable[[Any], Any], path: Path) -> None:
+    """Let the model's `auto_complete_config` complete `config` (in place): the fields it may set
+    (`COMPLETED_FIELDS`) are taken back, the rest is left as the config says."""
+    try:
+        returned = hook(pb_utils.ModelConfig(triton_json(config)))
+    except Exception as exc:
+        raise RepositoryError(
+            f"{path}: TritonPythonModel.auto_complete_config failed: {where(exc, path)}{cause(exc)}"
+        ) from None
+    if not isinstance(returned, pb_utils.ModelConfig):
+        raise RepositoryError(
+            f"{path}: TritonPythonModel.auto_complete_config returned {_describe(returned)} instead of the "
+            "pb_utils.ModelConfig it was given"
+        )
+    completed = returned.as_dict()
+    try:
+        parsed = json_format.ParseDict(
+            {key: completed[key] for key in COMPLETED_FIELDS if key in completed}, mc.ModelConfig()
+        )
+    except json_format.ParseError as exc:
+        raise RepositoryError(
+            f"{path}: auto_complete_config left a config Triton would not read: {exc}"
+        ) from None
+    config.max_batch_size = parsed.max_batch_size
+    for field in ("input", "output"):
+        del getattr(config, field)[:]
+        getattr(config, field).extend(getattr(parsed, field))
+    for field in ("dynamic_batching", "model_transaction_policy"):
+        if field in completed:
+            getattr(config, field).SetInParent()
+            getattr(config, field).CopyFrom(getattr(parsed, field))
 
 
 def triton_json(message: Message) -> dict[str, Any]:
@@ -120,8 +195,10 @@ class TritonInstance:
         )
         try:
             responses = self._model.execute([request])
+            if inspect.iscoroutine(responses):  # Triton's async execute: run it here, on this thread
+                responses = asyncio.run(responses)
         except pb_utils.TritonModelException as exc:
-            raise InvalidInput(str(exc)) from None
+            raise StageError(str(exc), grpc.StatusCode.INTERNAL) from None
         if not isinstance(responses, list | tuple) or len(responses) != 1:
             raise PipelineError(
                 f"{self._path}: TritonPythonModel.execute must return a list of one InferenceResponse per "
@@ -135,7 +212,7 @@ class TritonInstance:
             )
         error = response.error()
         if error is not None:
-            raise InvalidInput(error.message())
+            raise model_error(error, deadline)
         outputs = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
         missing = [name for name in self._outputs if name not in outputs]
         if missing:
@@ -155,6 +232,18 @@ class TritonInstance:
                 finalize()
         finally:
             self._module.release()
+
+
+def model_error(error: pb_utils.TritonError, deadline: Deadline = NO_DEADLINE) -> PipelineError:
+    """The error a `TritonError` of a response is answered with (see the module docstring)."""
+    code, message = error.code(), error.message()
+    if code == _ERROR.INVALID_ARG:
+        return InvalidInput(message)
+    if code == _ERROR.UNAVAILABLE:
+        return Unavailable(message)  # the model cannot take it now: the router may try another replica
+    if code == _ERROR.CANCELLED and deadline.expired():
+        return DeadlineExceeded(message)
+    return StageError(message, _STATUS.get(code, grpc.StatusCode.INTERNAL))
 
 
 def _describe(value: object) -> str:
