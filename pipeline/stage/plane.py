@@ -15,7 +15,8 @@ the event loop instead.
 
 Lifecycle (`RepositoryModelLoad` / `RepositoryModelUnload`): a load reads the model's config and version
 folders again, prepares and loads the versions its policy names that are new or changed *beside* those
-serving, and only when all of them loaded swaps them in; the versions they replace then drain (their
+serving, runs their `model_warmup` samples on each instance (`pipeline.stage.warmup`), and only when all of
+them loaded swaps them in; the versions they replace then drain (their
 in-flight requests finish) and unload. A load that fails unloads what it had built and leaves the serving
 versions as they were (rollback). At start-up a model that fails to load is reported UNAVAILABLE, with its
 reason, by `RepositoryIndex`, `ModelReady` and the log, while every other model serves.
@@ -65,6 +66,7 @@ from pipeline.stage.api import Deadline, Stage
 from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
 from pipeline.stage.control import ModelControl
 from pipeline.stage.pool import NOT_STARTED_MESSAGE, InstancePool, Slot
+from pipeline.stage.warmup import warm_up, warmup_samples
 
 log = logging.getLogger(__name__)
 
@@ -294,11 +296,17 @@ class StagePlane(DataPlane):
         if not prepared.instances:
             raise RepositoryError(f"{entry.source}: version {version} has no instance to run on")
         inputs, outputs = tensor_specs(config, entry.source)
+        samples = warmup_samples(config, inputs, entry.folder, entry.source)
         label = f"{entry.name}-{version}"
         pool = InstancePool(
             [Slot(instance, f"model-{label}-{i}") for i, instance in enumerate(prepared.instances)]
         )
         await pool.load()
+        try:
+            await warm_up(pool, samples, f"model '{entry.name}' version {version}")
+        except BaseException:
+            await pool.unload()
+            raise
         first = prepared.instances[0]
         log.info(
             "model '%s' version %s: %d instance(s) on %s, platform %s (%s)",

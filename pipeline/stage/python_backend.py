@@ -46,7 +46,6 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import PipelineError, RepositoryError
 from pipeline.protocol.model_config import (
     DETERMINISTIC_PARAMETER,
-    SERVED_FIELDS,
     check_response_cache,
     log_ignored,
     parameters_of,
@@ -56,7 +55,7 @@ from pipeline.protocol.model_config import (
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.repository import RepositoryEntry
 from pipeline.stage.api import NO_DEADLINE, Deadline, Stage
-from pipeline.stage.backend import PreparedVersion, StageInstance
+from pipeline.stage.backend import RUNTIME_FIELDS, PreparedVersion, StageInstance
 from pipeline.stage.model_file import (
     SharedModule,
     cause,
@@ -69,9 +68,9 @@ from pipeline.stage.triton_model import prepare_triton
 
 log = logging.getLogger(__name__)
 
-#: Config fields the python backend acts on: those every service does (`pipeline.runtime.repository`), and the
-#: transaction policy (a decoupled model is refused); others are logged.
-ACTED_ON = SERVED_FIELDS | {"model_transaction_policy"}
+#: Config fields the python backend acts on: those the stage runtime does, and the transaction policy (a
+#: decoupled model is refused); others are logged.
+ACTED_ON = RUNTIME_FIELDS | {"model_transaction_policy"}
 
 
 class PythonBackend:

@@ -142,7 +142,8 @@ instance_group [ { count: 2, kind: KIND_CPU } ]
 version_policy: { all: {} }
 dynamic_batching { preferred_batch_size: [ 4 ], max_queue_delay_microseconds: 100 }
 parameters [ { key: "intra_op_thread_count", value: { string_value: "1" } } ]
-model_warmup [ { name: "ignored", batch_size: 1 } ]
+model_warmup [ { name: "zeros", batch_size: 2, inputs { key: "X" value: { data_type: TYPE_FP32, dims: [ 2, 2 ], zero_data: true } } } ]
+model_repository_agents { agents [ { name: "checksum" } ] }
 """
 
 
@@ -177,7 +178,7 @@ async def test_a_config_is_served_and_read_back_with_its_fields(tmp_path: Path, 
         # An optional input, sent or left out.
         _, doubled = await infer(stub, "tiny", "1", X=x, SCALE=np.full((5, 1), 2, np.float32))
         close(doubled["Y"], 2 * reference(folder / "1" / "model.onnx", {"X": X})["Y"].reshape(5, 3, 1))
-    assert "model_warmup" in caplog.text and "ignoring" in caplog.text
+    assert "ignoring field(s) this service does not act on: model_repository_agents" in caplog.text
 
 
 async def test_auto_complete_reads_an_onnx_file(tmp_path: Path) -> None:
