@@ -1,5 +1,6 @@
 """Work whose deadline has passed is dropped by the stage runtime: a queued batch is never started, and a
-stage that checks `expired()` between items stops when its client has gone."""
+stage that checks `expired()` between items stops when its client has gone. And `digits_preprocess`'s pixel
+budget answers a full batch of refusals within a gRPC trailer."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from collections.abc import Mapping
 import grpc
 import numpy as np
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from pipeline.protocol.errors import DeadlineExceeded
 from pipeline.runtime.servicer import CallContext
@@ -19,7 +22,7 @@ from pipeline.stage.plane import StagePlane
 from pipeline.tools.testing import serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.stages import example_stage
-from tests.unit.test_preprocess import batch, encode
+from tests.unit.test_preprocess import _png_header_only, batch, encode
 
 
 class ManualClock:
@@ -128,3 +131,19 @@ async def test_the_digits_preprocess_stops_decoding_when_its_client_has_gone(
         # The next request runs once the instance is free: by then the big batch has stopped.
         await stub.ModelInfer(request_for("digits_preprocess", IMAGE=batch(image)["IMAGE"]), timeout=30)
         assert decoded == ["IMAGE[0]", "IMAGE[0]"], "one image of the 20, then the next request's"
+
+
+async def test_a_full_batch_past_the_pixel_budget_is_refused_item_by_item_over_grpc() -> None:
+    # 256 images that claim 4000×4000 each: 4 fit the default budget of 64 M pixels, 252 are refused, every
+    # one named in the details, and the answer still fits in the trailer (a longer one is RESOURCE_EXHAUSTED).
+    stage = example_stage("digits_preprocess")
+    images = batch(*[_png_header_only(4000, 4000)] * 256)["IMAGE"]
+    async with serving_stages([stage]) as served, inference_stub(served.address) as stub:
+        await wait_serving(served.address)
+        error = await rpc_error(stub.ModelInfer(request_for("digits_preprocess", IMAGE=images), timeout=30))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "over the batch's pixel budget" in error.details()
+        [detail] = rpc_status.from_call(error).details
+        refused = error_details_pb2.BadRequest()
+        detail.Unpack(refused)
+        assert [v.field for v in refused.field_violations] == [f"IMAGE[{i}]" for i in range(4, 256)]

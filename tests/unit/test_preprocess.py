@@ -232,15 +232,29 @@ def test_a_batch_over_its_pixel_budget_is_refused_from_the_headers(digits: np.nd
     with pytest.raises(InvalidInput) as caught:
         stage.infer(batch(big, big, small, _png_header_only(1000, 1000)))
     assert [item.index for item in caught.value.items] == [1, 3]
-    assert caught.value.items[0].description == (
-        "over the batch's pixel budget: 2000×1000 = 2000000 pixels, and 2000000 of the batch's limit of 2500000 "
-        "(max_batch_pixels) are taken by the images before it"
+    assert caught.value.items[0].description == "over the batch's pixel budget"
+    assert caught.value.message == (
+        "IMAGE[1]: over the batch's pixel budget; IMAGE[3]: over the batch's pixel budget "
+        "(max_batch_pixels: a batch's images hold 2500000 pixels at most)"
     )
     # Within the budget, the same images go through (the router sends a batch again without its refused items).
     small_ones = [encode(to_grey(d, dark_ink=False), size=1000) for d in digits[:2]]
     assert stage.infer(batch(*small_ones))["PIXELS"].shape == (2, 1, 8, 8)
     with pytest.raises(InvalidInput, match=r"^IMAGE\[2\]: over the batch's pixel budget"):
         stage.infer(batch(*small_ones, small_ones[0]))
+
+
+def test_hundreds_of_refusals_are_named_in_the_details_and_a_few_in_the_message() -> None:
+    header = _png_header_only(1000, 1000)
+    with pytest.raises(InvalidInput) as caught:
+        digits_preprocess(max_image_pixels=1_000_000, max_batch_pixels=1_000_000).infer(
+            batch(*[header] * 200)
+        )
+    assert [item.index for item in caught.value.items] == list(range(1, 200))
+    assert (
+        caught.value.message.count("IMAGE[") == 8
+        and "; and 191 more image(s) (max_batch_pixels" in caught.value.message
+    )
 
 
 def test_the_pixel_budget_is_checked_against_the_per_image_cap() -> None:

@@ -57,6 +57,10 @@ _JPEG_DRAFT_SIZE = (64, 64)
 # Below this grey-level distance between paper and ink (on a 0..255 scale) the image is blank.
 _MIN_CONTRAST = 8.0 / 255.0
 _HIGH_DEPTH_MODES = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N", "F"})
+# How many refused images an error message cites (its details name every one).
+_MESSAGE_ITEMS = 8
+# What each image past the batch's pixel budget is refused with: short, as there may be hundreds.
+_OVER_BUDGET = "over the batch's pixel budget"
 
 
 class DigitsPreprocess(Stage):
@@ -129,7 +133,7 @@ def images_to_pixels(
             except InvalidInput as err:  # every bad image is reported, so one answer names them all
                 bad.append(ItemError(name, i, err.message.removeprefix(f"{name}[{i}]: ")))
     if bad:
-        raise InvalidInput.for_items(bad)
+        raise refused(bad)
 
     # Paper → 0, ink → 1; the sign of `span` carries the polarity, so light ink on dark paper and dark ink
     # on light paper take the same path.
@@ -165,21 +169,25 @@ def _open_all(
             continue
         width, height = image.size
         if width * height > left:
-            bad.append(
-                ItemError(
-                    name,
-                    i,
-                    f"over the batch's pixel budget: {width}×{height} = {width * height} pixels, and "
-                    f"{max_batch_pixels - left} of the batch's limit of {max_batch_pixels} "
-                    "(max_batch_pixels) are taken by the images before it",
-                )
-            )
+            bad.append(ItemError(name, i, _OVER_BUDGET))
             continue
         left -= width * height
         headers.append(image)
     if bad:
-        raise InvalidInput.for_items(bad)
+        over = any(item.description == _OVER_BUDGET for item in bad)
+        raise refused(
+            bad, f" (max_batch_pixels: a batch's images hold {max_batch_pixels} pixels at most)" * over
+        )
     return headers
+
+
+def refused(bad: Sequence[ItemError], note: str = "") -> InvalidInput:
+    """One error for the refused images: its details name each (the router drops those and sends the rest
+    again), its message the first few and then `note`, so that a batch of hundreds of refusals still fits
+    in a gRPC trailer."""
+    shown = "; ".join(f"{item.field}: {item.description}" for item in bad[:_MESSAGE_ITEMS])
+    more = f"; and {len(bad) - _MESSAGE_ITEMS} more image(s)" if len(bad) > _MESSAGE_ITEMS else ""
+    return InvalidInput(shown + more + note, items=bad)
 
 
 def _open_one(data: object, max_pixels: int, where: str) -> Image.Image:
