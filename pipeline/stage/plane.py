@@ -160,19 +160,7 @@ class StagePlane(DataPlane):
             self.extensions = (*DataPlane.extensions, "model_repository")
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
-        models_now = self._models
-        self.metrics.gauge(
-            "pipeline_queue_depth",
-            "Requests waiting now",
-            "model",
-            lambda: [(n, m.waiting) for n, m in models_now.items() if m.versions],
-        )
-        self.metrics.gauge(
-            "pipeline_inflight_batches",
-            "Executions running now",
-            "model",
-            lambda: [(n, m.running) for n, m in models_now.items() if m.versions],
-        )
+        _export_gauges(self.metrics, self._models)
 
     @property
     def model_names(self) -> list[str]:
@@ -383,17 +371,7 @@ class StagePlane(DataPlane):
         (`pipeline.stage.control`)."""
         self._require_repository()
         self.control.check_enabled("RepositoryModelLoad")
-        override = None
-        for key in parameters:
-            if key != "config":
-                raise InvalidInput(f"RepositoryModelLoad: parameter '{key}' is not supported (only 'config')")
-        if "config" in parameters:
-            try:
-                override = json_format.Parse(str(parameters["config"]), mc.ModelConfig())
-            except json_format.ParseError as exc:
-                raise InvalidInput(
-                    f"RepositoryModelLoad: parameter 'config' is not a ModelConfig in JSON: {exc}"
-                ) from None
+        override = config_override(parameters)
         async with self._lifecycle:
             await self._load_model(name, override)
 
@@ -536,6 +514,38 @@ class StagePlane(DataPlane):
             served = self._get(model, version)
             reply.model_stats.append(self._models[model].stats.proto(model, served.version))
         return reply
+
+
+def _export_gauges(metrics: Metrics, models: Mapping[str, _Model]) -> None:
+    """The queue depth and running executions of every model that serves, read when scraped."""
+    metrics.gauge(
+        "pipeline_queue_depth",
+        "Requests waiting now",
+        "model",
+        lambda: [(n, m.waiting) for n, m in models.items() if m.versions],
+    )
+    metrics.gauge(
+        "pipeline_inflight_batches",
+        "Executions running now",
+        "model",
+        lambda: [(n, m.running) for n, m in models.items() if m.versions],
+    )
+
+
+def config_override(parameters: Mapping[str, object]) -> mc.ModelConfig | None:
+    """The `ModelConfig` that `RepositoryModelLoad`'s parameter `config` (JSON) gives, if any; the only
+    parameter taken."""
+    for key in parameters:
+        if key != "config":
+            raise InvalidInput(f"RepositoryModelLoad: parameter '{key}' is not supported (only 'config')")
+    if "config" not in parameters:
+        return None
+    try:
+        return json_format.Parse(str(parameters["config"]), mc.ModelConfig())
+    except json_format.ParseError as exc:
+        raise InvalidInput(
+            f"RepositoryModelLoad: parameter 'config' is not a ModelConfig in JSON: {exc}"
+        ) from None
 
 
 def stage_response(
