@@ -13,12 +13,12 @@ inference never blocks the event loop and an instance's calls never overlap; a r
 instance of its version is idle. Instances that declare themselves `inline` (microseconds of numpy) run on
 the event loop instead.
 
-Lifecycle (`RepositoryModelLoad` / `RepositoryModelUnload`): a load reads the model's config and version
-folders again, prepares and loads the versions its policy names that are new or changed *beside* those
-serving, runs their `model_warmup` samples on each instance (`pipeline.stage.warmup`), and only when all of
-them loaded swaps them in; the versions they replace then drain (their
-in-flight requests finish) and unload. A load that fails unloads what it had built and leaves the serving
-versions as they were (rollback). At start-up a model that fails to load is reported UNAVAILABLE, with its
+Lifecycle (`RepositoryModelLoad` / `RepositoryModelUnload`, where `pipeline.stage.control` allows them): a
+load reads the model's config and version folders again, prepares and loads the versions its policy names
+that are new or changed *beside* those serving, runs their `model_warmup` samples on each instance
+(`pipeline.stage.warmup`), and only when all of them loaded swaps them in; the versions they replace then
+drain (their in-flight requests finish) and unload. A load that fails unloads what it had built and leaves
+the serving versions as they were (rollback). At start-up a model that fails to load is reported UNAVAILABLE, with its
 reason, by `RepositoryIndex`, `ModelReady` and the log, while every other model serves.
 """
 
