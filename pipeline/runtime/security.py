@@ -215,6 +215,8 @@ class TokenAuthenticator:
     def __init__(self, tokens: Iterable[str], admin_tokens: Iterable[str] = ()) -> None:
         self._digests: list[tuple[bytes, Scope]] = [(_digest(t), Scope.INFER) for t in tokens]
         self._digests += [(_digest(t), Scope.ADMIN) for t in admin_tokens]
+        #: Whether any token has the admin scope.
+        self.has_admin = any(scope == Scope.ADMIN for _, scope in self._digests)
         if not self._digests:
             raise SecurityConfigError("authentication needs at least one token")
 
@@ -335,6 +337,11 @@ class AccessPolicy:
     def enabled(self) -> bool:
         """Whether any credential is asked for: tokens configured, or client certificates required."""
         return self.tokens is not None or self.client_certificates
+
+    @property
+    def admin_configured(self) -> bool:
+        """Whether some credential has the admin scope: an admin token, or an admin certificate identity."""
+        return bool(self.admin_identities) or (self.tokens is not None and self.tokens.has_admin)
 
     def token_scope(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Scope | None:
         """The scope of the call's bearer token (None: no valid token)."""

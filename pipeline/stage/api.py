@@ -16,17 +16,54 @@ Its `parameters` reach the stage as `Stage.parameters`, plain strings set before
 
 `load` is where a stage reads them: an error raised there refuses the model with a message naming the
 `model.py`, and the service goes on serving its other models.
+
+A stage that works item by item on a big batch checks `self.expired()` between items: it turns true once
+the call's deadline (the client's gRPC deadline) has passed or its caller has gone, and the stage then
+raises `DeadlineExceeded` instead of finishing work nobody will read.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 import numpy as np
 
 from pipeline.protocol.types import TensorSpec
+
+
+class Deadline:
+    """When one call must be answered by, and whether its caller has gone.
+
+    `at` is a time on `clock` (`time.monotonic` unless a test gives its own), None for a call without a
+    deadline. The event loop marks a call `cancelled` when its caller goes away; the instance's thread reads
+    it (a plain attribute: one writer, and a late read only costs one more item)."""
+
+    __slots__ = ("at", "cancelled", "clock")
+
+    def __init__(self, at: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.at = at
+        self.clock = clock
+        self.cancelled = False
+
+    @classmethod
+    def after(cls, timeout: float | None, clock: Callable[[], float] = time.monotonic) -> Deadline:
+        """The deadline `timeout` seconds from now (None: none)."""
+        return cls(None if timeout is None else clock() + timeout, clock)
+
+    def expired(self) -> bool:
+        """Whether the call's answer is no longer wanted: its deadline passed, or its caller went away."""
+        return self.cancelled or (self.at is not None and self.clock() >= self.at)
+
+    def remaining(self) -> float | None:
+        """Seconds left (None: no deadline; never below 0)."""
+        return None if self.at is None else max(0.0, self.at - self.clock())
+
+
+#: The deadline of a call that has none (what a stage sees outside a call).
+NO_DEADLINE = Deadline()
 
 
 class Stage(abc.ABC):
@@ -63,6 +100,13 @@ class Stage(abc.ABC):
     #: The `parameters` of the model's `config.pbtxt` (string values), set before `load()` when the stage is
     #: served from a repository; empty otherwise.
     parameters: Mapping[str, str] = MappingProxyType({})
+    #: The deadline of the call being run, set by the runtime before each `infer` (`NO_DEADLINE` outside one).
+    deadline: Deadline = NO_DEADLINE
+
+    def expired(self) -> bool:
+        """Whether the call being run is past its deadline or its caller has gone: a cheap check (a clock
+        read) for a stage to make between the items of a batch, then raising `DeadlineExceeded`."""
+        return self.deadline.expired()
 
     def load(self) -> None:  # noqa: B027 - loading is optional
         """Prepare the model (read weights, warm up). Health turns SERVING only after every load returns."""

@@ -20,9 +20,18 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.model_config import DETERMINISTIC_PARAMETER, check_response_cache, set_tensor_specs
+from pipeline.protocol.model_config import (
+    DETERMINISTIC_PARAMETER,
+    SERVED_FIELDS,
+    check_response_cache,
+    set_tensor_specs,
+)
 from pipeline.runtime.repository import BACKEND_PLATFORMS, RepositoryEntry
-from pipeline.stage.api import Stage
+from pipeline.stage.api import NO_DEADLINE, Deadline, Stage
+
+#: Config fields the stage runtime acts on whatever the backend: those every service does, and the warm-up
+#: samples (`pipeline.stage.warmup`). A backend adds its own and logs the rest as ignored.
+RUNTIME_FIELDS = SERVED_FIELDS | {"model_warmup"}
 
 
 @runtime_checkable
@@ -41,8 +50,11 @@ class Instance(Protocol):
         """Read weights, build, warm up. Raise `pipeline.protocol.errors.RepositoryError` for a bad artifact."""
         ...
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One batch: every input the request carries in, by its config name; every output out."""
+    def run(
+        self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+    ) -> dict[str, np.ndarray]:
+        """One batch: every input the request carries in, by its config name; every output out. `deadline`
+        is the call's: work that goes item by item may stop once it has expired (`DeadlineExceeded`)."""
         ...
 
     def unload(self) -> None:
@@ -106,8 +118,15 @@ class StageInstance:
     def load(self) -> None:
         self.stage.load()
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.stage.infer(inputs)
+    def run(
+        self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+    ) -> dict[str, np.ndarray]:
+        # NOTE: an instance runs one call at a time, so the stage's `deadline` is this call's while it runs.
+        self.stage.deadline = deadline
+        try:
+            return self.stage.infer(inputs)
+        finally:
+            self.stage.deadline = NO_DEADLINE
 
     def unload(self) -> None:
         self.stage.unload()

@@ -13,11 +13,12 @@ inference never blocks the event loop and an instance's calls never overlap; a r
 instance of its version is idle. Instances that declare themselves `inline` (microseconds of numpy) run on
 the event loop instead.
 
-Lifecycle (`RepositoryModelLoad` / `RepositoryModelUnload`): a load reads the model's config and version
-folders again, prepares and loads the versions its policy names that are new or changed *beside* those
-serving, and only when all of them loaded swaps them in; the versions they replace then drain (their
-in-flight requests finish) and unload. A load that fails unloads what it had built and leaves the serving
-versions as they were (rollback). At start-up a model that fails to load is reported UNAVAILABLE, with its
+Lifecycle (`RepositoryModelLoad` / `RepositoryModelUnload`, where `pipeline.stage.control` allows them): a
+load reads the model's config and version folders again, prepares and loads the versions its policy names
+that are new or changed *beside* those serving, runs their `model_warmup` samples on each instance
+(`pipeline.stage.warmup`), and only when all of them loaded swaps them in; the versions they replace then
+drain (their in-flight requests finish) and unload. A load that fails unloads what it had built and leaves
+the serving versions as they were (rollback). At start-up a model that fails to load is reported UNAVAILABLE, with its
 reason, by `RepositoryIndex`, `ModelReady` and the log, while every other model serves.
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +46,7 @@ from pipeline.protocol.codec import (
 )
 from pipeline.protocol.datatypes import DATATYPES, datatype_of
 from pipeline.protocol.errors import (
+    DeadlineExceeded,
     InvalidInput,
     ModelNotFound,
     PipelineError,
@@ -60,9 +62,11 @@ from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 from pipeline.runtime.servicer import CallContext, DataPlane
 from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import BATCH_SIZE, MODEL, NO_SPAN, Telemetry
-from pipeline.stage.api import Stage
+from pipeline.stage.api import Deadline, Stage
 from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
-from pipeline.stage.pool import InstancePool, Slot
+from pipeline.stage.control import ModelControl
+from pipeline.stage.pool import NOT_STARTED_MESSAGE, InstancePool, Slot
+from pipeline.stage.warmup import warm_up, warmup_samples
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +138,20 @@ class StagePlane(DataPlane):
         models: Sequence[str] | None = None,
         telemetry: Telemetry | None = None,
         metrics: Metrics | None = None,
+        control: ModelControl | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`models` limits the repository models served to those named (Triton's `--load-model`)."""
+        """`models` limits the repository models served to those named (Triton's `--load-model`); `control`
+        says whether `RepositoryModelLoad`/`Unload` may run (by default they are refused) and caps the
+        instances of every repository model. `clock` times the calls' deadlines (a test may give its own)."""
         names = [stage.name for stage in stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage model names must be unique, got {names}")
         self.repository = repository
         self.backends = {name: backend for backend in backends for name in backend.names}
         self._only = set(models) if models is not None else None
+        self.control = control or ModelControl()
+        self.clock = clock
         self._stages = list(stages)
         self._models: dict[str, _Model] = {name: _Model(name, fixed=True) for name in names}
         self._lifecycle = asyncio.Lock()
@@ -150,19 +160,7 @@ class StagePlane(DataPlane):
             self.extensions = (*DataPlane.extensions, "model_repository")
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
-        models_now = self._models
-        self.metrics.gauge(
-            "pipeline_queue_depth",
-            "Requests waiting now",
-            "model",
-            lambda: [(n, m.waiting) for n, m in models_now.items() if m.versions],
-        )
-        self.metrics.gauge(
-            "pipeline_inflight_batches",
-            "Executions running now",
-            "model",
-            lambda: [(n, m.running) for n, m in models_now.items() if m.versions],
-        )
+        _export_gauges(self.metrics, self._models)
 
     @property
     def model_names(self) -> list[str]:
@@ -240,6 +238,7 @@ class StagePlane(DataPlane):
         current = model.versions
         fresh: dict[str, ServedVersion] = {}
         try:
+            self.control.check_instances(entry.config, entry.source)
             wanted = entry.served_versions()
             for version in wanted:
                 fingerprint = entry.fingerprint(version)
@@ -285,11 +284,17 @@ class StagePlane(DataPlane):
         if not prepared.instances:
             raise RepositoryError(f"{entry.source}: version {version} has no instance to run on")
         inputs, outputs = tensor_specs(config, entry.source)
+        samples = warmup_samples(config, inputs, entry.folder, entry.source)
         label = f"{entry.name}-{version}"
         pool = InstancePool(
             [Slot(instance, f"model-{label}-{i}") for i, instance in enumerate(prepared.instances)]
         )
         await pool.load()
+        try:
+            await warm_up(pool, samples, f"model '{entry.name}' version {version}")
+        except BaseException:
+            await pool.unload()
+            raise
         first = prepared.instances[0]
         log.info(
             "model '%s' version %s: %d instance(s) on %s, platform %s (%s)",
@@ -362,25 +367,19 @@ class StagePlane(DataPlane):
 
     async def repository_load(self, name: str, parameters: Mapping[str, object]) -> None:
         """Load or reload a model. Parameter `config`: a `ModelConfig` as JSON (Triton's field names) that
-        replaces the model's `config.pbtxt` for this load."""
+        replaces the model's `config.pbtxt` for this load. Refused unless repository control is enabled
+        (`pipeline.stage.control`)."""
         self._require_repository()
-        override = None
-        for key in parameters:
-            if key != "config":
-                raise InvalidInput(f"RepositoryModelLoad: parameter '{key}' is not supported (only 'config')")
-        if "config" in parameters:
-            try:
-                override = json_format.Parse(str(parameters["config"]), mc.ModelConfig())
-            except json_format.ParseError as exc:
-                raise InvalidInput(
-                    f"RepositoryModelLoad: parameter 'config' is not a ModelConfig in JSON: {exc}"
-                ) from None
+        self.control.check_enabled("RepositoryModelLoad")
+        override = config_override(parameters)
         async with self._lifecycle:
             await self._load_model(name, override)
 
     async def repository_unload(self, name: str, parameters: Mapping[str, object]) -> None:
-        """Stop serving a model: new requests are refused, in-flight ones finish, then it unloads."""
+        """Stop serving a model: new requests are refused, in-flight ones finish, then it unloads. Refused
+        unless repository control is enabled (`pipeline.stage.control`)."""
         self._require_repository()
+        self.control.check_enabled("RepositoryModelUnload")
         async with self._lifecycle:
             model = self._models.get(name)
             if model is None:
@@ -428,6 +427,7 @@ class StagePlane(DataPlane):
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         started = time.perf_counter_ns()
+        deadline = Deadline.after(call.timeout, self.clock)
         served = self._get(request.model_name, request.model_version)
         name, version = served.name, served.version
         stats = self._models[name].stats
@@ -446,7 +446,7 @@ class StagePlane(DataPlane):
                 span = telemetry.current_span()
                 if span is not None:
                     span.set_attribute(BATCH_SIZE, items)
-            result, queue_ns, compute_ns, wall = await self._execute(served, arrays)
+            result, queue_ns, compute_ns, wall = await self._execute(served, arrays, deadline)
             if telemetry.enabled:
                 telemetry.record_span("compute", wall[0], wall[1], {MODEL: name, BATCH_SIZE: items})
             encoding = time.perf_counter_ns()
@@ -473,10 +473,12 @@ class StagePlane(DataPlane):
         return response
 
     async def _execute(
-        self, served: ServedVersion, arrays: dict[str, np.ndarray]
+        self, served: ServedVersion, arrays: dict[str, np.ndarray], deadline: Deadline
     ) -> tuple[dict[str, np.ndarray], int, int, tuple[int, int]]:
         """Run on an idle instance of the version: the result, the wait and run times (ns), and the run's
-        wall-clock start and end (for its span)."""
+        wall-clock start and end (for its span). A call whose deadline passes while it waits for an instance
+        is answered DEADLINE_EXCEEDED and never run; one whose caller goes away while it runs has its
+        deadline marked, so that a stage checking `expired()` stops early."""
         if served.retired:
             # Replaced between lookup and execution: use what serves that version now, if anything does.
             served = self._get(served.name, served.version)
@@ -490,7 +492,12 @@ class StagePlane(DataPlane):
         try:
             slot = await served.pool.idle.get()
             try:
-                result, begun, ended, wall_start, wall_end = await slot.call(slot.run, arrays)
+                if deadline.expired():
+                    raise DeadlineExceeded(NOT_STARTED_MESSAGE)
+                result, begun, ended, wall_start, wall_end = await slot.call(slot.run, arrays, deadline)
+            except asyncio.CancelledError:
+                deadline.cancelled = True
+                raise
             finally:
                 served.pool.idle.put_nowait(slot)
         finally:
@@ -507,6 +514,38 @@ class StagePlane(DataPlane):
             served = self._get(model, version)
             reply.model_stats.append(self._models[model].stats.proto(model, served.version))
         return reply
+
+
+def _export_gauges(metrics: Metrics, models: Mapping[str, _Model]) -> None:
+    """The queue depth and running executions of every model that serves, read when scraped."""
+    metrics.gauge(
+        "pipeline_queue_depth",
+        "Requests waiting now",
+        "model",
+        lambda: [(n, m.waiting) for n, m in models.items() if m.versions],
+    )
+    metrics.gauge(
+        "pipeline_inflight_batches",
+        "Executions running now",
+        "model",
+        lambda: [(n, m.running) for n, m in models.items() if m.versions],
+    )
+
+
+def config_override(parameters: Mapping[str, object]) -> mc.ModelConfig | None:
+    """The `ModelConfig` that `RepositoryModelLoad`'s parameter `config` (JSON) gives, if any; the only
+    parameter taken."""
+    for key in parameters:
+        if key != "config":
+            raise InvalidInput(f"RepositoryModelLoad: parameter '{key}' is not supported (only 'config')")
+    if "config" not in parameters:
+        return None
+    try:
+        return json_format.Parse(str(parameters["config"]), mc.ModelConfig())
+    except json_format.ParseError as exc:
+        raise InvalidInput(
+            f"RepositoryModelLoad: parameter 'config' is not a ModelConfig in JSON: {exc}"
+        ) from None
 
 
 def stage_response(

@@ -12,9 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.protocol.errors import DeadlineExceeded
+from pipeline.stage.api import NO_DEADLINE, Deadline
 from pipeline.stage.backend import Instance
 
 log = logging.getLogger(__name__)
+
+#: What a call whose deadline passed (or whose caller went away) before its batch started is answered.
+NOT_STARTED_MESSAGE = "deadline exceeded (or the call was cancelled) before the batch started: it was not run"
 
 
 class Slot:
@@ -28,12 +33,17 @@ class Slot:
         self.started = 0
         self.finished = 0
 
-    def run(self, arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int, int, int, int]:
-        """Run one batch and time it: the result, its perf-counter start and end, and its wall-clock ones."""
+    def run(
+        self, arrays: dict[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+    ) -> tuple[dict[str, np.ndarray], int, int, int, int]:
+        """Run one batch and time it: the result, its perf-counter start and end, and its wall-clock ones.
+        A batch whose deadline has passed by the time the instance's thread takes it up is not started."""
+        if deadline.expired():
+            raise DeadlineExceeded(NOT_STARTED_MESSAGE)
         self.started += 1
         wall_start, begun = time.time_ns(), time.perf_counter_ns()
         try:
-            result = self.instance.run(arrays)
+            result = self.instance.run(arrays, deadline)
         finally:
             self.finished += 1
         return result, begun, time.perf_counter_ns(), wall_start, time.time_ns()

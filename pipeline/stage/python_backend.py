@@ -1,6 +1,6 @@
 """The python backend: stages written in Python, served from a model repository.
 
-    <repository>/<model>/config.pbtxt      # optional for a Stage subclass, required for a TritonPythonModel
+    <repository>/<model>/config.pbtxt      # optional for a Stage subclass and an auto-completing TritonPythonModel
     <repository>/<model>/1/model.py
 
 A `model.py` defines either
@@ -16,8 +16,9 @@ A `model.py` defines either
   Triton's args (`model_config` as JSON in Triton's field names, `model_instance_kind`,
   `model_instance_name`, `model_instance_device_id`, `model_repository`, `model_version`, `model_name`),
   `execute(requests)` runs the batches, `finalize()` runs at unload. Its `config.pbtxt` must declare the
-  tensors, as in Triton. `import triton_python_backend_utils as pb_utils` gets the subset in
-  `pipeline.stage.triton_python_backend_utils`. A response's error becomes INVALID_ARGUMENT with its message.
+  tensors, as in Triton, unless its `auto_complete_config` does. `import triton_python_backend_utils as
+  pb_utils` gets `pipeline.stage.triton_python_backend_utils`; `pipeline.stage.triton_model` says how its
+  errors are answered.
 
   Triton hands `execute` a list of requests; here the router has already merged the requests of a batch
   into one set of arrays and the stage runtime sees no boundaries between them, so `execute` gets one
@@ -34,47 +35,42 @@ only a repository you trust.
 from __future__ import annotations
 
 import inspect
-import itertools
-import json
 import logging
-import re
-import sys
-import threading
-import traceback
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from google.protobuf.message import Message
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import InvalidInput, PipelineError, RepositoryError
+from pipeline.protocol.errors import PipelineError, RepositoryError
 from pipeline.protocol.model_config import (
     DETERMINISTIC_PARAMETER,
-    SERVED_FIELDS,
     check_response_cache,
     log_ignored,
     parameters_of,
     set_tensor_specs,
     tensor_specs,
 )
-from pipeline.protocol.proto_json import message_json
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.repository import RepositoryEntry
-from pipeline.stage import triton_python_backend_utils as pb_utils
-from pipeline.stage.api import Stage
-from pipeline.stage.backend import PreparedVersion, StageInstance
+from pipeline.stage.api import NO_DEADLINE, Deadline, Stage
+from pipeline.stage.backend import RUNTIME_FIELDS, PreparedVersion, StageInstance
+from pipeline.stage.model_file import (
+    SharedModule,
+    cause,
+    device_of,
+    import_model_file,
+    instance_placements,
+    where,
+)
+from pipeline.stage.triton_model import prepare_triton
 
 log = logging.getLogger(__name__)
 
-#: The name a Triton `model.py` imports the utilities under.
-PB_UTILS_MODULE = "triton_python_backend_utils"
-#: Config fields the python backend acts on: those every service does (`pipeline.runtime.repository`); others are logged.
-ACTED_ON = SERVED_FIELDS
-
-_module_ids = itertools.count(1)
+#: Config fields the python backend acts on: those the stage runtime does, and the transaction policy (a
+#: decoupled model is refused); others are logged.
+ACTED_ON = RUNTIME_FIELDS | {"model_transaction_policy"}
 
 
 class PythonBackend:
@@ -85,7 +81,7 @@ class PythonBackend:
     def prepare(self, entry: RepositoryEntry, version: str) -> PreparedVersion:
         """Import the version's `model.py`, complete its config and create its (unloaded) instances."""
         path = entry.artifact(version)
-        module = _SharedModule(import_model_file(path, entry.name, version))
+        module = SharedModule(import_model_file(path, entry.name, version))
         try:
             stage_class, triton_class = _model_classes(module.module, path)
             if entry.has_config:
@@ -93,55 +89,13 @@ class PythonBackend:
             if stage_class is not None:
                 return _prepare_stage(entry, version, path, stage_class, module)
             assert triton_class is not None
-            return _prepare_triton(entry, version, path, triton_class, module)
+            return prepare_triton(entry, version, path, triton_class, module)
         except BaseException:
             module.discard()
             raise
 
 
-# ---- importing model.py ----------------------------------------------------------------------------------------
-
-
-def import_model_file(path: Path, model: str, version: str) -> types.ModuleType:
-    """Import `path` as a new module (a name of its own every time); `RepositoryError` naming the file, the
-    line and the cause when it cannot be read or raises."""
-    # A flat name: a dotted one would make pickle look for parent packages that don't exist.
-    name = f"pipeline_repository_{re.sub(r'[^0-9A-Za-z_]', '_', model)}_v{version}_{next(_module_ids)}"
-    try:
-        source = path.read_bytes()
-    except OSError as exc:
-        raise RepositoryError(f"{path}: cannot read it: {exc}") from None
-    module = types.ModuleType(name)
-    module.__file__ = str(path)
-    # Registered while it runs, as an import would be: dataclasses, typing and pickle look classes up there.
-    sys.modules[PB_UTILS_MODULE] = pb_utils
-    sys.modules[name] = module
-    try:
-        # Compiled from the source each time: a cached .pyc could be stale (its mtime has one-second
-        # resolution) and would be written into the repository.
-        exec(compile(source, str(path), "exec"), module.__dict__)
-    except (Exception, SystemExit) as exc:
-        sys.modules.pop(name, None)
-        raise RepositoryError(f"{path}: cannot import it: {_where(exc, path)}{_cause(exc)}") from None
-    return module
-
-
-def _cause(exc: BaseException) -> str:
-    if isinstance(exc, SyntaxError):
-        return f"SyntaxError: {exc.msg}"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def _where(exc: BaseException, path: Path) -> str:
-    """ "line N (`source`): " for the last line of `path` the error passed through."""
-    if isinstance(exc, SyntaxError) and exc.filename == str(path) and exc.lineno:
-        text = (exc.text or "").strip()
-        return f"line {exc.lineno}{f' (`{text}`)' if text else ''}: "
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(path)]
-    if not frames:
-        return ""
-    frame = frames[-1]
-    return f"line {frame.lineno}{f' (`{frame.line}`)' if frame.line else ''}: "
+# ---- the model class of a model.py -----------------------------------------------------------------------------
 
 
 def _model_classes(module: types.ModuleType, path: Path) -> tuple[type[Stage] | None, type | None]:
@@ -178,74 +132,22 @@ def _model_classes(module: types.ModuleType, path: Path) -> tuple[type[Stage] | 
     return (stages[0] if stages else None), triton
 
 
-class _SharedModule:
-    """An imported `model.py`, kept in `sys.modules` while any of its instances is loaded."""
-
-    def __init__(self, module: types.ModuleType) -> None:
-        self.module = module
-        self._users = 0
-        self._lock = threading.Lock()
-
-    def acquire(self) -> None:
-        with self._lock:
-            self._users += 1
-
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                self.discard()
-
-    def discard(self) -> None:
-        if sys.modules.get(self.module.__name__) is self.module:
-            del sys.modules[self.module.__name__]
-
-
-# ---- placement ---------------------------------------------------------------------------------------------------
-
-
-def _placements(config: mc.ModelConfig) -> list[tuple[str, str, int]]:
-    """(instance name, kind "CPU" or "GPU", device id) of each instance `instance_group` asks for; groups
-    are named where the config leaves them unnamed (Triton's `<model>_<index>`). One CPU instance without
-    a group."""
-    if not config.instance_group:
-        config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
-    placed = []
-    for index, group in enumerate(config.instance_group):
-        group.name = group.name or f"{config.name}_{index}"
-        group.count = max(group.count, 1)
-        if group.kind == mc.ModelInstanceGroup.KIND_GPU:
-            gpus = list(group.gpus) or [0]
-            del group.gpus[:]
-            group.gpus.extend(gpus)
-            for gpu in gpus:
-                placed += [(f"{group.name}_{k}", "GPU", gpu) for k in range(group.count)]
-        else:
-            group.kind = mc.ModelInstanceGroup.KIND_CPU
-            placed += [(f"{group.name}_{k}", "CPU", 0) for k in range(group.count)]
-    return placed
-
-
-def _device(kind: str, device_id: int) -> str:
-    return f"cuda:{device_id}" if kind == "GPU" else "cpu"
-
-
 # ---- Stage subclasses --------------------------------------------------------------------------------------------
 
 
 def _prepare_stage(
-    entry: RepositoryEntry, version: str, path: Path, cls: type[Stage], module: _SharedModule
+    entry: RepositoryEntry, version: str, path: Path, cls: type[Stage], module: SharedModule
 ) -> PreparedVersion:
     config = mc.ModelConfig()
     config.CopyFrom(entry.config)
-    placements = _placements(config)
+    placements = instance_placements(config)
     stages = []
     for _ in placements:
         try:
             stage = cls()
         except Exception as exc:
             raise RepositoryError(
-                f"{path}: {cls.__name__}() failed: {_where(exc, path)}{_cause(exc)}"
+                f"{path}: {cls.__name__}() failed: {where(exc, path)}{cause(exc)}"
             ) from None
         stages.append(stage)
 
@@ -289,7 +191,7 @@ def _prepare_stage(
         stage.versions = (version,)
         stage.parameters = parameters
     instances = [
-        _StageFileInstance(stage, _device(kind, device_id), path, module)
+        _StageFileInstance(stage, device_of(kind, device_id), path, module)
         for stage, (_, kind, device_id) in zip(stages, placements, strict=True)
     ]
     return PreparedVersion(config, list(instances))
@@ -341,7 +243,7 @@ def _agreed(
 class _StageFileInstance:
     """One Stage object of a `model.py`: its load errors name the file."""
 
-    def __init__(self, stage: Stage, device: str, path: Path, module: _SharedModule) -> None:
+    def __init__(self, stage: Stage, device: str, path: Path, module: SharedModule) -> None:
         self._adapted = StageInstance(stage, reason=f"python stage {type(stage).__name__} from {path}")
         self.stage = stage
         self.device = device
@@ -361,11 +263,13 @@ class _StageFileInstance:
             if isinstance(exc, PipelineError):
                 raise
             raise RepositoryError(
-                f"{self._path}: {type(self.stage).__name__}.load() failed: {_where(exc, self._path)}{_cause(exc)}"
+                f"{self._path}: {type(self.stage).__name__}.load() failed: {where(exc, self._path)}{cause(exc)}"
             ) from exc
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self._adapted.run(inputs)
+    def run(
+        self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+    ) -> dict[str, np.ndarray]:
+        return self._adapted.run(inputs, deadline)
 
     def unload(self) -> None:
         try:
@@ -377,138 +281,3 @@ class _StageFileInstance:
         if self._loaded:
             self._loaded = False
             self._module.release()
-
-
-# ---- TritonPythonModel -------------------------------------------------------------------------------------------
-
-
-def _prepare_triton(
-    entry: RepositoryEntry, version: str, path: Path, cls: type, module: _SharedModule
-) -> PreparedVersion:
-    if not entry.has_config or not (entry.config.input and entry.config.output):
-        raise RepositoryError(
-            f"{path}: a TritonPythonModel needs a config.pbtxt beside its version folders that declares its "
-            f"input and output tensors, as Triton's Python backend does ({entry.folder / 'config.pbtxt'})"
-        )
-    if not callable(getattr(cls, "execute", None)):
-        raise RepositoryError(f"{path}: TritonPythonModel has no execute(requests) method")
-    config = mc.ModelConfig()
-    config.CopyFrom(entry.config)
-    config.backend = "python"
-    config.platform = config.platform or "python"
-    placements = _placements(config)
-    inputs, outputs = tensor_specs(config, entry.source)
-    set_tensor_specs(config, inputs, outputs)
-    model_config = json.dumps(triton_json(config))
-    instances = []
-    for instance_name, kind, device_id in placements:
-        args = {
-            "model_config": model_config,
-            "model_instance_kind": kind,
-            "model_instance_name": instance_name,
-            "model_instance_device_id": str(device_id),
-            "model_repository": str(entry.folder),
-            "model_version": version,
-            "model_name": entry.name,
-        }
-        instances.append(
-            _TritonInstance(
-                cls, args, [spec.name for spec in outputs], _device(kind, device_id), path, module
-            )
-        )
-    return PreparedVersion(config, list(instances))
-
-
-def triton_json(message: Message) -> dict[str, Any]:
-    """A config as Triton's Python backend hands it to `initialize`: protobuf's JSON mapping in the proto's
-    field names, every field present, and 64-bit integers as numbers (protobuf writes them as strings; Triton
-    converts them back)."""
-    return message_json(message, every_field=True)
-
-
-class _TritonInstance:
-    """One instance of a `TritonPythonModel`: `initialize` at load, `execute` per batch, `finalize` at unload."""
-
-    inline = False
-
-    def __init__(
-        self,
-        cls: type,
-        args: dict[str, str],
-        outputs: list[str],
-        device: str,
-        path: Path,
-        module: _SharedModule,
-    ) -> None:
-        self.device = device
-        self.reason = f"Triton Python model (TritonPythonModel) from {path}"
-        self._cls = cls
-        self._args = args
-        self._outputs = outputs
-        self._path = path
-        self._module = module
-        self._model: Any = None
-
-    def load(self) -> None:
-        self._module.acquire()
-        try:
-            model = self._cls()
-            initialize = getattr(model, "initialize", None)
-            if initialize is not None:
-                initialize(dict(self._args))
-        except Exception as exc:
-            self._module.release()
-            raise RepositoryError(
-                f"{self._path}: TritonPythonModel.initialize failed: {_where(exc, self._path)}{_cause(exc)}"
-            ) from exc
-        self._model = model
-
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        request = pb_utils.InferenceRequest(
-            model_name=self._args["model_name"],
-            inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
-            requested_output_names=self._outputs,
-        )
-        try:
-            responses = self._model.execute([request])
-        except pb_utils.TritonModelException as exc:
-            raise InvalidInput(str(exc)) from None
-        if not isinstance(responses, list | tuple) or len(responses) != 1:
-            raise PipelineError(
-                f"{self._path}: TritonPythonModel.execute must return a list of one InferenceResponse per "
-                f"request; for 1 request it returned {_describe(responses)}"
-            )
-        response = responses[0]
-        if not isinstance(response, pb_utils.InferenceResponse):
-            raise PipelineError(
-                f"{self._path}: TritonPythonModel.execute returned {_describe(response)} instead of an "
-                "InferenceResponse"
-            )
-        error = response.error()
-        if error is not None:
-            raise InvalidInput(error.message())
-        outputs = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
-        missing = [name for name in self._outputs if name not in outputs]
-        if missing:
-            raise PipelineError(
-                f"{self._path}: TritonPythonModel.execute returned no output {', '.join(missing)} "
-                f"(it returned: {', '.join(outputs) or 'none'})"
-            )
-        return {name: np.asarray(outputs[name]) for name in self._outputs}
-
-    def unload(self) -> None:
-        model, self._model = self._model, None
-        if model is None:
-            return
-        try:
-            finalize = getattr(model, "finalize", None)
-            if finalize is not None:
-                finalize()
-        finally:
-            self._module.release()
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, list | tuple):
-        return f"a {type(value).__name__} of {len(value)}"
-    return type(value).__name__

@@ -36,6 +36,7 @@ from pipeline.runtime.server import (
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.telemetry import Telemetry
 from pipeline.stage.api import Stage
+from pipeline.stage.control import add_model_control_arguments, model_control_of
 from pipeline.stage.placement import python_models_of
 from pipeline.stage.plane import StagePlane
 from pipeline.stage.python_backend import PythonBackend
@@ -98,8 +99,15 @@ async def serve_stages(
     owned = telemetry is None
     telemetry = Telemetry.from_env(service) if telemetry is None else telemetry
     metrics = Metrics() if metrics is None else metrics
+    policy = access_policy_of(args, stage=True)
     plane = StagePlane(
-        stages, repository=repository, backends=backends, models=models, telemetry=telemetry, metrics=metrics
+        stages,
+        repository=repository,
+        backends=backends,
+        models=models,
+        telemetry=telemetry,
+        metrics=metrics,
+        control=model_control_of(args, policy),
     )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
@@ -109,7 +117,7 @@ async def serve_stages(
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=server_credentials_of(args),
-        interceptors=interceptors_of(access_policy_of(args, stage=True)),
+        interceptors=interceptors_of(policy),
     )
 
     async def start() -> None:
@@ -190,6 +198,7 @@ def python_service_parser(service: str) -> argparse.ArgumentParser:
     )
     add_server_arguments(parser, service=service)
     add_repository_arguments(parser, service=service)
+    add_model_control_arguments(parser)
     add_ensembles_argument(parser)
     return parser
 

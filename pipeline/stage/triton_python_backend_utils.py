@@ -1,24 +1,56 @@
-"""The common subset of Triton's `triton_python_backend_utils`, for `model.py` files written for its Python
-backend.
+"""Triton's `triton_python_backend_utils`, for `model.py` files written for its Python backend.
 
 The python backend (`pipeline.stage.python_backend`) registers this module under the name
 `triton_python_backend_utils` before it imports a `model.py`, so `import triton_python_backend_utils as
-pb_utils` works unchanged. What is here behaves as Triton's does: `Tensor` (with DLPack), `InferenceRequest`,
-`InferenceResponse`, `TritonError`, `TritonModelException`, `get_input_tensor_by_name`,
-`get_output_tensor_by_name`, `get_input_config_by_name`, `get_output_config_by_name` and
-`triton_string_to_numpy`. Calls from a model into other models (BLS, `InferenceRequest(...).exec()`) are
-refused: stages call no other models here; an ensemble chains them instead.
+pb_utils` works unchanged. What is here behaves as Triton's documented API does:
+
+- tensors, requests and responses: `Tensor` (with DLPack), `InferenceRequest` (`is_cancelled()` turns true
+  once the call's deadline has passed or its client has gone), `InferenceResponse` (with `parameters`);
+- errors: `TritonError` with its codes (`TritonError.INVALID_ARG`, ...: each becomes the matching gRPC
+  status), and `TritonModelException`;
+- `Logger` (`log_info`, `log_warn`, `log_error`, `log_verbose`, `log(message, Logger.INFO)`), writing to the
+  service's log under the logger `triton_python_backend_utils`;
+- the config helpers: `get_input_config_by_name`, `get_output_config_by_name`,
+  `using_decoupled_model_transaction_policy`, and `ModelConfig`, which `auto_complete_config` gets;
+- the type helpers `triton_string_to_numpy`, `triton_to_numpy_type`, `numpy_to_triton_type`,
+  `serialize_byte_tensor`, `deserialize_bytes_tensor`, and Triton's `TRITONSERVER_*` flag constants.
+
+Refused with a message saying so: calls from a model into other models (BLS, `InferenceRequest.exec`) and
+the model loading API (`load_model`, ...): each service here runs the models of its own backend, so a model's
+neighbours usually run in another process; an ensemble chains them instead. Decoupled models
+(`get_response_sender`) are refused too.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+import logging
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from enum import IntEnum
+from typing import Any, ClassVar
 
 import numpy as np
 
-from pipeline.protocol.datatypes import DATATYPES
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.datatypes import DATATYPES, datatype_of
+from pipeline.protocol.model_config import config_datatype, datatype_of_config
+
+# Part of the module's API (what `auto_complete_config` gets), kept in a module of its own.
+from pipeline.stage.triton_model_config import ModelConfig as ModelConfig
+
+#: Sequence flags of a request (Triton's `TRITONSERVER_RequestFlag`).
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+#: The flag of a decoupled model's last response (Triton's `TRITONSERVER_ResponseCompleteFlag`).
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+#: Release flags a model may set on a request (`InferenceRequest.set_release_flags`).
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+#: Where a model's `Logger` lines go.
+_model_log = logging.getLogger("triton_python_backend_utils")
+_LENGTH = struct.Struct("<I")
 
 
 class TritonModelException(Exception):
@@ -50,7 +82,62 @@ class TritonError:
         return self._code
 
     def __repr__(self) -> str:
-        return f"TritonError({self._message!r})"
+        return f"TritonError({self._message!r}, {self._code})"
+
+
+class Logger:
+    """Triton's model logger: lines go to the service's log, under the logger `triton_python_backend_utils`,
+    naming the model file's line that wrote them. Verbose lines are logged at DEBUG."""
+
+    class LogLevel(IntEnum):
+        """The levels `Logger.log` takes (also as `Logger.INFO`, ...)."""
+
+        INFO = 0
+        WARNING = 1
+        ERROR = 2
+        VERBOSE = 3
+
+    INFO: ClassVar[LogLevel] = LogLevel.INFO
+    WARNING: ClassVar[LogLevel] = LogLevel.WARNING
+    ERROR: ClassVar[LogLevel] = LogLevel.ERROR
+    VERBOSE: ClassVar[LogLevel] = LogLevel.VERBOSE
+
+    _LEVELS: ClassVar[dict[int, int]] = {
+        LogLevel.INFO: logging.INFO,
+        LogLevel.WARNING: logging.WARNING,
+        LogLevel.ERROR: logging.ERROR,
+        LogLevel.VERBOSE: logging.DEBUG,
+    }
+
+    @staticmethod
+    def log(message: str, level: int = LogLevel.INFO) -> None:
+        """Log `message` at `level` (INFO when none is given)."""
+        Logger._write(Logger._LEVELS.get(int(level), logging.INFO), message)
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        """Log `message` at INFO."""
+        Logger._write(logging.INFO, message)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        """Log `message` at WARNING."""
+        Logger._write(logging.WARNING, message)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        """Log `message` at ERROR."""
+        Logger._write(logging.ERROR, message)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        """Log `message` at DEBUG (Triton's verbose level)."""
+        Logger._write(logging.DEBUG, message)
+
+    @staticmethod
+    def _write(level: int, message: str) -> None:
+        # stacklevel 3: the record names the model's line, not this method's or its caller's here.
+        _model_log.log(level, "%s", message, stacklevel=3)
 
 
 class Tensor:
@@ -91,6 +178,10 @@ class Tensor:
         """The tensor's shape."""
         return list(self._value.shape)
 
+    def triton_dtype(self) -> int:
+        """The tensor's datatype as Triton's `TRITONSERVER_DataType` number (the config's `TYPE_*` value)."""
+        return numpy_to_triton_type(self._value.dtype)
+
     def __repr__(self) -> str:
         return f"Tensor({self._name!r}, shape={list(self._value.shape)}, dtype={self._value.dtype})"
 
@@ -125,8 +216,11 @@ class InferenceRequest:
         flags: int = 0,
         timeout: int = 0,
         parameters: Mapping[str, Any] | str | None = None,
+        cancelled: Callable[[], bool] | None = None,
         **_: Any,
     ) -> None:
+        """Triton's arguments; `cancelled` is what `is_cancelled` asks (the runtime passes the call's deadline
+        check)."""
         self._model_name = model_name
         self._inputs = list(inputs)
         self._requested = list(requested_output_names)
@@ -134,6 +228,7 @@ class InferenceRequest:
         self._correlation_id = correlation_id
         self._flags = flags
         self._timeout = timeout
+        self._cancelled = cancelled
         if parameters is None:
             self._parameters = "{}"
         elif isinstance(parameters, str):
@@ -162,7 +257,7 @@ class InferenceRequest:
         return self._flags
 
     def timeout(self) -> int:
-        """The request's timeout in microseconds (0: none given)."""
+        """The request's timeout in microseconds (0: none): the time its call had left when it started."""
         return self._timeout
 
     def parameters(self) -> str:
@@ -174,14 +269,16 @@ class InferenceRequest:
         return self._model_name
 
     def is_cancelled(self) -> bool:
-        """Always False: a cancelled request never reaches the model here."""
-        return False
+        """Whether the request's answer is no longer wanted: its deadline passed or its client went away. A
+        model may check it between pieces of work and answer `TritonError.CANCELLED`."""
+        return self._cancelled is not None and self._cancelled()
 
     def exec(self, *_: Any, **__: Any) -> InferenceResponse:
         """Refused: calling other models from a model (BLS) is not supported; chain them in an ensemble."""
         raise TritonModelException(
             f"InferenceRequest.exec (a call to model '{self._model_name}' from inside a model, Triton's BLS) is "
-            "not supported by this server: chain the models with an ensemble instead"
+            "not supported by this server: its services each run the models of their own backend, so the "
+            "models of a pipeline run in separate processes; chain the models with an ensemble instead"
         )
 
     async def async_exec(self, *_: Any, **__: Any) -> InferenceResponse:
@@ -194,13 +291,30 @@ class InferenceRequest:
             "decoupled models (InferenceRequest.get_response_sender) are not supported by this server"
         )
 
+    def set_release_flags(self, flags: int) -> None:
+        """Accepts `TRITONSERVER_REQUEST_RELEASE_ALL`; rescheduling a request is not supported."""
+        if flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+            raise TritonModelException(
+                "rescheduling a request (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE) is not supported"
+            )
+
 
 class InferenceResponse:
-    """What `execute` returns for each request: output tensors, or an error."""
+    """What `execute` returns for each request: output tensors, or an error; and optional parameters."""
 
-    def __init__(self, output_tensors: Sequence[Tensor] = (), error: TritonError | None = None) -> None:
+    def __init__(
+        self,
+        output_tensors: Sequence[Tensor] = (),
+        error: TritonError | None = None,
+        parameters: Mapping[str, Any] | str | None = None,
+    ) -> None:
         self._outputs = list(output_tensors)
         self._error = error
+        self._parameters = parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
+
+    def parameters(self) -> str:
+        """The response's parameters as a JSON object."""
+        return self._parameters
 
     def output_tensors(self) -> list[Tensor]:
         """The output tensors."""
@@ -235,6 +349,11 @@ def get_output_config_by_name(model_config: Mapping[str, Any], name: str) -> dic
     return next((t for t in model_config.get("output", ()) if t.get("name") == name), None)
 
 
+def using_decoupled_model_transaction_policy(model_config: Mapping[str, Any]) -> bool:
+    """Whether a model config (the dict of `json.loads(args["model_config"])`) declares the model decoupled."""
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
 def triton_string_to_numpy(triton_type: str) -> type:
     """The numpy type of a config datatype: "TYPE_FP32" → numpy.float32, "TYPE_STRING" → numpy.object_."""
     name = triton_type.removeprefix("TYPE_")
@@ -242,3 +361,77 @@ def triton_string_to_numpy(triton_type: str) -> type:
     if datatype not in DATATYPES:
         raise TritonModelException(f"unknown Triton datatype {triton_type!r}")
     return DATATYPES[datatype].type
+
+
+#: Every config datatype name and its numpy type, as Triton's module offers them.
+TRITON_STRING_TO_NUMPY: dict[str, type] = {
+    name: triton_string_to_numpy(name)
+    for name in mc.DataType.keys()  # noqa: SIM118 - an enum wrapper, not a dict
+    if name not in ("TYPE_INVALID", "TYPE_BF16")
+}
+
+
+def triton_to_numpy_type(data_type: int) -> type | None:
+    """The numpy type of a `TRITONSERVER_DataType` number (the config's `TYPE_*` value); None if unknown."""
+    try:
+        return DATATYPES[datatype_of_config(data_type)].type
+    except ValueError:
+        return None
+
+
+def numpy_to_triton_type(data_type: Any) -> int:
+    """The `TRITONSERVER_DataType` number of a numpy type (strings and bytes: TYPE_STRING)."""
+    try:
+        return int(config_datatype(datatype_of(np.empty(0, dtype=data_type))))
+    except TypeError:
+        raise TritonModelException(f"numpy type {data_type} has no Triton datatype") from None
+
+
+def serialize_byte_tensor(tensor: np.ndarray) -> bytes:
+    """A BYTES tensor (object array of bytes or str) as Triton lays it out: each element, in row-major order,
+    as a 4-byte little-endian length and its bytes (str elements as UTF-8)."""
+    parts = []
+    for element in np.asarray(tensor, dtype=object).reshape(-1):
+        data = element if isinstance(element, bytes) else str(element).encode("utf-8")
+        parts += [_LENGTH.pack(len(data)), data]
+    return b"".join(parts)
+
+
+def deserialize_bytes_tensor(encoded: bytes) -> np.ndarray:
+    """The elements of a serialized BYTES tensor, as a flat object array of bytes."""
+    view, offset, elements = memoryview(encoded), 0, []
+    while offset < len(view):
+        if offset + 4 > len(view):
+            raise TritonModelException(
+                f"serialized BYTES tensor: a length prefix is cut off at byte {offset}"
+            )
+        (length,) = _LENGTH.unpack_from(view, offset)
+        offset += 4
+        if offset + length > len(view):
+            raise TritonModelException(f"serialized BYTES tensor: an element of {length} bytes is cut off")
+        elements.append(bytes(view[offset : offset + length]))
+        offset += length
+    result = np.empty(len(elements), dtype=object)
+    result[:] = elements
+    return result
+
+
+def is_model_ready(model_name: str, model_version: str = "", **_: Any) -> bool:
+    """Refused: the model loading API (Triton's, for BLS models) is not supported."""
+    raise TritonModelException(_LOADING_REFUSED.format(call="is_model_ready", model=model_name))
+
+
+def load_model(model_name: str, config: str = "", files: Mapping[str, bytes] | None = None, **_: Any) -> None:
+    """Refused, as `is_model_ready` is."""
+    raise TritonModelException(_LOADING_REFUSED.format(call="load_model", model=model_name))
+
+
+def unload_model(model_name: str, unload_dependents: bool = False, **_: Any) -> None:
+    """Refused, as `is_model_ready` is."""
+    raise TritonModelException(_LOADING_REFUSED.format(call="unload_model", model=model_name))
+
+
+_LOADING_REFUSED = (
+    "{call}('{model}'): the model loading API is not supported by this server, whose models call no other "
+    "models; load models with RepositoryModelLoad on the service that runs them"
+)

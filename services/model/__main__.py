@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeline.runtime import settings
 from pipeline.runtime.arguments import add_server_arguments, positive_int
 from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.control import add_model_control_arguments
 from pipeline.stage.service import run_stage_service
 
 SERVICE = "model"
@@ -16,9 +17,9 @@ SERVICE = "model"
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the shared server flags plus this service's own."""
-
     parser = argparse.ArgumentParser(prog="python -m services.model", description=__doc__)
     add_server_arguments(parser, service=SERVICE)
+    add_model_control_arguments(parser)
     parser.add_argument(
         "--model-dir",
         "--model-repository",

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import RepositoryError
-from pipeline.protocol.model_config import PAD_VALUE_PARAMETER, SERVED_FIELDS, datatype_of_config, log_ignored
+from pipeline.protocol.model_config import PAD_VALUE_PARAMETER, datatype_of_config, log_ignored
 from pipeline.runtime.repository import RepositoryEntry
-from pipeline.stage.backend import PreparedVersion
+from pipeline.stage.backend import RUNTIME_FIELDS, PreparedVersion
 from services.model import tensorrt
 from services.model.artifacts import (
     KIND_BACKENDS,
@@ -50,9 +50,9 @@ log = logging.getLogger(__name__)
 
 RUNNERS = ("auto", "onnxruntime", "torch", "tensorrt")
 DEVICES = ("auto", "cpu", "cuda")
-#: Top-level config fields this backend acts on: those every service does, and `optimization` (TensorRT,
+#: Top-level config fields this backend acts on: those the stage runtime does, and `optimization` (TensorRT,
 #: FP16); the rest are logged as ignored at load.
-ACTED_ON = SERVED_FIELDS | {"optimization"}
+ACTED_ON = RUNTIME_FIELDS | {"optimization"}
 #: `parameters` keys this backend reads (besides the router's `pad_value.<TENSOR>`). Triton's own spellings of
 #: the thread count are accepted: the ONNX Runtime backend's and the PyTorch backend's.
 PARAMETER_KEYS = ("runner", "intra_op_thread_count", "INTRA_OP_THREAD_COUNT", "torch_compile")

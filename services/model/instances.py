@@ -19,6 +19,7 @@ import numpy as np
 
 from pipeline.protocol.datatypes import DATATYPES, datatype_of
 from pipeline.protocol.errors import InvalidInput, RepositoryError
+from pipeline.stage.api import NO_DEADLINE, Deadline
 from services.model.artifacts import (
     TORCH_EXPORT,
     TORCHSCRIPT,
@@ -104,8 +105,11 @@ class ArtifactInstance(abc.ABC):
                     f"config declares {list(shape)}"
                 )
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One batch under the config's names and shapes."""
+    def run(
+        self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+    ) -> dict[str, np.ndarray]:
+        """One batch under the config's names and shapes (one call of the runtime: the deadline, which the
+        stage runtime checked before it started, cannot stop it half way)."""
         feeds = {}
         for binding in self.bindings.inputs:
             array = inputs.get(binding.name)

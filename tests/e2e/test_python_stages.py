@@ -26,7 +26,15 @@ def test_a_stage_process_serves_the_models_it_is_told_to(tmp_path: Path) -> None
     write_model(root, "broken", "raise ImportError('not today')\n")
     process = start_service(
         "postprocess",
-        ["-m", "services.postprocess", "--model-repository", str(root), *LOAD],
+        [
+            "-m",
+            "services.postprocess",
+            "--model-repository",
+            str(root),
+            "--model-control-mode",
+            "explicit",
+            *LOAD,
+        ],
         tmp_path,
     )
     try:

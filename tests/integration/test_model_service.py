@@ -27,6 +27,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.api import NO_DEADLINE
 from pipeline.tools.testing import serving_stages
 from services.model.backend import ModelBackend, ServiceSettings
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
@@ -37,9 +38,11 @@ KIND_NAMES = list(KINDS)
 
 @contextlib.asynccontextmanager
 async def serving(root: Path, backend=None, **settings) -> AsyncIterator:
-    """The model service serving `root`; yields an inference stub."""
+    """The model service serving `root` in explicit model-control mode; yields an inference stub."""
     backend = backend or ModelBackend(ServiceSettings(device="cpu", **settings))
-    async with serving_stages([], repository=ModelRepository(root), backends=[backend]) as stage:
+    async with serving_stages(
+        [], repository=ModelRepository(root), backends=[backend], options={"model_control_mode": "explicit"}
+    ) as stage:
         await wait_serving(stage.address, timeout=120)
         async with inference_stub(stage.address) as stub:
             yield stub
@@ -139,7 +142,8 @@ instance_group [ { count: 2, kind: KIND_CPU } ]
 version_policy: { all: {} }
 dynamic_batching { preferred_batch_size: [ 4 ], max_queue_delay_microseconds: 100 }
 parameters [ { key: "intra_op_thread_count", value: { string_value: "1" } } ]
-model_warmup [ { name: "ignored", batch_size: 1 } ]
+model_warmup [ { name: "zeros", batch_size: 2, inputs { key: "X" value: { data_type: TYPE_FP32, dims: [ 2, 2 ], zero_data: true } } } ]
+model_repository_agents { agents [ { name: "checksum" } ] }
 """
 
 
@@ -174,7 +178,7 @@ async def test_a_config_is_served_and_read_back_with_its_fields(tmp_path: Path, 
         # An optional input, sent or left out.
         _, doubled = await infer(stub, "tiny", "1", X=x, SCALE=np.full((5, 1), 2, np.float32))
         close(doubled["Y"], 2 * reference(folder / "1" / "model.onnx", {"X": X})["Y"].reshape(5, 3, 1))
-    assert "model_warmup" in caplog.text and "ignoring" in caplog.text
+    assert "ignoring field(s) this service does not act on: model_repository_agents" in caplog.text
 
 
 async def test_auto_complete_reads_an_onnx_file(tmp_path: Path) -> None:
@@ -397,11 +401,11 @@ class _Held:
         self.instance.load()
         self.loaded = True
 
-    def run(self, inputs):
+    def run(self, inputs, deadline=NO_DEADLINE):
         if self.backend.armed and len(self.backend.ran) < self.backend.barrier.parties:
             self.backend.ran.append(self.number)
             self.backend.barrier.wait()
-        return self.instance.run(inputs)
+        return self.instance.run(inputs, deadline)
 
     def unload(self) -> None:
         self.instance.unload()

@@ -62,7 +62,14 @@ def outputs(reply: pb.ModelInferResponse) -> dict[str, np.ndarray]:
 
 
 def serving(root: Path, models: list[str] | None = None):
-    return serving_stages([], repository=ModelRepository(root), backends=[PythonBackend()], models=models)
+    """A stage service of `root`'s python models, in explicit model-control mode (it loads on request)."""
+    return serving_stages(
+        [],
+        repository=ModelRepository(root),
+        backends=[PythonBackend()],
+        models=models,
+        options={"model_control_mode": "explicit"},
+    )
 
 
 async def index(stub) -> dict[str, tuple[str, str]]:
@@ -140,7 +147,7 @@ steps:
             np.testing.assert_allclose(out["SUM"], a + b)
 
 
-async def test_an_error_response_of_a_triton_model_is_invalid_argument(tmp_path: Path) -> None:
+async def test_an_error_response_of_a_triton_model_answers_with_its_code(tmp_path: Path) -> None:
     source = """
 import triton_python_backend_utils as pb_utils
 
@@ -150,7 +157,13 @@ class TritonPythonModel:
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
             if (x < 0).any():
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("X must not be negative")))
+                error = pb_utils.TritonError("X must not be negative", pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            elif (x == 5).any():
+                error = pb_utils.TritonError("five is for later", pb_utils.TritonError.UNSUPPORTED)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            elif (x == 7).any():
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("seven broke it")))
             else:
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)]))
         return responses
@@ -166,10 +179,13 @@ output { name: "Y" data_type: TYPE_FP32 dims: [2] }
         await wait_serving(stage.address, timeout=60)
         x = np.ones((3, 2), np.float32)
         np.testing.assert_array_equal(outputs(await stub.ModelInfer(request_for("doubler", X=x)))["Y"], x * 2)
-        error = await rpc_error(stub.ModelInfer(request_for("doubler", X=-x)))
-        assert (
-            error.code() == grpc.StatusCode.INVALID_ARGUMENT and "X must not be negative" in error.details()
-        )
+        for value, code, message in (
+            (-1, grpc.StatusCode.INVALID_ARGUMENT, "X must not be negative"),
+            (5, grpc.StatusCode.UNIMPLEMENTED, "five is for later"),
+            (7, grpc.StatusCode.INTERNAL, "seven broke it"),  # Triton's default code, as Triton answers it
+        ):
+            error = await rpc_error(stub.ModelInfer(request_for("doubler", X=x * value)))
+            assert (error.code(), error.details()) == (code, message)
         np.testing.assert_array_equal(outputs(await stub.ModelInfer(request_for("doubler", X=x)))["Y"], x * 2)
 
 

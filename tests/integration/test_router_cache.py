@@ -291,7 +291,12 @@ async def test_entries_of_a_version_no_longer_served_are_dropped(tmp_path: Path)
     (folder / "config.pbtxt").write_text(CACHED_CONFIG)
     metrics = Metrics()
     x = np.ones((1, 4), np.float32)
-    async with serving_stages([], repository=ModelRepository(tmp_path), backends=[PythonBackend()]) as stage:
+    async with serving_stages(
+        [],
+        repository=ModelRepository(tmp_path),
+        backends=[PythonBackend()],
+        options={"model_control_mode": "explicit"},
+    ) as stage:
         await wait_serving(stage.address)
         catalog = load_catalog(stages={"s": stage.address})
         async with serving_router(catalog, metrics=metrics, options={"cache_size": 1 << 20}) as router:
@@ -341,7 +346,12 @@ async def test_caching_a_non_deterministic_model_is_refused_at_load(tmp_path: Pa
         )
     )
     (other / "config.pbtxt").write_text(CACHED_CONFIG)
-    async with serving_stages([], repository=ModelRepository(tmp_path), backends=[PythonBackend()]) as stage:
+    async with serving_stages(
+        [],
+        repository=ModelRepository(tmp_path),
+        backends=[PythonBackend()],
+        options={"model_control_mode": "explicit"},
+    ) as stage:
         await wait_serving(stage.address)
         async with inference_stub(stage.address) as stub:
             for model in ("sampler", "roller"):

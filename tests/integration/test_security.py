@@ -261,7 +261,7 @@ UNSAFE = [
     (re.compile(r"\bpickle\.loads?\("), "pickle"),
     (re.compile(r"torch\.load\((?![^)]*weights_only\s*=\s*True)"), "torch.load without weights_only=True"),
     (
-        re.compile(r"yaml\.load\((?![^)]*Loader\s*=\s*\w*Safe\w*Loader|[^)]*Loader\s*=\s*StrictLoader)"),
+        re.compile(r"yaml\.load\((?![^)]*Loader\s*=\s*\w*Safe\w*Loader|[^)]*Loader\s*=\s*_?StrictLoader)"),
         "yaml.load",
     ),
     (
@@ -279,7 +279,7 @@ UNSAFE = [
 #: Where a pattern is the feature itself: (path, what) -> why.
 ALLOWED = {
     (
-        "pipeline/stage/python_backend.py",
+        "pipeline/stage/model_file.py",
         "eval/exec",
     ): "runs a repository's model.py, as Triton's Python backend "
     "does: the repository must be trusted (README, Writing a stage)",

@@ -30,6 +30,16 @@ class Scale(Stage):
 """
 
 
+def serving(root: Path):
+    """A stage service of `root`'s python models, in explicit model-control mode (it loads on request)."""
+    return serving_stages(
+        [],
+        repository=ModelRepository(root),
+        backends=[PythonBackend()],
+        options={"model_control_mode": "explicit"},
+    )
+
+
 def write_version(root: Path, version: str, factor: float | str, config: str | None = None) -> None:
     folder = root / "scale" / version
     folder.mkdir(parents=True, exist_ok=True)
@@ -53,7 +63,7 @@ async def index(stub) -> list[tuple[str, str, str]]:
 async def test_versions_policies_reloads_and_rollback(tmp_path: Path) -> None:
     write_version(tmp_path, "1", 1, 'backend: "python"\nversion_policy { all {} }\n')
     write_version(tmp_path, "2", 2)
-    async with serving_stages([], repository=ModelRepository(tmp_path), backends=[PythonBackend()]) as stage:
+    async with serving(tmp_path) as stage:
         await wait_serving(stage.address)
         async with inference_stub(stage.address) as stub:
             assert await scaled(stub) == (2.0, "2"), "without a version: the newest"
@@ -114,7 +124,7 @@ async def test_a_model_of_another_backend_is_neither_served_nor_loadable_here(tm
     (tmp_path / "cnn" / "1" / "model.onnx").write_bytes(b"")
     (tmp_path / "typo").mkdir()
     (tmp_path / "typo" / "config.pbtxt").write_text("platform: 'python'\n")
-    async with serving_stages([], repository=ModelRepository(tmp_path), backends=[PythonBackend()]) as stage:
+    async with serving(tmp_path) as stage:
         await wait_serving(stage.address)
         async with inference_stub(stage.address) as stub:
             listed = await stub.RepositoryIndex(pb.RepositoryIndexRequest())

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from examples.models.digits import load_split
-from pipeline.protocol.errors import InvalidInput, RepositoryError
+from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, RepositoryError
 from pipeline.stage.api import Stage
 from tests.stages import example_module, example_stage
 
@@ -222,6 +222,60 @@ def test_pixel_cap_is_configurable(digits: np.ndarray) -> None:
         RepositoryError, match=r"model\.py: .*parameter max_image_pixels must be an integer >= 1"
     ):
         digits_preprocess(max_image_pixels=0)
+
+
+def test_a_batch_over_its_pixel_budget_is_refused_from_the_headers(digits: np.ndarray) -> None:
+    # Header-only PNGs cannot be decoded: a refusal that names the budget, not "cannot decode", shows that the
+    # budget was checked before any pixel was.
+    stage = digits_preprocess(max_image_pixels=2_000_000, max_batch_pixels=2_500_000)
+    big, small = _png_header_only(2000, 1000), encode(to_grey(digits[0], dark_ink=False))
+    with pytest.raises(InvalidInput) as caught:
+        stage.infer(batch(big, big, small, _png_header_only(1000, 1000)))
+    assert [item.index for item in caught.value.items] == [1, 3]
+    assert caught.value.items[0].description == "over the batch's pixel budget"
+    assert caught.value.message == (
+        "IMAGE[1]: over the batch's pixel budget; IMAGE[3]: over the batch's pixel budget "
+        "(max_batch_pixels: a batch's images hold 2500000 pixels at most)"
+    )
+    # Within the budget, the same images go through (the router sends a batch again without its refused items).
+    small_ones = [encode(to_grey(d, dark_ink=False), size=1000) for d in digits[:2]]
+    assert stage.infer(batch(*small_ones))["PIXELS"].shape == (2, 1, 8, 8)
+    with pytest.raises(InvalidInput, match=r"^IMAGE\[2\]: over the batch's pixel budget"):
+        stage.infer(batch(*small_ones, small_ones[0]))
+
+
+def test_hundreds_of_refusals_are_named_in_the_details_and_a_few_in_the_message() -> None:
+    header = _png_header_only(1000, 1000)
+    with pytest.raises(InvalidInput) as caught:
+        digits_preprocess(max_image_pixels=1_000_000, max_batch_pixels=1_000_000).infer(
+            batch(*[header] * 200)
+        )
+    assert [item.index for item in caught.value.items] == list(range(1, 200))
+    assert (
+        caught.value.message.count("IMAGE[") == 8
+        and "; and 191 more image(s) (max_batch_pixels" in caught.value.message
+    )
+
+
+def test_the_pixel_budget_is_checked_against_the_per_image_cap() -> None:
+    with pytest.raises(RepositoryError, match=r"max_batch_pixels \(100\) is below max_image_pixels \(200\)"):
+        digits_preprocess(max_image_pixels=200, max_batch_pixels=100)
+    with pytest.raises(RepositoryError, match=r"parameter max_batch_pixels must be an integer >= 1"):
+        digits_preprocess(max_batch_pixels="lots")
+
+
+def test_decoding_stops_between_images_once_the_call_has_expired(digits: np.ndarray) -> None:
+    images = [encode(to_grey(d, dark_ink=False)) for d in digits[:5]]
+    asked = []
+
+    def expired() -> bool:
+        asked.append(True)
+        return len(asked) > 2  # two images decoded, then the client is gone
+
+    with pytest.raises(DeadlineExceeded, match="after decoding 2 of 5 images"):
+        images_to_pixels(images, expired=expired)
+    assert len(asked) == 3
+    assert images_to_pixels(images, expired=lambda: False).shape == (5, 8, 8)
 
 
 def test_declaration() -> None:

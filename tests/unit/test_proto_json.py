@@ -6,7 +6,7 @@ import json
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.proto_json import message_json
-from pipeline.stage.python_backend import triton_json
+from pipeline.stage.triton_model import triton_json
 
 
 def _config() -> mc.ModelConfig:

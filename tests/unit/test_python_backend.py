@@ -8,13 +8,15 @@ import os
 import sys
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import InvalidInput, RepositoryError
+from pipeline.protocol.errors import InvalidInput, RepositoryError, StageError
 from pipeline.runtime.repository import ModelRepository
-from pipeline.stage.python_backend import PythonBackend, triton_json
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.stage.triton_model import triton_json
 from pipeline.stage.triton_python_backend_utils import triton_string_to_numpy
 from tests.stages import TRITON_ADD_SUB_CONFIG, TRITON_ADD_SUB_MODEL, write_model
 
@@ -191,7 +193,8 @@ class TritonPythonModel:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
             SEEN.append(("execute", x.shape))
             if (x < 0).any():
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("X must not be negative")))
+                error = pb_utils.TritonError("X must not be negative", pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(error=error))
                 continue
             if (x == 7).any():
                 raise pb_utils.TritonModelException("seven is not allowed")
@@ -248,9 +251,10 @@ def test_triton_args_and_the_batch_as_one_request(tmp_path: Path) -> None:
 
     with pytest.raises(InvalidInput, match="X must not be negative"):
         instance.run({"X": -x})
-    with pytest.raises(InvalidInput, match="seven is not allowed"):
+    with pytest.raises(StageError, match="seven is not allowed") as raised:
         instance.run({"X": np.full((1, 2), 7, np.int32)})
-    with pytest.raises(InvalidInput, match=r"call to model 'other' from inside a model.*not supported"):
+    assert raised.value.code == grpc.StatusCode.INTERNAL, "a TritonModelException is INTERNAL, as in Triton"
+    with pytest.raises(StageError, match=r"call to model 'other' from inside a model.*not supported"):
         instance.run({"X": np.full((1, 2), 9, np.int32)})
     for each in prepared.instances:
         each.unload()
@@ -260,7 +264,8 @@ def test_triton_args_and_the_batch_as_one_request(tmp_path: Path) -> None:
 def test_a_triton_model_needs_a_config_declaring_its_tensors(tmp_path: Path) -> None:
     path = write_model(tmp_path, "add_sub", TRITON_ADD_SUB_MODEL)
     message = refused(tmp_path, "add_sub")
-    assert str(path) in message and "needs a config.pbtxt" in message
+    assert str(path) in message and "in a config.pbtxt beside its version folders" in message
+    assert "or by its auto_complete_config" in message
 
 
 def test_a_triton_model_whose_initialize_raises_is_refused(tmp_path: Path) -> None:

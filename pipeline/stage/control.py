@@ -1,0 +1,125 @@
+"""Repository control: who may load and unload models on a stage service, and how many instances a model
+may ask for.
+
+As in Triton, `RepositoryModelLoad` and `RepositoryModelUnload` are refused unless the service was started
+in explicit model-control mode (`--model-control-mode explicit`, env `PIPELINE_MODEL_CONTROL_MODE`; `none`
+is the default, Triton's too). Configuring an admin credential (an admin token, or client certificates
+listed in `--tls-admin-identities`) enables them as well: the admin scope is then what a caller needs
+(`pipeline.runtime.security`). Without either, anyone who reaches a stage port could unload a model, or
+reload one with a `config` that lifts its limits.
+
+Unlike Triton's explicit mode, the mode does not change what loads at start-up: every service still loads
+the models placed on it (or those `--load-model` names), so that `make run` serves the same models in
+either mode.
+
+Whatever the mode and whoever asks, a model version gets at most `--max-instances` instances (env
+`PIPELINE_MAX_INSTANCES`): each is a thread with its own copy of the model, and a config asking for
+hundreds would take the service's memory in a moment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import grpc
+
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.errors import PipelineError, RepositoryError
+from pipeline.runtime.arguments import positive_int
+from pipeline.runtime.security import AccessPolicy
+
+#: Triton's model-control modes that this server has: no control (the default), or explicit control.
+MODEL_CONTROL_MODES = ("none", "explicit")
+#: Instances one model version may have unless `--max-instances` says otherwise: more than enough threads
+#: for any CPU model here, and a GPU model's count is per GPU.
+DEFAULT_MAX_INSTANCES = 16
+
+
+class ModelControlDisabled(PipelineError):
+    """A repository-control RPC on a service that does not allow it: not a matter of credentials (the
+    caller cannot fix it), but of how the service was started."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclass(frozen=True)
+class ModelControl:
+    """What a stage service allows of repository control (see the module docstring)."""
+
+    #: Started with `--model-control-mode explicit`.
+    explicit: bool = False
+    #: An admin credential is configured: the authentication interceptor lets only admins through.
+    admin_configured: bool = False
+    #: The most instances one model version may have.
+    max_instances: int = DEFAULT_MAX_INSTANCES
+
+    @property
+    def enabled(self) -> bool:
+        """Whether `RepositoryModelLoad` and `RepositoryModelUnload` may run at all."""
+        return self.explicit or self.admin_configured
+
+    def check_enabled(self, rpc: str) -> None:
+        """Raise `ModelControlDisabled`, naming the flags that enable `rpc`, unless control is enabled."""
+        if not self.enabled:
+            raise ModelControlDisabled(
+                f"{rpc} is not allowed: this service runs with model control mode 'none' (the default, as in "
+                "Triton); start it with --model-control-mode explicit (env PIPELINE_MODEL_CONTROL_MODE) or "
+                "with an admin token (--admin-tokens-file) to load and unload models"
+            )
+
+    def check_instances(self, config: mc.ModelConfig, source: str) -> None:
+        """`RepositoryError` when the config's `instance_group` asks for more instances than allowed."""
+        asked = requested_instances(config)
+        if asked > self.max_instances:
+            raise RepositoryError(
+                f"{source}: instance_group asks for {asked} instances, over the limit of {self.max_instances} "
+                "per model version (--max-instances, env PIPELINE_MAX_INSTANCES)"
+            )
+
+
+def requested_instances(config: mc.ModelConfig) -> int:
+    """The most instances a config's `instance_group` can give, whichever backend places them: `count` per
+    group (at least 1), times the GPUs a group names."""
+    groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1)]
+    return sum(max(group.count, 1) * max(len(group.gpus), 1) for group in groups)
+
+
+def add_model_control_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--model-control-mode` and `--max-instances`, for the services that run repository models."""
+    parser.add_argument(
+        "--model-control-mode",
+        type=model_control_mode,
+        metavar="{" + ",".join(MODEL_CONTROL_MODES) + "}",
+        default=os.environ.get("PIPELINE_MODEL_CONTROL_MODE", "none"),
+        help="'explicit' allows RepositoryModelLoad/Unload (with an admin token configured, they need it); "
+        "'none' refuses them unless an admin token is configured (env PIPELINE_MODEL_CONTROL_MODE; default "
+        "%(default)s, as Triton's)",
+    )
+    parser.add_argument(
+        "--max-instances",
+        type=positive_int,
+        default=os.environ.get("PIPELINE_MAX_INSTANCES", str(DEFAULT_MAX_INSTANCES)),
+        help="most instances one model version may have, whatever its instance_group asks "
+        "(env PIPELINE_MAX_INSTANCES; default %(default)s)",
+    )
+
+
+def model_control_mode(value: str) -> str:
+    """An argparse type: one of `MODEL_CONTROL_MODES` (Triton's `poll` is not one: nothing here polls)."""
+    mode = value.strip().lower() or "none"
+    if mode not in MODEL_CONTROL_MODES:
+        raise argparse.ArgumentTypeError(
+            f"model control mode must be one of {', '.join(MODEL_CONTROL_MODES)}, got {value!r}"
+        )
+    return mode
+
+
+def model_control_of(args: argparse.Namespace, policy: AccessPolicy) -> ModelControl:
+    """The repository control a service's flags and access policy give."""
+    return ModelControl(
+        explicit=getattr(args, "model_control_mode", "none") == "explicit",
+        admin_configured=policy.admin_configured,
+        max_instances=getattr(args, "max_instances", DEFAULT_MAX_INSTANCES),
+    )

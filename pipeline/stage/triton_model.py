@@ -1,0 +1,252 @@
+"""Models written for Triton's Python backend (`TritonPythonModel`), served unmodified by the python backend
+(`pipeline.stage.python_backend`): their config, the `args` their `initialize` gets, and their instances.
+
+As in Triton, `auto_complete_config(pb_utils.ModelConfig)`, when the class defines it, completes the config
+before anything else reads it (`pipeline.stage.triton_model_config`); decoupled models are refused at load.
+`execute` may be a coroutine function (Triton's async execute); it then runs to completion on the instance's
+thread. An error a response carries is answered with the gRPC status of its `TritonError` code (INVALID_ARG:
+INVALID_ARGUMENT, UNSUPPORTED: UNIMPLEMENTED, INTERNAL, the default: INTERNAL, ...) and its message; so is a
+`TritonModelException` that `execute` raises (INTERNAL), while any other exception is an internal error whose
+details stay in the log. A CANCELLED answer to a request whose deadline has passed is DEADLINE_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    PipelineError,
+    RepositoryError,
+    StageError,
+    Unavailable,
+)
+from pipeline.protocol.model_config import (
+    set_tensor_specs,
+    tensor_specs,
+)
+from pipeline.protocol.proto_json import message_json
+from pipeline.runtime.repository import RepositoryEntry
+from pipeline.stage import triton_python_backend_utils as pb_utils
+from pipeline.stage.api import NO_DEADLINE, Deadline
+from pipeline.stage.backend import PreparedVersion
+from pipeline.stage.model_file import SharedModule, cause, device_of, instance_placements, where
+from pipeline.stage.triton_model_config import COMPLETED_FIELDS
+
+_ERROR = pb_utils.TritonError
+#: The gRPC status of each `TritonError` code (INVALID_ARG and UNAVAILABLE have error classes of their own).
+_STATUS = {
+    _ERROR.UNKNOWN: grpc.StatusCode.UNKNOWN,
+    _ERROR.INTERNAL: grpc.StatusCode.INTERNAL,
+    _ERROR.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    _ERROR.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    _ERROR.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    _ERROR.CANCELLED: grpc.StatusCode.CANCELLED,
+}
+
+
+def prepare_triton(
+    entry: RepositoryEntry, version: str, path: Path, cls: type, module: SharedModule
+) -> PreparedVersion:
+    """A version of a `TritonPythonModel`: its config, completed and checked, and one unloaded instance per
+    placement."""
+    if not callable(getattr(cls, "execute", None)):
+        raise RepositoryError(f"{path}: TritonPythonModel has no execute(requests) method")
+    config = mc.ModelConfig()
+    config.CopyFrom(entry.config)
+    config.backend = "python"
+    config.platform = config.platform or "python"
+    hook = getattr(cls, "auto_complete_config", None)
+    if callable(hook):
+        auto_complete(config, hook, path)
+    if not (config.input and config.output):
+        raise RepositoryError(
+            f"{path}: a TritonPythonModel needs its input and output tensors declared, as Triton's Python "
+            f"backend does: in a config.pbtxt beside its version folders ({entry.folder / 'config.pbtxt'}), "
+            "or by its auto_complete_config"
+        )
+    if config.model_transaction_policy.decoupled:
+        raise RepositoryError(
+            f"{entry.source}: model_transaction_policy {{ decoupled: true }}: decoupled models (any number of "
+            "responses per request) are not supported by this server yet"
+        )
+    placements = instance_placements(config)
+    inputs, outputs = tensor_specs(config, entry.source)
+    set_tensor_specs(config, inputs, outputs)
+    model_config = json.dumps(triton_json(config))
+    instances = []
+    for instance_name, kind, device_id in placements:
+        args = {
+            "model_config": model_config,
+            "model_instance_kind": kind,
+            "model_instance_name": instance_name,
+            "model_instance_device_id": str(device_id),
+            "model_repository": str(entry.folder),
+            "model_version": version,
+            "model_name": entry.name,
+        }
+        instances.append(
+            TritonInstance(
+                cls, args, [spec.name for spec in outputs], device_of(kind, device_id), path, module
+            )
+        )
+    return PreparedVersion(config, list(instances))
+
+
+def auto_complete(config: mc.ModelConfig, hook: Callable[[Any], Any], path: Path) -> None:
+    """Let the model's `auto_complete_config` complete `config` (in place): the fields it may set
+    (`COMPLETED_FIELDS`) are taken back, the rest is left as the config says."""
+    try:
+        returned = hook(pb_utils.ModelConfig(triton_json(config)))
+    except Exception as exc:
+        raise RepositoryError(
+            f"{path}: TritonPythonModel.auto_complete_config failed: {where(exc, path)}{cause(exc)}"
+        ) from None
+    if not isinstance(returned, pb_utils.ModelConfig):
+        raise RepositoryError(
+            f"{path}: TritonPythonModel.auto_complete_config returned {_describe(returned)} instead of the "
+            "pb_utils.ModelConfig it was given"
+        )
+    completed = returned.as_dict()
+    try:
+        parsed = json_format.ParseDict(
+            {key: completed[key] for key in COMPLETED_FIELDS if key in completed}, mc.ModelConfig()
+        )
+    except json_format.ParseError as exc:
+        raise RepositoryError(
+            f"{path}: auto_complete_config left a config Triton would not read: {exc}"
+        ) from None
+    config.max_batch_size = parsed.max_batch_size
+    for field in ("input", "output"):
+        del getattr(config, field)[:]
+        getattr(config, field).extend(getattr(parsed, field))
+    for field in ("dynamic_batching", "model_transaction_policy"):
+        if field in completed:
+            getattr(config, field).SetInParent()
+            getattr(config, field).CopyFrom(getattr(parsed, field))
+
+
+def triton_json(message: Message) -> dict[str, Any]:
+    """A config as Triton's Python backend hands it to `initialize`: protobuf's JSON mapping in the proto's
+    field names, every field present, and 64-bit integers as numbers (protobuf writes them as strings; Triton
+    converts them back)."""
+    return message_json(message, every_field=True)
+
+
+class TritonInstance:
+    """One instance of a `TritonPythonModel`: `initialize` at load, `execute` per batch, `finalize` at unload."""
+
+    inline = False
+
+    def __init__(
+        self,
+        cls: type,
+        args: dict[str, str],
+        outputs: list[str],
+        device: str,
+        path: Path,
+        module: SharedModule,
+    ) -> None:
+        self.device = device
+        self.reason = f"Triton Python model (TritonPythonModel) from {path}"
+        self._cls = cls
+        self._args = args
+        self._outputs = outputs
+        self._path = path
+        self._module = module
+        self._model: Any = None
+
+    def load(self) -> None:
+        self._module.acquire()
+        try:
+            model = self._cls()
+            initialize = getattr(model, "initialize", None)
+            if initialize is not None:
+                initialize(dict(self._args))
+        except Exception as exc:
+            self._module.release()
+            raise RepositoryError(
+                f"{self._path}: TritonPythonModel.initialize failed: {where(exc, self._path)}{cause(exc)}"
+            ) from exc
+        self._model = model
+
+    def run(
+        self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+    ) -> dict[str, np.ndarray]:
+        remaining = deadline.remaining()
+        request = pb_utils.InferenceRequest(
+            model_name=self._args["model_name"],
+            inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
+            requested_output_names=self._outputs,
+            timeout=0 if remaining is None else max(1, int(remaining * 1e6)),
+            cancelled=deadline.expired,
+        )
+        try:
+            responses = self._model.execute([request])
+            if inspect.iscoroutine(responses):  # Triton's async execute: run it here, on this thread
+                responses = asyncio.run(responses)
+        except pb_utils.TritonModelException as exc:
+            raise StageError(str(exc), grpc.StatusCode.INTERNAL) from None
+        if not isinstance(responses, list | tuple) or len(responses) != 1:
+            raise PipelineError(
+                f"{self._path}: TritonPythonModel.execute must return a list of one InferenceResponse per "
+                f"request; for 1 request it returned {_describe(responses)}"
+            )
+        response = responses[0]
+        if not isinstance(response, pb_utils.InferenceResponse):
+            raise PipelineError(
+                f"{self._path}: TritonPythonModel.execute returned {_describe(response)} instead of an "
+                "InferenceResponse"
+            )
+        error = response.error()
+        if error is not None:
+            raise model_error(error, deadline)
+        outputs = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
+        missing = [name for name in self._outputs if name not in outputs]
+        if missing:
+            raise PipelineError(
+                f"{self._path}: TritonPythonModel.execute returned no output {', '.join(missing)} "
+                f"(it returned: {', '.join(outputs) or 'none'})"
+            )
+        return {name: np.asarray(outputs[name]) for name in self._outputs}
+
+    def unload(self) -> None:
+        model, self._model = self._model, None
+        if model is None:
+            return
+        try:
+            finalize = getattr(model, "finalize", None)
+            if finalize is not None:
+                finalize()
+        finally:
+            self._module.release()
+
+
+def model_error(error: pb_utils.TritonError, deadline: Deadline = NO_DEADLINE) -> PipelineError:
+    """The error a `TritonError` of a response is answered with (see the module docstring)."""
+    code, message = error.code(), error.message()
+    if code == _ERROR.INVALID_ARG:
+        return InvalidInput(message)
+    if code == _ERROR.UNAVAILABLE:
+        return Unavailable(message)  # the model cannot take it now: the router may try another replica
+    if code == _ERROR.CANCELLED and deadline.expired():
+        return DeadlineExceeded(message)
+    return StageError(message, _STATUS.get(code, grpc.StatusCode.INTERNAL))
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, list | tuple):
+        return f"a {type(value).__name__} of {len(value)}"
+    return type(value).__name__
