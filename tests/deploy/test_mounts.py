@@ -26,7 +26,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from pipeline.router.plane import add_router_arguments
+from pipeline.router.main import add_router_arguments
 from pipeline.stage.service import python_service_parser
 from services.model.__main__ import build_parser as model_parser
 
@@ -123,7 +123,7 @@ def _parser(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]] | None
         if module == "services.model":
             return model_parser(), args
         if module in ("services.preprocess", "services.postprocess"):
-            return python_service_parser(module.split(".")[1], 0), args
+            return python_service_parser(module.split(".")[1]), args
     return None
 
 

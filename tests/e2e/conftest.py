@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,9 +96,11 @@ class Pipeline:
     stages: dict[str, Process]
     router: Process
     tmp: Path
+    #: Flags every stage gets (e.g. `--model-control-mode explicit`).
+    stage_flags: tuple[str, ...] = ()
 
     def start_stage(self, name: str, port: int | None = None) -> Process:
-        command = ["-m", f"services.{name}", "--model-dir", str(self.tmp / "models")]
+        command = ["-m", f"services.{name}", "--model-dir", str(self.tmp / "models"), *self.stage_flags]
         process = start_service(name, command, self.tmp)
         if port is not None:  # bring it back where the router expects it
             process.stop()
@@ -137,9 +139,13 @@ def model_dir(tmp_path_factory) -> Path:
 ARTIFACTS = shutil.ignore_patterns("model.pt", "model.pt2", "model.onnx", ".engines", "__pycache__")
 
 
-def start_pipeline(tmp: Path, model_dir: Path, *, max_message_mb: int = 16) -> Pipeline:
+def start_pipeline(
+    tmp: Path, model_dir: Path, *, max_message_mb: int = 16, stage_flags: Sequence[str] = ()
+) -> Pipeline:
+    """The three stages and the router on `model_dir`; `stage_flags` go to every stage."""
     (tmp / "models").symlink_to(model_dir, target_is_directory=True)
     pipeline = Pipeline({}, None, tmp)  # type: ignore[arg-type]
+    pipeline.stage_flags = tuple(stage_flags)
     for name in ("preprocess", "model", "postprocess"):
         pipeline.start_stage(name)
     env = {f"{name.upper()}_ADDRESS": p.address for name, p in pipeline.stages.items()}

@@ -36,7 +36,8 @@ def rollout(tmp_path_factory, model_dir) -> Iterator[Pipeline]:
     tmp = tmp_path_factory.mktemp("rollout")
     repository = tmp / "repository"
     shutil.copytree(model_dir, repository, ignore=shutil.ignore_patterns(".engines", "__pycache__"))
-    running = start_pipeline(tmp, repository)
+    # Loading a model needs repository control, as in Triton (--model-control-mode explicit).
+    running = start_pipeline(tmp, repository, stage_flags=["--model-control-mode", "explicit"])
     try:
         yield running
     finally:
