@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -134,6 +135,7 @@ async def serve(
             else:
                 waiting.cancel()
                 starting.result()
+        settle_garbage_collection()
         await stopping.wait()
     finally:
         log.info("shutting down: draining in-flight requests (grace %.1fs)", grace)
@@ -146,6 +148,20 @@ async def serve(
         for sig in signals:
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
+
+
+def settle_garbage_collection() -> None:
+    """Once a server is up: move what start-up built (modules, models, plans) out of the collector's sight
+    and collect the young generation less often. A request makes thousands of short-lived objects, and the
+    default thresholds had the collector walk the long-lived ones over and over (4% of a loaded router's CPU,
+    in a profile)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
+
+
+#: Allocations between collections of the youngest generation once a server is up (Python's default: 700).
+GC_THRESHOLD = 20_000
 
 
 def write_port(path: Path | None, port: int) -> None:
