@@ -21,7 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline.protocol.frames import port_of
 from pipeline.protocol.streams import STREAM_STATUS_EXTENSION
+from pipeline.router.frame_client import FrameConnection
 from pipeline.router.retry import StageRetry
 from pipeline.router.stage_stream import StageStream
 from pipeline.router.targets import Resolve, Target, resolve_dns, tls_name
@@ -57,19 +59,66 @@ class Replica:
         self.latency = 0.0
         self.sampled = 0.0
         self.watch: asyncio.Task[None] | None = None
+        #: Its server's `ServerMetadata.extensions` (None: not asked yet).
+        self.extensions: frozenset[str] | None = None
+        #: Its frame connection (`pipeline.router.frame_client`), and whether its server takes frames (None:
+        #: not asked yet, or to be asked again).
+        self._frames: FrameConnection | None = None
+        self.takes_frames: bool | None = None
+        self._connecting = asyncio.Lock()
         #: Whether its server carries a failed streamed request's status (None: not asked yet).
         self.streams: bool | None = None
         self._stream: StageStream | None = None
         self._retiring: set[asyncio.Task[None]] = set()
 
-    async def stream(self, auth: Sequence[tuple[str, str | bytes]]) -> StageStream | None:
-        """The stream its `ModelInfer` calls travel on, or None where its server takes unary calls only."""
-        if self.streams is None:
+    async def _extensions(self, auth: Sequence[tuple[str, str | bytes]]) -> frozenset[str] | None:
+        """Its server's extensions, asked once (None where it cannot say now: asked again next time)."""
+        if self.extensions is None:
             try:
                 meta = await self.stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=2.0, metadata=auth)
             except grpc.aio.AioRpcError:
-                return None  # asked again on the next call
-            self.streams = STREAM_STATUS_EXTENSION in meta.extensions
+                return None
+            self.extensions = frozenset(meta.extensions)
+        return self.extensions
+
+    async def frames(
+        self, auth: Sequence[tuple[str, str | bytes]], max_frame_bytes: int
+    ) -> FrameConnection | None:
+        """Its connection to its server's frame port, opened on first use; None where it has none or it
+        cannot be reached (the calls then go over gRPC)."""
+        current = self._frames
+        if current is not None and current.usable:
+            return current
+        if self.takes_frames is False:
+            return None
+        async with self._connecting:
+            current = self._frames
+            if current is not None and current.usable:
+                return current
+            extensions = await self._extensions(auth)
+            port = port_of(extensions) if extensions is not None else None
+            host = _host_of(self.address)
+            if port is None or host is None:
+                self.takes_frames = False if extensions is not None else None
+                return None
+            try:
+                self._frames = await FrameConnection.open(host, port, auth, max_frame_bytes)
+            except (OSError, TimeoutError) as err:
+                self.takes_frames = False
+                log.info("replica %s: calls over gRPC (its frame port %d: %s)", self.address, port, err)
+                return None
+            if self.takes_frames is None:
+                log.info("replica %s: calls over its frame port %d", self.address, port)
+            self.takes_frames = True
+            return self._frames
+
+    async def stream(self, auth: Sequence[tuple[str, str | bytes]]) -> StageStream | None:
+        """The stream its `ModelInfer` calls travel on, or None where its server takes unary calls only."""
+        if self.streams is None:
+            extensions = await self._extensions(auth)
+            if extensions is None:
+                return None
+            self.streams = STREAM_STATUS_EXTENSION in extensions
         if not self.streams:
             return None
         current = self._stream
@@ -82,12 +131,20 @@ class Replica:
         return current
 
     def close_streams(self) -> None:
-        """Cut its streams off (the channel is closing)."""
+        """Cut its streams and its frame connection off (the channel is closing)."""
+        if self._frames is not None:
+            self._frames.close()
+            self._frames = None
         if self._stream is not None:
             self._stream.cancel()
             self._stream = None
         for task in self._retiring:
             task.cancel()
+
+    def forget_transport(self) -> None:
+        """It went down: when it is back (perhaps restarted, perhaps another server), ask it afresh how it
+        takes calls."""
+        self.extensions, self.streams, self.takes_frames = None, None, None
 
     def cost(self, now: float) -> float:
         """The expected wait of one more call (peak-EWMA): latency times the calls already out."""
@@ -97,6 +154,15 @@ class Replica:
     def observe(self, seconds: float, now: float) -> None:
         self.latency = seconds if not self.sampled else self.latency + self.ALPHA * (seconds - self.latency)
         self.sampled = now
+
+
+def _host_of(address: str) -> str | None:
+    """The host of a replica's `ip:port` or `[ip6]:port` address; None for a Unix socket."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return None
+    if address.startswith("["):
+        return address[1:].partition("]")[0]
+    return address.rpartition(":")[0] or None
 
 
 class Replicas:
@@ -287,6 +353,8 @@ class Replicas:
     def set_state(self, replica: Replica, state: str) -> None:
         replica.heard.set()
         if replica.state != state:
+            if state == DOWN:
+                replica.forget_transport()
             replica.state = state
             self._changed()
 

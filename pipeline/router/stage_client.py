@@ -101,6 +101,7 @@ class StageClient:
         self.retry = retry or StageRetry()
         self.budget = budget or RetryBudget()
         self._auth = bearer_metadata(token)
+        self._max_message_bytes = max_message_bytes
         #: The stage's replicas: their channels, health and load.
         self.replicas = Replicas(
             endpoint.name,
@@ -234,10 +235,14 @@ class StageClient:
         replica.calls += 1
         try:
             if method == "ModelInfer" and isinstance(request, pb.ModelInferRequest):
-                # A call whose metadata is only the router's own (its token, the trace context) may go on
-                # the replica's stream; the client's own metadata needs a call of its own.
+                # A call whose metadata is only the router's own (its token, the trace context) may go to
+                # the replica's frame port, else on its stream; the client's own metadata needs a call of
+                # its own.
                 trace = {key: str(value) for key, value in metadata if key in TRACE_PARAMETERS}
                 if len(trace) + len(self._auth) == len(metadata):
+                    frames = await replica.frames(self._auth, self._max_message_bytes)
+                    if frames is not None:
+                        return await frames.infer(request, timeout, trace)
                     stream = await replica.stream(self._auth)
                     if stream is not None:
                         return await stream.infer(request, timeout, trace)

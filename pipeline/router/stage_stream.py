@@ -36,8 +36,19 @@ MAX_AGE_S = 10.0
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def _rpc_error(code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, str | bytes]] = ()):
+def rpc_error(
+    code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, str | bytes]] = ()
+) -> grpc.aio.AioRpcError:
+    """The error a unary call with this outcome would have raised."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+def raise_streamed_error(response: pb.ModelStreamInferResponse) -> None:
+    """Raise what a unary call would have raised, where a streamed response says its request failed."""
+    if response.error_message:
+        status = status_of(response)
+        code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+        raise rpc_error(code, status.message, rpc_status.to_status(status).trailing_metadata)
 
 
 class StageStream:
@@ -84,7 +95,7 @@ class StageStream:
                 try:
                     await self._call.write(request)
                 except asyncio.InvalidStateError:  # the call ended before this request could go
-                    raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream ended") from None
+                    raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream ended") from None
             response = await future
         finally:
             self._pending.pop(key, None)
@@ -92,36 +103,33 @@ class StageStream:
                 timer.cancel()
             request.id = own_id
             remove_hop_parameters(request)
+        raise_streamed_error(response)
         reply = response.infer_response
-        if response.error_message:
-            status = status_of(response)
-            code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
-            raise _rpc_error(code, status.message, rpc_status.to_status(status).trailing_metadata)
         reply.id = own_id
         return reply
 
     def _expire(self, key: str) -> None:
         future = self._pending.pop(key, None)
         if future is not None and not future.done():
-            future.set_exception(_rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
     async def _read(self) -> None:
-        broken = _rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream ended")
+        broken = rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream ended")
         try:
             async for response in self._call:
                 future = self._pending.pop(response.infer_response.id, None)
                 if future is not None and not future.done():
                     future.set_result(response)
         except grpc.aio.AioRpcError as err:
-            broken = _rpc_error(err.code(), err.details() or "the stage's stream failed")
+            broken = rpc_error(err.code(), err.details() or "the stage's stream failed")
         except asyncio.CancelledError:
-            broken = _rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream was closed")
+            broken = rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream was closed")
             raise
         finally:
             self.broken = broken
             for future in self._pending.values():
                 if not future.done():
-                    future.set_exception(_rpc_error(broken.code(), broken.details() or ""))
+                    future.set_exception(rpc_error(broken.code(), broken.details() or ""))
             self._pending.clear()
 
     async def close(self) -> None:
@@ -136,6 +144,6 @@ class StageStream:
 
     def cancel(self) -> None:
         """Cut the stream off: its requests in flight fail as UNAVAILABLE."""
-        self.broken = self.broken or _rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream was closed")
+        self.broken = self.broken or rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream was closed")
         self._call.cancel()
         self._reader.cancel()

@@ -54,6 +54,16 @@ def add_server_arguments(
     parser.add_argument(
         "--metrics-port-file", type=Path, default=None, help="write the bound metrics port to this file"
     )
+    if service != "router":
+        frames = settings.frames_port(service)
+        parser.add_argument(
+            "--frames-port",
+            type=settings.port_or_off,
+            default=frames.get(),
+            help="port of the frame protocol, the router's fast path to this service (the protocol's "
+            "messages on a plain stream; gRPC serves everything else), 0 for one the OS picks, 'off' for "
+            f"none (env {frames.variable}; default %(default)s)",
+        )
     parser.add_argument(
         "--max-message-mb",
         type=positive_int,

@@ -28,6 +28,7 @@ from pipeline.protocol.errors import (
     Unavailable,
     Unimplemented,
 )
+from pipeline.protocol.frames import extension as frames_extension
 from pipeline.protocol.streams import STREAM_STATUS_EXTENSION, error_response, hop_context
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
@@ -193,6 +194,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.metrics.export_statistics(plane.statistics)
         #: The system shared-memory regions clients registered (Triton's extension).
         self.shared_memory = SharedMemoryRegistry()
+        #: The port this server takes frames on (`pipeline.runtime.frames`), once it listens there.
+        self.frames_port: int | None = None
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         """One inference through the plane: the request's server span (continuing the caller's trace)
@@ -243,9 +246,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext):
-        return pb.ServerMetadataResponse(
-            name=self.name, version=pipeline.__version__, extensions=self.plane.extensions
-        )
+        extensions = list(self.plane.extensions)
+        if self.frames_port is not None:
+            extensions.append(frames_extension(self.frames_port))
+        return pb.ServerMetadataResponse(name=self.name, version=pipeline.__version__, extensions=extensions)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext):
         call = CallContext.of(context)

@@ -96,6 +96,12 @@ def metrics_port(service: str) -> Setting[int | None]:
     return Setting(f"PIPELINE_{service.upper()}_METRICS_PORT", default, port_or_off)
 
 
+def frames_port(service: str) -> Setting[int | None]:
+    """`PIPELINE_<SERVICE>_FRAMES_PORT`: a stage's frame port (`pipeline.runtime.frames`); by default one the OS
+    picks (its callers learn it from `ServerMetadata`), fixed where a network policy must name it."""
+    return Setting(f"PIPELINE_{service.upper()}_FRAMES_PORT", 0, port_or_off)
+
+
 def stage_address(stage: str) -> Setting[str]:
     """`<STAGE>_ADDRESS`: where the router calls a stage, as the example ensembles' `${..._ADDRESS}` say."""
     return Setting(f"{stage.upper()}_ADDRESS", f"127.0.0.1:{PORTS[stage]}", str)

@@ -17,9 +17,11 @@ from pipeline.ensemble.pbtxt import load_repository_ensembles
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
 from pipeline.runtime.arguments import add_server_arguments
+from pipeline.runtime.frames import FrameServer
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.security import (
+    AccessPolicy,
     SecurityConfigError,
     access_policy_of,
     interceptors_of,
@@ -111,9 +113,11 @@ async def serve_stages(
     )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
+    servicer = InferenceServicer(plane, service, telemetry=telemetry, metrics=metrics)
+    frames = _frame_server(servicer, args, policy)
     server, port = await create_server(
         f"{args.host}:{args.port}",
-        InferenceServicer(plane, service, telemetry=telemetry, metrics=metrics),
+        servicer,
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=server_credentials_of(args),
@@ -122,6 +126,8 @@ async def serve_stages(
 
     async def start() -> None:
         start_metrics(metrics, args)
+        if frames is not None:
+            servicer.frames_port = await frames.start(args.host, args.frames_port)
         write_port(args.port_file, port)
         if bound is not None:
             bound(port)
@@ -134,6 +140,8 @@ async def serve_stages(
         )
 
     async def stop() -> None:
+        if frames is not None:
+            await frames.close(args.grace_period)
         await plane.unload()
         metrics.close()
         if owned:
@@ -149,6 +157,19 @@ async def serve_stages(
         stopping=stopping,
         drain_delay=getattr(args, "drain_delay", 0.0),
     )
+
+
+def _frame_server(
+    servicer: InferenceServicer, args: argparse.Namespace, policy: AccessPolicy
+) -> FrameServer | None:
+    """The service's frame port (`pipeline.runtime.frames`), unless `--frames-port off` or the service
+    requires client certificates (its callers then use gRPC alone)."""
+    if getattr(args, "frames_port", None) is None:
+        return None
+    if policy.client_certificates:
+        log.info("no frame port: this service requires client certificates, which gRPC checks")
+        return None
+    return FrameServer(servicer, max_frame_bytes=args.max_message_mb * 1024 * 1024, policy=policy)
 
 
 def run_stage_service(

@@ -1,0 +1,136 @@
+"""A server's frame port (`pipeline.protocol.frames`): inference requests in frames on a plain stream.
+
+Each request goes through the servicer's own inference path (`InferenceServicer.infer`: its span, metrics
+and statistics), as a `ModelStreamInfer` request would. A connection holds at most `INFLIGHT` requests at
+once, answered or not: a caller that stops reading its responses is not read from either. A connection's first frame is a `HELLO`, which the server answers: with an error where it asks for
+bearer tokens and the hello carries none that may infer (then it closes the connection). Servers that require client certificates (mutual TLS) offer no frame port: their callers use gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.protocol.errors import PipelineError
+from pipeline.protocol.frames import AUTHORIZATION, HEADER, HELLO, REQUEST, RESPONSE, frame
+from pipeline.protocol.streams import error_response, hop_context
+from pipeline.runtime.security import AccessPolicy, Scope
+from pipeline.runtime.servicer import CallContext, InferenceServicer, internal_error, rpc_status_of
+
+log = logging.getLogger(__name__)
+
+#: Requests of one connection held at once, answered or not.
+INFLIGHT = 64
+
+
+class FrameServer:
+    """Takes frames on a port and answers them through `servicer`'s inference path."""
+
+    def __init__(self, servicer: InferenceServicer, *, max_frame_bytes: int, policy: AccessPolicy) -> None:
+        self.servicer = servicer
+        self.max_frame_bytes = max_frame_bytes
+        self.policy = policy
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self.port: int | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on `host:port` (0: a port the OS picks); returns the port."""
+        self._server = await asyncio.start_server(self._connected, host, port, limit=1 << 20)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self, grace: float) -> None:
+        """Stop listening; requests in flight get `grace` seconds, then the connections close."""
+        if self._server is not None:
+            self._server.close()
+        if self._connections:
+            _, pending = await asyncio.wait(self._connections, timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            await self._serve(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the caller went away
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+
+    async def _read(self, reader: asyncio.StreamReader) -> tuple[int, bytes]:
+        length, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if length > self.max_frame_bytes:
+            raise ConnectionError(f"a frame of {length} bytes, more than {self.max_frame_bytes}")
+        return kind, await reader.readexactly(length)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        kind, payload = await self._read(reader)
+        if kind != HELLO:
+            raise ConnectionError("a frame connection must begin with a HELLO")
+        hello = pb.ModelInferRequest.FromString(payload)
+        metadata: tuple[tuple[str, str | bytes], ...] = ()
+        if AUTHORIZATION in hello.parameters:
+            metadata = ((AUTHORIZATION, hello.parameters[AUTHORIZATION].string_param),)
+        if self.policy.enabled and (self.policy.token_scope(metadata) or 0) < Scope.INFER:
+            refusal = error_response(
+                hello, grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required", None
+            )
+            writer.write(frame(RESPONSE, refusal.SerializeToString()))
+            return
+        writer.write(
+            frame(
+                RESPONSE,
+                pb.ModelStreamInferResponse(
+                    infer_response=pb.ModelInferResponse(id=hello.id)
+                ).SerializeToString(),
+            )
+        )
+        kind, payload = await self._read(reader)
+        slots = asyncio.Semaphore(INFLIGHT)
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                if kind != REQUEST:
+                    raise ConnectionError(f"unexpected frame kind {kind}")
+                await slots.acquire()
+                task = asyncio.create_task(
+                    self._answer(pb.ModelInferRequest.FromString(payload), writer, slots)
+                )
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                kind, payload = await self._read(reader)
+        except asyncio.IncompleteReadError:
+            # The caller has sent all it will: answer what it sent, then close.
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _answer(
+        self, request: pb.ModelInferRequest, writer: asyncio.StreamWriter, slots: asyncio.Semaphore
+    ) -> None:
+        try:
+            timeout, metadata = hop_context(request, ())
+            try:
+                reply = await self.servicer.infer(request, CallContext(timeout, metadata))
+                response = pb.ModelStreamInferResponse(infer_response=reply)
+            except PipelineError as err:
+                response = error_response(request, err.code, err.message, rpc_status_of(err))
+            except Exception:
+                response = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
+            writer.write(frame(RESPONSE, response.SerializeToString()))
+            await writer.drain()
+        finally:
+            slots.release()
