@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from pipeline.stage.api import NO_DEADLINE, Deadline
 from services.model import __main__ as model_service
 from services.model.instances import ArtifactInstance
 
@@ -28,9 +29,11 @@ def main() -> None:
         del argv[at : at + 2]
     run = ArtifactInstance.run
 
-    def delayed(self: ArtifactInstance, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def delayed(
+        self: ArtifactInstance, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+    ) -> dict[str, np.ndarray]:
         time.sleep(delay)
-        return run(self, inputs)
+        return run(self, inputs, deadline)
 
     ArtifactInstance.run = delayed  # type: ignore[method-assign]
     model_service.main(argv)

@@ -142,7 +142,7 @@ def test_instances_count_per_gpu_named() -> None:
 
 
 @pytest.mark.parametrize(
-    "parser", [lambda: python_service_parser("preprocess", 8101), build_parser], ids=["python", "model"]
+    "parser", [lambda: python_service_parser("preprocess"), build_parser], ids=["python", "model"]
 )
 def test_every_stage_service_takes_the_control_flags(parser, monkeypatch: pytest.MonkeyPatch) -> None:
     args = parser().parse_args([])
