@@ -133,15 +133,27 @@ async def _now(function: Callable[..., T], *args: object) -> T:
     return function(*args)
 
 
+#: The most bytes of `BadRequest` details one error carries: with its message, base64 in a trailer, well
+#: within the 8 KiB of metadata a gRPC client accepts by default (past it, the call fails RESOURCE_EXHAUSTED).
+MAX_DETAILS_BYTES = 4096
+
+
 def rpc_status_of(err: PipelineError) -> status_pb2.Status | None:
     """The `google.rpc.Status` of an error that has details: a `BadRequest` field violation `TENSOR[i]` per
-    refused item, and `ErrorInfo` NOT_STARTED on an UNAVAILABLE (the call was refused before it started, so a
+    refused item (as many as `MAX_DETAILS_BYTES` holds), and `ErrorInfo` NOT_STARTED on an UNAVAILABLE (the call was refused before it started, so a
     client may send it to another replica). None for an error without details."""
     details = []
     if err.items:
         bad = error_details_pb2.BadRequest()
+        size = 0
         for item in err.items:
-            bad.field_violations.add(field=item.field, description=item.description)
+            violation = bad.field_violations.add(field=item.field, description=item.description)
+            size += violation.ByteSize() + 3
+            if size > MAX_DETAILS_BYTES:
+                # The first items only: the trailers must fit a client's 8 KiB metadata limit. A router
+                # sends the rest of its batch again, and the items left unnamed are refused then.
+                del bad.field_violations[-1]
+                break
         details.append(bad)
     if isinstance(err, Unavailable):
         details.append(error_details_pb2.ErrorInfo(reason=NOT_STARTED, domain=ERROR_DOMAIN))
