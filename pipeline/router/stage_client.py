@@ -35,6 +35,7 @@ from pipeline.protocol.model_config import batching_of_config, is_deterministic,
 from pipeline.protocol.streams import TRACE_PARAMETERS
 from pipeline.router.replicas import DOWN, Replica, Replicas
 from pipeline.router.retry import RetryBudget, StageRetry
+from pipeline.router.stage_stream import StreamBroken
 from pipeline.router.targets import Resolve
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.security import bearer_metadata
@@ -193,13 +194,18 @@ class StageClient:
                     ) from None
                 unavailable = Unavailable(f"stage '{name}' ({address}) is unavailable for {what}: {details}")
                 refused = not_started(err)
-                if not refused:
-                    # Nothing came back: the replica is gone or going. Skip it until its health says SERVING.
+                # A stream that ended under the call (its connection recycled) says nothing of the replica:
+                # its health watch does. Anything else that brought nothing back: the replica is gone or
+                # going; skip it until its health says SERVING.
+                cut_off = isinstance(err, StreamBroken)
+                if not refused and not cut_off:
                     replicas.set_state(replica, DOWN)
                 tried.add(replica)
                 following = replicas.pick(method, tried)
                 delay = 0.0
-                if following is None and not refused:
+                if following is None and cut_off and attempt == 1:
+                    following = replica  # at once, on a new stream
+                elif following is None and not refused:
                     # A lone replica that dropped the call may be back after a pause (a restart).
                     following, delay = replica, self.retry.backoff(attempt)
                 if (

@@ -34,6 +34,16 @@ MAX_AGE_S = 10.0
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+#: How a stream's call ends when its connection does: gRPC's core reports a connection closed under a live
+#: call as any of these.
+_CUT_OFF = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
 
 
 def rpc_error(
@@ -41,6 +51,15 @@ def rpc_error(
 ) -> grpc.aio.AioRpcError:
     """The error a unary call with this outcome would have raised."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+class StreamBroken(grpc.aio.AioRpcError):
+    """A request cut off by the end of its stream, not refused by the stage: most often the connection
+    under the stream was recycled (`max_connection_age`) or the replica went away. The stage may or may not
+    have run the request; no answer came. Sent again on a new stream, it travels on a new connection."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 def raise_streamed_error(response: pb.ModelStreamInferResponse) -> None:
@@ -95,7 +114,9 @@ class StageStream:
                 try:
                     await self._call.write(request)
                 except asyncio.InvalidStateError:  # the call ended before this request could go
-                    raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream ended") from None
+                    raise StreamBroken("the stage's stream ended") from None
+                except grpc.aio.AioRpcError as err:  # the call failed as a whole: its status
+                    raise self._broken(err) from None
             response = await future
         finally:
             self._pending.pop(key, None)
@@ -113,23 +134,35 @@ class StageStream:
         if future is not None and not future.done():
             future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
+    @staticmethod
+    def _broken(err: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+        """What the requests of a stream that failed with `err` fail with: the stage's own refusal of the
+        whole stream (a credential, an unknown method) as it is, a connection's end as `StreamBroken`."""
+        if err.code() in _CUT_OFF:
+            return StreamBroken(f"the stage's stream ended: {err.details() or err.code().name}")
+        return rpc_error(err.code(), err.details() or "the stage's stream failed")
+
     async def _read(self) -> None:
-        broken = rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream ended")
+        broken: grpc.aio.AioRpcError = StreamBroken("the stage's stream ended")
         try:
             async for response in self._call:
                 future = self._pending.pop(response.infer_response.id, None)
                 if future is not None and not future.done():
                     future.set_result(response)
         except grpc.aio.AioRpcError as err:
-            broken = rpc_error(err.code(), err.details() or "the stage's stream failed")
+            broken = self._broken(err)
         except asyncio.CancelledError:
-            broken = rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream was closed")
+            broken = StreamBroken("the stage's stream was closed")
             raise
         finally:
             self.broken = broken
             for future in self._pending.values():
                 if not future.done():
-                    future.set_exception(rpc_error(broken.code(), broken.details() or ""))
+                    future.set_exception(
+                        StreamBroken(broken.details() or "")
+                        if isinstance(broken, StreamBroken)
+                        else rpc_error(broken.code(), broken.details() or "")
+                    )
             self._pending.clear()
 
     async def close(self) -> None:
@@ -144,6 +177,6 @@ class StageStream:
 
     def cancel(self) -> None:
         """Cut the stream off: its requests in flight fail as UNAVAILABLE."""
-        self.broken = self.broken or rpc_error(grpc.StatusCode.UNAVAILABLE, "the stage's stream was closed")
+        self.broken = self.broken or StreamBroken("the stage's stream was closed")
         self._call.cancel()
         self._reader.cancel()
