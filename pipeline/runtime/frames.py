@@ -15,7 +15,7 @@ import logging
 import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.protocol.errors import PipelineError
+from pipeline.protocol.errors import PipelineError, Unavailable
 from pipeline.protocol.frames import AUTHORIZATION, HEADER, HELLO, REQUEST, RESPONSE, frame
 from pipeline.protocol.streams import error_response, hop_context
 from pipeline.runtime.security import AccessPolicy, Scope
@@ -35,7 +35,10 @@ class FrameServer:
         self.max_frame_bytes = max_frame_bytes
         self.policy = policy
         self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        #: The requests being answered, on every connection.
+        self._answering: set[asyncio.Task[None]] = set()
+        self._closing = False
         self.port: int | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -45,25 +48,29 @@ class FrameServer:
         return self.port
 
     async def close(self, grace: float) -> None:
-        """Stop listening; requests in flight get `grace` seconds, then the connections close."""
+        """Stop listening and refuse new requests (UNAVAILABLE, not started: a router sends them to another
+        replica); the requests in flight get `grace` seconds; then every connection closes, idle or not."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
-        if self._connections:
-            _, pending = await asyncio.wait(self._connections, timeout=grace)
-            for task in pending:
+        if self._answering:
+            _, late = await asyncio.wait(self._answering, timeout=grace)
+            for task in late:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        for writer in self._connections.values():
+            writer.close()  # its reader sees the end of the stream
+        await asyncio.gather(*self._answering, *self._connections, return_exceptions=True)
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
+        self._connections[task] = writer
         try:
             await self._serve(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # the caller went away
+            pass  # the caller went away, or the server closed the connection
         finally:
-            self._connections.discard(task)
+            del self._connections[task]
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
@@ -109,6 +116,8 @@ class FrameServer:
                 )
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
+                self._answering.add(task)
+                task.add_done_callback(self._answering.discard)
                 kind, payload = await self._read(reader)
         except asyncio.IncompleteReadError:
             # The caller has sent all it will: answer what it sent, then close.
@@ -124,6 +133,8 @@ class FrameServer:
         try:
             timeout, metadata = hop_context(request, ())
             try:
+                if self._closing:
+                    raise Unavailable("the server is shutting down")
                 reply = await self.servicer.infer(request, CallContext(timeout, metadata))
                 response = pb.ModelStreamInferResponse(infer_response=reply)
             except PipelineError as err:

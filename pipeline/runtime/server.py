@@ -110,12 +110,14 @@ async def serve(
     stop: Callable[[], Awaitable[None]] | None = None,
     stopping: asyncio.Event | None = None,
     drain_delay: float = 0.0,
+    drain: Callable[[float], Awaitable[None]] | None = None,
 ) -> None:
     """Run a server until `stopping` is set (by default: SIGTERM or SIGINT), then drain.
 
     Draining reports NOT_SERVING first and keeps serving for `drain_delay` seconds, so that clients that
     watch health (the router does) move to other replicas before any call is refused; then it
-    refuses new RPCs and gives in-flight ones `grace` seconds.
+    refuses new RPCs and gives in-flight ones `grace` seconds, those of the server's other ports too
+    (`drain(grace)`, at the same time); then `stop()`.
     """
     loop = asyncio.get_running_loop()
     signals: tuple[signal.Signals, ...] = ()
@@ -142,7 +144,7 @@ async def serve(
         await health_servicer.enter_graceful_shutdown()
         if drain_delay > 0:
             await asyncio.sleep(drain_delay)
-        await server.stop(grace)
+        await asyncio.gather(server.stop(grace), *(() if drain is None else (drain(grace),)))
         if stop is not None:
             await stop()
         for sig in signals:

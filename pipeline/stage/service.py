@@ -140,8 +140,6 @@ async def serve_stages(
         )
 
     async def stop() -> None:
-        if frames is not None:
-            await frames.close(args.grace_period)
         await plane.unload()
         metrics.close()
         if owned:
@@ -156,6 +154,7 @@ async def serve_stages(
         stop=stop,
         stopping=stopping,
         drain_delay=getattr(args, "drain_delay", 0.0),
+        drain=None if frames is None else frames.close,
     )
 
 

@@ -37,9 +37,10 @@ class Held(Stage):
     outputs = (TensorSpec("Y", "FP32", (-1, 3)),)
 
     def __init__(self) -> None:
-        self.release = threading.Event()
+        self.entered, self.release = threading.Event(), threading.Event()
 
     def infer(self, inputs):
+        self.entered.set()
         assert self.release.wait(30)
         return {"Y": inputs["X"]}
 
@@ -162,3 +163,34 @@ async def test_a_frame_port_refuses_a_connection_without_a_token_where_the_stage
             reply = await frames.infer(request_for("scale", X=np.ones((1, 3), np.float32)), 10.0, {})
             assert response_tensors(reply)["Y"].to_array().tolist() == [[2, 2, 2]]
             frames.close()
+
+
+async def test_a_stopping_stage_answers_what_it_holds_refuses_the_rest_and_no_idle_connection_holds_it() -> (
+    None
+):
+    held = Held()
+    async with serving_stages([held, Scale()], options=FRAMES, grace=60) as stage:
+        await wait_serving(stage.address)
+        async with grpc.aio.insecure_channel(stage.address) as channel:
+            busy, idle = await _connection(stage.address, channel), await _connection(stage.address, channel)
+            x = np.ones((1, 3), np.float32)
+            holding = asyncio.ensure_future(busy.infer(request_for("held", X=x), 30.0, {}))
+            assert await asyncio.to_thread(held.entered.wait, 30)
+            stopping = asyncio.ensure_future(stage.stop())
+            for _ in range(10_000):  # each try is a round trip: the stage starts refusing within a few
+                try:
+                    await idle.infer(request_for("scale", X=x), 10.0, {})
+                except grpc.aio.AioRpcError as err:
+                    refused = err
+                    break
+            else:
+                pytest.fail("a stopping stage still took new requests")
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE and refused.details() == (
+                "the server is shutting down"
+            )
+            assert not stopping.done(), "the request in flight has its grace"
+            held.release.set()
+            reply = await holding
+            assert response_tensors(reply)["Y"].to_array().tolist() == [[1, 1, 1]]
+            # Well within its 60 s of grace: the idle connection did not hold the stage up.
+            await asyncio.wait_for(stopping, 30)
