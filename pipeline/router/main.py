@@ -25,7 +25,7 @@ from pipeline.router.plane import RouterPlane
 from pipeline.router.targets import Resolve
 from pipeline.router.workers import WorkerPeers, run_workers
 from pipeline.runtime import settings
-from pipeline.runtime.arguments import add_server_arguments, positive_int
+from pipeline.runtime.arguments import add_server_arguments, inflight_bytes_of, positive_int
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.security import (
     AccessPolicy,
@@ -250,7 +250,13 @@ async def serve_router(
     args.reuse_port = peers is not None
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
-    servicer = InferenceServicer(plane, "pipeline-router", telemetry=telemetry, metrics=metrics)
+    servicer = InferenceServicer(
+        plane,
+        "pipeline-router",
+        telemetry=telemetry,
+        metrics=metrics,
+        max_inflight_bytes=inflight_bytes_of(args),
+    )
     rest = RestServer(_front_door(servicer, args, policy), grace=args.grace_period)
     server, port = await _listen(args, servicer, health_servicer, policy)
     monitor: asyncio.Task[None] | None = None

@@ -23,6 +23,20 @@ def positive_int(value: str) -> int:
     return number
 
 
+def non_negative_int(value: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {number}")
+    return number
+
+
+def inflight_bytes_of(args: argparse.Namespace) -> int | None:
+    """`--max-inflight-mb` in bytes; None where it is 0 (no limit)."""
+    mib = getattr(args, "max_inflight_mb", settings.MAX_INFLIGHT_MB.get())
+    return mib * 1024 * 1024 if mib else None
+
+
 def add_server_arguments(
     parser: argparse.ArgumentParser,
     *,
@@ -69,6 +83,14 @@ def add_server_arguments(
         type=positive_int,
         default=settings.MAX_MESSAGE_MB.get(),
         help="largest gRPC message accepted or sent, in MiB (env PIPELINE_MAX_MESSAGE_MB)",
+    )
+    parser.add_argument(
+        "--max-inflight-mb",
+        type=non_negative_int,
+        default=settings.MAX_INFLIGHT_MB.get(),
+        help="MiB of requests and responses held in flight at once: a unary request past it is refused "
+        "with UNAVAILABLE, a stream is not read further until it fits; 0 for no limit "
+        "(env PIPELINE_MAX_INFLIGHT_MB; default %(default)s)",
     )
     parser.add_argument(
         "--grace-period",

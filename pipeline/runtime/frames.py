@@ -2,7 +2,8 @@
 
 Each request goes through the servicer's own inference path (`InferenceServicer.infer`: its span, metrics
 and statistics), as a `ModelStreamInfer` request would. A connection holds at most `INFLIGHT` requests at
-once, answered or not: a caller that stops reading its responses is not read from either. A connection's first frame is a `HELLO`, which the server answers: with an error where it asks for
+once, answered or not, and its bytes count in the server's budget of bytes in flight
+(`pipeline.runtime.admission`): a caller that stops reading its responses is not read from either. A connection's first frame is a `HELLO`, which the server answers: with an error where it asks for
 bearer tokens and the hello carries none that may infer (then it closes the connection). Servers that require client certificates (mutual TLS) offer no frame port: their callers use gRPC.
 """
 
@@ -111,8 +112,10 @@ class FrameServer:
                 if kind != REQUEST:
                     raise ConnectionError(f"unexpected frame kind {kind}")
                 await slots.acquire()
+                size = len(payload)
+                await self.servicer.budget.wait(size)  # not read further until its bytes fit
                 task = asyncio.create_task(
-                    self._answer(pb.ModelInferRequest.FromString(payload), writer, slots)
+                    self._answer(pb.ModelInferRequest.FromString(payload), size, writer, slots)
                 )
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -128,8 +131,9 @@ class FrameServer:
                 task.cancel()
 
     async def _answer(
-        self, request: pb.ModelInferRequest, writer: asyncio.StreamWriter, slots: asyncio.Semaphore
+        self, request: pb.ModelInferRequest, size: int, writer: asyncio.StreamWriter, slots: asyncio.Semaphore
     ) -> None:
+        budget = self.servicer.budget
         try:
             timeout, metadata = hop_context(request, ())
             try:
@@ -141,7 +145,11 @@ class FrameServer:
                 response = error_response(request, err.code, err.message, rpc_status_of(err))
             except Exception:
                 response = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
-            writer.write(frame(RESPONSE, response.SerializeToString()))
+            answer = frame(RESPONSE, response.SerializeToString())
+            budget.charge(len(answer))
+            size += len(answer)
+            writer.write(answer)
             await writer.drain()
         finally:
+            budget.release(size)
             slots.release()

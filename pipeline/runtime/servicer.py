@@ -30,6 +30,7 @@ from pipeline.protocol.errors import (
 )
 from pipeline.protocol.frames import extension as frames_extension
 from pipeline.protocol.streams import STREAM_STATUS_EXTENSION, error_response, hop_context
+from pipeline.runtime.admission import ByteBudget
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
 from pipeline.runtime.shared_memory import SharedMemoryRegistry
@@ -197,11 +198,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         *,
         telemetry: Telemetry | None = None,
         metrics: Metrics | None = None,
+        max_inflight_bytes: int | None = None,
     ) -> None:
         self.plane = plane
         self.name = name
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
+        #: The bytes of requests and responses in flight, against `max_inflight_bytes` (None: no limit).
+        self.budget = budget = ByteBudget(max_inflight_bytes)
+        self.metrics.gauge(
+            "pipeline_inflight_bytes",
+            "bytes of requests and responses this server holds in flight now (limit: --max-inflight-mb)",
+            "server",
+            lambda: [(name, budget.held)],
+        )
         # Triton's nv_inference_* metrics: read from the same statistics ModelStatistics answers with.
         self.metrics.export_statistics(plane.statistics)
         #: The system shared-memory regions clients registered (Triton's extension).
@@ -273,7 +283,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
-        return await _guarded(context, self.infer(request, CallContext.of(context)))
+        return await _guarded(context, self._admitted(request, CallContext.of(context)))
+
+    async def _admitted(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+        """A unary request within the budget of bytes in flight, or refused before it is served (its
+        response is handed to gRPC as it is made, so only the request's bytes are held)."""
+        size = request.ByteSize()
+        self.budget.admit(size)
+        try:
+            return await self.infer(request, call)
+        finally:
+            self.budget.release(size)
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext):
         return await _guarded(context, self.plane.statistics(request.name, request.version))
@@ -323,31 +343,46 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests on a stream run concurrently; each response (or error, with its id and status) is sent
-        as it completes. At most `STREAM_INFLIGHT` requests of a stream are held at once, answered or not:
-        a client that stops reading its responses is not read from either (backpressure)."""
+        as it completes. A stream holds at most `STREAM_INFLIGHT` requests and its share of the budget of
+        bytes in flight (`pipeline.runtime.admission`), answered or not: a client that stops reading its
+        responses is not read from either (backpressure)."""
         call = CallContext.of(context)
-        done: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        budget = self.budget
+        stream_limit = budget.stream_limit()
+        done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int] | None] = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         tasks: set[asyncio.Task[None]] = set()
+        held = 0  # this stream's bytes in the budget: its requests, and its responses until sent
+        freed = asyncio.Event()
 
-        async def one(request: pb.ModelInferRequest) -> None:
+        async def one(request: pb.ModelInferRequest, size: int) -> None:
+            nonlocal held
             timeout, metadata = hop_context(request, call.metadata)
             own = call if timeout is None and metadata is call.metadata else CallContext(timeout, metadata)
             try:
-                response = await self.infer(request, own)
-                done.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+                response = pb.ModelStreamInferResponse(infer_response=await self.infer(request, own))
             except PipelineError as err:
-                done.put_nowait(error_response(request, err.code, err.message, rpc_status_of(err)))
+                response = error_response(request, err.code, err.message, rpc_status_of(err))
             except Exception:
-                message = internal_error()
-                done.put_nowait(error_response(request, grpc.StatusCode.INTERNAL, message, None))
+                response = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
+            made = response.ByteSize()
+            budget.charge(made)
+            held += made
+            done.put_nowait((response, size + made))
 
         async def read() -> None:
+            nonlocal held
             try:
                 while True:
                     await slots.acquire()
+                    while stream_limit is not None and held >= stream_limit:
+                        freed.clear()
+                        await freed.wait()  # its responses are not being taken: read no further
                     request = await request_iterator.__anext__()
-                    task = asyncio.create_task(one(request))
+                    size = request.ByteSize()
+                    await budget.wait(size)
+                    held += size
+                    task = asyncio.create_task(one(request, size))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
             except StopAsyncIteration:
@@ -359,9 +394,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         reader = asyncio.create_task(read())
         try:
             while (item := await done.get()) is not None:
-                yield item
+                response, size = item
+                yield response
+                held -= size
+                budget.release(size)
+                freed.set()
                 slots.release()
         finally:
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+            budget.release(held)

@@ -116,6 +116,8 @@ def load_models(service: str) -> Setting[tuple[str, ...]]:
 # Every service.
 HOST = Setting("PIPELINE_HOST", "127.0.0.1", str)
 MAX_MESSAGE_MB = Setting("PIPELINE_MAX_MESSAGE_MB", 64, int)
+#: The bytes of requests and responses a server holds in flight (`pipeline.runtime.admission`); 0: no limit.
+MAX_INFLIGHT_MB = Setting("PIPELINE_MAX_INFLIGHT_MB", 256, int)
 GRACE_PERIOD = Setting("PIPELINE_GRACE_PERIOD", 10.0, float)
 DRAIN_DELAY = Setting("PIPELINE_DRAIN_DELAY", 1.0, float)
 LOG_LEVEL = Setting("PIPELINE_LOG_LEVEL", "INFO", str)

@@ -16,7 +16,7 @@ from pipeline.ensemble.catalog import load_ensembles
 from pipeline.ensemble.pbtxt import load_repository_ensembles
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
-from pipeline.runtime.arguments import add_server_arguments
+from pipeline.runtime.arguments import add_server_arguments, inflight_bytes_of
 from pipeline.runtime.frames import FrameServer
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
@@ -113,7 +113,9 @@ async def serve_stages(
     )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
-    servicer = InferenceServicer(plane, service, telemetry=telemetry, metrics=metrics)
+    servicer = InferenceServicer(
+        plane, service, telemetry=telemetry, metrics=metrics, max_inflight_bytes=inflight_bytes_of(args)
+    )
     frames = _frame_server(servicer, args, policy)
     server, port = await create_server(
         f"{args.host}:{args.port}",
