@@ -280,6 +280,11 @@ async def _body(request: web.Request, limit: int) -> bytes:
         raise web.HTTPRequestEntityTooLarge(limit)
     if not decoder.eof:
         raise InvalidInput(f"the request body is not valid Content-Encoding {encoding}: it is truncated")
+    if decoder.unused_data:
+        raise InvalidInput(
+            f"the request body is not valid Content-Encoding {encoding}: {len(decoder.unused_data)} bytes "
+            f"follow after the end of the {encoding} data"
+        )
     return data
 
 

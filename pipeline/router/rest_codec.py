@@ -22,7 +22,7 @@ import numpy as np
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.codec import Tensor, response_tensors
 from pipeline.protocol.datatypes import DATATYPES, element_count
-from pipeline.protocol.errors import InvalidInput
+from pipeline.protocol.errors import InvalidInput, echo
 
 #: The header that says how many bytes of the body are the JSON part (Triton's binary data extension).
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -46,10 +46,10 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvi
     """The JSON part of a request body and the binary data after it."""
     if header_length is None:
         return body, memoryview(b"")
-    try:
-        length = int(header_length)
-    except ValueError:
-        raise InvalidInput(f"{HEADER_LENGTH} must be a number of bytes, got '{header_length[:40]}'") from None
+    # ASCII digits only: Python's int() would also take "+5", "1_0" and other scripts' digits ("３０").
+    if not (header_length.isascii() and header_length.isdigit()):
+        raise InvalidInput(f"{HEADER_LENGTH} must be a number of bytes, got '{echo(header_length, 40)}'")
+    length = int(header_length)
     if not 0 <= length <= len(body):
         raise InvalidInput(f"{HEADER_LENGTH} is {length}, but the request body has {len(body)} bytes")
     return body[:length], memoryview(body)[length:]
@@ -235,8 +235,6 @@ def _infer_request(
             raise InvalidInput(f"outputs[{index}] must be a JSON object with a 'name'")
         where = f"output '{entry['name']}'"
         params = json_field(entry, "parameters", dict, where, {})
-        if "classification" in params:
-            raise InvalidInput(f"{where}: the classification extension is not supported here")
         asked[entry["name"]] = json_field(params, "binary_data", bool, f"{where} parameters", default_binary)
         output = request.outputs.add(name=entry["name"])
         _copy_parameters(output.parameters, params, where, frozenset({"binary_data"}))
