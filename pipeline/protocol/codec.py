@@ -15,7 +15,7 @@ import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.datatypes import DATATYPES, array_from_raw, array_to_raw, datatype_of, element_count
-from pipeline.protocol.errors import InvalidInput, ModelNotFound
+from pipeline.protocol.errors import InvalidInput, ModelNotFound, echo
 from pipeline.protocol.types import TensorSpec
 
 _LENGTH = struct.Struct("<I")
@@ -69,16 +69,21 @@ def request_tensors(request: pb.ModelInferRequest) -> list[Tensor]:
     for i, tensor in enumerate(request.inputs):
         name = tensor.name
         if name in seen:
-            raise InvalidInput(f"input '{name}' appears more than once in the request")
+            raise InvalidInput(f"input '{echo(name)}' appears more than once in the request")
         seen.add(name)
         if tensor.datatype not in DATATYPES:
             raise InvalidInput(
-                f"input '{name}': unknown datatype '{tensor.datatype}' "
+                f"input '{echo(name)}': unknown datatype '{echo(tensor.datatype)}' "
                 f"(expected one of {', '.join(DATATYPES)})"
             )
         shape = tuple(tensor.shape)
         if any(d < 0 for d in shape):
-            raise InvalidInput(f"input '{name}': shape {list(shape)} has a negative dimension")
+            raise InvalidInput(f"input '{echo(name)}': shape {list(shape)} has a negative dimension")
+        if raw_contents and tensor.HasField("contents"):
+            # Triton refuses it too: which of the two would be the input's data?
+            raise InvalidInput(
+                f"input '{echo(name)}': contents must not be given when the request uses raw_input_contents"
+            )
         raw = raw_contents[i] if raw_contents else _raw_from_contents(name, tensor.datatype, shape, tensor)
         tensors.append(Tensor(name, tensor.datatype, shape, raw))
     return tensors
@@ -176,7 +181,7 @@ def validate_inputs(
         spec = by_spec.get(tensor.name)
         if spec is None:
             raise InvalidInput(
-                f"unexpected input '{tensor.name}' for model '{model}' (expected: {', '.join(by_spec)})"
+                f"unexpected input '{echo(tensor.name)}' for model '{model}' (expected: {', '.join(by_spec)})"
             )
         check_tensor(tensor, spec, model)
         found[tensor.name] = tensor
@@ -203,11 +208,19 @@ def requested_outputs(request: pb.ModelInferRequest, specs: Sequence[TensorSpec]
     names = [spec.name for spec in specs]
     if not request.outputs:
         return names
-    asked = [out.name for out in request.outputs]
-    unknown = [name for name in asked if name not in names]
+    asked: list[str] = []
+    for out in request.outputs:
+        if "classification" in out.parameters:
+            raise InvalidInput(
+                f"output '{echo(out.name)}': the classification extension is not supported here"
+            )
+        if out.name in asked:  # Triton refuses it too
+            raise InvalidInput(f"output '{echo(out.name)}' appears more than once in the request")
+        asked.append(out.name)
+    unknown = [echo(name) for name in asked if name not in names]
     if unknown:
         raise InvalidInput(
-            f"model '{model}' has no output(s) {', '.join(unknown)} (outputs: {', '.join(names)})"
+            f"model '{model}' has no output(s) {echo(', '.join(unknown))} (outputs: {', '.join(names)})"
         )
     return asked
 
@@ -242,7 +255,9 @@ def select_version(model: str, versions: Sequence[str], asked: str) -> str:
     if not asked:
         return versions[-1]
     if asked not in versions:
-        raise ModelNotFound(f"model '{model}' has no version '{asked}' (versions: {', '.join(versions)})")
+        raise ModelNotFound(
+            f"model '{echo(model)}' has no version '{echo(asked)}' (versions: {', '.join(versions)})"
+        )
     return asked
 
 

@@ -19,6 +19,21 @@ NOT_STARTED = "NOT_STARTED"
 
 _FIELD = re.compile(r"(.+)\[(\d+)\]")
 
+#: The most characters of a client's string (a model, version or tensor name, a header) that an error
+#: message repeats.
+ECHO_LIMIT = 200
+#: The most characters of an error message. gRPC sends it in a trailer (percent-encoded), and a trailer
+#: over 16 KB turns the answer into RESOURCE_EXHAUSTED: whatever a message repeats, it stays well below.
+MESSAGE_LIMIT = 2000
+
+
+def echo(text: str, limit: int = ECHO_LIMIT) -> str:
+    """`text` as an error message may repeat it: at most `limit` characters, and how long it was when cut.
+    A client's strings are repeated through this, so a 100 KB name makes a short message."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
 
 @dataclass(frozen=True, slots=True)
 class ItemError:
@@ -50,6 +65,7 @@ class PipelineError(Exception):
     items: tuple[ItemError, ...] = ()
 
     def __init__(self, message: str) -> None:
+        message = echo(message, MESSAGE_LIMIT)
         super().__init__(message)
         self.message = message
 

@@ -182,7 +182,9 @@ class StageCalls:
         outputs = await self.submit(
             name, stage_call, deadline, request.parameters, self.telemetry.current_span()
         )
-        return infer_response(name, request.model_version, request.id, (outputs[n] for n in wanted))
+        # The version that answered: the one asked, else the default one the stage answered the batch with.
+        version = request.model_version or self.caching.default_versions.get(name, "")
+        return infer_response(name, version, request.id, (outputs[n] for n in wanted))
 
     async def submit(
         self,

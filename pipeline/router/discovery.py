@@ -22,7 +22,14 @@ import grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import Catalog, EnsemblePlan
 from pipeline.ensemble.signatures import check_signatures
-from pipeline.protocol.errors import ConfigError, ModelNotFound, PipelineError, StageError, Unavailable
+from pipeline.protocol.errors import (
+    ConfigError,
+    ModelNotFound,
+    PipelineError,
+    StageError,
+    Unavailable,
+    echo,
+)
 from pipeline.router.caching import ResponseCaching
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.stage_client import StageClient
@@ -330,7 +337,9 @@ class StageDiscovery:
             key = self.repository_models.get(name)
         if key is None:
             served = sorted({*self.ensembles, *self.stage_of_model, *self.repository_models})
-            raise ModelNotFound(f"unknown model '{name}' (served here: {', '.join(served)})")
+            raise ModelNotFound(
+                f"unknown model '{echo(name)}' (served here: {echo(', '.join(served), 1000)})"
+            )
         return self.clients[key]
 
     async def model_ready(self, name: str, version: str) -> bool:

@@ -6,31 +6,33 @@ tensor data extension) in, a `pb.ModelInferRequest` or a plane call out, and bac
 plane: the same validation, errors, limits, batching and statistics. A `PipelineError`'s gRPC status is
 mapped once to an HTTP status (`HTTP_STATUS`) with a `{"error": "..."}` body.
 
-The bodies' JSON and Triton's binary tensor data are `pipeline.router.rest_codec`'s. Request bodies may be
-gzip- or deflate-compressed (`Content-Encoding`, decompressed here within the size limit); responses are compressed
-when the client's `Accept-Encoding` asks.
+The bodies' JSON and Triton's binary tensor data are `pipeline.router.rest_codec`'s; large bodies and
+responses are decoded and encoded off the event loop, which gRPC shares (`pipeline.router.codec_pool`).
+Request bodies may be gzip- or deflate-compressed (`Content-Encoding`, decompressed within the size limit);
+responses are compressed when the client's `Accept-Encoding` asks.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from aiohttp import web
 
 import pipeline
-from pipeline.protocol.errors import InvalidInput, PipelineError
+from pipeline.protocol.errors import PipelineError
 from pipeline.protocol.proto_json import message_json
+from pipeline.router.codec_pool import CodecPool
 from pipeline.router.rest_codec import (
     HEADER_LENGTH,
-    infer_request,
-    infer_response_body,
+    BodyTooLarge,
+    body_too_large,
+    check_encoding,
     json_field,
-    json_object,
     metadata_json,
 )
 from pipeline.runtime import settings
@@ -95,11 +97,18 @@ class RestFrontDoor:
         *,
         authenticator: TokenAuthenticator | None = None,
         max_body_bytes: int = 64 * 1024 * 1024,
+        max_json_output_bytes: int = 64 * 1024 * 1024,
+        codec: CodecPool | None = None,
     ) -> None:
+        """`max_body_bytes`: the largest request body, decompressed, and the most its inputs may hold;
+        `max_json_output_bytes`: the largest JSON a response's outputs may take (0: no limit; binary data
+        has none); `codec`: where large bodies and responses are decoded and encoded."""
         self.servicer = servicer
         self.plane = servicer.plane
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
+        self.max_json_output_bytes = max_json_output_bytes
+        self.codec = codec or CodecPool()
 
     def app(self) -> web.Application:
         """The aiohttp application: every endpoint, error mapping, then authentication."""
@@ -136,14 +145,12 @@ class RestFrontDoor:
         """Every failure as the protocol's error answer: a status and `{"error": ...}`."""
         try:
             return await handler(request)
+        except BodyTooLarge as err:
+            response = error_response(413, err.message)
         except PipelineError as err:
             response = error_response(HTTP_STATUS.get(err.code, 500), err.message)
         except web.HTTPRequestEntityTooLarge:
-            response = error_response(
-                413,
-                f"the request body is larger than this server accepts ({self.max_body_bytes} bytes, "
-                f"--max-message-mb)",
-            )
+            response = error_response(413, body_too_large(self.max_body_bytes))
         except web.HTTPException as err:  # aiohttp's own answers: unknown path, wrong method, ...
             if err.status < 400:
                 raise
@@ -214,31 +221,40 @@ class RestFrontDoor:
         return web.json_response(message_json(await self.plane.statistics(name, version)))
 
     async def repository_index(self, request: web.Request) -> web.Response:
-        doc = json_object(await _body(request, self.max_body_bytes), "request body")
+        doc = await self._json_body(request)
         ready = json_field(doc, "ready", bool, "request", False)
         reply = await self.plane.repository_index(ready)
         return web.json_response([message_json(model) for model in reply.models])
 
     async def repository_load(self, request: web.Request) -> web.Response:
-        doc = json_object(await _body(request, self.max_body_bytes), "request body")
+        doc = await self._json_body(request)
         await self.plane.repository_load(
             request.match_info["model"], json_field(doc, "parameters", dict, "request", {})
         )
         return web.Response(status=200)
 
     async def repository_unload(self, request: web.Request) -> web.Response:
-        doc = json_object(await _body(request, self.max_body_bytes), "request body")
+        doc = await self._json_body(request)
         await self.plane.repository_unload(
             request.match_info["model"], json_field(doc, "parameters", dict, "request", {})
         )
         return web.Response(status=200)
 
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        encoding = check_encoding(request.headers.get("Content-Encoding", ""))
+        return await self.codec.json_body(await request.read(), encoding, self.max_body_bytes)
+
     async def infer(self, request: web.Request) -> web.StreamResponse:
         name, version = _model_of(request)
-        body = await _body(request, self.max_body_bytes)
-        infer_req, form = infer_request(body, request.headers.get(HEADER_LENGTH), name, version)
+        encoding = check_encoding(request.headers.get("Content-Encoding", ""))
+        # NOTE: the body is read whole before the codec takes a worker, so a client that sends slowly
+        # holds none; the read is bounded by the application's client_max_size.
+        body = await request.read()
+        infer_req, form = await self.codec.infer_request(
+            body, encoding, request.headers.get(HEADER_LENGTH), name, version, self.max_body_bytes
+        )
         reply = await self.servicer.infer(infer_req, _call_of(request))
-        payload, header_length = infer_response_body(reply, form)
+        payload, header_length = await self.codec.infer_response(reply, form, self.max_json_output_bytes)
         response = web.Response(
             body=payload,
             content_type="application/json" if header_length is None else "application/octet-stream",
@@ -256,31 +272,6 @@ def _model_of(request: web.Request) -> tuple[str, str]:
 def _call_of(request: web.Request) -> CallContext:
     headers = request.headers
     return CallContext(None, tuple((key, headers[key]) for key in _FORWARDED_HEADERS if key in headers))
-
-
-#: `Content-Encoding`s of request bodies, as Triton accepts them, and their zlib window bits.
-_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-
-
-async def _body(request: web.Request, limit: int) -> bytes:
-    """The whole body, decompressed, and at most `limit` bytes either way."""
-    body = await request.read()  # bounded by the application's client_max_size
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding in ("", "identity"):
-        return body
-    wbits = _ENCODINGS.get(encoding)
-    if wbits is None:
-        raise InvalidInput(f"Content-Encoding '{encoding[:20]}' is not supported (gzip, deflate or identity)")
-    decoder = zlib.decompressobj(wbits)
-    try:
-        data = decoder.decompress(body, limit + 1)  # NOTE: never more than the limit, whatever the ratio
-    except zlib.error as err:
-        raise InvalidInput(f"the request body is not valid Content-Encoding {encoding}: {err}") from None
-    if len(data) > limit:
-        raise web.HTTPRequestEntityTooLarge(limit)
-    if not decoder.eof:
-        raise InvalidInput(f"the request body is not valid Content-Encoding {encoding}: it is truncated")
-    return data
 
 
 # --- serving -------------------------------------------------------------------------------------------
@@ -301,7 +292,7 @@ class RestServer:
         if port is None:
             return None
         ssl_context = server_ssl_context_of(args)
-        # Request bodies are decompressed by `_body`, within the size limit and with the protocol's errors.
+        # Request bodies are decompressed by the codec, within the size limit and with the protocol's errors.
         runner = web.AppRunner(
             self.front_door.app(), access_log=None, shutdown_timeout=self.grace, auto_decompress=False
         )
@@ -323,10 +314,12 @@ class RestServer:
         return bound_port
 
     async def stop(self) -> None:
-        """Stop listening and let in-flight requests finish (within the grace period)."""
+        """Stop listening and let in-flight requests finish (within the grace period), then the codec's
+        workers."""
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        await self.front_door.codec.aclose()
 
 
 def add_http_arguments(parser: argparse.ArgumentParser) -> None:
@@ -340,4 +333,21 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--http-port-file", type=Path, default=None, help="write the bound HTTP port to this file"
+    )
+    parser.add_argument(
+        "--max-json-output-mb",
+        type=int,
+        default=settings.MAX_JSON_OUTPUT_MB.get(),
+        help="the most megabytes of JSON a response's outputs may take; a larger one is refused, telling the "
+        "client to ask for binary data (binary_data_output), which has no such limit; 0 for no limit "
+        "(env PIPELINE_MAX_JSON_OUTPUT_MB; default %(default)s)",
+    )
+    parser.add_argument(
+        "--http-codec-processes",
+        type=int,
+        default=settings.HTTP_CODEC_PROCESSES.get(),
+        help="worker processes that decode large or compressed request bodies and encode large JSON "
+        "responses, off the event loop that gRPC shares; as many such requests are handled at once, the "
+        "others wait their turn; 0 does it all on the event loop "
+        "(env PIPELINE_HTTP_CODEC_PROCESSES; default %(default)s)",
     )

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2
 from pipeline.ensemble.catalog import load_catalog
 from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ConfigError
+from pipeline.router.codec_pool import CodecPool
 from pipeline.router.http import RestFrontDoor, RestServer, add_http_arguments
 from pipeline.router.plane import RouterPlane
 from pipeline.router.targets import Resolve
@@ -199,9 +200,13 @@ def _readiness(health_servicer: health.aio.HealthServicer) -> Callable[[bool], A
 
 
 def _front_door(servicer: InferenceServicer, args: argparse.Namespace, policy: AccessPolicy) -> RestFrontDoor:
-    """The HTTP/REST endpoints over the gRPC servicer, with its tokens and message limit."""
+    """The HTTP/REST endpoints over the gRPC servicer, with its tokens and limits."""
     return RestFrontDoor(
-        servicer, authenticator=policy.tokens, max_body_bytes=args.max_message_mb * 1024 * 1024
+        servicer,
+        authenticator=policy.tokens,
+        max_body_bytes=args.max_message_mb * 1024 * 1024,
+        max_json_output_bytes=getattr(args, "max_json_output_mb", settings.MAX_JSON_OUTPUT_MB.default) << 20,
+        codec=CodecPool(getattr(args, "http_codec_processes", settings.HTTP_CODEC_PROCESSES.default)),
     )
 
 

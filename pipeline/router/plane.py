@@ -12,7 +12,7 @@ process around it is `pipeline.router.main`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -247,8 +247,23 @@ class RouterPlane(DataPlane):
     async def local_statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         """This process's own statistics."""
         served = self.stages.repository_models
-        names = [name] if name else sorted({*self.registry.stats, *served})
-        return self.registry.statistics(names, version, served)
+        if not name:
+            # As Triton does: every model's statistics, at its default version, whatever version is asked.
+            return self.registry.statistics(
+                sorted({*self.registry.stats, *served}), "", served, self._versions
+            )
+        return self.registry.statistics([name], version, served, self._versions)
+
+    def _versions(self, model: str) -> Sequence[str]:
+        """The versions of a model served here, oldest first: an ensemble's one; a stage model's as its stage's
+        `RepositoryIndex` lists them READY, else as its `ModelMetadata` listed them; empty where none can say."""
+        if model in self.stages.ensembles:
+            return (ENSEMBLE_VERSION,)
+        ready = self.stages.ready_versions(model)
+        if ready:
+            return sorted(ready, key=lambda v: (len(v), v))  # Triton's versions are integers: numeric order
+        signature = self.registry.signatures.get(model)
+        return signature.versions if signature is not None else ()
 
     async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
         """The ensembles, then every stage's models (see `StageDiscovery.repository_index`)."""

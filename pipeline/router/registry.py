@@ -9,12 +9,12 @@ reader sees it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import ModelSignature
-from pipeline.protocol.codec import Tensor
-from pipeline.protocol.errors import ModelNotFound
+from pipeline.protocol.codec import Tensor, select_version
+from pipeline.protocol.errors import ModelNotFound, echo
 from pipeline.router.batching import DynamicBatcher
 from pipeline.router.merge import StageCall, TensorBatching
 from pipeline.runtime.metrics import Metrics
@@ -72,10 +72,15 @@ class ModelRegistry:
         return self.stats.setdefault(name, ModelStats())
 
     def statistics(
-        self, names: Iterable[str], version: str, served: Container[str]
+        self,
+        names: Iterable[str],
+        version: str,
+        served: Container[str],
+        versions_of: Callable[[str], Sequence[str]],
     ) -> pb.ModelStatisticsResponse:
-        """Triton's `ModelStatistics` of `names`; a model in `served` that no request called yet has none
-        yet, any other unknown model raises `ModelNotFound`."""
+        """Triton's `ModelStatistics` of `names` (at `version`, or their default one); a model in `served` that
+        no request called yet has none yet, any other unknown model raises `ModelNotFound`, and so does a
+        version that `versions_of` the model does not list (oldest first; empty where no one can say)."""
         reply = pb.ModelStatisticsResponse()
         for model in names:
             if model in self.batchers:
@@ -85,8 +90,11 @@ class ModelRegistry:
             elif model in served:
                 stats = ModelStats()  # served here, not called yet
             else:
-                raise ModelNotFound(f"unknown model '{model}'")
-            reply.model_stats.append(stats.proto(model, version or ENSEMBLE_VERSION))
+                raise ModelNotFound(f"unknown model '{echo(model)}'")
+            # The router counts a model's requests whatever version answered them: under its default one.
+            versions = versions_of(model)
+            label = select_version(model, versions, version) if versions else version or ENSEMBLE_VERSION
+            reply.model_stats.append(stats.proto(model, label))
         return reply
 
     async def close(self) -> None:

@@ -28,7 +28,7 @@ from pipeline.router.retry import StageRetry
 from pipeline.router.stage_stream import StageStream
 from pipeline.router.targets import Resolve, Target, resolve_dns, tls_name
 from pipeline.runtime import settings
-from pipeline.runtime.server import server_options
+from pipeline.runtime.server import keepalive_options, server_options
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,8 @@ class Replicas:
         self._auth = tuple(auth)
         self._options: list[tuple[str, str | int]] = [
             *server_options(max_message_bytes),
+            # A stage that hangs is noticed within seconds: its unanswered pings close the connection.
+            *keepalive_options(),
             # One layer of retries, ours: gRPC's would multiply with it.
             ("grpc.enable_retries", 0),
             # Its own connection per replica, even where another client dials the same address.
@@ -301,7 +303,8 @@ class Replicas:
     async def _watch(self, replica: Replica) -> None:
         """Follow a replica's `grpc.health.v1` Watch: NOT_SERVING (loading, draining) takes it out of
         inference at once, SERVING puts it back; a broken stream marks it DOWN and is opened again. A
-        server without the Watch RPC counts as serving."""
+        server without the Watch RPC counts as serving. A hung replica is DOWN within seconds: its
+        unanswered keepalive pings (`keepalive_options`) break the stream, and it cannot be opened again."""
         failures = 0
         request = health_pb2.HealthCheckRequest(service="")
         while True:

@@ -44,6 +44,32 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 #: How long calls still open on a recycled connection (streams: the router's health watches) may go on.
 MAX_CONNECTION_AGE_GRACE_MS = 60_000
 
+#: A client's keepalive: a ping every this long, and the connection closed when one is not answered within
+#: `KEEPALIVE_TIMEOUT_MS`. A hung server (stopped, or spinning without its network thread) keeps its TCP
+#: connections open and its kernel acknowledges every packet: only an unanswered ping tells.
+KEEPALIVE_TIME_MS = 2_000
+KEEPALIVE_TIMEOUT_MS = 2_000
+#: The shortest interval between a client's pings that a server accepts when no data flows (the router's
+#: health watches send none for as long as nothing changes); gRPC's default, 5 minutes, would answer the
+#: router's pings as abuse (GOAWAY "too_many_pings").
+MIN_PING_INTERVAL_MS = 1_000
+
+
+def keepalive_options() -> list[tuple[str, int]]:
+    """Channel options of a client that must notice a hung server within seconds: keepalive pings, sent
+    whether or not calls are open and however long no data flowed, that every server of ours accepts
+    (`create_server`). A server that accepts pings no more often than every 5 minutes (Triton's default)
+    closes the connection after two; gRPC's client then doubles its interval, so that pings slow down to
+    what such a server allows."""
+    return [
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # What gRPC's transport enforces today: an unanswered ping (keepalive or not) closes it after this.
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
 
 async def create_server(
     address: str,
@@ -64,6 +90,9 @@ async def create_server(
         ("grpc.max_connection_age_ms", int(settings.MAX_CONNECTION_AGE_S.get() * 1000)),
         # In-flight calls on a recycled connection get this long to finish.
         ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
+        # The router's keepalive pings (`keepalive_options`) are welcome, with calls open or not.
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
     ]
     if reuse_port:
         options.append(("grpc.so_reuseport", 1))
