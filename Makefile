@@ -52,7 +52,8 @@ format: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m pipeline.tools.codegen
 
-## k8s: regenerate the ensembles ConfigMap of deploy/k8s from ensembles/ (a test fails when it is stale)
+## k8s: regenerate the ensembles ConfigMap of deploy/k8s from ensembles/, the optional folder of YAML ensembles
+## beside the model repository's (a test fails when it is stale)
 k8s: $(STAMP)
 	$(BIN)/python -m tests.deploy.test_k8s_manifests --write
 

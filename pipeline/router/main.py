@@ -61,8 +61,9 @@ def stage_argument(value: str) -> tuple[str, str]:
 
 
 def router_catalog(args: argparse.Namespace) -> Catalog:
-    """What the router's flags say to serve: the YAML ensembles, the model repository's ensembles and the
-    stages. Without `--stage`, a router given a repository calls the three stages at their `<STAGE>_ADDRESS`."""
+    """What the router's flags say to serve: the ensembles of the model repository and of the YAML files
+    (`--ensembles`, default `ensembles/` where it holds any), and the stages. Without `--stage`, a router
+    given a repository calls the three stages at their `<STAGE>_ADDRESS`."""
     model_dir: Path | None = getattr(args, "model_dir", None)
     if model_dir is not None and not model_dir.is_dir():
         raise ConfigError(f"--model-dir {model_dir}: no such folder")
@@ -73,12 +74,8 @@ def router_catalog(args: argparse.Namespace) -> Catalog:
         stages[key] = address
     if not stages and model_dir is not None:
         stages = {stage: settings.stage_address(stage).get() for stage in settings.STAGES}
-    ensembles = args.ensembles
-    if ensembles is None:
-        default = settings.ENSEMBLES.get()
-        # A router serving a repository needs no ensemble files, unless they are asked for.
-        quiet = model_dir is not None and not settings.ENSEMBLES.given() and not default.exists()
-        ensembles = [] if quiet else [default]
+    # The ensembles folder is optional: a missing or empty one adds no ensemble.
+    ensembles = args.ensembles if args.ensembles is not None else [settings.ENSEMBLES.get()]
     return load_catalog(ensembles, repository=model_dir, stages=stages)
 
 
@@ -89,16 +86,16 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         nargs="+",
         default=None,
-        help="ensemble YAML files or folders of them (env PIPELINE_ENSEMBLES; default: ensembles, which a "
-        "router given --model-dir may lack)",
+        help="ensemble YAML files or folders of them, beside the model repository's ensembles; a missing or "
+        "empty folder adds none (env PIPELINE_ENSEMBLES; default: ensembles)",
     )
     parser.add_argument(
         "--model-dir",
         "--model-repository",
         type=Path,
         default=settings.Setting(settings.MODEL_DIR.variable, None, Path).get(),
-        help="the Triton model repository the stages serve: its config.pbtxt ensembles (platform "
-        '"ensemble") are served beside the YAML ones (env PIPELINE_MODEL_DIR)',
+        help="the Triton model repository the stages serve: its ensembles are served, config.pbtxt ones "
+        '(platform "ensemble") and YAML ones (<ensemble>/ensemble.yaml) (env PIPELINE_MODEL_DIR)',
     )
     parser.add_argument(
         "--stage",

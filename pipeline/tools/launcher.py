@@ -23,8 +23,9 @@ from pathlib import Path
 
 import grpc
 
+from pipeline.ensemble.catalog import ensemble_plans
+from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
-from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 from pipeline.runtime.security import channel_credentials
 from pipeline.tools.supervisor import (
     RestartPolicy,
@@ -68,12 +69,11 @@ def stage_token_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def _ensembles(folder: Path, model_dir: Path) -> list[str]:
-    """The ensembles the router serves: the YAML files' and the repository's `platform: "ensemble"` ones."""
-
-    names = {path.stem for path in folder.glob("*.y*ml")}
-    entries = ModelRepository(model_dir).entries({"ensemble"})
-    names |= {name for name, entry in entries.items() if isinstance(entry, RepositoryEntry)}
-    return sorted(names)
+    """The ensembles the router serves: the repository's and those of the YAML files of `folder`."""
+    try:
+        return sorted(plan.name for plan in ensemble_plans([folder], repository=model_dir))
+    except ConfigError:
+        return []  # the router says why (and stops)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +107,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--ensembles",
         type=Path,
         default=settings.ENSEMBLES.get(),
-        help="folder of ensemble YAML files (env PIPELINE_ENSEMBLES)",
+        help="folder of ensemble YAML files beside the model repository's ensembles; a missing or empty one "
+        "adds none (env PIPELINE_ENSEMBLES; default %(default)s)",
     )
     parser.add_argument(
         "--model-dir",
