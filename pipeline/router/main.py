@@ -148,6 +148,15 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "gone stops getting them, within about this long (env PIPELINE_RESOLVE_INTERVAL_S; default "
         "%(default)s)",
     )
+    parser.add_argument(
+        "--strict-readiness",
+        type=settings.flag,
+        default=settings.STRICT_READINESS.get(),
+        metavar="BOOL",
+        help="true: ready (ServerReady, the health of inference.GRPCInferenceService, /v2/health/ready) only "
+        "while every ensemble is available and every stage healthy, as Triton's default; false: ready once "
+        "started, each model's readiness its own (env PIPELINE_STRICT_READINESS; default %(default)s)",
+    )
     add_http_arguments(parser)
     add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
 
@@ -177,6 +186,7 @@ def router_plane(
         cache_size=getattr(args, "cache_size", 0),
         resolve_interval=getattr(args, "resolve_interval", None),
         resolve=resolve,
+        strict_readiness=getattr(args, "strict_readiness", True),
     )
 
 
@@ -186,7 +196,7 @@ def _readiness(health_servicer: health.aio.HealthServicer) -> Callable[[bool], A
     async def readiness(ready: bool) -> None:
         # "" is liveness: SERVING from the end of start-up until shutdown, whatever the stages do, so
         # that no probe restarts a router that only waits for a stage. The inference service is readiness:
-        # SERVING exactly while ServerReady is true (every stage healthy).
+        # SERVING exactly while ServerReady is true (strict: every ensemble available, every stage healthy).
         status = (
             health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         )
@@ -218,6 +228,15 @@ async def _listen(
         interceptors=interceptors_of(policy),
         reuse_port=args.reuse_port,
     )
+
+
+def _log_serving(plane: RouterPlane, address: str) -> None:
+    """Say what the router serves once started, and which ensembles are not available (each was logged
+    with its reason)."""
+    unavailable = plane.ensembles.unavailable
+    served = [name for name in plane.ensembles.plans if name not in unavailable]
+    missing = f"; not available: {', '.join(sorted(unavailable))} (see above)" if unavailable else ""
+    log.info("router serving ensembles %s on %s%s", ", ".join(served) or "(none)", address, missing)
 
 
 async def serve_router(
@@ -268,9 +287,12 @@ async def serve_router(
             ", ".join(plane.stages.clients),
         )
         await plane.discover()
-        await set_serving(health_servicer, True)
-        monitor = asyncio.create_task(plane.monitor(on_ready=_readiness(health_servicer)))
-        log.info("router serving ensembles %s on %s:%d", ", ".join(catalog.ensembles), args.host, port)
+        # Live now; ready as strict readiness says (never SERVING for a moment on the way to NOT_SERVING).
+        readiness = _readiness(health_servicer)
+        await readiness(plane.ready())
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        monitor = asyncio.create_task(plane.monitor(on_ready=readiness))
+        _log_serving(plane, f"{args.host}:{port}")
 
     async def stop() -> None:
         if monitor is not None:
