@@ -116,7 +116,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         dest="model_dir",
         type=Path,
         default=settings.MODEL_DIR.get(),
-        help="model repository; the example models' missing files are written into it (env PIPELINE_MODEL_DIR)",
+        help="model repository: its models and ensembles are what is served (env PIPELINE_MODEL_DIR)",
     )
     parser.add_argument(
         "--startup-timeout", type=float, default=180.0, help="seconds each service may take to start"
