@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-MODEL_DIR ?= model_repository
+EXAMPLES := model_repository
+MODEL_DIR ?= $(EXAMPLES)
 
 .PHONY: install run model test fuzz lint format protos k8s clean
 
@@ -14,9 +15,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## run: build the example models that are missing, then serve every ensemble (router on 127.0.0.1:8001)
+## run: serve the repository MODEL_DIR (router on 127.0.0.1:8001); the examples' missing models are built first
+## when it is the examples' own
 run: $(STAMP)
+ifeq ($(MODEL_DIR),$(EXAMPLES))
 	$(BIN)/python -m examples.models.build --model-dir $(MODEL_DIR) --missing
+endif
 	$(BIN)/pipeline run --model-dir $(MODEL_DIR) $(ARGS)
 
 ## model: write the example models' files into $(MODEL_DIR) (the first `make run` writes the missing ones too)
@@ -52,7 +56,8 @@ format: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m pipeline.tools.codegen
 
-## k8s: regenerate the ensembles ConfigMap of deploy/k8s from ensembles/ (a test fails when it is stale)
+## k8s: regenerate the ensembles ConfigMap of deploy/k8s from ensembles/, the optional folder of YAML ensembles
+## beside the model repository's (a test fails when it is stale)
 k8s: $(STAMP)
 	$(BIN)/python -m tests.deploy.test_k8s_manifests --write
 

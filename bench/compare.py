@@ -25,6 +25,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,16 +78,24 @@ def ceiling(levels: tuple[int, ...], seconds: float) -> list[dict[str, Any]]:
     return rows
 
 
+#: The example repository's entries that the refcnn ensemble calls.
+REFCNN_MODELS = ("refcnn_preprocess", "refcnn_cnn", "refcnn_postprocess")
+
+
 def ensemble_variant(folder: Path, batching: bool) -> Path:
-    """Write refcnn.yaml with dynamic batching on every stage (ON) or on none (OFF) into `folder`."""
-    source = yaml.safe_load((REPO / "ensembles" / "refcnn.yaml").read_text())
+    """A model repository in `folder` that serves refcnn alone: its models, copied from the example
+    repository, and its ensemble with dynamic batching on every stage (ON) or on none (OFF)."""
+    repository = REPO / "model_repository"
+    source = yaml.safe_load((repository / "refcnn" / "ensemble.yaml").read_text())
     variant = copy.deepcopy(source)
     for stage in variant["stages"].values():
         settings = stage.pop("dynamic_batching", None)
         if batching:
             stage["dynamic_batching"] = settings or dict(DEFAULT_BATCHING)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "refcnn.yaml").write_text(yaml.safe_dump(variant, sort_keys=False))
+    for model in REFCNN_MODELS:
+        shutil.copytree(repository / model, folder / model, dirs_exist_ok=True)
+    (folder / "refcnn").mkdir(parents=True, exist_ok=True)
+    (folder / "refcnn" / "ensemble.yaml").write_text(yaml.safe_dump(variant, sort_keys=False))
     return folder
 
 
@@ -177,7 +186,7 @@ def run_pipeline_variant(
 ) -> dict[str, Any]:
     """Start the pipeline with batching OFF or ON, load it, stop it; the figures or why there are none."""
     print(f"\n== pipeline, batching {name}", flush=True)
-    folder = ensemble_variant(work / f"ensembles-{name.lower()}", batching)
+    folder = ensemble_variant(work / f"repository-{name.lower()}", batching)
     try:
         running = Pipeline(folder, out / f"pipeline-{name.lower()}.log")
     except RuntimeError as err:
@@ -212,7 +221,7 @@ def tracing_pairs(
 ) -> list[dict[str, Any]]:
     """Throughput at concurrency 32 with tracing off and on (every request sampled, OTLP over HTTP to a
     local receiver on the same cores), interleaved: off, on, off, on."""
-    folder = ensemble_variant(work / "ensembles-tracing", True)
+    folder = ensemble_variant(work / "repository-tracing", True)
     port_file = work / "otlp.port"
     sink = subprocess.Popen(
         [sys.executable, "-m", "bench.otlp_sink", "--port-file", str(port_file)], cwd=REPO

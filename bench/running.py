@@ -34,10 +34,11 @@ class Pipeline:
     their metrics endpoints and their process ids."""
 
     def __init__(
-        self, ensembles: Path, log: Path, *, env: Mapping[str, str] | None = None, timeout: float = 240.0
+        self, model_dir: Path, log: Path, *, env: Mapping[str, str] | None = None, timeout: float = 240.0
     ) -> None:
+        """`pipeline run --model-dir model_dir`: the repository decides what is served."""
         self.log = log
-        command = [sys.executable, "-m", "pipeline", "run", "--ensembles", str(ensembles), "--port", "0"]
+        command = [sys.executable, "-m", "pipeline", "run", "--model-dir", str(model_dir), "--port", "0"]
         for flag in (
             "--preprocess-port",
             "--model-port",

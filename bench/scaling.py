@@ -198,7 +198,7 @@ def measure(
 
 
 def run(
-    name: str, variant: Variant, results: Path, duration: float, model_dir: Path, ensembles: Path
+    name: str, variant: Variant, results: Path, duration: float, model_dir: Path, ensembles: Path | None
 ) -> dict:
     """One variant as processes on this machine."""
     folder = Path(tempfile.mkdtemp(prefix=f"scaling-{name}-"))
@@ -224,7 +224,13 @@ def run(
             "POSTPROCESS_ADDRESS": post_address,
         }
         router_command = ["-m", "pipeline", "router"]
-        router_command += ["--ensembles", str(ensembles / f"{variant.ensemble}.yaml")]
+        # The variant's ensemble alone: a file of `--ensembles`, else the repository's own.
+        ensemble = (
+            ensembles / f"{variant.ensemble}.yaml"
+            if ensembles is not None
+            else model_dir / variant.ensemble / "ensemble.yaml"
+        )
+        router_command += ["--ensembles", str(ensemble)]
         router_command += ["--workers", str(variant.workers), "--http-port", "off", *off]
         router, router_address = start("router", router_command, folder, env)
         processes.insert(0, router)
@@ -329,7 +335,12 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--model-dir", type=Path, default=Path("model_repository"))
-    parser.add_argument("--ensembles", type=Path, default=Path("ensembles"))
+    parser.add_argument(
+        "--ensembles",
+        type=Path,
+        default=None,
+        help="a folder of <ensemble>.yaml files to serve instead of the repository's <ensemble>/ensemble.yaml",
+    )
     parser.add_argument(
         "--compose",
         action="store_true",

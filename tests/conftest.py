@@ -47,6 +47,20 @@ async def wait_serving(address: str, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def watch_health(address: str, service: str, status: int, timeout: float = 30.0) -> None:
+    """Wait until the health service at `address` reports `status` for `service`, as its `Watch` stream
+    tells each change (no polling)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
+        async for reply in watch:
+            if reply.status == status:
+                watch.cancel()
+                return
+    raise AssertionError(f"{address}: the health watch of '{service}' ended before {status}")
+
+
 async def rpc_error(call) -> grpc.aio.AioRpcError:
     """Await a call that must fail; return its error."""
     with pytest.raises(grpc.aio.AioRpcError) as info:

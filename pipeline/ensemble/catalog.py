@@ -1,8 +1,15 @@
 """What the router serves: ensemble files and folders, a model repository's ensembles and the stages given
-by key (`--stage`), gathered into one `Catalog` and checked together for what no single file can say."""
+by key (`--stage`), gathered into one `Catalog` and checked together for what no single file can say.
+
+A model repository holds ensembles of two kinds, each in a folder of its own as every model is, so that one
+folder is one deployable unit: Triton's (`<repository>/<ensemble>/config.pbtxt`, `platform: "ensemble"`) and
+YAML ones (`<repository>/<ensemble>/ensemble.yaml`, named by their folder). A folder of YAML files
+(`ensembles/`, `--ensembles`) may add more; an empty or missing folder adds none.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import types
 from collections.abc import Iterable, Mapping
@@ -14,6 +21,12 @@ from pipeline.ensemble.pbtxt import load_repository_ensembles
 from pipeline.ensemble.plan import Catalog, EnsemblePlan, StageEndpoint
 from pipeline.protocol.errors import ConfigError
 from pipeline.protocol.types import BatchingConfig
+from pipeline.runtime.repository import CONFIG_FILE
+
+log = logging.getLogger(__name__)
+
+#: The file of a YAML ensemble in a model repository: `<repository>/<ensemble>/ensemble.yaml`.
+ENSEMBLE_FILE = "ensemble.yaml"
 
 
 def stage_endpoints(
@@ -37,7 +50,9 @@ def load_ensemble(path: str | os.PathLike[str], *, environ: Mapping[str, str] | 
     return compile_ensemble(read_yaml(file, source), source, default_name=file.stem, environ=environ)
 
 
-def _ensemble_files(paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[str]:
+def ensemble_files(paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[str]:
+    """The YAML files of `paths_or_dir`: each file given, and each folder's `*.yaml` and `*.yml` (sorted). A
+    folder that is empty or missing gives none; a missing file is an error."""
     if isinstance(paths_or_dir, str | os.PathLike):
         paths_or_dir = [paths_or_dir]
     files: list[str] = []
@@ -46,11 +61,54 @@ def _ensemble_files(paths_or_dir: str | os.PathLike[str] | Iterable[str | os.Pat
         if entry_path.is_dir():
             found = sorted(p for p in entry_path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
             if not found:
-                raise ConfigError(f"{os.fspath(entry)}: the directory has no *.yaml or *.yml ensemble files")
+                log.info("%s: no ensemble files in the folder", os.fspath(entry))
             files.extend(os.fspath(p) for p in found)
+        elif entry_path.suffix in (".yaml", ".yml") or entry_path.exists():
+            files.append(os.fspath(entry))  # a file that is not there is the loader's to report
         else:
-            files.append(os.fspath(entry))
+            log.info("%s: no such folder, so no ensemble files from it", os.fspath(entry))
     return files
+
+
+def repository_ensembles(
+    root: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+) -> list[EnsemblePlan]:
+    """Every ensemble of a model repository: its `config.pbtxt` ensembles, then its YAML ones
+    (`<ensemble>/ensemble.yaml`, whose name is the folder's), each sorted by name."""
+    plans = load_repository_ensembles(root)
+    folder = Path(root)
+    children = sorted(folder.iterdir()) if folder.is_dir() else []
+    for child in children:
+        path = child / ENSEMBLE_FILE
+        if child.name.startswith(".") or not path.is_file():
+            continue
+        source = os.fspath(path)
+        if (child / CONFIG_FILE).exists():
+            raise ConfigError(
+                f"{source}: its folder also holds a {CONFIG_FILE}; a folder of the repository is one model or "
+                "one ensemble"
+            )
+        plan = compile_ensemble(read_yaml(path, source), source, default_name=child.name, environ=environ)
+        if plan.name != child.name:
+            raise ConfigError(
+                f"{source}: name '{plan.name}' differs from its folder's name '{child.name}' (the folder names "
+                "the ensemble, as it names a model)"
+            )
+        plans.append(plan)
+    return plans
+
+
+def ensemble_plans(
+    ensembles: Iterable[str | os.PathLike[str]] = (),
+    *,
+    repository: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[EnsemblePlan]:
+    """The ensembles of the YAML files and folders `ensembles`, then those of the model `repository`."""
+    plans = [load_ensemble(file, environ=environ) for file in ensemble_files(ensembles)]
+    if repository is not None:
+        plans += repository_ensembles(repository, environ=environ)
+    return plans
 
 
 def load_ensembles(
@@ -62,9 +120,11 @@ def load_ensembles(
 
     Checks what no single file can (see `build_catalog`).
     """
-    files = _ensemble_files(paths_or_dir)
+    files = ensemble_files(paths_or_dir)
     if not files:
-        raise ConfigError("no ensemble files given")
+        given = [paths_or_dir] if isinstance(paths_or_dir, str | os.PathLike) else list(paths_or_dir)
+        named = ", ".join(str(os.fspath(path)) for path in given)
+        raise ConfigError(f"no ensemble files in {named or 'nothing given'}")
     return build_catalog([load_ensemble(file, environ=environ) for file in files])
 
 
@@ -75,12 +135,10 @@ def load_catalog(
     stages: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Catalog:
-    """What the router serves: the YAML ensembles of `ensembles` (files or folders), the `config.pbtxt`
-    ensembles of the model `repository`, and the stage endpoints `stages` (key: address) beside those the
-    YAML files declare."""
-    plans = [load_ensemble(file, environ=environ) for file in _ensemble_files(ensembles)]
-    if repository is not None:
-        plans += load_repository_ensembles(repository)
+    """What the router serves: the YAML ensembles of `ensembles` (files or folders), the ensembles of the
+    model `repository` (`config.pbtxt` and `ensemble.yaml` ones), and the stage endpoints `stages` (key:
+    address) beside those the YAML files declare."""
+    plans = ensemble_plans(ensembles, repository=repository, environ=environ)
     endpoints = stage_endpoints(stages or {}, environ=environ)
     if not plans and not endpoints:
         raise ConfigError(

@@ -62,8 +62,9 @@ def stage_argument(value: str) -> tuple[str, str]:
 
 
 def router_catalog(args: argparse.Namespace) -> Catalog:
-    """What the router's flags say to serve: the YAML ensembles, the model repository's ensembles and the
-    stages. Without `--stage`, a router given a repository calls the three stages at their `<STAGE>_ADDRESS`."""
+    """What the router's flags say to serve: the ensembles of the model repository and of the YAML files
+    (`--ensembles`, default `ensembles/` where it holds any), and the stages. Without `--stage`, a router
+    given a repository calls the three stages at their `<STAGE>_ADDRESS`."""
     model_dir: Path | None = getattr(args, "model_dir", None)
     if model_dir is not None and not model_dir.is_dir():
         raise ConfigError(f"--model-dir {model_dir}: no such folder")
@@ -74,12 +75,8 @@ def router_catalog(args: argparse.Namespace) -> Catalog:
         stages[key] = address
     if not stages and model_dir is not None:
         stages = {stage: settings.stage_address(stage).get() for stage in settings.STAGES}
-    ensembles = args.ensembles
-    if ensembles is None:
-        default = settings.ENSEMBLES.get()
-        # A router serving a repository needs no ensemble files, unless they are asked for.
-        quiet = model_dir is not None and not settings.ENSEMBLES.given() and not default.exists()
-        ensembles = [] if quiet else [default]
+    # The ensembles folder is optional: a missing or empty one adds no ensemble.
+    ensembles = args.ensembles if args.ensembles is not None else [settings.ENSEMBLES.get()]
     return load_catalog(ensembles, repository=model_dir, stages=stages)
 
 
@@ -90,16 +87,16 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         nargs="+",
         default=None,
-        help="ensemble YAML files or folders of them (env PIPELINE_ENSEMBLES; default: ensembles, which a "
-        "router given --model-dir may lack)",
+        help="ensemble YAML files or folders of them, beside the model repository's ensembles; a missing or "
+        "empty folder adds none (env PIPELINE_ENSEMBLES; default: ensembles)",
     )
     parser.add_argument(
         "--model-dir",
         "--model-repository",
         type=Path,
         default=settings.Setting(settings.MODEL_DIR.variable, None, Path).get(),
-        help="the Triton model repository the stages serve: its config.pbtxt ensembles (platform "
-        '"ensemble") are served beside the YAML ones (env PIPELINE_MODEL_DIR)',
+        help="the Triton model repository the stages serve: its ensembles are served, config.pbtxt ones "
+        '(platform "ensemble") and YAML ones (<ensemble>/ensemble.yaml) (env PIPELINE_MODEL_DIR)',
     )
     parser.add_argument(
         "--stage",
@@ -152,6 +149,15 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "gone stops getting them, within about this long (env PIPELINE_RESOLVE_INTERVAL_S; default "
         "%(default)s)",
     )
+    parser.add_argument(
+        "--strict-readiness",
+        type=settings.flag,
+        default=settings.STRICT_READINESS.get(),
+        metavar="BOOL",
+        help="true: ready (ServerReady, the health of inference.GRPCInferenceService, /v2/health/ready) only "
+        "while every ensemble is available and every stage healthy, as Triton's default; false: ready once "
+        "started, each model's readiness its own (env PIPELINE_STRICT_READINESS; default %(default)s)",
+    )
     add_http_arguments(parser)
     add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
 
@@ -181,6 +187,7 @@ def router_plane(
         cache_size=getattr(args, "cache_size", 0),
         resolve_interval=getattr(args, "resolve_interval", None),
         resolve=resolve,
+        strict_readiness=getattr(args, "strict_readiness", True),
     )
 
 
@@ -190,7 +197,7 @@ def _readiness(health_servicer: health.aio.HealthServicer) -> Callable[[bool], A
     async def readiness(ready: bool) -> None:
         # "" is liveness: SERVING from the end of start-up until shutdown, whatever the stages do, so
         # that no probe restarts a router that only waits for a stage. The inference service is readiness:
-        # SERVING exactly while ServerReady is true (every stage healthy).
+        # SERVING exactly while ServerReady is true (strict: every ensemble available, every stage healthy).
         status = (
             health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         )
@@ -226,6 +233,15 @@ async def _listen(
         interceptors=interceptors_of(policy),
         reuse_port=args.reuse_port,
     )
+
+
+def _log_serving(plane: RouterPlane, address: str) -> None:
+    """Say what the router serves once started, and which ensembles are not available (each was logged
+    with its reason)."""
+    unavailable = plane.ensembles.unavailable
+    served = [name for name in plane.ensembles.plans if name not in unavailable]
+    missing = f"; not available: {', '.join(sorted(unavailable))} (see above)" if unavailable else ""
+    log.info("router serving ensembles %s on %s%s", ", ".join(served) or "(none)", address, missing)
 
 
 async def serve_router(
@@ -282,9 +298,12 @@ async def serve_router(
             ", ".join(plane.stages.clients),
         )
         await plane.discover()
-        await set_serving(health_servicer, True)
-        monitor = asyncio.create_task(plane.monitor(on_ready=_readiness(health_servicer)))
-        log.info("router serving ensembles %s on %s:%d", ", ".join(catalog.ensembles), args.host, port)
+        # Live now; ready as strict readiness says (never SERVING for a moment on the way to NOT_SERVING).
+        readiness = _readiness(health_servicer)
+        await readiness(plane.ready())
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        monitor = asyncio.create_task(plane.monitor(on_ready=readiness))
+        _log_serving(plane, f"{args.host}:{port}")
 
     async def stop() -> None:
         if monitor is not None:

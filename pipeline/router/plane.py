@@ -1,7 +1,8 @@
 """The router's data plane: serves every ensemble as a model, and the stage models behind them.
 
-`RouterPlane` answers the protocol by delegating: the stages behind it, which of them serves each model
-and their health are `pipeline.router.discovery`'s; what is known of each model (signatures, batchers,
+`RouterPlane` answers the protocol by delegating: the stages behind it and which of them serves each model
+are `pipeline.router.discovery`'s, which ensembles can be served and the router's readiness
+`pipeline.router.availability`'s; what is known of each model (signatures, batchers,
 statistics) is the `pipeline.router.registry`'s; ensembles run on the DAG executor
 (`pipeline.router.executor`) and stage models are called through `pipeline.router.calls`, batched or
 forwarded; the response cache's policy is `pipeline.router.caching`'s. As Triton does for an ensemble's
@@ -22,6 +23,7 @@ from pipeline.ensemble.pbtxt import ensemble_config
 from pipeline.ensemble.plan import Catalog, EnsemblePlan
 from pipeline.protocol.codec import metadata_response, select_version
 from pipeline.protocol.errors import InvalidInput, ModelNotFound, Unavailable
+from pipeline.router.availability import EnsembleAvailability
 from pipeline.router.caching import ResponseCaching
 from pipeline.router.calls import StageCalls
 from pipeline.router.discovery import StageDiscovery
@@ -55,6 +57,7 @@ class RouterPlane(DataPlane):
         cache_size: int = 0,
         resolve_interval: float | None = None,
         resolve: Resolve | None = None,
+        strict_readiness: bool = True,
     ) -> None:
         """`stage_credentials`: TLS for the stage calls; `stage_token`: the bearer token they carry (for
         stages that ask for one). `max_inflight_requests`: inference requests the
@@ -62,7 +65,8 @@ class RouterPlane(DataPlane):
         0: no limit). `max_batch_items`: items (dimension 0) one request may carry (0: no limit).
         `cache_size`: bytes of the response cache, for the models and ensembles that enable it (0: off).
         `resolve_interval`: seconds between look-ups of the stages' DNS names (`resolve` looks them up;
-        tests give their own)."""
+        tests give their own). `strict_readiness`: ready only while every ensemble is available and every
+        stage healthy (Triton's `--strict-readiness`, its default), else once started."""
         self.telemetry = telemetry = telemetry or Telemetry()
         self.metrics = metrics = metrics or Metrics()
         self.max_inflight_requests = max_inflight_requests
@@ -83,6 +87,9 @@ class RouterPlane(DataPlane):
             for key, endpoint in catalog.stages.items()
         }
         self.stages = StageDiscovery(catalog, clients, self.registry, self.caching, metrics)
+        self.ensembles = EnsembleAvailability(
+            catalog, self.stages, self.registry, strict_readiness=strict_readiness
+        )
         self.calls = StageCalls(self.registry, self.caching, telemetry=telemetry, metrics=metrics)
         self.executor = Executor(self.registry, clients, self.calls, telemetry=telemetry, metrics=metrics)
         #: The other router workers on this port (`--workers`), whose statistics are summed with ours.
@@ -93,23 +100,25 @@ class RouterPlane(DataPlane):
     # --- start-up and health -------------------------------------------------------------------------
 
     async def discover(self, *, retry_interval: float = 0.5) -> None:
-        """Find the stage of every step that names none, learn every stage model's signature from its
-        stage, waiting for stages that are not up yet, then check every ensemble against them (a mismatch
-        raises `ConfigError`) and start the batchers."""
-        stages = self.stages
-        await stages.discover(retry_interval)
-        self.caching.check(stages.ensembles.values(), stages.stage_of_model)
-        self.calls.batch_steps(stages.ensembles.values(), stages.clients)
-        await stages.wait_serving(retry_interval)
+        """Wait for the stages, then serve every ensemble whose models they serve: each checked against its
+        models' signatures (a mismatch raises `ConfigError`) and its steps batched. The others are
+        UNAVAILABLE until their models are served (see `EnsembleAvailability`)."""
+        await self.ensembles.discover(retry_interval, self._serve)
+
+    def _serve(self, plan: EnsemblePlan) -> None:
+        """An ensemble whose models are known: its response cache checked, its steps batched."""
+        self.caching.check([plan], {step.model_name: step.stage for step in plan.steps})
+        self.calls.batch_steps([plan], self.stages.clients)
 
     async def monitor(
         self, interval: float = 1.0, on_ready: Callable[[bool], Awaitable[None]] | None = None
     ) -> None:
-        """Keep each stage's health current (see `StageDiscovery.monitor`)."""
-        await self.stages.monitor(interval, on_ready)
+        """Keep each stage's health and each ensemble's availability current (see
+        `EnsembleAvailability.monitor`)."""
+        await self.ensembles.monitor(interval, on_ready)
 
     def ready(self) -> bool:
-        return self.stages.ready()
+        return self.ensembles.ready()
 
     async def close(self) -> None:
         await self.registry.close()
@@ -118,7 +127,7 @@ class RouterPlane(DataPlane):
     # --- model lookup --------------------------------------------------------------------------------
 
     def _ensemble(self, name: str, version: str) -> EnsemblePlan | None:
-        plan = self.stages.ensembles.get(name)
+        plan = self.ensembles.plans.get(name)
         if plan is not None:
             select_version(name, (ENSEMBLE_VERSION,), version)
         return plan
@@ -140,8 +149,7 @@ class RouterPlane(DataPlane):
         except ModelNotFound:
             return False
         if plan is not None:
-            clients = self.stages.clients
-            return self.ready() and all(clients[step.stage].replicas.healthy for step in plan.steps)
+            return await self.ensembles.ensemble_ready(name)
         return await self.stages.model_ready(name, version)
 
     async def model_metadata(self, name: str, version: str, call: CallContext) -> pb.ModelMetadataResponse:
@@ -199,16 +207,12 @@ class RouterPlane(DataPlane):
         name = request.model_name
         client: StageClient | None = None
         if plan is not None:
-            if self.stages.unresolved and not all(step.stage for step in plan.steps):
-                raise Unavailable(
-                    f"ensemble '{name}' is not ready: waiting for a stage that serves "
-                    f"{', '.join(sorted(self.stages.unresolved))}"
-                )
+            plan = await self.ensembles.available_plan(name, call.timeout)
             self._check_items(request, plan.max_batch_size > 0)
         else:
             client = await self.stages.stage_client(name)
             # An ensemble member is learnt (and batched as its steps say) by `discover`.
-            member = name in self.stages.stage_of_model or name in self.stages.unresolved
+            member = name in self.ensembles.members
             if not member and name not in self.registry.signatures:
                 await self._learn(name, client)
         if plan is None and (signature := self.registry.signatures.get(name)) is not None:
@@ -257,7 +261,7 @@ class RouterPlane(DataPlane):
     def _versions(self, model: str) -> Sequence[str]:
         """The versions of a model served here, oldest first: an ensemble's one; a stage model's as its stage's
         `RepositoryIndex` lists them READY, else as its `ModelMetadata` listed them; empty where none can say."""
-        if model in self.stages.ensembles:
+        if model in self.stages.catalog.ensembles:
             return (ENSEMBLE_VERSION,)
         ready = self.stages.ready_versions(model)
         if ready:
@@ -266,5 +270,5 @@ class RouterPlane(DataPlane):
         return signature.versions if signature is not None else ()
 
     async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
-        """The ensembles, then every stage's models (see `StageDiscovery.repository_index`)."""
-        return await self.stages.repository_index(ready_only)
+        """The ensembles, then every stage's models (see `EnsembleAvailability.repository_index`)."""
+        return await self.ensembles.repository_index(ready_only)

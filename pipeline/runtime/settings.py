@@ -150,6 +150,8 @@ CACHE_SIZE = Setting("PIPELINE_CACHE_SIZE", 0, byte_count)
 ROUTER_WORKERS = Setting("PIPELINE_ROUTER_WORKERS", 1, int)
 #: Seconds between look-ups of the stages' DNS names.
 RESOLVE_INTERVAL_S = Setting("PIPELINE_RESOLVE_INTERVAL_S", 5.0, float)
+#: Triton's `--strict-readiness`: ready only while every ensemble is available and every stage healthy.
+STRICT_READINESS = Setting("PIPELINE_STRICT_READINESS", True, flag)
 
 # The model service.
 ENGINE_CACHE: Setting[str | None] = Setting("PIPELINE_ENGINE_CACHE", None, _optional)

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 import uvloop
 from grpc_health.v1 import health
 
-from pipeline.ensemble.catalog import load_ensembles
-from pipeline.ensemble.pbtxt import load_repository_ensembles
+from pipeline.ensemble.catalog import ensemble_plans
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
 from pipeline.runtime.arguments import add_server_arguments, inflight_bytes_of
@@ -197,16 +196,16 @@ def run_stage_service(
 
 
 def add_ensembles_argument(parser: argparse.ArgumentParser) -> None:
-    """`--ensembles`: the YAML ensemble files (or folders of them) a Python stage service reads to know which
-    of the repository's Python models it serves (`pipeline.stage.placement`)."""
-    default = settings.ENSEMBLES.get()
+    """`--ensembles`: the YAML ensemble files (or folders of them) that a Python stage service reads, beside
+    the repository's own ensembles, to know which of the repository's Python models it serves
+    (`pipeline.stage.placement`)."""
     parser.add_argument(
         "--ensembles",
         type=Path,
         nargs="+",
-        default=[default] if default.exists() else [],
-        help="ensemble YAML files or folders of them, as the router's (env PIPELINE_ENSEMBLES; default: "
-        "ensembles where it exists)",
+        default=[settings.ENSEMBLES.get()],
+        help="ensemble YAML files or folders of them, as the router's; a missing or empty folder adds none "
+        "(env PIPELINE_ENSEMBLES; default: ensembles)",
     )
 
 
@@ -243,11 +242,10 @@ def _placed_models(service: str, repository: ModelRepository, ensembles: Sequenc
     """The Python models the ensembles place in `service`; None (every Python model) where the ensembles
     cannot be read (the router refuses them with the reason)."""
     try:
-        plans = list(load_ensembles(ensembles).ensembles.values()) if ensembles else []
+        plans = ensemble_plans(ensembles, repository=repository.root)
     except ConfigError as err:
         log.warning("cannot read the ensembles to place the python models, so serving all of them: %s", err)
         return None
-    plans += load_repository_ensembles(repository.root)
     models = python_models_of(service, repository, plans)
     log.info(
         "%s serves the python models %s (where their ensembles run them; --load-model chooses otherwise)",

@@ -1,8 +1,11 @@
 """`pipeline run`: the whole pipeline on this machine as processes, no containers.
 
 Starts the three stage services and the router on one model repository (`--model-dir`), waits until each is
-healthy, and supervises them: a process that dies is reported by name and the rest are stopped. Ctrl-C or
-SIGTERM stops the router first (it drains in-flight requests while the stages still serve), then the stages.
+healthy, then supervises them (`pipeline.tools.supervisor`): a process that dies is started again on its
+ports while the others serve, and one that keeps dying stops the pipeline, named with its last lines of
+output. A process that dies before the pipeline first serves stops it at once (a configuration error, not a
+crash). Ctrl-C or SIGTERM stops the router first (it drains in-flight requests while the stages still
+serve), then the stages.
 """
 
 from __future__ import annotations
@@ -13,20 +16,25 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pipeline.ensemble.catalog import ensemble_plans
+from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
-from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 from pipeline.runtime.security import channel_credentials
+from pipeline.tools.supervisor import (
+    RestartPolicy,
+    Service,
+    Supervisor,
+    add_restart_arguments,
+    stop,
+    wait_healthy,
+)
 
 log = logging.getLogger("pipeline.launcher")
 
@@ -38,99 +46,6 @@ TLS_FILES = ("ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key
 
 class _Stop(Exception):
     """SIGTERM or SIGINT asked the launcher to stop."""
-
-
-@dataclass
-class Service:
-    """One process of the pipeline."""
-
-    name: str
-    command: list[str]
-    port: int
-    args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    process: subprocess.Popen[bytes] | None = None
-
-    def start(self, host: str, port_file: Path) -> None:
-        command = [sys.executable, *self.command, "--host", host, "--port", str(self.port), *self.args]
-        command += ["--port-file", str(port_file), "--metrics-port-file", str(_metrics_file(port_file))]
-        # NOTE: a session of its own, so Ctrl-C in the terminal reaches only the launcher, which then stops
-        # the services in order instead of all at once.
-        self.process = subprocess.Popen(command, env={**os.environ, **self.env}, start_new_session=True)
-
-    def wait_port(self, port_file: Path, timeout: float) -> int:
-        """The port the service bound (the one asked for, or the OS's pick for port 0)."""
-        deadline = time.monotonic() + timeout
-        while not port_file.exists():
-            code = self.exit_code()
-            if code is not None:
-                raise RuntimeError(f"{self.name} exited with code {code} while starting (see its log above)")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not start listening within {timeout:.0f}s")
-            time.sleep(0.05)
-        self.port = int(port_file.read_text())
-        return self.port
-
-    def metrics_port(self, port_file: Path) -> int | None:
-        """The port of the service's Prometheus endpoint, once it listens (None: it serves none)."""
-        path = _metrics_file(port_file)
-        return int(path.read_text()) if path.exists() else None
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.process is None else self.process.pid
-
-    def exit_code(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-
-def _metrics_file(port_file: Path) -> Path:
-    return port_file.with_name(port_file.name + ".metrics")
-
-
-def wait_healthy(
-    service: Service, address: str, timeout: float, credentials: grpc.ChannelCredentials | None = None
-) -> None:
-    """Wait until a service's health check says SERVING; fail if it exits or takes too long."""
-    deadline = time.monotonic() + timeout
-    channel = (
-        grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
-    )
-    with channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            code = service.exit_code()
-            if code is not None:
-                raise RuntimeError(
-                    f"{service.name} exited with code {code} while starting (see its log above)"
-                )
-            try:
-                # The stubs (types-grpcio-health-checking) declare HealthStub without its methods.
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)  # type: ignore[attr-defined]
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{service.name} did not become healthy at {address} within {timeout:.0f}s"
-                )
-            time.sleep(0.2)
-
-
-def stop(services: list[Service], grace: float) -> None:
-    """SIGTERM each running service in order and wait for it; SIGKILL what outlives the grace period."""
-    for service in services:
-        process = service.process
-        if process is None or process.poll() is not None:
-            continue
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=grace + 5)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0fs; killing it", service.name, grace + 5)
-            process.kill()
-            process.wait()
 
 
 #: The settings that turn authentication on in every service (`pipeline.runtime.security`).
@@ -154,12 +69,11 @@ def stage_token_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def _ensembles(folder: Path, model_dir: Path) -> list[str]:
-    """The ensembles the router serves: the YAML files' and the repository's `platform: "ensemble"` ones."""
-
-    names = {path.stem for path in folder.glob("*.y*ml")}
-    entries = ModelRepository(model_dir).entries({"ensemble"})
-    names |= {name for name, entry in entries.items() if isinstance(entry, RepositoryEntry)}
-    return sorted(names)
+    """The ensembles the router serves: the repository's and those of the YAML files of `folder`."""
+    try:
+        return sorted(plan.name for plan in ensemble_plans([folder], repository=model_dir))
+    except ConfigError:
+        return []  # the router says why (and stops)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -193,7 +107,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--ensembles",
         type=Path,
         default=settings.ENSEMBLES.get(),
-        help="folder of ensemble YAML files (env PIPELINE_ENSEMBLES)",
+        help="folder of ensemble YAML files beside the model repository's ensembles; a missing or empty one "
+        "adds none (env PIPELINE_ENSEMBLES; default %(default)s)",
     )
     parser.add_argument(
         "--model-dir",
@@ -201,12 +116,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         dest="model_dir",
         type=Path,
         default=settings.MODEL_DIR.get(),
-        help="model repository; the example models' missing files are written into it (env PIPELINE_MODEL_DIR)",
+        help="model repository: its models and ensembles are what is served (env PIPELINE_MODEL_DIR)",
     )
     parser.add_argument(
         "--startup-timeout", type=float, default=180.0, help="seconds each service may take to start"
     )
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain on shutdown")
+    add_restart_arguments(parser)
     parser.add_argument(
         "--tls-dir",
         type=Path,
@@ -249,7 +165,8 @@ def _replicas(text: str) -> dict[str, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the pipeline and supervise it until a signal or a death; returns the exit code."""
+    """Start the pipeline and supervise it until a signal, or until a process keeps dying; returns the exit
+    code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
     stage_token = stage_token_env(os.environ)
     tls_dir: Path | None = getattr(args, "tls_dir", None)
@@ -270,8 +187,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         signals.install()
         _start(stages, router, args.host, ports, args.startup_timeout, tls.credentials)
+        _pin_ports(everything, ports, http_port_file)
         _announce(args, router, stages, ports, http_port_file, secure=tls_dir is not None)
-        return _supervise(everything, signals)
+        supervisor = Supervisor(
+            everything,
+            RestartPolicy(limit=args.restart_limit, window=args.restart_window),
+            host=args.host,
+            connect=_connect_address(args.host),
+            ports=ports,
+            startup_timeout=args.startup_timeout,
+            credentials=tls.credentials,
+        )
+        return supervisor.run(lambda: signals.stopping)
     except _Stop:
         return 0
     except RuntimeError as err:
@@ -281,6 +208,17 @@ def run(args: argparse.Namespace) -> int:
         log.info("stopping: router first, then the stages")
         stop(everything, args.grace_period)
         shutil.rmtree(ports, ignore_errors=True)
+
+
+def _pin_ports(services: list[Service], ports: Path, http_port_file: Path) -> None:
+    """Keep the ports each service bound at its first start (the OS's picks for port 0) for its restarts,
+    so that the router finds a restarted stage, and clients a restarted router, where they were."""
+    for service in services:
+        metrics = service.metrics_port(ports / service.name)
+        if metrics is not None:
+            service.pin("--metrics-port", str(metrics))
+        if service.name == "router" and http_port_file.exists():
+            service.pin("--http-port", http_port_file.read_text().strip())
 
 
 @dataclass(frozen=True)
@@ -399,8 +337,11 @@ def _announce(
     if http_port_file.exists():  # written before the router's gRPC port, so there by now
         scheme = "https" if secure else "http"
         http = f" and {scheme}://{connect}:{int(http_port_file.read_text())} (HTTP/REST)"
+    ensembles = (
+        ", ".join(_ensembles(args.ensembles, args.model_dir)) or "no ensemble (the repository has none)"
+    )
     print(
-        f"pipeline: serving {', '.join(_ensembles(args.ensembles, args.model_dir))} on "
+        f"pipeline: serving {ensembles} on "
         f"{connect}:{router.port} (gRPC{' over TLS' if secure else ''}){http}, Open Inference Protocol; "
         "stages: "
         + ", ".join(f"{s.name} {connect}:{s.port} (pid {s.pid})" for s in stages)
@@ -435,20 +376,3 @@ class _StopOnSignal:
         # NOTE: raised in the main thread wherever it is (starting a process, waiting for a port or for
         # health), so a signal stops the launcher at once, not after the start-up timeout.
         raise _Stop
-
-
-def _supervise(everything: list[Service], signals: _StopOnSignal) -> int:
-    """Wait for a signal (0) or for a service to die (1, the service named in the log)."""
-    while not signals.stopping:
-        for service in everything:
-            code = service.exit_code()
-            if code is not None:
-                log.error(
-                    "%s (pid %s) exited with code %d; stopping the pipeline",
-                    service.name,
-                    service.pid,
-                    code,
-                )
-                return 1
-        time.sleep(0.2)
-    return 0

@@ -4,9 +4,10 @@ other and with the project.
 Schemas come from the `kubernetes-validate` package (they ship inside it: no network); without it those
 tests skip. The cross-references need only PyYAML: selectors match the pods' labels, Services and probes
 point at the containers' ports, every Deployment has an HPA, the router's stage addresses name the stages'
-headless Services, and the ensembles ConfigMap holds exactly the files in ensembles/.
+headless Services, and the ensembles ConfigMap holds exactly the files in ensembles/ (the optional folder of
+YAML ensembles beside the model repository's own, which the model repository volume carries).
 
-deploy/k8s/ensembles.yaml is generated from ensembles/; after changing an ensemble, regenerate it with
+deploy/k8s/ensembles.yaml is generated from ensembles/; after changing a file there, regenerate it with
 
     python -m tests.deploy.test_k8s_manifests --write
 """
@@ -26,6 +27,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 ENSEMBLES = ROOT / "ensembles"
+#: The example model repository, which the model-repository volume holds, ensembles included.
+REPOSITORY = ROOT / "model_repository"
 CONFIGMAP_FILE = K8S / "ensembles.yaml"
 CONFIGMAP_NAME = "pipeline-ensembles"
 #: The oldest Kubernetes the manifests support (gRPC probes are GA from 1.27) and the newest schema shipped.
@@ -51,7 +54,7 @@ def render_configmap() -> str:
         "    app.kubernetes.io/name: pipeline",
         "    app.kubernetes.io/component: router",
         "    app.kubernetes.io/part-of: pipeline",
-        "data:",
+        "data:" if ensemble_files() else "data: {}",
     ]
     for path in ensemble_files():
         text = path.read_text()
@@ -262,7 +265,7 @@ ADAPTER_VALUES = K8S / "autoscaling" / "prometheus-adapter-values.yaml"
 def test_stages_scale_on_the_routers_queue_for_their_own_models() -> None:
     """Each stage's HPA scales on external metrics the adapter's rules define, selecting exactly the models
     the ensembles run on that stage; the rules read only series the router exports."""
-    from pipeline.ensemble.catalog import load_ensembles
+    from pipeline.ensemble.catalog import ensemble_plans
 
     rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["external"]
     defined = {rule["name"]["as"]: rule for rule in rules}
@@ -276,9 +279,8 @@ def test_stages_scale_on_the_routers_queue_for_their_own_models() -> None:
             assert series in exported, (
                 f"adapter rule {rule['name']['as']} reads {series}, which nothing exports"
             )
-    catalog = load_ensembles([ENSEMBLES])
     models_of: dict[str, set[str]] = {}
-    for plan in catalog.ensembles.values():
+    for plan in ensemble_plans([ENSEMBLES], repository=REPOSITORY):
         for step in plan.steps:
             models_of.setdefault(step.stage, set()).add(step.model_name)
     hpas = {hpa["spec"]["scaleTargetRef"]["name"]: hpa for hpa in of_kind("HorizontalPodAutoscaler")}
@@ -315,7 +317,7 @@ def test_configmap_is_generated_from_the_ensemble_files() -> None:
 
 
 def test_router_mounts_the_ensembles_and_reaches_every_stage(tmp_path: Path) -> None:
-    from pipeline.ensemble.catalog import load_ensembles
+    from pipeline.ensemble.catalog import load_catalog
 
     router = named("Deployment", "router")
     (container,) = containers(router)
@@ -325,12 +327,17 @@ def test_router_mounts_the_ensembles_and_reaches_every_stage(tmp_path: Path) -> 
     mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
     assert env["PIPELINE_ENSEMBLES"] == mount["mountPath"]
 
-    # The ensembles as the router will read them: the ConfigMap's files, expanded with the pod's env.
-    for key, text in named("ConfigMap", CONFIGMAP_NAME)["data"].items():
+    # The ensembles as the router will read them: the ConfigMap's files and the example repository's (the
+    # model-repository volume holds them), expanded with the pod's env.
+    texts = dict(named("ConfigMap", CONFIGMAP_NAME)["data"] or {})
+    texts |= {str(path): path.read_text() for path in sorted(REPOSITORY.glob("*/ensemble.yaml"))}
+    assert texts, "no ensemble to check"
+    for key, text in (named("ConfigMap", CONFIGMAP_NAME)["data"] or {}).items():
         (tmp_path / key).write_text(text)
+    for key, text in texts.items():
         for variable in re.findall(r"\$\{(\w+)", text):
             assert variable in env, f"ensemble {key} reads ${{{variable}}}, which the router pod does not set"
-    catalog = load_ensembles(tmp_path, environ=env)
+    catalog = load_catalog([tmp_path], repository=REPOSITORY, environ=env)
     for key, endpoint in catalog.stages.items():
         match = re.fullmatch(r"dns:///([a-z0-9-]+):(\d+)", endpoint.address)
         assert match, f"stage {key}: address {endpoint.address!r} is not a dns:/// target of a Service"

@@ -24,7 +24,7 @@ from examples.models.digits import load_split
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.tools.client import bytes_batch
 from tests.conftest import inference_stub, request_for
-from tests.e2e.conftest import REPO, Pipeline, Process, _start_on_port, encode, start_service, wait_serving
+from tests.e2e.conftest import Pipeline, Process, _start_on_port, encode, start_service, wait_serving
 
 pytestmark = pytest.mark.e2e
 
@@ -49,7 +49,7 @@ def replicated(tmp_path_factory, model_dir) -> Iterator[Pipeline]:
         "POSTPROCESS_ADDRESS": pipeline.stages["postprocess"].address,
         "MODEL_ADDRESS": "ipv4:" + ",".join(pipeline.stages[n].address for n in ("model-1", "model-2")),
     }
-    router = ["-m", "pipeline", "router", "--ensembles", str(REPO / "ensembles"), "--grace-period", "20"]
+    router = ["-m", "pipeline", "router", "--model-dir", str(tmp / "models"), "--grace-period", "20"]
     pipeline.router = start_service("router", router, tmp, env)
     for process in [*pipeline.stages.values(), pipeline.router]:
         wait_serving(process)

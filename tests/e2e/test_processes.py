@@ -1,4 +1,5 @@
-"""Process-level behaviour: a stage killed and brought back, and `pipeline run` as the README runs it."""
+"""Process-level behaviour: a stage killed and brought back, and `pipeline run` as the README runs it: it
+serves, spreads calls over replicas, restarts what dies and gives up on what keeps dying."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from typing import NamedTuple
 import grpc
 import pytest
 
+from bench.hardening_supervisor import kill_under_load
+from bench.hardening_supervisor import launch as launch_bench
 from examples.models.digits import load_split
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.tools.client import InferenceClient, bytes_batch
@@ -164,14 +167,48 @@ def test_make_run_builds_the_models_serves_and_stops_cleanly_on_sigterm(tmp_path
             process.kill()
 
 
-def test_pipeline_run_reports_a_dead_stage_by_name(tmp_path, model_dir):
-    process, _, _, pids, _ = launch(tmp_path, model_dir)
+async def test_a_model_replica_killed_under_load_is_restarted_and_no_request_fails(tmp_path, model_dir):
+    """32 clients; one of two model replicas SIGKILLed. The router retries the calls that were in flight to
+    it on the other replica, which answers alone until the launcher has the first one serving again on its
+    port: no request may fail, and the restarted replica takes calls again."""
+    launched = launch_bench(model_dir, tmp_path / "pipeline.log", "--replicas", "model=2")
     try:
-        os.kill(pids["model"], signal.SIGKILL)
+        figures = await kill_under_load(launched, duration=12, kill_at=3, clients=32)
+    finally:
+        code = launched.stop()
+    print(figures)
+    assert (
+        figures["answered_before_the_kill"] > 0 and figures["answered"] > figures["answered_before_the_kill"]
+    )
+    assert figures["failed"] == 0, figures
+    assert figures["taking_calls_again_s"] is not None, launched.output()[-3000:]
+    assert figures["launcher_said_so"], launched.output()[-3000:]
+    assert code == 0
+
+
+def test_a_killed_router_is_started_again_on_its_ports(tmp_path, model_dir):
+    process, address, http, pids, _ = launch(tmp_path, model_dir)
+    try:
+        (router,) = [pid for pid in children_of(process.pid) if "pipeline router" in command_of(pid)]
+        os.kill(router, signal.SIGKILL)
+        _, _, x_test, y_test = load_split()
+        image = {"IMAGE": bytes_batch([encode(x_test[3])], (-1, 1))}
+        deadline = time.monotonic() + 120
+        with InferenceClient(address) as client:
+            while True:  # the same address, once the launcher has started the router again
+                try:
+                    assert client.infer("digits", image, timeout=10)["LABEL"][0, 0] == y_test[3]
+                    break
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+                    time.sleep(0.2)
+        with urllib.request.urlopen(f"{http}/v2/health/live", timeout=10) as reply:
+            assert reply.status == 200  # and the same HTTP port
+        assert all(alive(pid) for pid in pids.values()), "the stages served on"
+        process.send_signal(signal.SIGTERM)
         rest, _ = process.communicate(timeout=60)
-        assert process.returncode == 1
-        assert re.search(rf"model \(pid {pids['model']}\) exited with code -9", rest), rest
-        wait_gone(pids.values())
+        assert process.returncode == 0, rest
+        assert re.search(rf"router \(pid {router}\) exited with code -9 \(SIGKILL\)", rest), rest
     finally:
         if process.poll() is None:
             process.kill()
@@ -243,6 +280,11 @@ class Stuck(Stage):
     def infer(self, inputs):
         return {"Y": inputs["X"]}
 """
+
+
+def command_of(pid: int) -> str:
+    """A process's command line, its arguments separated by spaces."""
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
 def children_of(pid: int) -> list[int]:

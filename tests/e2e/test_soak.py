@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import inference_stub, request_for
-from tests.e2e.conftest import REPO, Pipeline, start_service, wait_serving
+from tests.e2e.conftest import Pipeline, start_service, wait_serving
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +43,7 @@ async def test_router_memory_plateaus_under_sustained_overload(tmp_path, model_d
         for name in ("preprocess", "model", "postprocess"):
             pipeline.start_stage(name)
         env = {f"{name.upper()}_ADDRESS": p.address for name, p in pipeline.stages.items()}
-        command = ["-m", "pipeline", "router", "--ensembles", str(REPO / "ensembles")]
+        command = ["-m", "pipeline", "router", "--model-dir", str(tmp_path / "models")]
         command += ["--max-inflight-requests", str(LIMIT)]
         pipeline.router = start_service("router", command, tmp_path, env)
         for process in [*pipeline.stages.values(), pipeline.router]:

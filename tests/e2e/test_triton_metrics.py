@@ -21,7 +21,7 @@ from examples.models.digits import load_split
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.tools.client import InferenceClient, bytes_batch
-from tests.e2e.conftest import REPO, Process, encode, start_service, wait_serving
+from tests.e2e.conftest import Process, encode, start_service, wait_serving
 
 pytestmark = pytest.mark.e2e
 
@@ -86,7 +86,7 @@ def servers(tmp_path_factory, model_dir) -> Iterator[dict[str, Server]]:
         running["postprocess"] = _start("postprocess", ["-m", "services.postprocess"], tmp)
         addresses = {f"{n.upper()}_ADDRESS": s.process.address for n, s in running.items()}
         running["router"] = _start(
-            "router", ["-m", "pipeline", "router", "--ensembles", str(REPO / "ensembles")], tmp, addresses
+            "router", ["-m", "pipeline", "router", "--model-dir", str(model_dir)], tmp, addresses
         )
         yield running
     finally:

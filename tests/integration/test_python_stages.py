@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.catalog import load_ensembles
+from pipeline.ensemble.catalog import load_catalog, load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.repository import ModelRepository
@@ -337,8 +337,8 @@ class _Encoder(Stage):
 async def test_the_ensembles_of_the_tree_run_unchanged_over_the_repository_stages(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """ensembles/*.yaml over the example repository's stages (model steps stood in for): the router's answers
-    are what the same stages give composed in-process."""
+    """The example repository's YAML ensembles over its stages (model steps stood in for): the router's
+    answers are what the same stages give composed in-process."""
     models = [_DigitsCNN(), _RefCNN(), _Encoder()]
     async with serving(example_repository(tmp_path, EXAMPLES)) as stages, serving_stages(models) as model:
         await wait_serving(stages.address, timeout=60)
@@ -346,7 +346,7 @@ async def test_the_ensembles_of_the_tree_run_unchanged_over_the_repository_stage
             monkeypatch.setenv(f"{variable}_ADDRESS", address)
         monkeypatch.setenv("POSTPROCESS_ADDRESS", stages.address)
         async with (
-            serving_router(load_ensembles([EXAMPLE_REPOSITORY.parent / "ensembles"])) as router,
+            serving_router(load_catalog(repository=EXAMPLE_REPOSITORY)) as router,
             inference_stub(router.address) as stub,
         ):
             await wait_serving(router.address, timeout=60)

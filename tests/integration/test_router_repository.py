@@ -1,5 +1,6 @@
 """The router over a model repository: Triton's config.pbtxt ensembles, stages found through their
-RepositoryIndex, every stage model served, and each model's own dynamic_batching."""
+RepositoryIndex, every stage model served, each model's own dynamic_batching, and ensembles whose models no
+stage serves reported UNAVAILABLE with the reason while the rest serves."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1.health_pb2 import HealthCheckResponse
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.catalog import load_catalog
@@ -20,12 +22,22 @@ from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import ConfigError
 from pipeline.router.main import add_router_arguments, router_catalog, serve_router
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.server import INFERENCE_SERVICE
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
-from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
+from tests.conftest import (
+    health_status,
+    inference_stub,
+    request_for,
+    rpc_error,
+    wait_serving,
+    watch_health,
+)
 from tests.stages import HOLD, Scale, write_model
 
 ROWS = (-1, 3)
+SERVING = HealthCheckResponse.SERVING
+NOT_SERVING = HealthCheckResponse.NOT_SERVING
 
 
 #: A stage model.py: Y = X * SCALE + OFFSET on rows of 3.
@@ -308,21 +320,20 @@ async def test_the_router_waits_for_a_stage_that_is_still_loading_the_model(tmp_
     try:
         async with serving_repository(repository) as stage:
             catalog = load_catalog(repository=tmp_path, stages={"only": stage.address})
-            with caplog.at_level(logging.INFO, logger="pipeline.router.discovery"):
+            with caplog.at_level(logging.INFO, logger="pipeline.router"):
                 async with serving_router(catalog) as router, inference_stub(router.address) as stub:
+                    # Answered once the router has first looked at its stage: with the reason, not held.
+                    err = await rpc_error(stub.ModelInfer(request_for("late", X=X), timeout=20))
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE
+                    assert "stage 'only' still loading" in err.details() and "slow" in err.details()
                     waiting = re.compile(r"waiting for a stage that serves model\(s\) (\w+, )*slow\b")
-                    for _ in range(200):
-                        if waiting.search(caplog.text):
-                            break
-                        await asyncio.sleep(0.05)
                     assert waiting.search(caplog.text), caplog.text
                     assert stage.address in caplog.text
                     assert not (await stub.ServerReady(pb.ServerReadyRequest())).ready
-                    err = await rpc_error(stub.ModelInfer(request_for("late", X=X), timeout=20))
-                    assert err.code() == grpc.StatusCode.UNAVAILABLE and "slow" in err.details()
 
                     HOLD["loaded"].set()  # the stage has loaded it
-                    await wait_serving(router.address)
+                    await watch_health(router.address, INFERENCE_SERVICE, SERVING)
+                    assert (await stub.ServerReady(pb.ServerReadyRequest())).ready
                     reply = await stub.ModelInfer(request_for("late", X=X), timeout=20)
                     np.testing.assert_array_equal(response_tensors(reply)["OUT"].to_array(), 2 * X + 1)
             assert "model 'slow' is served by stage 'only'" in caplog.text
@@ -393,3 +404,111 @@ def test_router_flags_read_the_repository_and_the_stages(tmp_path, monkeypatch):
     message = str(info.value)
     assert str(tmp_path / "broken" / "config.pbtxt") in message
     assert "step 1 (offset): input 'X' ← tensor 'doubled': nothing produces 'doubled'" in message
+
+
+# --- ensembles whose models are not served ------------------------------------------------------------
+
+#: A config.pbtxt ensemble whose second step's model no stage serves (until the test loads it).
+LOST = CHAIN.replace('"chain"', '"lost"').replace('"offset"', '"missing"')
+#: A YAML ensemble naming its stage, whose model that stage does not serve.
+ABSENT = """
+name: absent
+stages: {{only: {{address: "{address}"}}}}
+inputs: [{{name: X, datatype: FP32, shape: [-1, 3]}}]
+outputs: [{{name: Y, datatype: FP32, shape: [-1, 3]}}]
+steps:
+  - {{model_name: nowhere, stage: only, input_map: {{X: X}}, output_map: {{Y: Y}}}}
+"""
+
+
+async def ensemble_states(stub) -> dict[str, tuple[str, str]]:
+    index = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
+    return {m.name: (m.state, m.reason) for m in index.models if m.name in ("chain", "lost", "absent")}
+
+
+async def load(address: str, model: str) -> None:
+    async with inference_stub(address) as stub:
+        await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=model), timeout=20)
+
+
+async def test_an_ensemble_whose_models_no_stage_serves_is_unavailable_and_the_rest_serves(tmp_path, caplog):
+    write_config(tmp_path, "chain", CHAIN)
+    write_config(tmp_path, "lost", LOST)
+    stage_root = stage_repository(tmp_path / "stage", {"scale": scale_model(), "offset": offset_model()})
+    async with serving_stages(
+        [],
+        repository=ModelRepository(stage_root),
+        backends=[PythonBackend()],
+        options={"model_control_mode": "explicit"},
+    ) as stage:
+        await wait_serving(stage.address)
+        (tmp_path / "ensembles").mkdir()
+        (tmp_path / "ensembles" / "absent.yaml").write_text(ABSENT.format(address=stage.address))
+        catalog = load_catalog([tmp_path / "ensembles"], repository=tmp_path, stages={"only": stage.address})
+
+        # Not strict: ready once started, each ensemble's readiness its own.
+        options = {"strict_readiness": False}
+        async with serving_router(catalog, options=options) as router, inference_stub(router.address) as stub:
+            await watch_health(router.address, "", SERVING)
+            assert await health_status(router.address, INFERENCE_SERVICE) == SERVING
+            assert (await stub.ServerReady(pb.ServerReadyRequest())).ready
+            assert (await stub.ModelReady(pb.ModelReadyRequest(name="chain"))).ready
+            assert not (await stub.ModelReady(pb.ModelReadyRequest(name="absent"))).ready
+
+        with caplog.at_level(logging.INFO, logger="pipeline.router"):
+            async with serving_router(catalog) as router, inference_stub(router.address) as stub:
+                await watch_health(router.address, "", SERVING)  # live, and serving what it can
+                reply = await stub.ModelInfer(request_for("chain", X=X), timeout=20)
+                np.testing.assert_array_equal(response_tensors(reply)["OUT"].to_array(), 2 * X + 1)
+
+                states = await ensemble_states(stub)
+                assert states["chain"] == ("READY", "")
+                assert states["lost"][0] == "UNAVAILABLE"
+                assert "no stage serves model(s) missing" in states["lost"][1]
+                assert stage.address in states["lost"][1]  # where the router looked
+                assert states["absent"][0] == "UNAVAILABLE" and "model 'nowhere'" in states["absent"][1]
+                assert (await stub.ModelReady(pb.ModelReadyRequest(name="chain"))).ready
+                assert not (await stub.ModelReady(pb.ModelReadyRequest(name="lost"))).ready
+                err = await rpc_error(stub.ModelInfer(request_for("lost", X=X), timeout=20))
+                assert err.code() == grpc.StatusCode.UNAVAILABLE
+                assert "ensemble 'lost' is not available" in err.details() and "missing" in err.details()
+                assert "ensemble 'lost' is not available: no stage serves model(s) missing" in caplog.text
+                # Strict readiness (Triton's default): not ready while an ensemble is not available.
+                assert not (await stub.ServerReady(pb.ServerReadyRequest())).ready
+                assert await health_status(router.address, INFERENCE_SERVICE) == NOT_SERVING
+
+                # Its model loaded on the stage: the next request for the ensemble is served, no restart.
+                write_model(stage_root, "missing", offset_model())
+                await load(stage.address, "missing")
+                reply = await stub.ModelInfer(request_for("lost", X=X), timeout=20)
+                np.testing.assert_array_equal(response_tensors(reply)["OUT"].to_array(), 2 * X + 1)
+                assert "ensemble 'lost' is available" in caplog.text
+                assert (await ensemble_states(stub))["lost"] == ("READY", "")
+                assert not (await stub.ServerReady(pb.ServerReadyRequest())).ready  # 'absent' is not
+
+                # The last one's model loaded, and nothing asks for it: the router finds it, and is ready.
+                write_model(stage_root, "nowhere", AFFINE.format(scale=3, offset=0))
+                await load(stage.address, "nowhere")
+                await watch_health(router.address, INFERENCE_SERVICE, SERVING)
+                assert (await stub.ServerReady(pb.ServerReadyRequest())).ready
+                assert (await ensemble_states(stub))["absent"] == ("READY", "")
+                reply = await stub.ModelInfer(request_for("absent", X=X), timeout=20)
+                np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 3 * X)
+
+
+def test_the_ensembles_folder_is_optional_and_readiness_is_strict_unless_told(tmp_path, monkeypatch):
+    write_config(tmp_path, "chain", CHAIN)
+    parser = argparse.ArgumentParser()
+    add_router_arguments(parser)
+    (tmp_path / "empty").mkdir()
+    for folder in ("empty", "missing"):
+        catalog = router_catalog(
+            parser.parse_args(["--model-dir", str(tmp_path), "--ensembles", str(tmp_path / folder)])
+        )
+        assert list(catalog.ensembles) == ["chain"]
+    assert parser.parse_args([]).strict_readiness is True
+    assert parser.parse_args(["--strict-readiness", "false"]).strict_readiness is False
+    monkeypatch.setenv("PIPELINE_STRICT_READINESS", "false")
+    fresh = argparse.ArgumentParser()
+    add_router_arguments(fresh)
+    assert fresh.parse_args([]).strict_readiness is False

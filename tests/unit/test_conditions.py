@@ -239,7 +239,7 @@ def test_the_condition_datatype_is_checked_against_the_stage():
 
 
 def test_the_example_ensemble_compiles_and_round_trips_through_config_pbtxt():
-    data = yaml.safe_load((REPO / "ensembles" / "digits_gated.yaml").read_text())
+    data = yaml.safe_load((REPO / "model_repository" / "digits_gated" / "ensemble.yaml").read_text())
     plan = compile_ensemble(data, "digits_gated.yaml")
     config = ensemble_config(plan)
     text = text_format.MessageToString(config)

@@ -14,7 +14,13 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.ensemble.catalog import load_ensemble, load_ensembles
+from pipeline.ensemble.catalog import (
+    ensemble_files,
+    load_catalog,
+    load_ensemble,
+    load_ensembles,
+    repository_ensembles,
+)
 from pipeline.ensemble.compiler import compile_ensemble
 from pipeline.ensemble.pbtxt import ensemble_config
 from pipeline.ensemble.plan import EnsemblePlan, ModelSignature
@@ -93,7 +99,7 @@ def test_digits_example_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("PREPROCESS_ADDRESS", "MODEL_ADDRESS", "POSTPROCESS_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MODEL_ADDRESS", "model:9000")
-    plan = load_ensemble(REPO / "ensembles" / "digits.yaml")
+    plan = load_ensemble(REPO / "model_repository" / "digits" / "ensemble.yaml")
     assert plan.name == "digits"
     assert plan.max_batch_size == 64
     assert [s.model_name for s in plan.steps] == ["digits_preprocess", "digits_cnn", "digits_postprocess"]
@@ -524,9 +530,44 @@ def test_list_of_files(tmp_path: Path) -> None:
     assert list(load_ensembles([second, first], environ={}).ensembles) == ["b", "a"]
 
 
-def test_empty_directory(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=re.escape("no *.yaml or *.yml")):
+def test_an_empty_or_missing_folder_holds_no_ensemble(tmp_path: Path) -> None:
+    assert ensemble_files([tmp_path, tmp_path / "missing"]) == []
+    with pytest.raises(ConfigError, match=re.escape(f"no ensemble files in {tmp_path}")):
         load_ensembles(tmp_path)
+    # The router's catalog: the folder is optional, stages given by key serve on.
+    catalog = load_catalog([tmp_path, tmp_path / "missing"], stages={"s": "127.0.0.1:9"}, environ={})
+    assert dict(catalog.ensembles) == {} and list(catalog.stages) == ["s"]
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        load_catalog([tmp_path / "missing.yaml"], stages={"s": "127.0.0.1:9"}, environ={})
+
+
+def test_yaml_ensembles_live_in_the_model_repository_named_by_their_folder(tmp_path: Path) -> None:
+    repository = tmp_path / "repository"
+    for folder in ("a", "b", "c", "d", "notes"):
+        (repository / folder).mkdir(parents=True)
+    (tmp_path / "ensembles").mkdir()
+    write(repository / "a", _named("a"), "ensemble.yaml")
+    write(repository / "b", {k: v for k, v in _named("x").items() if k != "name"}, "ensemble.yaml")
+    # "notes" holds no ensemble.yaml: no ensemble of the router's
+    catalog = load_catalog([tmp_path / "ensembles"], repository=repository, environ={})
+    assert sorted(catalog.ensembles) == ["a", "b"]  # b's name is its folder's
+    assert catalog.ensembles["a"].source == str(repository / "a" / "ensemble.yaml")
+
+    write(repository / "c", _named("other"), "ensemble.yaml")
+    with pytest.raises(ConfigError, match="name 'other' differs from its folder's name 'c'"):
+        repository_ensembles(repository, environ={})
+    (repository / "c" / "ensemble.yaml").unlink()
+
+    write(repository / "d", _named("d"), "ensemble.yaml")
+    (repository / "d" / "config.pbtxt").write_text('backend: "python"\n')
+    with pytest.raises(ConfigError, match=re.escape("its folder also holds a config.pbtxt")):
+        repository_ensembles(repository, environ={})
+    (repository / "d" / "config.pbtxt").unlink()
+
+    # One more of the same name in the ensembles folder is an error, as two files of one name are.
+    write(tmp_path / "ensembles", _named("a"), "a.yaml")
+    with pytest.raises(ConfigError, match="ensemble names must be unique"):
+        load_catalog([tmp_path / "ensembles"], repository=repository, environ={})
 
 
 def test_error_in_one_file_names_that_file(tmp_path: Path) -> None:

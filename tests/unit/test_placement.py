@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.ensemble.catalog import load_ensembles
+from pipeline.ensemble.catalog import repository_ensembles
 from pipeline.ensemble.pbtxt import load_repository_ensembles
 from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.placement import python_models_of
 from tests.stages import EXAMPLE_REPOSITORY, write_model
 
-REPOSITORY = Path(__file__).resolve().parents[2]
 PYTHON = "class M:\n    pass\n"
 
 
@@ -34,7 +33,7 @@ def _ensemble(root: Path, name: str, steps: list[tuple[str, str, str]]) -> None:
 
 def test_the_example_ensembles_place_each_python_model_where_their_steps_name_it() -> None:
     repository = ModelRepository(EXAMPLE_REPOSITORY)
-    plans = list(load_ensembles(REPOSITORY / "ensembles").ensembles.values())
+    plans = repository_ensembles(EXAMPLE_REPOSITORY)
     assert python_models_of("preprocess", repository, plans) == [
         "digits_preprocess",
         "embeddings_tokenize",

@@ -1,0 +1,365 @@
+"""Which ensembles the router can serve now, and why it cannot serve the others; and its readiness.
+
+At start-up the router waits for its stages to be SERVING (a stage that is up and still loading, as long as
+it loads; one that cannot be reached, `SETTLE_S`), then serves every ensemble whose models the stages
+serve: each step that names no stage gets the first declared stage whose `RepositoryIndex` lists its model
+as READY, and every step's model its signature, learnt from its stage, against which the ensemble is
+checked. An ensemble whose models no stage serves is UNAVAILABLE with its reason (`unavailable`), and is
+tried again every second while the router serves and before a request for it (`ModelInfer`, `ModelReady`)
+is answered: a model loaded later makes it available. The files' own mistakes (a signature mismatch, a
+model no stage can ever be found for) stop the router at start-up instead; found later, they keep the
+ensemble UNAVAILABLE.
+
+Readiness follows Triton's `--strict-readiness`: strict (the default), the router is ready while every
+ensemble is available and every stage healthy; otherwise once it has started. `ModelReady` and
+`RepositoryIndex` tell each ensemble's own state either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import types
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.ensemble.plan import Catalog, EnsemblePlan
+from pipeline.ensemble.signatures import check_signatures
+from pipeline.protocol.errors import ConfigError, PipelineError, Unavailable
+from pipeline.router.discovery import StageDiscovery
+from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
+from pipeline.router.replicas import NOT_SERVING
+from pipeline.router.stage_client import StageClient
+from pipeline.runtime.statistics import ModelStats
+
+log = logging.getLogger(__name__)
+
+
+#: How long the router waits at start-up for a stage it cannot reach before it serves what the others serve.
+SETTLE_S = 30.0
+#: An ensemble's reason until the router has asked its stages.
+STARTING = "the router is starting: waiting for its stages"
+
+#: What serves an ensemble once its models are known (the plane's batchers and cache checks); raises
+#: `ConfigError` for an ensemble it refuses.
+Serve = Callable[[EnsemblePlan], None]
+
+
+class NotServed(Exception):
+    """An ensemble's models are not all served now (its message says which, and where the router looked)."""
+
+
+def _loading(client: StageClient) -> bool:
+    """Whether a stage is up but not serving yet: a replica answers its health NOT_SERVING (loading)."""
+    return any(replica.state == NOT_SERVING for replica in client.replicas.by_address.values())
+
+
+class EnsembleAvailability:
+    """The catalog's ensembles: which are available, why the others are not, and the router's readiness."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        stages: StageDiscovery,
+        registry: ModelRegistry,
+        *,
+        strict_readiness: bool = True,
+    ) -> None:
+        """`stages` finds the stage of each model; the signatures learnt go to `registry`.
+        `strict_readiness`: ready only while every ensemble is available and every stage healthy (Triton's
+        default), else once started."""
+        self.catalog = catalog
+        self.stages = stages
+        self.clients = stages.clients
+        self.registry = registry
+        self.strict_readiness = strict_readiness
+        #: Every ensemble, each step's stage filled in once the ensemble is available.
+        self.plans: dict[str, EnsemblePlan] = dict(catalog.ensembles)
+        #: The ensembles that cannot be served now, each with the reason.
+        self.unavailable: dict[str, str] = dict.fromkeys(catalog.ensembles, STARTING)
+        #: The models the ensembles' steps call: their signatures and batching come with their ensembles.
+        self.members = {step.model_name for plan in catalog.ensembles.values() for step in plan.steps}
+        #: Whether the start-up's discovery is done.
+        self.started = False
+        #: Set once the start-up has looked at the stages: it is done, or waits for a stage.
+        self._looked = asyncio.Event()
+        #: One look at the stages for the unavailable ensembles at a time (`complete`), and how many began.
+        self._looking = asyncio.Lock()
+        self._looks = 0
+        #: Set when a stage's health or an ensemble's availability changes: wakes `monitor`.
+        self._changed = asyncio.Event()
+        self._serve: Serve = lambda plan: None
+
+    # --- start-up and availability --------------------------------------------------------------------
+
+    async def discover(self, retry_interval: float, serve: Serve) -> None:
+        """Wait for the stages (see `settle`), then serve every ensemble whose models they serve (`serve`
+        sets up each). An ensemble the files get wrong (a signature mismatch, a model no stage can ever be
+        found for) raises `ConfigError`; one whose models are not served is UNAVAILABLE and tried again
+        while the router serves (`monitor`)."""
+        self._serve = serve
+        for client in self.clients.values():
+            client.start()
+        await self.settle(retry_interval)
+        await self.complete(at_start=True)
+        self.started = True
+        self._looked.set()
+        for name, reason in sorted(self.unavailable.items()):
+            log.warning("ensemble '%s' is not available: %s", name, reason)
+
+    async def settle(self, retry_interval: float) -> None:
+        """Wait until every stage is SERVING, waiting for one that is up and still loading (its models are
+        on their way) as long as it loads, and for one that cannot be reached up to `SETTLE_S`."""
+        started = time.monotonic()
+        reported: float | None = None  # when the wait was last logged
+        while True:
+            await asyncio.gather(*(c.replicas.check_health(timeout=2.0) for c in self.clients.values()))
+            await self.stages.refresh_index()
+            now = time.monotonic()
+            waiting = {
+                key: "still loading" if loading else "not reachable"
+                for key, client in self.clients.items()
+                if not client.replicas.healthy and ((loading := _loading(client)) or now - started < SETTLE_S)
+            }
+            if not waiting:
+                return
+            self._looked.set()  # requests meanwhile are answered with the reason, not held
+            stages = ", ".join(f"stage '{key}' {state}" for key, state in waiting.items())
+            for name in self.unavailable:
+                missing = self._not_listed([name])
+                listed = f"; no stage lists model(s) {', '.join(missing)} as READY yet" if missing else ""
+                self.unavailable[name] = f"{STARTING} ({stages}{listed})"
+            missing = self._not_listed(self.unavailable)
+            if reported is None or now - reported > 30:
+                reported = now
+                log.info("waiting for %s", stages)
+                if missing:
+                    asked = ", ".join(f"'{key}' ({c.endpoint.address})" for key, c in self.clients.items())
+                    log.info(
+                        "waiting for a stage that serves model(s) %s: no RepositoryIndex of %s lists them as "
+                        "READY yet",
+                        ", ".join(missing),
+                        asked,
+                    )
+            await asyncio.sleep(retry_interval)
+
+    def _not_listed(self, ensembles: Iterable[str]) -> list[str]:
+        """The models of the steps of `ensembles` that name no stage and that no stage's `RepositoryIndex`
+        lists as READY yet."""
+        return sorted(
+            {
+                step.model_name
+                for name in ensembles
+                for step in self.catalog.ensembles[name].steps
+                if not step.stage
+                and step.model_name not in self.stages.stage_of_model
+                and step.model_name not in self.stages.repository_models
+            }
+        )
+
+    async def complete(self, *, at_start: bool = False) -> None:
+        """Serve each ensemble that is not available yet and whose models the stages serve now: its steps'
+        stages found, its models' signatures learnt and the ensemble checked against them. At start-up an
+        ensemble the files get wrong raises `ConfigError` (every one named); later it stays UNAVAILABLE
+        with the reason. Callers meanwhile share looks: a call returns once a look that began after it has
+        ended, so many requests for an unavailable ensemble cost the stages two looks, not one each."""
+        asked = self._looks
+        async with self._looking:
+            if self._looks > asked or not self.unavailable:
+                return
+            self._looks += 1
+            await self._look(at_start)
+
+    async def _look(self, at_start: bool) -> None:
+        await self.stages.refresh_index()
+        errors = []
+        for name in sorted(self.unavailable):
+            try:
+                plan = self._resolved(self.catalog.ensembles[name])
+                await self._learn_signatures(plan)
+                check_signatures(plan, self.registry.signatures)
+                self._serve(plan)
+            except NotServed as err:
+                self._not_available(name, str(err))
+                continue
+            except ConfigError as err:
+                errors.append(str(err))
+                self._not_available(name, str(err), error=True)
+                continue
+            self._available(plan)
+        if at_start and errors:
+            raise ConfigError("\n".join(errors))
+
+    def _not_available(self, name: str, reason: str, *, error: bool = False) -> None:
+        if self.started and self.unavailable.get(name) != reason:
+            (log.error if error else log.warning)("ensemble '%s' is not available: %s", name, reason)
+        self.unavailable[name] = reason
+
+    def _available(self, plan: EnsemblePlan) -> None:
+        for step in plan.steps:
+            self.stages.assign(step.model_name, step.stage)
+        self.plans[plan.name] = plan
+        del self.unavailable[plan.name]
+        self._changed.set()
+        if self.started:
+            log.info("ensemble '%s' is available: the stages serve every model of its steps", plan.name)
+
+    def _resolved(self, plan: EnsemblePlan) -> EnsemblePlan:
+        """`plan` with the stage of each step that names none: the first declared stage whose
+        `RepositoryIndex` lists its model as READY. `NotServed` where none does yet; `ConfigError` where
+        none ever can (no stage, or none with a `RepositoryIndex`)."""
+        missing = sorted(
+            {
+                step.model_name
+                for step in plan.steps
+                if not step.stage and self.stages.find_stage(step.model_name) is None
+            }
+        )
+        if missing:
+            self._check_findable(plan, missing)
+            asked = ", ".join(f"'{key}' ({c.endpoint.address})" for key, c in self.clients.items())
+            raise NotServed(
+                f"no stage serves model(s) {', '.join(missing)}: the RepositoryIndex of {asked} does not list "
+                "them as READY"
+            )
+        if all(step.stage for step in plan.steps):
+            return plan
+        steps = tuple(
+            step if step.stage else replace(step, stage=self.stages.stage_of_model[step.model_name])
+            for step in plan.steps
+        )
+        stages = {**plan.stages, **{step.stage: self.catalog.stages[step.stage] for step in steps}}
+        return replace(plan, steps=steps, stages=types.MappingProxyType(stages))
+
+    def _check_findable(self, plan: EnsemblePlan, models: list[str]) -> None:
+        """Raise `ConfigError` where no stage can ever say that it serves `models`."""
+        if not self.clients:
+            raise ConfigError(
+                f"{plan.source}: no stage to serve model(s) {', '.join(models)}: a step names no stage and the "
+                "router has none (give them with --stage NAME=ADDRESS)"
+            )
+        if len(self.stages.indexes) == len(self.clients) and all(
+            m is None for m in self.stages.indexes.values()
+        ):
+            raise ConfigError(
+                f"{plan.source}: no stage can say whether it serves model(s) {', '.join(models)}: none of "
+                f"{', '.join(self.clients)} implements RepositoryIndex; name the stage in the step"
+            )
+
+    async def _learn_signatures(self, plan: EnsemblePlan) -> None:
+        """Ask each step's stage for its model's signature (once per model); `NotServed` naming each model
+        that its stage does not serve now, and why."""
+        signatures = self.registry.signatures
+        problems = []
+        for step in sorted(plan.steps, key=lambda s: s.index):
+            model = step.model_name
+            if model in signatures:
+                continue
+            try:
+                signatures[model] = await self.clients[step.stage].signature(model)
+            except PipelineError as err:
+                problems.append(f"{step.label}: {err.message}")
+                continue
+            self.registry.stats.setdefault(model, ModelStats())
+        if problems:
+            raise NotServed("; ".join(problems))
+
+    async def available_plan(self, name: str, timeout: float | None) -> EnsemblePlan:
+        """The plan of an ensemble that can be served now, each step's stage filled in; `Unavailable` with
+        the reason where it cannot. While the router starts, a request waits for its first look at the
+        stages (within `timeout`): an ensemble whose stages are up is served then, and one that waits for
+        a stage gets the reason at once. Once started, an ensemble that is not available is looked at
+        again first (within `timeout`), so that a model loaded on its stage a moment ago serves the next
+        request."""
+        with contextlib.suppress(TimeoutError):
+            if not self._looked.is_set():
+                await asyncio.wait_for(self._looked.wait(), timeout)
+            if self.started and name in self.unavailable:
+                await asyncio.wait_for(self.complete(), timeout)
+        reason = self.unavailable.get(name)
+        if reason is not None:
+            raise Unavailable(f"ensemble '{name}' is not available: {reason}")
+        return self.plans[name]
+
+    async def ensemble_ready(self, name: str) -> bool:
+        """Whether an ensemble can serve now (`ModelReady`): started, looked at again where it is not
+        available (see `available_plan`), and every stage of its steps serving."""
+        if not self.started:
+            return False
+        if name in self.unavailable:
+            await self.complete()
+        return self.ensemble_problem(name) is None
+
+    def ensemble_problem(self, name: str) -> str | None:
+        """Why an ensemble cannot serve now (None: it can): it is not available, or a stage of its steps has
+        no replica serving."""
+        reason = self.unavailable.get(name)
+        if reason is not None:
+            return reason
+        down = sorted(
+            {step.stage for step in self.plans[name].steps if not self.clients[step.stage].replicas.healthy}
+        )
+        if down:
+            return f"no replica of stage(s) {', '.join(down)} is serving"
+        return None
+
+    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
+        """The ensembles (UNAVAILABLE with the reason where they cannot serve now), then every stage's
+        models (see `StageDiscovery.stage_models_index`)."""
+        reply = pb.RepositoryIndexResponse()
+        for name in sorted(self.plans):
+            reason = self.ensemble_problem(name)
+            if reason is None:
+                reply.models.add(name=name, version=ENSEMBLE_VERSION, state="READY")
+            elif not ready_only:
+                reply.models.add(name=name, version=ENSEMBLE_VERSION, state="UNAVAILABLE", reason=reason)
+        reply.models.extend(await self.stages.stage_models_index(ready_only, self.plans))
+        return reply
+
+    # --- health --------------------------------------------------------------------------------------
+
+    async def monitor(
+        self, interval: float = 1.0, on_ready: Callable[[bool], Awaitable[None]] | None = None
+    ) -> None:
+        """Keep each stage's health current, so readiness reflects stages that stop or return; `on_ready`
+        hears of every change of `ready()` (the router's health service reports it)."""
+        was_ready: bool | None = None
+        changed = self._changed
+        for client in self.clients.values():
+            client.replicas.listeners.append(changed.set)
+        while True:
+            changed.clear()
+            await asyncio.gather(*(c.replicas.check_health(timeout=interval) for c in self.clients.values()))
+            if self.unavailable:
+                # A model loaded since makes its ensembles available (the index is asked again there).
+                await self.complete()
+            elif self.stages.caching.holds_entries:
+                # A version a stage stopped serving takes its cached responses with it.
+                await self.stages.refresh_index()
+            ready = self.ready()
+            if ready != was_ready and on_ready is not None:
+                await on_ready(ready)
+            if ready != was_ready and was_ready is not None:
+                log.info("router %s", "ready" if ready else f"not ready: {self._not_ready_reason()}")
+            was_ready = ready
+            # The replicas' health watches wake this at once when a stage's readiness changes, and so
+            # does an ensemble that a request found available.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), interval)
+
+    def ready(self) -> bool:
+        """Whether the router is ready: started and, with strict readiness, every ensemble available and
+        every stage healthy."""
+        if not self.started:
+            return False
+        return not self.strict_readiness or not self._not_ready_reason()
+
+    def _not_ready_reason(self) -> str:
+        """What strict readiness waits for ("" when nothing)."""
+        if self.unavailable:
+            return f"ensemble(s) {', '.join(sorted(self.unavailable))} not available"
+        down = [key for key, client in self.clients.items() if not client.replicas.healthy]
+        return f"stage(s) {', '.join(down)} down" if down else ""
