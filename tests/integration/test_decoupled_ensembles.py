@@ -6,7 +6,10 @@ holds; ModelInfer is refused; a client that cancels stops the generating stage."
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import threading
+from asyncio.subprocess import PIPE
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,14 +18,17 @@ import numpy as np
 import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.catalog import load_ensembles
+from pipeline.ensemble.catalog import load_catalog, load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.streams import is_final
 from pipeline.protocol.types import TensorSpec
+from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.api import Stage
+from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.integration.test_decoupled_stages import collect, pipeline_tasks, streamed
+from tests.stages import write_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -242,3 +248,169 @@ async def test_a_client_that_cancels_stops_the_generating_stage(served: Served) 
             break
         await asyncio.sleep(0.01)
     assert not pipeline_tasks() - before, [t.get_coro() for t in pipeline_tasks() - before]
+
+
+GENERATOR_MODEL = """
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            prompt = pb_utils.get_input_tensor_by_name(request, "PROMPT").as_numpy()
+            sender = request.get_response_sender()
+            threading.Thread(target=self.generate, args=(sender, int(prompt.ravel()[0]))).start()
+        return None
+
+    def generate(self, sender, prompt):
+        if prompt == 13:
+            error = pb_utils.TritonError(f"unlucky prompt {prompt}", pb_utils.TritonError.INVALID_ARG)
+            sender.send(pb_utils.InferenceResponse(error=error))
+        else:
+            for i in range(prompt):
+                token = np.array([[prompt * 100 + i]], dtype=np.int32)
+                sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("TOKEN", token)]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+GENERATOR_CONFIG = """
+name: "gen"
+backend: "python"
+max_batch_size: 8
+input [ { name: "PROMPT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "TOKEN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+model_transaction_policy { decoupled: true }
+"""
+
+DETOKENIZER_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            tokens = pb_utils.get_input_tensor_by_name(request, "TOKEN").as_numpy()
+            text = np.array([[f"<{int(t)}>".encode()] for t in tokens[:, 0]], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("TEXT", text)]))
+        return responses
+"""
+
+DETOKENIZER_CONFIG = """
+name: "detok"
+backend: "python"
+max_batch_size: 16
+input [ { name: "TOKEN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 2000 }
+"""
+
+TRITON_ENSEMBLE = """
+name: "gen_text"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "PROMPT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
+ensemble_scheduling {
+  max_inflight_requests: 8
+  step [
+    { model_name: "gen" model_version: -1
+      input_map { key: "PROMPT" value: "PROMPT" } output_map { key: "TOKEN" value: "token" } },
+    { model_name: "detok" model_version: -1
+      input_map { key: "TOKEN" value: "token" } output_map { key: "TEXT" value: "TEXT" } }
+  ]
+}
+"""
+
+
+#: tritonclient's streaming API, as its users call it, in a process of its own (tritonclient registers
+#: Triton's own copy of the protocol's messages): each request's texts in order, and the errors, as JSON.
+TRITON_CLIENT = r"""
+import json, queue, sys
+import numpy as np
+import tritonclient.grpc as triton
+
+url, *prompts = sys.argv[1:]
+done = queue.Queue()
+client = triton.InferenceServerClient(url)
+client.start_stream(callback=lambda result, error: done.put((result, error)))
+for prompt in prompts:
+    value = triton.InferInput("PROMPT", [1, 1], "INT32")
+    value.set_data_from_numpy(np.array([[int(prompt)]], np.int32))
+    client.async_stream_infer("gen_text", [value], request_id=prompt, enable_empty_final_response=True)
+texts, errors, finals = {p: [] for p in prompts}, [], 0
+while finals < len(prompts):
+    result, error = done.get(timeout=30)
+    if error is not None:
+        errors.append(str(error))
+        continue
+    response = result.get_response()
+    if result.as_numpy("TEXT") is not None:
+        texts[response.id] += [bytes(t).decode() for t in result.as_numpy("TEXT").ravel()]
+    if response.parameters["triton_final_response"].bool_param:
+        finals += 1
+client.stop_stream()
+print(json.dumps({"texts": texts, "errors": errors}))
+"""
+
+
+async def test_a_triton_repository_streams_through_the_router_to_tritonclient(tmp_path: Path) -> None:
+    root = tmp_path / "repository"
+    write_model(root, "gen", GENERATOR_MODEL, GENERATOR_CONFIG)
+    write_model(root, "detok", DETOKENIZER_MODEL, DETOKENIZER_CONFIG)
+    (root / "gen_text" / "1").mkdir(parents=True)
+    (root / "gen_text" / "config.pbtxt").write_text(TRITON_ENSEMBLE)
+    async with serving_stages([], repository=ModelRepository(root), backends=[PythonBackend()]) as stage:
+        await wait_serving(stage.address)
+        catalog = load_catalog(repository=root, stages={"python": stage.address})
+        async with serving_router(catalog) as router:
+            await wait_serving(router.address)
+            client = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", TRITON_CLIENT, router.address, "3", "5", "13", stdout=PIPE, stderr=PIPE
+            )
+            out, err = await asyncio.wait_for(client.communicate(), 60)
+            assert client.returncode == 0, err.decode()
+            report = json.loads(out)
+            texts, errors = report["texts"], report["errors"]
+            async with inference_stub(router.address) as stub:
+                config = await stub.ModelConfig(pb.ModelConfigRequest(name="gen_text"))
+    assert texts["3"] == ["<300>", "<301>", "<302>"]
+    assert texts["5"] == [f"<{500 + i}>" for i in range(5)]
+    assert texts["13"] == []
+    assert len(errors) == 1 and "unlucky prompt 13" in errors[0]
+    assert config.config.ensemble_scheduling.max_inflight_requests == 8
+
+
+async def test_generate_stream_sends_an_event_per_response_and_generate_answers_a_plain_model(
+    tmp_path: Path,
+) -> None:
+    import aiohttp
+
+    _, close = await serve(tmp_path)  # the stages and story.yaml; a second router serves HTTP here
+    try:
+        async with serving_router(load_ensembles([tmp_path])) as router, aiohttp.ClientSession() as http:
+            await wait_serving(router.address)
+            base = f"http://{router.http_address}/v2/models"
+            async with http.post(
+                f"{base}/story/generate_stream", json={"PROMPT": 2, "STEPS": 3, "id": "g"}
+            ) as reply:
+                assert reply.status == 200
+                assert reply.headers["Content-Type"].startswith("text/event-stream")
+                body = (await reply.read()).decode()
+            events = [json.loads(line.removeprefix("data: ")) for line in body.split("\n\n") if line]
+            assert [e["TEXT"] for e in events] == ["t200", "t201", "t202"]
+            assert all(e["model_name"] == "story" and e["id"] == "g" for e in events)
+            async with http.post(f"{base}/detokenize/generate", json={"TOKEN": [7]}) as reply:
+                assert reply.status == 200, await reply.text()
+                assert (await reply.json())["TEXT"] == "t7"
+            async with http.post(f"{base}/story/generate_stream", json={"PROMPT": "x", "STEPS": 1}) as reply:
+                assert reply.status == 400
+                assert "error" in await reply.json()
+            async with http.post(f"{base}/story/infer", json={"inputs": []}) as reply:
+                assert reply.status >= 400
+    finally:
+        await close()
