@@ -272,6 +272,7 @@ class _Compiler:
             stages=types.MappingProxyType(stages),
             optional_outputs=optional,
             response_cache=config.response_cache.enable,
+            max_inflight_requests=config.max_inflight_requests,
         )
 
     def _condition(self, index: int) -> Condition | None:

@@ -64,6 +64,7 @@ def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
             entry.input_map[stage_tensor] = tensor_name
         for stage_tensor, tensor_name in step.outputs:
             entry.output_map[stage_tensor] = tensor_name
+    config.ensemble_scheduling.max_inflight_requests = plan.max_inflight_requests
     # What Triton's ensembles cannot say goes in `parameters`, as a config.pbtxt ensemble writes it.
     if plan.response_cache:
         config.response_cache.enable = True
@@ -154,6 +155,7 @@ def compile_model_config(config: mc.ModelConfig, source: str) -> EnsemblePlan:
         "outputs": tensors(outputs),
         "switches": switches,
         "response_cache": {"enable": config.response_cache.enable},
+        "max_inflight_requests": config.ensemble_scheduling.max_inflight_requests,
         "steps": [
             {
                 "model_name": step.model_name,

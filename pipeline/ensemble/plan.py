@@ -182,6 +182,10 @@ class EnsemblePlan:
     #: Triton's `response_cache { enable: true }` for the whole ensemble: a request that matches an earlier
     #: one gets its response without any step running.
     response_cache: bool = False
+    #: Triton's `ensemble_scheduling { max_inflight_requests }`: the responses of a decoupled step that the
+    #: steps after it hold at once, across all the ensemble's requests, until the client has taken them (0: no
+    #: limit). A decoupled step reads its next response only when there is room.
+    max_inflight_requests: int = 0
 
     #: Whether some request may skip a step (a step has a condition). Derived from `steps`.
     conditional: bool = field(init=False)
@@ -239,6 +243,8 @@ class ModelSignature:
     #: False where the model says its answers may differ for the same request (`ModelConfig.parameters`
     #: `deterministic: "false"`): such a model's responses are never cached.
     deterministic: bool = True
+    #: Its `model_transaction_policy { decoupled: true }`: it answers a request with any number of responses.
+    decoupled: bool = False
 
     @property
     def declared(self) -> bool:

@@ -282,6 +282,9 @@ class EnsembleConfig(_Schema):
     switches: dict[Name, SwitchConfig] = Field(default_factory=dict)
     #: Cache whole responses of this ensemble in the router (its `--cache-size`).
     response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
+    #: Triton's `ensemble_scheduling { max_inflight_requests }`: responses of a decoupled step that each step
+    #: after it holds at once, across all requests (0: no limit).
+    max_inflight_requests: NonNegativeInt = 0
 
 
 def _expand(value: str, environ: Mapping[str, str]) -> str:

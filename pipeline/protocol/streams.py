@@ -8,6 +8,12 @@ usual `error_message`. Servers that do so list `STREAM_STATUS_EXTENSION` in `Ser
 
 A streamed request carries in its parameters what a unary call carries in its metadata and deadline: the
 time the caller still waits for it and the caller's trace context.
+
+A decoupled model (Triton's `model_transaction_policy { decoupled: true }`) answers a streamed request with
+any number of responses, each carrying its request's `id` and Triton's `triton_final_response` parameter,
+true on the last. A model may end a request with the final flag alone: that empty response is sent only
+to a client that asks for it (`triton_enable_empty_final_response`, tritonclient's
+`enable_empty_final_response`), as Triton does; the router always asks its stages for it.
 """
 
 from __future__ import annotations
@@ -28,8 +34,19 @@ STATUS_PARAMETER = "pipeline.status"
 TIMEOUT_PARAMETER = "pipeline.timeout_us"
 #: Request parameters carrying the caller's W3C trace context (a unary call's `traceparent` metadata).
 TRACE_PARAMETERS = ("traceparent", "tracestate")
+#: Response parameter of a decoupled model's responses: true on a request's last one (Triton's).
+FINAL_PARAMETER = "triton_final_response"
+#: Request parameter: send the final flag as an empty response where the model sends it alone (Triton's).
+EMPTY_FINAL_PARAMETER = "triton_enable_empty_final_response"
 #: Every parameter above: a server takes them off a request before its model sees it.
-HOP_PARAMETERS = frozenset({STATUS_PARAMETER, TIMEOUT_PARAMETER, *TRACE_PARAMETERS})
+HOP_PARAMETERS = frozenset({STATUS_PARAMETER, TIMEOUT_PARAMETER, EMPTY_FINAL_PARAMETER, *TRACE_PARAMETERS})
+
+#: What `ModelInfer` answers for a decoupled model (Triton's words), and an HTTP infer alike.
+DECOUPLED_UNARY = (
+    "ModelInfer RPC doesn't support models with decoupled transaction policy: model '{model}' answers a "
+    "request with any number of responses; call it with ModelStreamInfer (tritonclient's start_stream and "
+    "async_stream_infer) or HTTP's generate_stream"
+)
 
 
 def error_response(
@@ -42,6 +59,24 @@ def error_response(
     status = status or status_pb2.Status(code=code.value[0], message=message)
     failed.parameters[STATUS_PARAMETER].string_param = base64.b64encode(status.SerializeToString()).decode()
     return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+
+
+def is_final(response: pb.ModelStreamInferResponse) -> bool:
+    """Whether a decoupled model's streamed response is its request's last."""
+    param = response.infer_response.parameters.get(FINAL_PARAMETER)
+    return param is not None and param.bool_param
+
+
+def set_final(response: pb.ModelStreamInferResponse, final: bool) -> pb.ModelStreamInferResponse:
+    """Mark a decoupled model's streamed response as its request's last, or not; returns it."""
+    response.infer_response.parameters[FINAL_PARAMETER].bool_param = final
+    return response
+
+
+def wants_empty_final(request: pb.ModelInferRequest) -> bool:
+    """Whether a streamed request asks for the final flag as an empty response where the model sends it alone."""
+    param = request.parameters.get(EMPTY_FINAL_PARAMETER)
+    return param is not None and param.bool_param
 
 
 def status_of(response: pb.ModelStreamInferResponse) -> status_pb2.Status:

@@ -137,7 +137,7 @@ class Executor:
                     REQUEST_ID: request.id,
                 }
             if conditional:
-                skipped = self._skip_reason(plan, step, values)
+                skipped = self.skip_reason(plan, step, values)
                 self._branch_counter(plan.name, step, not skipped).inc()
                 if skipped:
                     if telemetry.enabled:
@@ -152,9 +152,9 @@ class Executor:
                     return
             if telemetry.enabled:
                 with telemetry.span(f"step {step.model_name}", attributes):
-                    outputs = await self._call_step(step, values, request, deadline, call.metadata, awaited)
+                    outputs = await self.call_step(step, values, request, deadline, call.metadata, awaited)
             else:
-                outputs = await self._call_step(step, values, request, deadline, call.metadata, awaited)
+                outputs = await self.call_step(step, values, request, deadline, call.metadata, awaited)
             if (plan.name, step.index) not in self._checked:
                 # A request that came before the model's signature was learnt is not checked; a later one is.
                 signature = self.registry.signatures.get(step.model_name)
@@ -199,7 +199,7 @@ class Executor:
         return counter
 
     @staticmethod
-    def _skip_reason(plan: EnsemblePlan, step: PlanStep, values: Mapping[str, Tensor]) -> str:
+    def skip_reason(plan: EnsemblePlan, step: PlanStep, values: Mapping[str, Tensor]) -> str:
         """Why a request skips a step ("" when it runs): an input that no step produced for it, or a
         condition that does not hold. A condition tensor holding other than one element is refused."""
         missing = [tensor for tensor in step.consumed if tensor not in values]
@@ -213,7 +213,7 @@ class Executor:
             return ""
         return f"condition not met: {when} (value {value!r})"
 
-    async def _call_step(
+    async def call_step(
         self,
         step: PlanStep,
         values: Mapping[str, Tensor],

@@ -6,6 +6,11 @@ tensor data extension) in, a `pb.ModelInferRequest` or a plane call out, and bac
 plane: the same validation, errors, limits, batching and statistics. A `PipelineError`'s gRPC status is
 mapped once to an HTTP status (`HTTP_STATUS`) with a `{"error": "..."}` body.
 
+Triton's generate extension: `POST .../generate` takes one JSON object and answers one, and
+`.../generate_stream` answers with Server-Sent Events, one `data: {...}` event per response of a decoupled
+model or ensemble (an error in one of them as `data: {"error": "..."}`); a request refused before its first
+response gets the usual JSON error and status.
+
 The bodies' JSON and Triton's binary tensor data are `pipeline.router.rest_codec`'s; large bodies and
 responses are decoded and encoded off the event loop, which gRPC shares (`pipeline.router.codec_pool`).
 Request bodies may be gzip- or deflate-compressed (`Content-Encoding`, decompressed within the size limit);
@@ -15,8 +20,10 @@ responses are compressed when the client's `Accept-Encoding` asks.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +31,19 @@ import grpc
 from aiohttp import web
 
 import pipeline
-from pipeline.protocol.errors import PipelineError
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.protocol.errors import InvalidInput, PipelineError, StageError
 from pipeline.protocol.proto_json import message_json
+from pipeline.protocol.streams import is_final, status_of
 from pipeline.router.codec_pool import CodecPool
 from pipeline.router.rest_codec import (
     HEADER_LENGTH,
     BodyTooLarge,
     body_too_large,
     check_encoding,
+    decompressed,
+    generate_request,
+    generate_response,
     json_field,
     metadata_json,
 )
@@ -132,6 +144,8 @@ class RestFrontDoor:
                 get(base + "/config", self.model_config),
                 get(base + "/stats", self.statistics),
                 post(base + "/infer", self.infer),
+                post(base + "/generate", self.generate),
+                post(base + "/generate_stream", self.generate_stream),
             ]
         app.add_routes(routes)
         return app
@@ -263,6 +277,81 @@ class RestFrontDoor:
             response.headers[HEADER_LENGTH] = str(header_length)
         response.enable_compression()  # only when Accept-Encoding asks for gzip or deflate
         return response
+
+    async def _generate_request(self, request: web.Request) -> pb.ModelInferRequest:
+        name, version = _model_of(request)
+        meta = await self.plane.model_metadata(name, version, _call_of(request))
+        inputs = {t.name: (t.datatype, list(t.shape)) for t in meta.inputs}
+        encoding = check_encoding(request.headers.get("Content-Encoding", ""))
+        body = decompressed(await request.read(), encoding, self.max_body_bytes)  # one small JSON object
+        return generate_request(body, name, version, inputs, self.max_body_bytes)
+
+    async def _responses(
+        self, infer_req: pb.ModelInferRequest, call: CallContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """The responses to a generate request: a decoupled model's, or a plain model's one."""
+        if infer_req.model_name not in self.plane.decoupled:
+            yield pb.ModelStreamInferResponse(infer_response=await self.servicer.infer(infer_req, call))
+            return
+        replies: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(maxsize=1)
+
+        async def send(reply: pb.ModelStreamInferResponse) -> None:
+            await replies.put(reply)
+
+        async def run() -> None:
+            try:
+                await self.servicer.stream(infer_req, call, send)
+            finally:
+                await replies.put(None)
+
+        running = asyncio.create_task(run())
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+            await running
+        finally:
+            running.cancel()
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """Triton's generate: one JSON object in, one out (a decoupled model must send one response)."""
+        infer_req = await self._generate_request(request)
+        found = [reply async for reply in self._responses(infer_req, _call_of(request))]
+        for reply in found:
+            if reply.error_message:
+                raise _error_of(reply)
+        if len(found) != 1:
+            raise InvalidInput(
+                f"model '{infer_req.model_name}' sent {len(found)} responses: ask generate_stream for them"
+            )
+        return web.json_response(generate_response(found[0].infer_response))
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        """Triton's generate_stream: a Server-Sent Event per response, as the model makes them."""
+        infer_req = await self._generate_request(request)
+        events: web.StreamResponse | None = None
+        async for reply in self._responses(infer_req, _call_of(request)):
+            if events is None:
+                if reply.error_message and is_final(reply):
+                    raise _error_of(reply)  # refused before any response: a plain error answer
+                events = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+                await events.prepare(request)
+            doc = (
+                {"error": reply.error_message}
+                if reply.error_message
+                else generate_response(reply.infer_response)
+            )
+            await events.write(b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n")
+        if events is None:
+            raise InvalidInput(f"model '{infer_req.model_name}' sent no response")
+        await events.write_eof()
+        return events
+
+
+def _error_of(reply: pb.ModelStreamInferResponse) -> PipelineError:
+    """The error a failed streamed response carries, with its status."""
+    status = status_of(reply)
+    code = next((c for c in grpc.StatusCode if c.value[0] == status.code), grpc.StatusCode.UNKNOWN)
+    return StageError(status.message or reply.error_message, code)
 
 
 def _model_of(request: web.Request) -> tuple[str, str]:

@@ -5,15 +5,18 @@ are `pipeline.router.discovery`'s, which ensembles can be served and the router'
 `pipeline.router.availability`'s; what is known of each model (signatures, batchers,
 statistics) is the `pipeline.router.registry`'s; ensembles run on the DAG executor
 (`pipeline.router.executor`) and stage models are called through `pipeline.router.calls`, batched or
-forwarded; the response cache's policy is `pipeline.router.caching`'s. As Triton does for an ensemble's
+forwarded; the response cache's policy is `pipeline.router.caching`'s. An ensemble with a decoupled step,
+and a decoupled stage model, answer on streams only, with many responses per request
+(`pipeline.router.streaming`). As Triton does for an ensemble's
 composing models, the stage models named in steps are served here too, by forwarding to their stage. The
 process around it is `pipeline.router.main`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -22,7 +25,8 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.ensemble.pbtxt import ensemble_config
 from pipeline.ensemble.plan import Catalog, EnsemblePlan
 from pipeline.protocol.codec import metadata_response, select_version
-from pipeline.protocol.errors import InvalidInput, ModelNotFound, Unavailable
+from pipeline.protocol.errors import InvalidInput, ModelNotFound, Unavailable, Unimplemented
+from pipeline.protocol.streams import DECOUPLED_UNARY
 from pipeline.router.availability import EnsembleAvailability
 from pipeline.router.caching import ResponseCaching
 from pipeline.router.calls import StageCalls
@@ -30,6 +34,7 @@ from pipeline.router.discovery import StageDiscovery
 from pipeline.router.executor import Executor
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.stage_client import StageClient
+from pipeline.router.streaming import EnsembleStreams
 from pipeline.router.targets import Resolve
 from pipeline.router.workers import WorkerPeers, merge_statistics
 from pipeline.runtime.metrics import Metrics
@@ -92,6 +97,9 @@ class RouterPlane(DataPlane):
         )
         self.calls = StageCalls(self.registry, self.caching, telemetry=telemetry, metrics=metrics)
         self.executor = Executor(self.registry, clients, self.calls, telemetry=telemetry, metrics=metrics)
+        self.streams = EnsembleStreams(self.executor)
+        #: The ensembles with a decoupled step and the decoupled stage models: served by `stream` only.
+        self.decoupled: set[str] = set()
         #: The other router workers on this port (`--workers`), whose statistics are summed with ours.
         self.peers: WorkerPeers | None = None
         stats = self.registry.stats
@@ -106,9 +114,14 @@ class RouterPlane(DataPlane):
         await self.ensembles.discover(retry_interval, self._serve)
 
     def _serve(self, plan: EnsemblePlan) -> None:
-        """An ensemble whose models are known: its response cache checked, its steps batched."""
+        """An ensemble whose models are known: its response cache checked, its steps batched, and whether it
+        (or a stage model it calls) is decoupled, so answers on streams only."""
         self.caching.check([plan], {step.model_name: step.stage for step in plan.steps})
         self.calls.batch_steps([plan], self.stages.clients)
+        signatures = self.registry.signatures
+        self.decoupled.update(name for name, signature in signatures.items() if signature.decoupled)
+        if self.streams.source(plan) is not None:
+            self.decoupled.add(plan.name)
 
     async def monitor(
         self, interval: float = 1.0, on_ready: Callable[[bool], Awaitable[None]] | None = None
@@ -139,6 +152,8 @@ class RouterPlane(DataPlane):
         if not self.registry.learn(name, signature):  # learnt by a concurrent call meanwhile
             return
         self.caching.learn(name, signature)
+        if signature.decoupled:
+            self.decoupled.add(name)
         if signature.batching is not None:
             log.info("model '%s': batched as its own dynamic_batching says (%s)", name, signature.batching)
             self.calls.add_batcher(name, client, signature.batching)
@@ -224,6 +239,23 @@ class RouterPlane(DataPlane):
             )
         return await self._execute(plan, client, request, call)
 
+    async def stream(
+        self, request: pb.ModelInferRequest, call: CallContext
+    ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
+        """The responses to one request for a decoupled ensemble (`pipeline.router.streaming`) or a decoupled
+        stage model (forwarded to its stage), in order, the last marked final."""
+        plan = self._ensemble(request.model_name, request.model_version)
+        if plan is not None:
+            self._check_items(request, plan.max_batch_size > 0)
+            replies = self.streams.stream(plan, request, call)
+        else:
+            client = await self.stages.stage_client(request.model_name)
+            what = f"model '{request.model_name}'"
+            replies = client.stream(request, timeout=call.timeout, metadata=call.metadata, what=what)
+        async with contextlib.aclosing(replies):
+            async for reply in replies:
+                yield reply
+
     async def _execute(
         self,
         plan: EnsemblePlan | None,
@@ -232,6 +264,8 @@ class RouterPlane(DataPlane):
         call: CallContext,
     ) -> pb.ModelInferResponse:
         """Run a request: an ensemble's steps, a batched stage model's queue, or a forwarded call."""
+        if self.decoupled and request.model_name in self.decoupled:
+            raise Unimplemented(DECOUPLED_UNARY.format(model=request.model_name))
         if plan is not None:
             return await self.executor.infer(plan, request, call)
         if request.model_name in self.registry.batchers:

@@ -466,3 +466,81 @@ def metadata_json(reply: pb.ModelMetadataResponse) -> dict[str, Any]:
         "inputs": tensors(reply.inputs),
         "outputs": tensors(reply.outputs),
     }
+
+
+# --- Triton's generate extension -----------------------------------------------------------------------
+
+
+def generate_request(
+    body: bytes, model: str, version: str, inputs: Mapping[str, tuple[str, list[int]]], limit: int
+) -> pb.ModelInferRequest:
+    """A generate request (Triton's generate extension: one JSON object) as a `ModelInferRequest`. Each
+    key that names an input of the model (`inputs`: name -> datatype and metadata shape) becomes that
+    tensor, from a value or a flat list: the shape's fixed dimensions are kept, its innermost -1 takes the
+    rest of the elements and every other -1 is 1, as Triton shapes them. `parameters` and every other key
+    become request parameters; `id` is the request's id. The inputs hold at most `limit` bytes."""
+    doc = json_object(body, "request body")
+    request = pb.ModelInferRequest(model_name=model, model_version=version)
+    budget = limit
+    for key, value in doc.items():
+        if key in inputs:
+            datatype, shape = inputs[key]
+            data = value if isinstance(value, list) else [value]
+            dims = _generate_shape(key, shape, len(data))
+            request.inputs.add(name=key, datatype=datatype, shape=dims)
+            raw = _json_tensor_raw(key, datatype, dims, data, budget)
+            budget -= len(raw)
+            request.raw_input_contents.append(raw)
+        elif key == "id" and isinstance(value, str):
+            request.id = value
+        elif key == "parameters":
+            _copy_parameters(request.parameters, json_field(doc, key, dict, "request", {}), "request")
+        else:
+            request.parameters[key].CopyFrom(_parameter(key, value, "request"))
+    return request
+
+
+def _generate_shape(name: str, shape: list[int], count: int) -> list[int]:
+    dims = list(shape)
+    rest = count
+    for dim in dims:
+        if dim != -1:
+            if dim == 0 or rest % dim:
+                raise InvalidInput(f"the schema can not convert input '{name}' to a tensor of shape {shape}")
+            rest //= dim
+    for index in range(len(dims) - 1, -1, -1):
+        if dims[index] == -1:
+            dims[index], rest = rest, 1
+    if rest != 1:
+        raise InvalidInput(f"the schema can not convert input '{name}' to a tensor of shape {shape}")
+    return dims
+
+
+def generate_response(response: pb.ModelInferResponse) -> dict[str, Any]:
+    """A response as the generate extension writes it: `id`, `model_name`, `model_version`, the response's
+    parameters, and each output by name (one element as a value, more as a flat list; BYTES as text)."""
+    doc: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
+    if response.id:
+        doc["id"] = response.id
+    for key, param in response.parameters.items():
+        choice = param.WhichOneof("parameter_choice")
+        if choice is not None and choice != "bytes_param":
+            doc[key] = getattr(param, choice)
+    for tensor in response_tensors(response).values():
+        data = _json_values(tensor)
+        doc[tensor.name] = data[0] if len(data) == 1 else data
+    return doc
+
+
+def _json_values(tensor: Tensor) -> list[Any]:
+    """An output's elements, flat, as JSON values (BYTES as UTF-8 text)."""
+    flat = tensor.to_array().reshape(-1)
+    if tensor.datatype != "BYTES":
+        return flat.tolist()
+    try:
+        return [bytes(e).decode("utf-8") for e in flat]
+    except UnicodeDecodeError:
+        raise InvalidInput(
+            f"output '{echo(tensor.name)}' holds bytes that are not UTF-8 text, which the generate "
+            "extension cannot carry"
+        ) from None

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import replace
 
 import grpc
@@ -32,7 +32,7 @@ from pipeline.protocol.errors import (
     Unavailable,
 )
 from pipeline.protocol.model_config import batching_of_config, is_deterministic, pad_values
-from pipeline.protocol.streams import TRACE_PARAMETERS
+from pipeline.protocol.streams import EMPTY_FINAL_PARAMETER, TRACE_PARAMETERS, is_final
 from pipeline.router.replicas import DOWN, Replica, Replicas
 from pipeline.router.retry import RetryBudget, StageRetry
 from pipeline.router.stage_stream import StreamBroken
@@ -256,15 +256,77 @@ class StageClient:
         finally:
             replica.outstanding -= 1
 
+    async def stream(
+        self,
+        request: pb.ModelInferRequest,
+        *,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
+        what: str,
+    ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
+        """A decoupled model's responses to `request`, in order, up to the one marked final; an error the
+        model sends comes as a response of its own. Each such request gets a `ModelStreamInfer` call of its
+        own, so that its flow control is its own: a client that reads slowly holds back only its own model's
+        responses, all the way to the model, and closing the iterator early cancels the call, which stops the
+        model. It waits for one of the stage's `max_inflight_requests` slots first and holds it to the end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._slots is not None:
+            await self._acquire(self._slots, deadline, what)
+        try:
+            await self.replicas.settle()
+            replica = self.replicas.pick("ModelInfer", set())
+            name, address = self.endpoint.name, self.endpoint.address
+            if replica is None:
+                raise Unavailable(
+                    f"stage '{name}' ({address}) is unavailable for {what}: no replica is serving"
+                )
+            sent = pb.ModelInferRequest()
+            sent.CopyFrom(request)
+            sent.parameters[EMPTY_FINAL_PARAMETER].bool_param = True
+            replica.outstanding += 1
+            call = replica.stub.ModelStreamInfer(timeout=timeout, metadata=(*metadata, *self._auth))
+            try:
+                await call.write(sent)
+                await call.done_writing()
+                async for reply in call:
+                    yield reply
+                    if is_final(reply):
+                        return
+                raise StageError(
+                    f"{what} on stage '{name}': the stream ended before the final response",
+                    grpc.StatusCode.INTERNAL,
+                )
+            except grpc.aio.AioRpcError as err:
+                raise self._stream_error(err, what) from None
+            finally:
+                replica.outstanding -= 1
+                call.cancel()
+        finally:
+            if self._slots is not None:
+                self._slots.release()
+
+    def _stream_error(self, err: grpc.aio.AioRpcError, what: str) -> Exception:
+        """The router's error for a failed streamed call, as `_call` maps a unary one's."""
+        code, details = err.code(), err.details() or ""
+        name, address = self.endpoint.name, self.endpoint.address
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.stage_calls, name, code.name).inc()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            return Unavailable(f"stage '{name}' ({address}) is unavailable for {what}: {details}")
+        return StageError(f"{what} on stage '{name}': {details}", code, items=item_errors(err))
+
     async def signature(self, model: str) -> ModelSignature:
         """A model's interface, from its `ModelMetadata` and (where the stage has it) Triton's `ModelConfig`."""
         what = f"model '{model}'"
         meta = await self.call("ModelMetadata", pb.ModelMetadataRequest(name=model), timeout=2.0, what=what)
         inputs, outputs = specs_from_metadata(meta.inputs), specs_from_metadata(meta.outputs)
-        cache, deterministic = False, True
+        cache, deterministic, decoupled = False, True, False
         try:
             reply = await self.call("ModelConfig", pb.ModelConfigRequest(name=model), timeout=2.0, what=what)
             cache, deterministic = reply.config.response_cache.enable, is_deterministic(reply.config)
+            decoupled = reply.config.model_transaction_policy.decoupled
             max_batch_size = reply.config.max_batch_size
             padding = pad_values(reply.config)
             inputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in inputs)
@@ -287,7 +349,15 @@ class StageClient:
             max_batch_size = sys.maxsize if batches else 0
             batching = None
         return ModelSignature(
-            model, inputs, outputs, max_batch_size, batching, tuple(meta.versions), cache, deterministic
+            model,
+            inputs,
+            outputs,
+            max_batch_size,
+            batching,
+            tuple(meta.versions),
+            cache,
+            deterministic,
+            decoupled,
         )
 
     def start(self) -> None:

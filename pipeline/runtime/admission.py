@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
+from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import Unavailable
 
 #: The share of the budget one stream may hold.
@@ -79,3 +80,46 @@ class ByteBudget:
 
 def _mib(size: int) -> str:
     return f"{size / (1 << 20):.1f} MiB"
+
+
+class StreamHold:
+    """One stream's bytes in a server's budget: its requests from when they are read, and its responses
+    until they are sent. Responses go to `done` with the bytes their sending gives back."""
+
+    def __init__(
+        self, budget: ByteBudget, done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int] | None]
+    ) -> None:
+        self.budget = budget
+        self.done = done
+        self.limit = budget.stream_limit()
+        self.held = 0
+        self._freed = asyncio.Event()
+
+    async def room(self) -> None:
+        """Wait while the stream holds its share: its responses are not being taken, so read no further."""
+        while self.limit is not None and self.held >= self.limit:
+            self._freed.clear()
+            await self._freed.wait()
+
+    async def take(self, size: int) -> None:
+        """A request read: its bytes, once they fit the server's budget."""
+        await self.budget.wait(size)
+        self.held += size
+
+    def put(self, response: pb.ModelStreamInferResponse, size: int = 0) -> None:
+        """A response to send; `size`: the bytes of its request that go with it."""
+        made = response.ByteSize()
+        self.budget.charge(made)
+        self.held += made
+        self.done.put_nowait((response, size + made))
+
+    def give_back(self, size: int) -> None:
+        """Bytes sent, or of a request that will send nothing."""
+        self.held -= size
+        self.budget.release(size)
+        self._freed.set()
+
+    def close(self) -> None:
+        """The stream ended: everything it still holds goes back."""
+        self.budget.release(self.held)
+        self.held = 0

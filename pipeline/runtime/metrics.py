@@ -11,6 +11,7 @@ health) are read from their owners only when Prometheus scrapes, so they cost no
 | `pipeline_queue_duration_seconds` | model | time a request waited for its batch (router) or model thread (stage) |
 | `pipeline_compute_duration_seconds` | model | time of one execution: a stage call (router), `infer` (stage) |
 | `pipeline_batch_size` | model | items per execution |
+| `nv_inference_first_response_histogram_ms` | model | time from a streamed request's arrival to its first response, in milliseconds (Triton's name) |
 | `pipeline_stage_calls_total` | stage, outcome | the router's calls of each stage, by gRPC status code name |
 | `pipeline_stage_retries_total` | stage | calls the router sent again (to another replica, within the retry budget) |
 | `pipeline_queue_depth` | model | requests waiting now |
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 
 #: Latency buckets from half a millisecond: stage calls on a CPU take a few.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: Triton's buckets of the time to a streamed request's first response, in milliseconds.
+FIRST_RESPONSE_BUCKETS = (100, 500, 2000, 5000)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 #: A gauge source: returns (label value, value) pairs when scraped; the label value is a tuple where the
@@ -189,6 +192,13 @@ class Metrics:
             "Time of one execution (a stage call on the router, the model's infer on a stage)",
             ["model"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_response = Histogram(
+            "nv_inference_first_response_histogram_ms",
+            "Duration from request to first response in milliseconds",
+            ["model"],
+            buckets=FIRST_RESPONSE_BUCKETS,
             registry=r,
         )
         self.batch_size = Histogram(

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -29,16 +30,35 @@ from pipeline.protocol.errors import (
     Unimplemented,
 )
 from pipeline.protocol.frames import extension as frames_extension
-from pipeline.protocol.streams import STREAM_STATUS_EXTENSION, error_response, hop_context
-from pipeline.runtime.admission import ByteBudget
+from pipeline.protocol.streams import (
+    STREAM_STATUS_EXTENSION,
+    error_response,
+    hop_context,
+    is_final,
+    set_final,
+    status_of,
+    wants_empty_final,
+)
+from pipeline.runtime.admission import ByteBudget, StreamHold
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
 from pipeline.runtime.shared_memory import SharedMemoryRegistry
-from pipeline.runtime.telemetry import MODEL, NO_SPAN, REQUEST_ID, Telemetry, record_error
+from pipeline.runtime.telemetry import (
+    MODEL,
+    NO_SPAN,
+    REQUEST_ID,
+    RESPONSE_FINAL,
+    RESPONSE_INDEX,
+    Telemetry,
+    record_error,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
+#: gRPC status code names by number.
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 #: Requests of one `ModelStreamInfer` stream held at once, answered or not (see `ModelStreamInfer`).
 STREAM_INFLIGHT = 64
@@ -79,6 +99,10 @@ class DataPlane(abc.ABC):
         STREAM_STATUS_EXTENSION,
     )
 
+    #: The models that answer a request with any number of responses (decoupled), by name: served by
+    #: `stream`, on streams only. Empty on a server that has none, which costs ordinary requests one check.
+    decoupled: Collection[str] = frozenset()
+
     @abc.abstractmethod
     def ready(self) -> bool:
         """Whether every model is ready to serve."""
@@ -98,6 +122,14 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         """Run one inference request."""
+
+    def stream(
+        self, request: pb.ModelInferRequest, call: CallContext
+    ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
+        """A decoupled model's responses to one request as they come (an error is a response of its own),
+        the last marked final (`pipeline.protocol.streams.set_final`), a final flag sent alone as a
+        response without outputs. Only for the models in `decoupled`."""
+        raise Unimplemented("this server has no decoupled models")
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         """Triton's `ModelStatistics`: every model's counters, or one model's (`name`)."""
@@ -172,10 +204,11 @@ def status_details(err: PipelineError) -> tuple[tuple[str, bytes], ...]:
     return () if status is None else tuple(rpc_status.to_status(status).trailing_metadata)
 
 
-def internal_error() -> str:
-    """Log the exception being handled under a new incident id; return what the client is told instead."""
+def internal_error(error: BaseException | None = None) -> str:
+    """Log `error` (by default the exception being handled) under a new incident id; return what the client
+    is told instead."""
     incident = uuid.uuid4().hex[:12]
-    log.exception("internal error, incident %s", incident)
+    log.error("internal error, incident %s", incident, exc_info=error or True)
     return f"internal error (incident {incident} in the server log)"
 
 
@@ -250,6 +283,65 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if span is not None and outcome != "CANCELLED":
                     record_error(span, err, outcome)
                 raise
+            finally:
+                self.metrics.child(self.metrics.requests, model, outcome).inc()
+                if outcome == "OK":
+                    self.metrics.child(self.metrics.request_duration, model).observe(
+                        time.perf_counter() - started
+                    )
+
+    async def stream(
+        self,
+        request: pb.ModelInferRequest,
+        call: CallContext,
+        send: Callable[[pb.ModelStreamInferResponse], Awaitable[None]],
+    ) -> None:
+        """One streamed request for a decoupled model: each of its responses through `send` as it comes, a
+        final flag sent alone only where the client asks for it (`triton_enable_empty_final_response`), a
+        failure as an error response marked final. The request's span (with a span per response), count,
+        latency and time to its first response."""
+        empty_final = wants_empty_final(request)
+        timeout, metadata = hop_context(request, call.metadata)
+        model = request.model_name
+        started = time.perf_counter()
+        outcome = "OK"
+        telemetry = self.telemetry
+        span_scope = (
+            telemetry.server_span(
+                f"ModelStreamInfer {model}", metadata, {MODEL: model, REQUEST_ID: request.id}
+            )
+            if telemetry.enabled
+            else NO_SPAN
+        )
+        with span_scope as span:
+            try:
+                responses = self.plane.stream(request, CallContext(timeout, metadata))
+                async with contextlib.aclosing(responses):
+                    count, since = 0, time.time_ns()
+                    async for reply in responses:
+                        if count == 0:
+                            self.metrics.child(self.metrics.first_response, model).observe(
+                                (time.perf_counter() - started) * 1e3
+                            )
+                        if reply.error_message:
+                            outcome = _CODE_NAMES.get(status_of(reply).code, "UNKNOWN")
+                        if span is not None:
+                            since = _response_span(telemetry, request.id, count, is_final(reply), since)
+                        count += 1
+                        if empty_final or reply.error_message or not _final_flag_alone(reply):
+                            await send(reply)
+            except PipelineError as err:
+                outcome = err.code.name
+                await send(
+                    set_final(error_response(request, err.code, err.message, rpc_status_of(err)), True)
+                )
+            except asyncio.CancelledError:
+                outcome = "CANCELLED"
+                raise
+            except Exception:
+                outcome = "INTERNAL"
+                message = internal_error()
+                await send(set_final(error_response(request, grpc.StatusCode.INTERNAL, message, None), True))
             finally:
                 self.metrics.child(self.metrics.requests, model, outcome).inc()
                 if outcome == "OK":
@@ -339,24 +431,49 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         await _guarded(context, _now(self.shared_memory.unregister, request.name))
         return pb.SystemSharedMemoryUnregisterResponse()
 
+    async def _many(
+        self,
+        request: pb.ModelInferRequest,
+        size: int,
+        call: CallContext,
+        slots: asyncio.Semaphore,
+        hold: StreamHold,
+    ) -> None:
+        """A decoupled request of a `ModelStreamInfer` stream. The reader took a slot and `size` bytes for it;
+        each response after its first takes one more slot, which the writer gives back once it has sent it
+        (the request's bytes go back with its first response)."""
+        sent = 0
+
+        async def send(reply: pb.ModelStreamInferResponse) -> None:
+            nonlocal sent
+            if sent:
+                await slots.acquire()
+            hold.put(reply, 0 if sent else size)
+            sent += 1
+
+        try:
+            await self.stream(request, call, send)
+        finally:
+            if not sent:
+                slots.release()
+                hold.give_back(size)
+
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests on a stream run concurrently; each response (or error, with its id and status) is sent
-        as it completes. A stream holds at most `STREAM_INFLIGHT` requests and its share of the budget of
-        bytes in flight (`pipeline.runtime.admission`), answered or not: a client that stops reading its
-        responses is not read from either (backpressure)."""
+        as it completes, and a decoupled model's many responses to a request in the order it makes them.
+        A stream holds at most `STREAM_INFLIGHT` requests and responses, and its share of the budget of bytes
+        in flight (`pipeline.runtime.admission`), answered or not: a client that stops reading its responses
+        is not read from, and a decoupled model not run on, either (backpressure)."""
         call = CallContext.of(context)
-        budget = self.budget
-        stream_limit = budget.stream_limit()
         done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int] | None] = asyncio.Queue()
+        hold = StreamHold(self.budget, done)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         tasks: set[asyncio.Task[None]] = set()
-        held = 0  # this stream's bytes in the budget: its requests, and its responses until sent
-        freed = asyncio.Event()
+        decoupled = self.plane.decoupled
 
         async def one(request: pb.ModelInferRequest, size: int) -> None:
-            nonlocal held
             timeout, metadata = hop_context(request, call.metadata)
             own = call if timeout is None and metadata is call.metadata else CallContext(timeout, metadata)
             try:
@@ -365,30 +482,26 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 response = error_response(request, err.code, err.message, rpc_status_of(err))
             except Exception:
                 response = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
-            made = response.ByteSize()
-            budget.charge(made)
-            held += made
-            done.put_nowait((response, size + made))
+            hold.put(response, size)
 
         async def read() -> None:
-            nonlocal held
             try:
                 while True:
                     await slots.acquire()
-                    while stream_limit is not None and held >= stream_limit:
-                        freed.clear()
-                        await freed.wait()  # its responses are not being taken: read no further
+                    await hold.room()
                     request = await request_iterator.__anext__()
                     size = request.ByteSize()
-                    await budget.wait(size)
-                    held += size
-                    task = asyncio.create_task(one(request, size))
+                    await hold.take(size)
+                    if decoupled and request.model_name in decoupled:
+                        task = asyncio.create_task(self._many(request, size, call, slots, hold))
+                    else:
+                        task = asyncio.create_task(one(request, size))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
             except StopAsyncIteration:
                 pass
             while tasks:
-                await asyncio.gather(*list(tasks))
+                await asyncio.gather(*list(tasks), return_exceptions=True)
             done.put_nowait(None)
 
         reader = asyncio.create_task(read())
@@ -396,12 +509,24 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             while (item := await done.get()) is not None:
                 response, size = item
                 yield response
-                held -= size
-                budget.release(size)
-                freed.set()
+                hold.give_back(size)
                 slots.release()
         finally:
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
-            budget.release(held)
+            hold.close()
+
+
+def _final_flag_alone(reply: pb.ModelStreamInferResponse) -> bool:
+    """Whether a streamed response is the final flag alone: no outputs, no error."""
+    return not reply.infer_response.outputs and is_final(reply)
+
+
+def _response_span(telemetry: Telemetry, request_id: str, index: int, final: bool, since: int) -> int:
+    """A span for one response of a streamed request, from the one before it (a child of the request's
+    span); returns when it ended."""
+    now = time.time_ns()
+    attributes = {REQUEST_ID: request_id, RESPONSE_INDEX: index, RESPONSE_FINAL: final}
+    telemetry.record_span(f"response {index}", since, now, attributes)
+    return now

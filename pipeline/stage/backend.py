@@ -9,17 +9,24 @@ instance of Triton's `instance_group`. The runtime (`pipeline.stage.plane.StageP
 
 `StageInstance` adapts a `pipeline.stage.api.Stage` object to an instance, and `stage_config` describes it as a
 `ModelConfig`: the python backend and in-process test servers both use them.
+
+A decoupled instance (its config's `model_transaction_policy { decoupled: true }`, `pipeline.stage.decoupled`)
+also has `run_decoupled`, which hands each response to a `ResponseSink` as it is made instead of returning one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.errors import PipelineError
 from pipeline.protocol.model_config import (
     DETERMINISTIC_PARAMETER,
     SERVED_FIELDS,
@@ -62,6 +69,30 @@ class Instance(Protocol):
         ...
 
 
+class ResponseSink(Protocol):
+    """Where a decoupled instance's responses go (`pipeline.stage.decoupled.ResponseChannel`)."""
+
+    def send(
+        self,
+        outputs: Mapping[str, np.ndarray] | None,
+        error: PipelineError | None = None,
+        final: bool = False,
+    ) -> bool:
+        """Hand over one response (`outputs`, or `error`; neither: the final flag alone), waiting while the
+        client has not read those before it; False once nobody reads them (the response is dropped)."""
+        ...
+
+    def cancelled(self) -> bool:
+        """Whether the request's client has gone or its deadline has passed."""
+        ...
+
+
+def is_generator_stage(stage: Stage) -> bool:
+    """Whether a stage's `infer` is a generator or an async generator: the stage is decoupled."""
+    infer = type(stage).infer
+    return inspect.isgeneratorfunction(infer) or inspect.isasyncgenfunction(infer)
+
+
 @dataclass
 class PreparedVersion:
     """One version of a model, ready to load."""
@@ -96,6 +127,8 @@ def stage_config(stage: Stage, name: str | None = None) -> mc.ModelConfig:
         max_batch_size=stage.max_batch_size,
     )
     set_tensor_specs(config, stage.inputs, stage.outputs)
+    if is_generator_stage(stage):
+        config.model_transaction_policy.decoupled = True
     if not stage.deterministic:
         config.parameters[DETERMINISTIC_PARAMETER].string_value = "false"
     if stage.response_cache:
@@ -106,14 +139,16 @@ def stage_config(stage: Stage, name: str | None = None) -> mc.ModelConfig:
 
 
 class StageInstance:
-    """A `Stage` object as an instance: its `load`, `infer` and `unload`."""
+    """A `Stage` object as an instance: its `load`, `infer` and `unload`. A stage whose `infer` is a
+    generator is decoupled: each of its yields is a response, and its end the final flag."""
 
     device = "cpu"
 
     def __init__(self, stage: Stage, reason: str = "python stage") -> None:
         self.stage = stage
         self.reason = reason
-        self.inline = bool(stage.inline)
+        # NOTE: a generator's responses wait for their client in `ResponseSink.send`: never on the event loop.
+        self.inline = bool(stage.inline) and not is_generator_stage(stage)
 
     def load(self) -> None:
         self.stage.load()
@@ -128,5 +163,33 @@ class StageInstance:
         finally:
             self.stage.deadline = NO_DEADLINE
 
+    def run_decoupled(self, inputs: Mapping[str, np.ndarray], deadline: Deadline, sink: ResponseSink) -> None:
+        """Run a generator stage to its end, or until its client has gone: then it is closed at the yield
+        whose response nobody reads (within one response). An async generator runs on this thread's own loop."""
+        self.stage.deadline = deadline
+        try:
+            produced = self.stage.infer(inputs)
+            if inspect.isasyncgen(produced):
+                asyncio.run(_drain_async(produced, sink))
+            else:
+                _drain(produced, sink)  # type: ignore[arg-type]
+        finally:
+            self.stage.deadline = NO_DEADLINE
+        sink.send(None, None, True)
+
     def unload(self) -> None:
         self.stage.unload()
+
+
+def _drain(produced: Iterator[Mapping[str, np.ndarray]], sink: ResponseSink) -> None:
+    with contextlib.closing(produced):  # type: ignore[type-var]
+        for outputs in produced:
+            if not sink.send(outputs):
+                return
+
+
+async def _drain_async(produced: AsyncIterator[Mapping[str, np.ndarray]], sink: ResponseSink) -> None:
+    async with contextlib.aclosing(produced):  # type: ignore[type-var]
+        async for outputs in produced:
+            if not sink.send(outputs):
+                return

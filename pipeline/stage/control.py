@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import json_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import PipelineError, RepositoryError
+from pipeline.protocol.errors import InvalidInput, PipelineError, RepositoryError
 from pipeline.runtime.arguments import positive_int
 from pipeline.runtime.security import AccessPolicy
 
@@ -123,3 +125,19 @@ def model_control_of(args: argparse.Namespace, policy: AccessPolicy) -> ModelCon
         admin_configured=policy.admin_configured,
         max_instances=getattr(args, "max_instances", DEFAULT_MAX_INSTANCES),
     )
+
+
+def config_override(parameters: Mapping[str, object]) -> mc.ModelConfig | None:
+    """The `ModelConfig` that `RepositoryModelLoad`'s parameter `config` (JSON) gives, if any; the only
+    parameter taken."""
+    for key in parameters:
+        if key != "config":
+            raise InvalidInput(f"RepositoryModelLoad: parameter '{key}' is not supported (only 'config')")
+    if "config" not in parameters:
+        return None
+    try:
+        return json_format.Parse(str(parameters["config"]), mc.ModelConfig())
+    except json_format.ParseError as exc:
+        raise InvalidInput(
+            f"RepositoryModelLoad: parameter 'config' is not a ModelConfig in JSON: {exc}"
+        ) from None

@@ -25,26 +25,23 @@ reason, by `RepositoryIndex`, `ModelReady` and the log, while every other model 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from google.protobuf import json_format
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.codec import (
-    Tensor,
-    infer_response,
     metadata_response,
     request_tensors,
     requested_outputs,
     select_version,
     validate_inputs,
 )
-from pipeline.protocol.datatypes import DATATYPES, datatype_of
 from pipeline.protocol.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -56,6 +53,7 @@ from pipeline.protocol.errors import (
     Unimplemented,
 )
 from pipeline.protocol.model_config import tensor_specs
+from pipeline.protocol.streams import DECOUPLED_UNARY, set_final
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
@@ -64,7 +62,9 @@ from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import BATCH_SIZE, MODEL, NO_SPAN, Telemetry
 from pipeline.stage.api import Deadline, Stage
 from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
-from pipeline.stage.control import ModelControl
+from pipeline.stage.control import ModelControl, config_override
+from pipeline.stage.decoupled import count_stream, stream_replies
+from pipeline.stage.encode import stage_response
 from pipeline.stage.pool import NOT_STARTED_MESSAGE, InstancePool, Slot
 from pipeline.stage.warmup import warm_up, warmup_samples
 
@@ -88,9 +88,12 @@ class ServedVersion:
     quiet: asyncio.Event = field(default_factory=asyncio.Event)
     inflight: int = 0
     retired: bool = False
+    #: Answers with any number of responses (`pipeline.stage.decoupled`): served on streams only.
+    decoupled: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.quiet.set()
+        self.decoupled = self.config.model_transaction_policy.decoupled
 
     @property
     def max_batch_size(self) -> int:
@@ -160,6 +163,7 @@ class StagePlane(DataPlane):
             self.extensions = (*DataPlane.extensions, "model_repository")
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
+        self.decoupled: set[str] = set()
         _export_gauges(self.metrics, self._models)
 
     @property
@@ -206,6 +210,7 @@ class StagePlane(DataPlane):
         model.versions = {
             v: ServedVersion(stage.name, v, config, inputs, outputs, pool) for v in stage.versions
         }
+        self._serving_changed(model)
         model.reason = ""
         log.info("loaded model '%s' (platform %s)", stage.name, stage.platform)
 
@@ -266,6 +271,7 @@ class StagePlane(DataPlane):
         retired = [served for v, served in current.items() if versions.get(v) is not served]
         # NOTE: the swap is one assignment on the event loop: a request sees either the old versions or the new.
         model.versions = versions
+        self._serving_changed(model)
         model.wanted = True
         model.reason = ""
         if fresh:
@@ -307,6 +313,13 @@ class StagePlane(DataPlane):
         )
         return ServedVersion(entry.name, version, config, inputs, outputs, pool, fingerprint)
 
+    def _serving_changed(self, model: _Model) -> None:
+        """Keep `decoupled` (the models that answer on streams only) as the versions serving now say."""
+        if any(served.decoupled for served in model.versions.values()):
+            self.decoupled.add(model.name)
+        else:
+            self.decoupled.discard(model.name)
+
     async def _retire(self, served: ServedVersion) -> None:
         """Let a version's in-flight requests finish, then unload its instances, unless a version still
         serving shares them (a `Stage` object's versions do)."""
@@ -343,26 +356,7 @@ class StagePlane(DataPlane):
                 continue
             if entry.backend in self.backends:
                 on_disk[name] = entry.versions
-        for name in sorted(set(on_disk) | set(problems) | set(self._models)):
-            model = self._models.get(name)
-            served = model.versions if model else {}
-            problem = problems.get(name, "")
-            versions = (
-                sorted(set(on_disk.get(name, ())) | set(served), key=int)
-                if not model or not model.fixed
-                else list(served)
-            )
-            for version in versions:
-                if version in served:
-                    reply.models.add(name=name, version=version, state="READY")
-                elif not ready_only:
-                    reason = problem or (model.reason if model and model.reason else "")
-                    if not reason:
-                        reason = "unloaded" if model and not model.wanted else "not loaded"
-                    reply.models.add(name=name, version=version, state="UNAVAILABLE", reason=reason)
-            if not versions and not ready_only:
-                reason = problem or (model.reason if model else "") or "no versions"
-                reply.models.add(name=name, state="UNAVAILABLE", reason=reason)
+        _index_entries(reply, on_disk, problems, self._models, ready_only)
         return reply
 
     async def repository_load(self, name: str, parameters: Mapping[str, object]) -> None:
@@ -390,6 +384,7 @@ class StagePlane(DataPlane):
                 raise InvalidInput(f"model '{name}' is built into this service; it cannot be unloaded")
             versions = list(model.versions.values())
             model.versions = {}
+            self._serving_changed(model)
             model.wanted = False
             model.reason = "unloaded"
             for served in versions:
@@ -429,6 +424,8 @@ class StagePlane(DataPlane):
         started = time.perf_counter_ns()
         deadline = Deadline.after(call.timeout, self.clock)
         served = self._get(request.model_name, request.model_version)
+        if served.decoupled:
+            raise Unimplemented(DECOUPLED_UNARY.format(model=served.name))
         name, version = served.name, served.version
         stats = self._models[name].stats
         telemetry = self.telemetry
@@ -507,6 +504,22 @@ class StagePlane(DataPlane):
                 served.quiet.set()
         return result, begun - submitted, ended - begun, (wall_start, wall_end)
 
+    async def stream(
+        self, request: pb.ModelInferRequest, call: CallContext
+    ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
+        """A decoupled model's responses to one request as it makes them (`pipeline.stage.decoupled`), the
+        last marked final; an error the model sends is a response of its own."""
+        served = self._get(request.model_name, request.model_version)
+        if not served.decoupled:  # a version of a decoupled model that is not: its one response
+            yield set_final(pb.ModelStreamInferResponse(infer_response=await self.infer(request, call)), True)
+            return
+        deadline = Deadline.after(call.timeout, self.clock)
+        async with contextlib.aclosing(
+            _stream(served, self._models[served.name], request, deadline)
+        ) as replies:
+            async for reply in replies:
+                yield reply
+
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         names = [name] if name else [n for n, m in self._models.items() if m.versions]
         reply = pb.ModelStatisticsResponse()
@@ -514,6 +527,69 @@ class StagePlane(DataPlane):
             served = self._get(model, version)
             reply.model_stats.append(self._models[model].stats.proto(model, served.version))
         return reply
+
+
+async def _stream(
+    served: ServedVersion, model: _Model, request: pb.ModelInferRequest, deadline: Deadline
+) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
+    """One request's responses from a decoupled version, counted in flight and in its statistics."""
+    started = time.perf_counter_ns()
+    name, version = served.name, served.version
+    tensors = validate_inputs(name, request_tensors(request), served.inputs, served.max_batch_size)
+    wanted = requested_outputs(request, served.outputs, name)
+    arrays = {tensor_name: tensor.to_array() for tensor_name, tensor in tensors.items()}
+    batch = next(iter(arrays.values())).shape[0] if served.max_batch_size > 0 and arrays else None
+    specs = {spec.name: spec for spec in served.outputs}
+    served.inflight += 1
+    served.quiet.clear()
+    model.pending += 1
+    failed = False
+    try:
+        async for reply in stream_replies(
+            served.pool,
+            request,
+            arrays,
+            deadline,
+            lambda outputs: stage_response(name, version, request.id, wanted, outputs, specs, batch),
+        ):
+            failed = failed or bool(reply.error_message)
+            yield reply
+    finally:
+        model.pending -= 1
+        served.inflight -= 1
+        if served.inflight == 0:
+            served.quiet.set()
+        count_stream(model.stats, batch or 1, time.perf_counter_ns() - started, failed)
+
+
+def _index_entries(
+    reply: pb.RepositoryIndexResponse,
+    on_disk: Mapping[str, tuple[str, ...]],
+    problems: Mapping[str, str],
+    models: Mapping[str, _Model],
+    ready_only: bool,
+) -> None:
+    """`RepositoryIndex`'s entries: each version on disk or served, READY or UNAVAILABLE and why."""
+    for name in sorted(set(on_disk) | set(problems) | set(models)):
+        model = models.get(name)
+        served = model.versions if model else {}
+        problem = problems.get(name, "")
+        versions = (
+            sorted(set(on_disk.get(name, ())) | set(served), key=int)
+            if not model or not model.fixed
+            else list(served)
+        )
+        for version in versions:
+            if version in served:
+                reply.models.add(name=name, version=version, state="READY")
+            elif not ready_only:
+                reason = problem or (model.reason if model and model.reason else "")
+                if not reason:
+                    reason = "unloaded" if model and not model.wanted else "not loaded"
+                reply.models.add(name=name, version=version, state="UNAVAILABLE", reason=reason)
+        if not versions and not ready_only:
+            reason = problem or (model.reason if model else "") or "no versions"
+            reply.models.add(name=name, state="UNAVAILABLE", reason=reason)
 
 
 def _export_gauges(metrics: Metrics, models: Mapping[str, _Model]) -> None:
@@ -530,45 +606,3 @@ def _export_gauges(metrics: Metrics, models: Mapping[str, _Model]) -> None:
         "model",
         lambda: [(n, m.running) for n, m in models.items() if m.versions],
     )
-
-
-def config_override(parameters: Mapping[str, object]) -> mc.ModelConfig | None:
-    """The `ModelConfig` that `RepositoryModelLoad`'s parameter `config` (JSON) gives, if any; the only
-    parameter taken."""
-    for key in parameters:
-        if key != "config":
-            raise InvalidInput(f"RepositoryModelLoad: parameter '{key}' is not supported (only 'config')")
-    if "config" not in parameters:
-        return None
-    try:
-        return json_format.Parse(str(parameters["config"]), mc.ModelConfig())
-    except json_format.ParseError as exc:
-        raise InvalidInput(
-            f"RepositoryModelLoad: parameter 'config' is not a ModelConfig in JSON: {exc}"
-        ) from None
-
-
-def stage_response(
-    model: str,
-    version: str,
-    request_id: str,
-    wanted: Sequence[str],
-    result: dict[str, np.ndarray],
-    specs: Mapping[str, TensorSpec],
-    batch: int | None,
-) -> pb.ModelInferResponse:
-    """Check a stage's result against its declared outputs and build the response."""
-    tensors = []
-    for name in wanted:
-        if name not in result:
-            raise RuntimeError(f"model '{model}' returned no output '{name}'")
-        array = np.asarray(result[name])
-        spec = specs[name]
-        if datatype_of(array) != spec.datatype and spec.datatype != "BYTES":
-            array = array.astype(DATATYPES[spec.datatype])
-        if batch is not None and (array.ndim == 0 or array.shape[0] != batch):
-            raise RuntimeError(
-                f"model '{model}' output '{name}' has shape {list(array.shape)}, expected batch {batch}"
-            )
-        tensors.append(Tensor.from_array(name, array))
-    return infer_response(model, version, request_id, tensors)

@@ -14,7 +14,7 @@ import numpy as np
 
 from pipeline.protocol.errors import DeadlineExceeded
 from pipeline.stage.api import NO_DEADLINE, Deadline
-from pipeline.stage.backend import Instance
+from pipeline.stage.backend import Instance, ResponseSink
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,16 @@ class Slot:
         finally:
             self.finished += 1
         return result, begun, time.perf_counter_ns(), wall_start, time.time_ns()
+
+    def run_decoupled(self, arrays: dict[str, np.ndarray], deadline: Deadline, sink: ResponseSink) -> None:
+        """Run one request of a decoupled instance (its responses go to `sink`), counted as `run` counts."""
+        if deadline.expired():
+            raise DeadlineExceeded(NOT_STARTED_MESSAGE)
+        self.started += 1
+        try:
+            self.instance.run_decoupled(arrays, deadline, sink)  # type: ignore[attr-defined]
+        finally:
+            self.finished += 1
 
     async def call(self, method: Any, *args: Any) -> Any:
         """Call one of the instance's blocking methods on its thread (or inline)."""

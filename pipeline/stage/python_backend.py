@@ -11,6 +11,7 @@ A `model.py` defines either
   class's declarations, if it has any, must then agree with it (same names and datatypes; a dimension the
   class leaves -1 the config may fix). A `max_batch_size` of 0 in the config (or none) keeps the class's.
   The config's `parameters` reach the stage as `Stage.parameters` (strings), set before `load()`.
+  A class whose `infer` is a generator (or an async generator) is decoupled: each yield is a response.
   `instance_group` `count` gives that many Stage objects, each loaded and run on a thread of its own.
 - or a `TritonPythonModel`, as written for Triton's Python backend, unmodified: `initialize(args)` gets
   Triton's args (`model_config` as JSON in Triton's field names, `model_instance_kind`,
@@ -55,7 +56,13 @@ from pipeline.protocol.model_config import (
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.repository import RepositoryEntry
 from pipeline.stage.api import NO_DEADLINE, Deadline, Stage
-from pipeline.stage.backend import RUNTIME_FIELDS, PreparedVersion, StageInstance
+from pipeline.stage.backend import (
+    RUNTIME_FIELDS,
+    PreparedVersion,
+    ResponseSink,
+    StageInstance,
+    is_generator_stage,
+)
 from pipeline.stage.model_file import (
     SharedModule,
     cause,
@@ -69,7 +76,7 @@ from pipeline.stage.triton_model import prepare_triton
 log = logging.getLogger(__name__)
 
 #: Config fields the python backend acts on: those the stage runtime does, and the transaction policy (a
-#: decoupled model is refused); others are logged.
+#: decoupled model answers with any number of responses, `pipeline.stage.decoupled`); others are logged.
 ACTED_ON = RUNTIME_FIELDS | {"model_transaction_policy"}
 
 
@@ -163,6 +170,13 @@ def _prepare_stage(
     if getattr(first, "response_cache", False) and not config.HasField("response_cache"):
         config.response_cache.enable = True
     check_response_cache(config, f"{entry.source} with {path}")
+    if config.model_transaction_policy.decoupled and not is_generator_stage(first):
+        raise RepositoryError(
+            f"{entry.source}: model_transaction_policy {{ decoupled: true }}, but {cls.__name__}.infer in "
+            f"{path} returns its outputs; a decoupled Stage's infer is a generator that yields each response"
+        )
+    if is_generator_stage(first):
+        config.model_transaction_policy.decoupled = True
     parameters = types.MappingProxyType(parameters_of(config))
     declared = (tuple(getattr(first, "inputs", ())), tuple(getattr(first, "outputs", ())))
     if config.input or config.output:
@@ -270,6 +284,9 @@ class _StageFileInstance:
         self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
     ) -> dict[str, np.ndarray]:
         return self._adapted.run(inputs, deadline)
+
+    def run_decoupled(self, inputs: Mapping[str, np.ndarray], deadline: Deadline, sink: ResponseSink) -> None:
+        self._adapted.run_decoupled(inputs, deadline, sink)
 
     def unload(self) -> None:
         try:

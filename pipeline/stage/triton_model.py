@@ -2,7 +2,9 @@
 (`pipeline.stage.python_backend`): their config, the `args` their `initialize` gets, and their instances.
 
 As in Triton, `auto_complete_config(pb_utils.ModelConfig)`, when the class defines it, completes the config
-before anything else reads it (`pipeline.stage.triton_model_config`); decoupled models are refused at load.
+before anything else reads it (`pipeline.stage.triton_model_config`). A decoupled model
+(`model_transaction_policy { decoupled: true }`) answers through `request.get_response_sender()`: its
+`execute` returns None, and its responses may go on from other threads until one carries the final flag.
 `execute` may be a coroutine function (Triton's async execute); it then runs to completion on the instance's
 thread. An error a response carries is answered with the gRPC status of its `TritonError` code (INVALID_ARG:
 INVALID_ARGUMENT, UNSUPPORTED: UNIMPLEMENTED, INTERNAL, the default: INTERNAL, ...) and its message; so is a
@@ -41,7 +43,7 @@ from pipeline.protocol.proto_json import message_json
 from pipeline.runtime.repository import RepositoryEntry
 from pipeline.stage import triton_python_backend_utils as pb_utils
 from pipeline.stage.api import NO_DEADLINE, Deadline
-from pipeline.stage.backend import PreparedVersion
+from pipeline.stage.backend import PreparedVersion, ResponseSink
 from pipeline.stage.model_file import SharedModule, cause, device_of, instance_placements, where
 from pipeline.stage.triton_model_config import COMPLETED_FIELDS
 
@@ -76,11 +78,6 @@ def prepare_triton(
             f"{path}: a TritonPythonModel needs its input and output tensors declared, as Triton's Python "
             f"backend does: in a config.pbtxt beside its version folders ({entry.folder / 'config.pbtxt'}), "
             "or by its auto_complete_config"
-        )
-    if config.model_transaction_policy.decoupled:
-        raise RepositoryError(
-            f"{entry.source}: model_transaction_policy {{ decoupled: true }}: decoupled models (any number of "
-            "responses per request) are not supported by this server yet"
         )
     placements = instance_placements(config)
     inputs, outputs = tensor_specs(config, entry.source)
@@ -182,23 +179,36 @@ class TritonInstance:
             ) from exc
         self._model = model
 
-    def run(
-        self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
-    ) -> dict[str, np.ndarray]:
+    def _request(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        deadline: Deadline,
+        cancelled: Callable[[], bool],
+        sender: pb_utils.InferenceResponseSender | None = None,
+    ) -> pb_utils.InferenceRequest:
         remaining = deadline.remaining()
-        request = pb_utils.InferenceRequest(
+        return pb_utils.InferenceRequest(
             model_name=self._args["model_name"],
             inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
             requested_output_names=self._outputs,
             timeout=0 if remaining is None else max(1, int(remaining * 1e6)),
-            cancelled=deadline.expired,
+            cancelled=cancelled,
+            response_sender=sender,
         )
+
+    def _execute(self, request: pb_utils.InferenceRequest) -> Any:
         try:
-            responses = self._model.execute([request])
-            if inspect.iscoroutine(responses):  # Triton's async execute: run it here, on this thread
-                responses = asyncio.run(responses)
+            returned = self._model.execute([request])
+            if inspect.iscoroutine(returned):  # Triton's async execute: run it here, on this thread
+                returned = asyncio.run(returned)
         except pb_utils.TritonModelException as exc:
             raise StageError(str(exc), grpc.StatusCode.INTERNAL) from None
+        return returned
+
+    def run(
+        self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+    ) -> dict[str, np.ndarray]:
+        responses = self._execute(self._request(inputs, deadline, deadline.expired))
         if not isinstance(responses, list | tuple) or len(responses) != 1:
             raise PipelineError(
                 f"{self._path}: TritonPythonModel.execute must return a list of one InferenceResponse per "
@@ -213,14 +223,44 @@ class TritonInstance:
         error = response.error()
         if error is not None:
             raise model_error(error, deadline)
+        return self._outputs_of(response)
+
+    def _outputs_of(self, response: pb_utils.InferenceResponse) -> dict[str, np.ndarray]:
         outputs = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
         missing = [name for name in self._outputs if name not in outputs]
         if missing:
             raise PipelineError(
-                f"{self._path}: TritonPythonModel.execute returned no output {', '.join(missing)} "
+                f"{self._path}: TritonPythonModel returned no output {', '.join(missing)} "
                 f"(it returned: {', '.join(outputs) or 'none'})"
             )
         return {name: np.asarray(outputs[name]) for name in self._outputs}
+
+    def run_decoupled(self, inputs: Mapping[str, np.ndarray], deadline: Deadline, sink: ResponseSink) -> None:
+        """A decoupled model's `execute`: it answers through the request's sender, on this thread or any
+        other, and returns None; the responses may go on after it returned."""
+
+        def deliver(response: pb_utils.InferenceResponse | None, final: bool) -> None:
+            if response is None:
+                sink.send(None, None, final)
+                return
+            error = response.error()
+            if error is not None:
+                sink.send(None, model_error(error, deadline), final)
+                return
+            try:
+                outputs = self._outputs_of(response)
+            except PipelineError as exc:
+                sink.send(None, exc, final)
+                return
+            sink.send(outputs, None, final)
+
+        sender = pb_utils.InferenceResponseSender(deliver, sink.cancelled)
+        returned = self._execute(self._request(inputs, deadline, sink.cancelled, sender))
+        if returned is not None and not (isinstance(returned, list | tuple) and not returned):
+            raise PipelineError(
+                f"{self._path}: TritonPythonModel.execute of a decoupled model must return None (its responses "
+                f"go through the request's response sender); it returned {_describe(returned)}"
+            )
 
     def unload(self) -> None:
         model, self._model = self._model, None

@@ -6,6 +6,10 @@ pb_utils` works unchanged. What is here behaves as Triton's documented API does:
 
 - tensors, requests and responses: `Tensor` (with DLPack), `InferenceRequest` (`is_cancelled()` turns true
   once the call's deadline has passed or its client has gone), `InferenceResponse` (with `parameters`);
+- decoupled models (`model_transaction_policy { decoupled: true }`): `request.get_response_sender()` gives an
+  `InferenceResponseSender` whose `send(response, flags=...)` sends each response as it is made, from any
+  thread and also after `execute` returned None, until one carries `TRITONSERVER_RESPONSE_COMPLETE_FINAL`;
+  `sender.is_cancelled()` tells the model its client has gone;
 - errors: `TritonError` with its codes (`TritonError.INVALID_ARG`, ...: each becomes the matching gRPC
   status), and `TritonModelException`;
 - `Logger` (`log_info`, `log_warn`, `log_error`, `log_verbose`, `log(message, Logger.INFO)`), writing to the
@@ -17,8 +21,7 @@ pb_utils` works unchanged. What is here behaves as Triton's documented API does:
 
 Refused with a message saying so: calls from a model into other models (BLS, `InferenceRequest.exec`) and
 the model loading API (`load_model`, ...): each service here runs the models of its own backend, so a model's
-neighbours usually run in another process; an ensemble chains them instead. Decoupled models
-(`get_response_sender`) are refused too.
+neighbours usually run in another process; an ensemble chains them instead.
 """
 
 from __future__ import annotations
@@ -217,10 +220,12 @@ class InferenceRequest:
         timeout: int = 0,
         parameters: Mapping[str, Any] | str | None = None,
         cancelled: Callable[[], bool] | None = None,
+        response_sender: InferenceResponseSender | None = None,
         **_: Any,
     ) -> None:
         """Triton's arguments; `cancelled` is what `is_cancelled` asks (the runtime passes the call's deadline
-        check)."""
+        check), `response_sender` what `get_response_sender` gives (the runtime passes one to a decoupled
+        model)."""
         self._model_name = model_name
         self._inputs = list(inputs)
         self._requested = list(requested_output_names)
@@ -229,6 +234,7 @@ class InferenceRequest:
         self._flags = flags
         self._timeout = timeout
         self._cancelled = cancelled
+        self._sender = response_sender
         if parameters is None:
             self._parameters = "{}"
         elif isinstance(parameters, str):
@@ -285,11 +291,15 @@ class InferenceRequest:
         """Refused, as `exec` is."""
         return self.exec()
 
-    def get_response_sender(self) -> Any:
-        """Refused: decoupled models (several responses per request) are not supported."""
-        raise TritonModelException(
-            "decoupled models (InferenceRequest.get_response_sender) are not supported by this server"
-        )
+    def get_response_sender(self) -> InferenceResponseSender:
+        """The sender of this request's responses: a decoupled model's only way to answer."""
+        if self._sender is None:
+            raise TritonModelException(
+                f"InferenceRequest.get_response_sender: model '{self._model_name}' is not decoupled, so it "
+                "answers by returning one InferenceResponse per request from execute; declare "
+                "model_transaction_policy { decoupled: true } in its config.pbtxt to send responses instead"
+            )
+        return self._sender
 
     def set_release_flags(self, flags: int) -> None:
         """Accepts `TRITONSERVER_REQUEST_RELEASE_ALL`; rescheduling a request is not supported."""
@@ -297,6 +307,49 @@ class InferenceRequest:
             raise TritonModelException(
                 "rescheduling a request (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE) is not supported"
             )
+
+
+class InferenceResponseSender:
+    """Sends a decoupled model's responses to one request, as Triton's sender does: any number of
+    `send(response)`, then one with `flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL` (with a last response, or
+    none), from any thread. A send waits while the client has not read the responses sent before it;
+    responses sent after the client has gone are dropped (`is_cancelled` says so)."""
+
+    def __init__(
+        self, deliver: Callable[[InferenceResponse | None, bool], None], cancelled: Callable[[], bool]
+    ) -> None:
+        """`deliver(response, final)` hands a response (None: the final flag alone) to the runtime."""
+        self._deliver = deliver
+        self._cancelled = cancelled
+        self._closed = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        """Send `response` (None only with the final flag); the final flag closes the sender."""
+        if self._closed:
+            raise TritonModelException(
+                "Unable to send response. Response sender has been closed (the final flag was sent)."
+            )
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise TritonModelException(
+                "InferenceResponseSender.send: a response is needed unless flags carry "
+                "TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+            )
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException(
+                f"InferenceResponseSender.send: expected an InferenceResponse, got {type(response).__name__}"
+            )
+        self._closed = final
+        self._deliver(response, final)
+
+    def is_cancelled(self) -> bool:
+        """Whether the request's client has gone (or its deadline passed): its responses are not wanted."""
+        return self._cancelled()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the final flag was sent."""
+        return self._closed
 
 
 class InferenceResponse:

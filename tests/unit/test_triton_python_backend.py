@@ -1,6 +1,6 @@
 """Triton's Python-backend API as its documentation shows it: the logger, `auto_complete_config` and
 `pb_utils.ModelConfig`, the config and type helpers, error codes, async `execute`, request cancellation, and
-what is refused (decoupled models, BLS, the model loading API) with a message saying so."""
+what is refused (BLS, the model loading API) with a message saying so."""
 
 from __future__ import annotations
 
@@ -147,14 +147,19 @@ def test_auto_complete_may_complete_the_config_but_not_contradict_it(tmp_path: P
         pb_utils.ModelConfig({"name": "m", "sequence_batching": {}}).set_dynamic_batching()
 
 
-def test_a_decoupled_model_is_refused_at_load(tmp_path: Path) -> None:
+def test_auto_complete_may_make_a_model_decoupled(tmp_path: Path) -> None:
     source = DOCUMENTED.replace(
         "        auto_complete_model_config.set_dynamic_batching()\n",
         '        auto_complete_model_config.set_model_transaction_policy({"decoupled": True})\n',
     )
     write_model(tmp_path, "doubler", source)
-    with pytest.raises(RepositoryError, match=r"decoupled models .* are not supported by this server yet"):
-        _prepared(tmp_path, "doubler")
+    assert _prepared(tmp_path, "doubler").config.model_transaction_policy.decoupled
+
+
+def test_a_model_that_is_not_decoupled_has_no_response_sender() -> None:
+    request = pb_utils.InferenceRequest(model_name="m")
+    with pytest.raises(pb_utils.TritonModelException, match="is not decoupled"):
+        request.get_response_sender()
 
 
 def test_an_async_execute_runs(tmp_path: Path) -> None:
