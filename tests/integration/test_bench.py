@@ -24,6 +24,7 @@ from pipeline.tools.bench.run import run_bench
 from pipeline.tools.bench.statistics import statistics_delta
 from pipeline.tools.testing import serving_stages
 from tests.conftest import wait_serving
+from tests.streaming import serving_writer
 
 
 class Double(Stage):
@@ -292,3 +293,46 @@ async def test_input_files_given_several_times_are_sent_in_turn(server, tmp_path
     assert report.results[0].ok > 1
     with pytest.raises(BenchError, match="repeat-share"):
         await run_bench(_options(server.address, "double", input_files=files, repeat_share=0.5))
+
+
+@pytest.fixture
+def writer():
+    with serving_writer() as running:
+        yield running
+
+
+async def test_stream_mode_times_the_first_response_and_the_gaps(writer) -> None:
+    servicer, address = writer
+    options = _options(
+        address, "writer", concurrency=(1, 3), stream=True, values={"PROMPT": "Hello", "COUNT": "5"}
+    )
+    report = await run_bench(options)
+
+    for r in report.results:
+        assert r.sent > 0 and r.sent == r.ok and not r.errors
+        assert r.window_ok > 0 and r.stream_responses == 5 * r.window_ok
+        assert r.first_response.size == r.window_ok and r.gaps.size == 4 * r.window_ok
+        assert (r.first_response <= r.latencies.max()).all() and (r.gaps >= 0).all()
+        assert r.responses_per_s == pytest.approx(5 * r.requests_per_s)
+    # Every request asked for the empty final response, and every stream held open after it was cancelled.
+    assert all(q.parameters["triton_enable_empty_final_response"].bool_param for q in servicer.requests)
+    assert servicer.cancelled.is_set()
+    text = format_report(report)
+    assert "streams/s" in text and "first p50" in text and "gap p99" in text
+    stream = report.to_dict()["results"][0]["stream"]
+    assert stream["responses_per_stream"] == 5 and {"p50", "p99", "mean"} <= stream["gap_ms"].keys()
+
+
+async def test_stream_mode_counts_a_failed_stream_once(writer) -> None:
+    _, address = writer
+    options = _options(address, "writer", stream=True, values={"PROMPT": "fail", "COUNT": "5"}, duration=1.5)
+    (r,) = (await run_bench(options)).results
+    assert r.sent > 0 and r.ok == 0 and dict(r.errors) == {"UNKNOWN": r.sent}
+
+
+async def test_stream_mode_needs_grpc_and_values_of_the_inputs_datatype(writer) -> None:
+    _, address = writer
+    with pytest.raises(BenchError, match="--stream needs --protocol grpc"):
+        await run_bench(_options(address, "writer", stream=True, protocol="http"))
+    with pytest.raises(BenchError, match="--value COUNT: 'x' is not a value of datatype INT32"):
+        await run_bench(_options(address, "writer", stream=True, values={"PROMPT": "a", "COUNT": "x"}))

@@ -165,6 +165,9 @@ def test_the_example_repository_serves_every_example_stage() -> None:
         "digits_postprocess",
         "embeddings_pool",
         "refcnn_postprocess",
+        "textgen_tokenize",
+        "textgen_generate",
+        "textgen_detokenize",
     }
     for name, entry in entries.items():
         assert not isinstance(entry, RepositoryError), entry

@@ -5,6 +5,11 @@ request as soon as the previous one returns) or open loop (`--rate 500,1000`: ar
 or evenly spaced, whether or not earlier requests have returned). Each level runs `--warmup` seconds, then is
 measured for `--duration` seconds: a request counts in the interval when its response arrives inside it.
 
+With `--stream` each request goes over a `ModelStreamInfer` stream of its own and may have many responses (a
+decoupled model's, one per generated token): besides streams/s and the latency to a stream's last response,
+the run reports responses/s, the time to first response and the gaps between one response and the next,
+p50 and p99 (gRPC only).
+
 Inputs are synthesised from the model's `ModelMetadata` (random data of each input's datatype and shape,
 `--batch` items in the batch dimension) or read from files. The request is serialised once and the same bytes
 are sent every time, and responses are counted but not decoded, so the generator stays cheap; `--processes`

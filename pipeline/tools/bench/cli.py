@@ -97,6 +97,20 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "weigh it)",
     )
     parser.add_argument(
+        "--value",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an input holding one value throughout: a number, or text for BYTES (e.g. MAX_TOKENS=64)",
+    )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="send each request over a ModelStreamInfer stream of its own and time its responses (a "
+        "decoupled model's many): time to the first response and the gaps between responses, besides "
+        "responses/s and streams/s (gRPC only)",
+    )
+    parser.add_argument(
         "--repeat-share",
         type=float,
         default=None,
@@ -153,6 +167,12 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         if not sep or not name or not path:
             raise BenchError(f"--input-file expects NAME=PATH, got {item!r}")
         files.setdefault(name, []).append(Path(path))
+    values = {}
+    for item in args.value:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise BenchError(f"--value expects NAME=VALUE, got {item!r}")
+        values[name] = text
     cpu = {}
     for item in args.cpu:
         name, sep, url = item.partition("=")
@@ -171,6 +191,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         duration=args.duration,
         batch=args.batch,
         shapes=dict(parse_shape(s) for s in args.shape),
+        values=values,
         input_files=files,
         repeat_share=args.repeat_share,
         timeout=args.timeout,
@@ -182,6 +203,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         progress=args.progress,
         cpu_metrics=cpu,
         token=args.token,
+        stream=args.stream,
     )
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import Awaitable, Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import aiohttp
@@ -20,15 +21,21 @@ from google.protobuf import json_format
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.streams import status_of
 from pipeline.router.rest_codec import HEADER_LENGTH
 from pipeline.runtime.server import server_options
 
-#: The RPC the gRPC load is made of, called with pre-serialised bytes.
+#: The RPCs the gRPC load is made of, called with pre-serialised bytes.
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 PROTOCOLS = ("grpc", "http")
+#: Response parameter (Triton's): true on the last response of a request to a decoupled model.
+FINAL_RESPONSE = "triton_final_response"
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
-#: One call of the load: send a payload within a timeout (seconds); raises on any failure.
-Call = Callable[[Any, float], Awaitable[None]]
+#: One call of the load: send a payload within a timeout (seconds); raises on any failure. A streamed call
+#: returns when each of its responses with outputs arrived (`time.perf_counter`), a unary one None.
+Call = Callable[[Any, float], Awaitable[Sequence[float] | None]]
 
 
 class EndpointError(Exception):
@@ -93,6 +100,47 @@ class GrpcEndpoint:
                 await next(infers)(payload, timeout=timeout, metadata=metadata)
             except grpc.aio.AioRpcError as err:
                 raise EndpointError(err.code().name, err.details() or "") from None
+
+        return call
+
+    def stream_call(self) -> Call:
+        """Each call sends its request alone over a new `ModelStreamInfer` stream and reads its responses
+        up to the one flagged `triton_final_response` (or the end of the stream, for a model that answers
+        once). Only the responses that carry outputs count as arrivals: an empty final response only ends
+        the request."""
+        streams: Iterator[grpc.aio.StreamStreamMultiCallable[bytes, pb.ModelStreamInferResponse]] = (
+            itertools.cycle(
+                [
+                    channel.stream_stream(
+                        MODEL_STREAM_INFER, response_deserializer=pb.ModelStreamInferResponse.FromString
+                    )
+                    for channel in self.channels
+                ]
+            )
+        )
+        metadata = self.metadata
+        now = time.perf_counter
+
+        async def call(payload: bytes, timeout: float) -> list[float]:
+            arrivals: list[float] = []
+            stream = next(streams)(iter((payload,)), timeout=timeout, metadata=metadata)
+            try:
+                async for reply in stream:
+                    at = now()
+                    if reply.error_message:
+                        code = _CODE_NAMES.get(status_of(reply).code, "UNKNOWN")
+                        raise EndpointError(code, reply.error_message)
+                    response = reply.infer_response
+                    if response.outputs:
+                        arrivals.append(at)
+                    final = response.parameters.get(FINAL_RESPONSE)
+                    if final is not None and final.bool_param:
+                        break
+            except grpc.aio.AioRpcError as err:
+                raise EndpointError(err.code().name, err.details() or "") from None
+            finally:
+                stream.cancel()  # a no-op once the server has ended the stream
+            return arrivals
 
         return call
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -18,13 +19,28 @@ from pipeline.tools.bench.payloads import Payloads
 class Tally:
     """Counters shared by one process's workers (all on one event loop, so no locks)."""
 
-    __slots__ = ("dropped", "errors", "latencies", "ok", "sent", "window_errors")
+    __slots__ = (
+        "dropped",
+        "errors",
+        "firsts",
+        "gaps",
+        "latencies",
+        "ok",
+        "sent",
+        "streamed",
+        "window_errors",
+    )
 
     def __init__(self) -> None:
         self.sent = self.ok = self.dropped = 0
         self.errors: Counter[str] = Counter()
         self.window_errors: Counter[str] = Counter()
         self.latencies: list[float] = []
+        #: Streamed requests (`--stream`) whose last response arrived in the measured interval: the time
+        #: to each one's first response, the gaps between its responses, and their responses in all.
+        self.firsts: list[float] = []
+        self.gaps: list[float] = []
+        self.streamed = 0
 
     def raw(self) -> dict[str, Any]:
         """A picklable summary, to send from a worker process."""
@@ -35,6 +51,9 @@ class Tally:
             "errors": dict(self.errors),
             "window_errors": dict(self.window_errors),
             "latencies": np.asarray(self.latencies, dtype=np.float64),
+            "firsts": np.asarray(self.firsts, dtype=np.float64),
+            "gaps": np.asarray(self.gaps, dtype=np.float64),
+            "streamed": self.streamed,
         }
 
 
@@ -88,14 +107,15 @@ def _sender(
     call: Call, payloads: Payloads, timeout: float, tally: Tally, t_meas: float, t_stop: float
 ) -> Send:
     """One request: the next payload sent and awaited, its outcome counted, and its latency kept where its
-    response arrives in the measured interval (`t_meas` to `t_stop`)."""
+    response arrives in the measured interval (`t_meas` to `t_stop`); for a streamed request, also the time
+    to its first response and the gaps between its responses."""
     now = time.perf_counter
-    latencies = tally.latencies
+    latencies, firsts, gaps = tally.latencies, tally.firsts, tally.gaps
     errors, window_errors = tally.errors, tally.window_errors
 
     async def one(t0: float) -> None:
         try:
-            await call(payloads.next(), timeout)
+            arrivals = await call(payloads.next(), timeout)
         except Exception as err:  # every failure is a counted outcome, never a crash of the generator
             code = _error_code(err)
             errors[code] += 1
@@ -106,6 +126,10 @@ def _sender(
         tally.ok += 1
         if t_meas <= t1 <= t_stop:
             latencies.append(t1 - t0)
+            if arrivals:
+                firsts.append(arrivals[0] - t0)
+                gaps.extend(later - earlier for earlier, later in itertools.pairwise(arrivals))
+                tally.streamed += len(arrivals)
 
     return one
 

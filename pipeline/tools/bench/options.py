@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.tools.bench.endpoints import PROTOCOLS, GrpcEndpoint, HttpEndpoint, open_endpoint
+from pipeline.tools.bench.endpoints import PROTOCOLS, Call, GrpcEndpoint, HttpEndpoint, open_endpoint
 
 ARRIVALS = ("poisson", "constant")
 
@@ -42,6 +42,8 @@ class BenchOptions:
     duration: float = 10.0
     batch: int = 1
     shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    #: Inputs given one value each (`--value NAME=VALUE`), which fills the input's shape.
+    values: Mapping[str, str] = field(default_factory=dict)
     #: Files per input; an input given several files sends them in turn (request i gets file i mod n).
     input_files: Mapping[str, Sequence[Path]] = field(default_factory=dict)
     #: The share of requests that send the first request's inputs again; the others send inputs never sent
@@ -61,6 +63,8 @@ class BenchOptions:
     cpu_metrics: Mapping[str, str] = field(default_factory=dict)
     #: The bearer token every call carries, where the server asks for one.
     token: str | None = None
+    #: Each request over a `ModelStreamInfer` stream of its own, its many responses timed (gRPC only).
+    stream: bool = False
 
     def levels(self) -> list[Level]:
         """The levels to run, in order: the rates when any are given, else the concurrencies."""
@@ -80,6 +84,13 @@ class BenchOptions:
             token=self.token,
         )
 
+    def call(self, endpoint: GrpcEndpoint | HttpEndpoint) -> Call:
+        """The call the load makes at `endpoint`: a streamed one with `stream` (which `check` allows over
+        gRPC only), else a unary one."""
+        if self.stream and isinstance(endpoint, GrpcEndpoint):
+            return endpoint.stream_call()
+        return endpoint.call()
+
     def check(self) -> None:
         """Raise `BenchError` for options that cannot be run."""
         if self.rates and any(r <= 0 for r in self.rates):
@@ -94,6 +105,8 @@ class BenchOptions:
             raise BenchError("--duration must be > 0 and --warmup >= 0")
         if self.batch < 1 or self.processes < 1 or self.max_inflight < 1 or self.connections < 1:
             raise BenchError("--batch, --processes, --connections and --max-inflight must be >= 1")
+        if self.stream and self.protocol != "grpc":
+            raise BenchError("--stream needs --protocol grpc: streams are gRPC's ModelStreamInfer")
         if self.repeat_share is not None:
             if not 0.0 <= self.repeat_share <= 1.0:
                 raise BenchError(f"--repeat-share must be between 0 and 1, got {self.repeat_share}")

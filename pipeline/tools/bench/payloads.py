@@ -15,6 +15,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.codec import Tensor
 from pipeline.protocol.datatypes import DATATYPES
 from pipeline.tools.bench.options import BenchError
+from pipeline.tools.client import value_array
 
 
 def _resolve_shape(
@@ -59,17 +60,19 @@ def synthesize_inputs(
     batch: int = 1,
     shapes: Mapping[str, Sequence[int]] | None = None,
     files: Mapping[str, Path] | None = None,
+    values: Mapping[str, str] | None = None,
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
-    """One request's inputs, by name: from `files` where given, else random data of the declared type.
+    """One request's inputs, by name: from `files` or `values` (one value filling the shape) where given,
+    else random data of the declared type.
 
     A `.npy` file is the whole tensor as sent. Any other file is one BYTES element, repeated over the shape.
     `batching` says whether dim 0 is the batch dimension (then it is `batch`); `shapes` fixes the other
     variable dims, as Triton's perf_analyzer's `--shape` does.
     """
-    shapes, files = shapes or {}, files or {}
+    shapes, files, values = shapes or {}, files or {}, values or {}
     known = {t.name for t in metadata.inputs}
-    for name in (*shapes, *files):
+    for name in (*shapes, *files, *values):
         if name not in known:
             raise BenchError(f"model '{metadata.name}' has no input {name!r} (inputs: {', '.join(known)})")
     rng = np.random.default_rng(seed)
@@ -80,7 +83,12 @@ def synthesize_inputs(
             arrays[tensor.name] = _load_npy(path, tensor.datatype)
             continue
         shape = _resolve_shape(tensor, batching, batch, shapes.get(tensor.name))
-        if path is None:
+        if tensor.name in values:
+            try:
+                arrays[tensor.name] = value_array(tensor.datatype, values[tensor.name], shape)
+            except ValueError as err:
+                raise BenchError(f"--value {tensor.name}: {err}") from None
+        elif path is None:
             arrays[tensor.name] = _random_array(tensor.datatype, shape, rng)
         elif tensor.datatype != "BYTES":
             raise BenchError(f"--input-file {tensor.name}: a {tensor.datatype} input needs a .npy file")

@@ -26,7 +26,7 @@ async def _child_loop(conn: Any, options: BenchOptions, payload: Any) -> None:
     loop = asyncio.get_running_loop()
     endpoint = options.endpoint()
     try:
-        call = endpoint.call()
+        call = options.call(endpoint)
         await endpoint.ready()
         conn.send("ready")
         while (command := await loop.run_in_executor(None, conn.recv)) is not None:

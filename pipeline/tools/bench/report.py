@@ -37,6 +37,15 @@ class LevelResult:
     stages_error: str | None = None
     #: CPU seconds each `cpu_metrics` process used over the measured interval (None: it could not be read).
     cpu_seconds: dict[str, float | None] = field(default_factory=dict)
+    #: Whether requests were streamed (`--stream`); then the figures below are kept for the streams whose
+    #: last response arrived in the measured interval.
+    streamed: bool = False
+    #: Their responses that carried outputs, in all.
+    stream_responses: int = 0
+    #: Seconds from each one's request to its first response.
+    first_response: np.ndarray = field(default_factory=lambda: np.empty(0))
+    #: Seconds between one response and the next of the same stream.
+    gaps: np.ndarray = field(default_factory=lambda: np.empty(0))
 
     def cpu_us_per_request(self) -> dict[str, float | None]:
         """CPU microseconds per successful request in the measured interval, by process, and in all."""
@@ -64,7 +73,23 @@ class LevelResult:
         return self.window_ok * self.batch / self.duration
 
     def percentile_ms(self, q: float) -> float:
-        return float(np.percentile(self.latencies, q) * 1e3) if self.latencies.size else math.nan
+        return _percentile_ms(self.latencies, q)
+
+    @property
+    def responses_per_s(self) -> float:
+        """Streamed responses with outputs per second, over the measured interval."""
+        return self.stream_responses / self.duration
+
+    def stream_dict(self) -> dict[str, Any]:
+        """The streaming figures' JSON form."""
+        return {
+            "responses": self.stream_responses,
+            "responses_per_s": self.responses_per_s,
+            "streams_per_s": self.requests_per_s,
+            "responses_per_stream": self.stream_responses / self.window_ok if self.window_ok else math.nan,
+            "first_response_ms": _summary_ms(self.first_response),
+            "gap_ms": _summary_ms(self.gaps),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form."""
@@ -92,7 +117,20 @@ class LevelResult:
             "stages": self.stages,
             "stages_error": self.stages_error,
             "cpu_us_per_request": self.cpu_us_per_request(),
+            **({"stream": self.stream_dict()} if self.streamed else {}),
         }
+
+
+def _percentile_ms(seconds: np.ndarray, q: float) -> float:
+    return float(np.percentile(seconds, q) * 1e3) if seconds.size else math.nan
+
+
+def _summary_ms(seconds: np.ndarray) -> dict[str, float]:
+    return {
+        "p50": _percentile_ms(seconds, 50),
+        "p99": _percentile_ms(seconds, 99),
+        "mean": float(seconds.mean() * 1e3) if seconds.size else math.nan,
+    }
 
 
 @dataclass
@@ -125,6 +163,7 @@ class BenchReport:
             "processes": o.processes,
             "repeat_share": o.repeat_share,
             "connections": o.connections,
+            "stream": o.stream,
             "server": self.server,
             "inputs": self.inputs,
             "results": [r.to_dict() for r in self.results],
@@ -158,6 +197,8 @@ def format_report(report: BenchReport) -> str:
             f"{_fmt(r.percentile_ms(50), 2):>8} {_fmt(r.percentile_ms(90), 2):>8} "
             f"{_fmt(r.percentile_ms(99), 2):>8} {r.sent:>8} {r.ok:>8}  {errors}"
         )
+    if o.stream:
+        lines += _stream_table(report)
     for r in report.results:
         per = r.cpu_us_per_request()
         if per:
@@ -187,6 +228,26 @@ def format_report(report: BenchReport) -> str:
                 f"{_fmt(s['compute_infer_us']):>9} {_hit_share(s):>9}"
             )
     return "\n".join(lines)
+
+
+def _stream_table(report: BenchReport) -> list[str]:
+    """The streaming figures: streams and responses per second, time to first response and the gaps."""
+    kind = "rate/s" if report.options.rates else "concurrency"
+    lines = [
+        "",
+        "streams (each request over ModelStreamInfer; the columns above count streams, their latency to the "
+        "last response):",
+        f"{kind:>11} {'streams/s':>10} {'resp/s':>10} {'resp/strm':>9} {'first p50':>9} {'first p99':>9} "
+        f"{'gap p50':>8} {'gap p99':>8}  (ms)",
+    ]
+    for r in report.results:
+        per_stream = r.stream_responses / r.window_ok if r.window_ok else math.nan
+        lines.append(
+            f"{r.level.value:>11g} {r.requests_per_s:>10,.1f} {r.responses_per_s:>10,.1f} {_fmt(per_stream):>9} "
+            f"{_fmt(_percentile_ms(r.first_response, 50), 2):>9} {_fmt(_percentile_ms(r.first_response, 99), 2):>9} "
+            f"{_fmt(_percentile_ms(r.gaps, 50), 2):>8} {_fmt(_percentile_ms(r.gaps, 99), 2):>8}"
+        )
+    return lines
 
 
 def _hit_share(stats: Mapping[str, Any]) -> str:

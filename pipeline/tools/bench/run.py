@@ -20,6 +20,7 @@ from pipeline.tools.bench.processes import LoadPool
 from pipeline.tools.bench.progress import Progress
 from pipeline.tools.bench.report import BenchReport, LevelResult
 from pipeline.tools.bench.statistics import STATISTICS_EXTENSION, cpu_over, statistics_over
+from pipeline.tools.client import EMPTY_FINAL_RESPONSE
 
 
 async def _server_info(endpoint: GrpcEndpoint | HttpEndpoint, model: str, version: str) -> tuple:
@@ -54,9 +55,13 @@ def _payloads(
             batch=options.batch,
             shapes=options.shapes,
             files={name: paths[turn % len(paths)] for name, paths in options.input_files.items()},
+            values=options.values,
             seed=options.seed,
         )
-        requests.append(endpoint.payload(build_request(options.model, options.model_version, arrays)))
+        request = build_request(options.model, options.model_version, arrays)
+        if options.stream:  # the end of every request is flagged, even when its last response is empty
+            request.parameters[EMPTY_FINAL_RESPONSE].bool_param = True
+        requests.append(endpoint.payload(request))
     if (
         options.repeat_share is not None
         and len(requests[0] if isinstance(requests[0], bytes) else requests[0][0]) < 8
@@ -84,7 +89,7 @@ async def run_bench(options: BenchOptions) -> BenchReport:
             {"name": name, "datatype": Tensor.from_array(name, a).datatype, "shape": list(a.shape)}
             for name, a in arrays.items()
         ]
-        call = endpoint.call()
+        call = options.call(endpoint)
         pool = LoadPool(options.processes, options, payload) if options.processes > 1 else None
         try:
             if pool is not None:
@@ -163,7 +168,14 @@ async def _run_level(
         ticker.cancel()
         stats_task.cancel()
         cpu_task.cancel()
-    result = LevelResult(level, options.duration, options.batch, stages=stages, cpu_seconds=cpu_seconds)
+    result = LevelResult(
+        level,
+        options.duration,
+        options.batch,
+        stages=stages,
+        cpu_seconds=cpu_seconds,
+        streamed=options.stream,
+    )
     result.stages_error = stats_error[0] if stats_error else None
     return _counted(result, raws)
 
@@ -176,6 +188,9 @@ def _counted(result: LevelResult, raws: list[dict[str, Any]]) -> LevelResult:
         result.dropped += raw["dropped"]
         result.errors.update(raw["errors"])
         result.window_errors.update(raw["window_errors"])
+        result.stream_responses += raw["streamed"]
     result.latencies = np.sort(np.concatenate([raw["latencies"] for raw in raws]))
+    result.first_response = np.sort(np.concatenate([raw["firsts"] for raw in raws]))
+    result.gaps = np.sort(np.concatenate([raw["gaps"] for raw in raws]))
     result.window_ok = int(result.latencies.size)
     return result

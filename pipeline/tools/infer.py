@@ -1,0 +1,171 @@
+"""`pipeline infer`: send one request to a model or ensemble and print its outputs, or with `--stream` every
+response as it arrives over `ModelStreamInfer` (a decoupled model's many: the text of a generating ensemble
+appears as it is written)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.runtime import settings
+from pipeline.runtime.security import add_client_tls_arguments
+from pipeline.tools.client import InferenceClient, StreamError, StreamResponse, bytes_batch, value_array
+
+
+class InputError(ValueError):
+    """The inputs asked for on the command line cannot be made for this model."""
+
+
+def add_infer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `pipeline infer`."""
+    parser.add_argument("files", nargs="*", help="files sent as the model's BYTES input, one batch item each")
+    parser.add_argument("--model", "-m", required=True, help="ensemble or model name, e.g. digits")
+    parser.add_argument("--url", "-u", default=settings.URL.get(), help="host:port of the router")
+    parser.add_argument(
+        "--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", help="a numeric input"
+    )
+    parser.add_argument(
+        "--value",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an input of one element, of the datatype the model declares: a number, or text for BYTES "
+        "(e.g. --value PROMPT='To be' --value MAX_TOKENS=80)",
+    )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="send the request over ModelStreamInfer and print each response as it arrives (BYTES outputs "
+        "as text, one after the other), up to the one flagged final",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, help="deadline in seconds (of the whole stream)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the outputs as JSON (a line per response)")
+    add_client_tls_arguments(parser, prefix="", env_prefix="PIPELINE_CLIENT_")
+    parser.add_argument(
+        "--token",
+        default=settings.TOKEN.get(),
+        help="bearer token for a router that asks for one (env PIPELINE_TOKEN)",
+    )
+
+
+def run_infer_command(args: argparse.Namespace) -> int:
+    """`pipeline infer`: 0 when answered, 1 when the server refused, 2 when the inputs cannot be made."""
+    client = InferenceClient(
+        args.url, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token=args.token
+    )
+    with client:
+        try:
+            inputs = build_inputs(client.model_metadata(args.model, timeout=args.timeout), args)
+            if args.stream:
+                return _print_stream(client.stream(args.model, inputs, timeout=args.timeout), args.json)
+            outputs = client.infer(args.model, inputs, timeout=args.timeout)
+        except InputError as err:
+            print(err, file=sys.stderr)
+            return 2
+        except grpc.RpcError as err:
+            print(f"{err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    _print_outputs(outputs, args.files, args.json)
+    return 0
+
+
+def build_inputs(meta: pb.ModelMetadataResponse, args: argparse.Namespace) -> dict[str, np.ndarray]:
+    """The request's inputs from `--input` (.npy files), `--value` and the files (the model's one BYTES
+    input); `InputError` for what does not fit the model's metadata."""
+    inputs = {}
+    for item in args.input:
+        name, _, path = item.partition("=")
+        inputs[name] = np.load(path, allow_pickle=False)
+    declared = {tensor.name: tensor for tensor in meta.inputs}
+    for item in args.value:
+        name, sep, text = item.partition("=")
+        if not sep or name not in declared:
+            raise InputError(
+                f"--value expects NAME=VALUE with NAME an input of '{meta.name}' "
+                f"({', '.join(declared) or 'none'}), got {item!r}"
+            )
+        inputs[name] = one_element(declared[name], text)
+    if args.files:
+        byte_inputs = [t for t in meta.inputs if t.datatype == "BYTES"]
+        if len(byte_inputs) != 1:
+            raise InputError(
+                f"model '{meta.name}' has no single BYTES input to send files to; use --input NAME=file.npy"
+            )
+        target = byte_inputs[0]
+        inputs[target.name] = bytes_batch([Path(f).read_bytes() for f in args.files], target.shape)
+    return inputs
+
+
+def one_element(tensor: pb.ModelMetadataResponse.TensorMetadata, text: str) -> np.ndarray:
+    """`text` as a one-element input shaped as `tensor` declares (every dimension 1)."""
+    try:
+        return value_array(tensor.datatype, text, (1,) * max(len(tensor.shape), 1))
+    except ValueError as err:
+        raise InputError(f"--value {tensor.name}: {err}") from None
+
+
+def _print_stream(responses: Iterable[StreamResponse], as_json: bool) -> int:
+    """Print each response as it arrives: as JSON lines, or BYTES outputs as text run together (other
+    outputs as `NAME=value` lines)."""
+    count = 0
+    try:
+        for response in responses:
+            count += 1
+            if as_json:
+                print(json.dumps({"final": response.final, **_jsonable(response.outputs)}), flush=True)
+                continue
+            for name, array in response.outputs.items():
+                if array.dtype == np.object_:
+                    text = b"".join(bytes(v) for v in array.reshape(-1))
+                    sys.stdout.write(text.decode("utf-8", errors="replace"))
+                else:
+                    sys.stdout.write(f"{name}={_format(array.reshape(-1))}\n")
+            sys.stdout.flush()
+    except StreamError as err:
+        print(f"\n{err}" if count and not as_json else str(err), file=sys.stderr)
+        return 1
+    except grpc.RpcError as err:
+        print(f"\n{err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    if not as_json:
+        print(flush=True)
+    return 0
+
+
+def _print_outputs(outputs: Mapping[str, np.ndarray], files: Sequence[str], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({name: array.tolist() for name, array in outputs.items()}))
+        return
+    count = next(iter(outputs.values())).shape[0] if outputs else 0
+    names = list(files) or [f"item {i}" for i in range(count)]
+    for i, label in enumerate(names[:count]):
+        fields = []
+        for name, array in outputs.items():
+            row = array[i].reshape(-1)
+            fields.append(f"{name}={row[0]}" if row.size == 1 else f"{name}={_format(row)}")
+        print(f"{label}: {'  '.join(fields)}")
+
+
+def _format(row: np.ndarray) -> str:
+    if row.size == 1:
+        return str(row[0])
+    return np.array2string(row, precision=3, suppress_small=True, separator=" ", max_line_width=10**6)
+
+
+def _jsonable(outputs: Mapping[str, np.ndarray]) -> dict[str, list]:
+    """Outputs as JSON lists, BYTES elements as text."""
+    out = {}
+    for name, array in outputs.items():
+        if array.dtype == np.object_:
+            array = np.vectorize(lambda v: bytes(v).decode("utf-8", errors="replace"), otypes=[object])(array)
+        out[name] = array.tolist()
+    return out
