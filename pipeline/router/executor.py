@@ -136,20 +136,10 @@ class Executor:
                     STAGE: step.stage,
                     REQUEST_ID: request.id,
                 }
-            if conditional:
-                skipped = self.skip_reason(plan, step, values)
-                self._branch_counter(plan.name, step, not skipped).inc()
-                if skipped:
-                    if telemetry.enabled:
-                        skip = {**attributes, STEP_SKIPPED: True, SKIP_REASON: skipped}
-                        with telemetry.span(f"step {step.model_name}", skip):
-                            pass
-                    batcher = awaited.pop(step.index, None)
-                    if batcher is not None:
-                        batcher.unexpect()  # it will not come: its batch need not wait for it
-                    if finished is not None:
-                        finished[step.index].set()
-                    return
+            if conditional and self._skipped(plan, step, values, attributes, awaited):
+                if finished is not None:
+                    finished[step.index].set()
+                return
             if telemetry.enabled:
                 with telemetry.span(f"step {step.model_name}", attributes):
                     outputs = await self.call_step(step, values, request, deadline, call.metadata, awaited)
@@ -187,6 +177,30 @@ class Executor:
         )
         items = next(iter(inputs.values())).shape[0] if plan.max_batch_size > 0 and inputs else 1
         return response, items
+
+    def _skipped(
+        self,
+        plan: EnsemblePlan,
+        step: PlanStep,
+        values: dict[str, Tensor],
+        attributes: dict[str, Any],
+        awaited: dict[int, Any],
+    ) -> bool:
+        """Whether a step of an ensemble with conditions is skipped for this request: counted either way,
+        and a skipped one traced with its reason and taken back from its batcher's expected requests."""
+        skipped = self.skip_reason(plan, step, values)
+        self._branch_counter(plan.name, step, not skipped).inc()
+        if not skipped:
+            return False
+        if self.telemetry.enabled:
+            with self.telemetry.span(
+                f"step {step.model_name}", {**attributes, STEP_SKIPPED: True, SKIP_REASON: skipped}
+            ):
+                pass
+        batcher = awaited.pop(step.index, None)
+        if batcher is not None:
+            batcher.unexpect()  # it will not come: its batch need not wait for it
+        return True
 
     def _branch_counter(self, ensemble: str, step: PlanStep, taken: bool) -> Any:
         """The `pipeline_branch_requests_total` child of a step and outcome, looked up once."""

@@ -271,12 +271,9 @@ async def serve_router(
     args.reuse_port = peers is not None
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
+    budget = inflight_bytes_of(args)
     servicer = InferenceServicer(
-        plane,
-        "pipeline-router",
-        telemetry=telemetry,
-        metrics=metrics,
-        max_inflight_bytes=inflight_bytes_of(args),
+        plane, "pipeline-router", telemetry=telemetry, metrics=metrics, max_inflight_bytes=budget
     )
     rest = RestServer(_front_door(servicer, args, policy), grace=args.grace_period)
     server, port = await _listen(args, servicer, health_servicer, policy)
@@ -291,12 +288,8 @@ async def serve_router(
         write_port(args.port_file, port)
         if bound is not None:
             bound(port)
-        log.info(
-            "router listening on %s:%d; waiting for stages %s",
-            args.host,
-            port,
-            ", ".join(plane.stages.clients),
-        )
+        stages = ", ".join(plane.stages.clients)
+        log.info("router listening on %s:%d; waiting for stages %s", args.host, port, stages)
         await plane.discover()
         # Live now; ready as strict readiness says (never SERVING for a moment on the way to NOT_SERVING).
         readiness = _readiness(health_servicer)

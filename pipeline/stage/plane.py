@@ -29,7 +29,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,11 +53,9 @@ from pipeline.protocol.errors import (
 )
 from pipeline.protocol.model_config import tensor_specs
 from pipeline.protocol.streams import DECOUPLED_UNARY, set_final
-from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 from pipeline.runtime.servicer import CallContext, DataPlane
-from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import BATCH_SIZE, MODEL, NO_SPAN, Telemetry
 from pipeline.stage.api import Deadline, Stage
 from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
@@ -66,67 +63,10 @@ from pipeline.stage.control import ModelControl, config_override
 from pipeline.stage.decoupled import count_stream, stream_replies
 from pipeline.stage.encode import stage_response
 from pipeline.stage.pool import NOT_STARTED_MESSAGE, InstancePool, Slot
+from pipeline.stage.served import ServedModel, ServedVersion, export_gauges, index_entries
 from pipeline.stage.warmup import warm_up, warmup_samples
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class ServedVersion:
-    """A loaded version of a model."""
-
-    name: str
-    version: str
-    #: What `ModelConfig` returns for it.
-    config: mc.ModelConfig
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    pool: InstancePool
-    #: Changes when the version's files or config do (repository models); "" for a `Stage` object.
-    fingerprint: str = ""
-    #: Set while no request is in flight; retiring waits for it.
-    quiet: asyncio.Event = field(default_factory=asyncio.Event)
-    inflight: int = 0
-    retired: bool = False
-    #: Answers with any number of responses (`pipeline.stage.decoupled`): served on streams only.
-    decoupled: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.quiet.set()
-        self.decoupled = self.config.model_transaction_policy.decoupled
-
-    @property
-    def max_batch_size(self) -> int:
-        return self.config.max_batch_size
-
-    @property
-    def platform(self) -> str:
-        return self.config.platform or self.config.backend
-
-
-@dataclass
-class _Model:
-    """A model the plane knows: its served versions (oldest first) and why it serves none, if so."""
-
-    name: str
-    versions: dict[str, ServedVersion] = field(default_factory=dict)
-    #: Whether it should serve (False once unloaded by request).
-    wanted: bool = True
-    reason: str = "loading"
-    #: A `Stage` object given in code (not from the repository).
-    fixed: bool = False
-    stats: ModelStats = field(default_factory=ModelStats)
-    #: Calls waiting for or running on an instance (kept by the event loop).
-    pending: int = 0
-
-    @property
-    def running(self) -> int:
-        return sum(s.started - s.finished for v in self.versions.values() for s in v.pool.slots)
-
-    @property
-    def waiting(self) -> int:
-        # NOTE: a call cancelled while it runs leaves `pending` before its thread finishes; never below 0.
-        return max(0, self.pending - self.running)
 
 
 class StagePlane(DataPlane):
@@ -156,7 +96,7 @@ class StagePlane(DataPlane):
         self.control = control or ModelControl()
         self.clock = clock
         self._stages = list(stages)
-        self._models: dict[str, _Model] = {name: _Model(name, fixed=True) for name in names}
+        self._models: dict[str, ServedModel] = {name: ServedModel(name, fixed=True) for name in names}
         self._lifecycle = asyncio.Lock()
         self._started = False
         if repository is not None:
@@ -164,7 +104,7 @@ class StagePlane(DataPlane):
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
         self.decoupled: set[str] = set()
-        _export_gauges(self.metrics, self._models)
+        export_gauges(self.metrics, self._models)
 
     @property
     def model_names(self) -> list[str]:
@@ -224,7 +164,7 @@ class StagePlane(DataPlane):
         except RepositoryError as exc:
             if at_startup:
                 # Unreadable: whose it is cannot be told; report it, but only if it claims to be ours.
-                self._models.setdefault(name, _Model(name)).reason = exc.message
+                self._models.setdefault(name, ServedModel(name)).reason = exc.message
             raise
         backend = self.backends.get(entry.backend)
         if backend is None:
@@ -239,7 +179,7 @@ class StagePlane(DataPlane):
             raise RepositoryError(
                 f"model '{name}' is built into this service; the repository cannot replace it"
             )
-        model = self._models.setdefault(name, _Model(name))
+        model = self._models.setdefault(name, ServedModel(name))
         current = model.versions
         fresh: dict[str, ServedVersion] = {}
         try:
@@ -313,7 +253,7 @@ class StagePlane(DataPlane):
         )
         return ServedVersion(entry.name, version, config, inputs, outputs, pool, fingerprint)
 
-    def _serving_changed(self, model: _Model) -> None:
+    def _serving_changed(self, model: ServedModel) -> None:
         """Keep `decoupled` (the models that answer on streams only) as the versions serving now say."""
         if any(served.decoupled for served in model.versions.values()):
             self.decoupled.add(model.name)
@@ -356,7 +296,7 @@ class StagePlane(DataPlane):
                 continue
             if entry.backend in self.backends:
                 on_disk[name] = entry.versions
-        _index_entries(reply, on_disk, problems, self._models, ready_only)
+        index_entries(reply, on_disk, problems, self._models, ready_only)
         return reply
 
     async def repository_load(self, name: str, parameters: Mapping[str, object]) -> None:
@@ -530,7 +470,7 @@ class StagePlane(DataPlane):
 
 
 async def _stream(
-    served: ServedVersion, model: _Model, request: pb.ModelInferRequest, deadline: Deadline
+    served: ServedVersion, model: ServedModel, request: pb.ModelInferRequest, deadline: Deadline
 ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
     """One request's responses from a decoupled version, counted in flight and in its statistics."""
     started = time.perf_counter_ns()
@@ -560,49 +500,3 @@ async def _stream(
         if served.inflight == 0:
             served.quiet.set()
         count_stream(model.stats, batch or 1, time.perf_counter_ns() - started, failed)
-
-
-def _index_entries(
-    reply: pb.RepositoryIndexResponse,
-    on_disk: Mapping[str, tuple[str, ...]],
-    problems: Mapping[str, str],
-    models: Mapping[str, _Model],
-    ready_only: bool,
-) -> None:
-    """`RepositoryIndex`'s entries: each version on disk or served, READY or UNAVAILABLE and why."""
-    for name in sorted(set(on_disk) | set(problems) | set(models)):
-        model = models.get(name)
-        served = model.versions if model else {}
-        problem = problems.get(name, "")
-        versions = (
-            sorted(set(on_disk.get(name, ())) | set(served), key=int)
-            if not model or not model.fixed
-            else list(served)
-        )
-        for version in versions:
-            if version in served:
-                reply.models.add(name=name, version=version, state="READY")
-            elif not ready_only:
-                reason = problem or (model.reason if model and model.reason else "")
-                if not reason:
-                    reason = "unloaded" if model and not model.wanted else "not loaded"
-                reply.models.add(name=name, version=version, state="UNAVAILABLE", reason=reason)
-        if not versions and not ready_only:
-            reason = problem or (model.reason if model else "") or "no versions"
-            reply.models.add(name=name, state="UNAVAILABLE", reason=reason)
-
-
-def _export_gauges(metrics: Metrics, models: Mapping[str, _Model]) -> None:
-    """The queue depth and running executions of every model that serves, read when scraped."""
-    metrics.gauge(
-        "pipeline_queue_depth",
-        "Requests waiting now",
-        "model",
-        lambda: [(n, m.waiting) for n, m in models.items() if m.versions],
-    )
-    metrics.gauge(
-        "pipeline_inflight_batches",
-        "Executions running now",
-        "model",
-        lambda: [(n, m.running) for n, m in models.items() if m.versions],
-    )
