@@ -264,11 +264,23 @@ class RestFrontDoor:
         # NOTE: the body is read whole before the codec takes a worker, so a client that sends slowly
         # holds none; the read is bounded by the application's client_max_size.
         body = await request.read()
-        infer_req, form = await self.codec.infer_request(
-            body, encoding, request.headers.get(HEADER_LENGTH), name, version, self.max_body_bytes
-        )
-        reply = await self.servicer.infer(infer_req, _call_of(request))
-        payload, header_length = await self.codec.infer_response(reply, form, self.max_json_output_bytes)
+        # The body's bytes count in the server's budget of bytes in flight from here, its request's and
+        # response's as they are made (`pipeline.runtime.admission`); past it, refused before it is decoded.
+        budget, held = self.servicer.budget, len(body)
+        budget.admit(held)
+        try:
+            infer_req, form = await self.codec.infer_request(
+                body, encoding, request.headers.get(HEADER_LENGTH), name, version, self.max_body_bytes
+            )
+            del body
+            budget.charge(size := infer_req.ByteSize())
+            held += size
+            reply = await self.servicer.infer(infer_req, _call_of(request))
+            budget.charge(size := reply.ByteSize())
+            held += size
+            payload, header_length = await self.codec.infer_response(reply, form, self.max_json_output_bytes)
+        finally:
+            budget.release(held)
         response = web.Response(
             body=payload,
             content_type="application/json" if header_length is None else "application/octet-stream",

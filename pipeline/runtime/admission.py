@@ -3,7 +3,7 @@
 A request costs its server a few times its size while it is served (the message gRPC parsed, the tensors
 made of it, what it sends on), and its response as much again until it is sent. `max_inflight_requests`
 counts requests; this counts their bytes. A unary request that would take the bytes held past the limit is
-refused at once, before it is served, with UNAVAILABLE (retryable: the budget frees as responses go out);
+refused at once, before it is parsed, with UNAVAILABLE (retryable: the budget frees as responses go out);
 a stream's next request is not read until its bytes fit, so a client that stops reading its responses is
 not read from either, and gRPC's flow control holds the rest in the client. A request is admitted when
 nothing is held whatever its size (it is within `--max-message-mb`), so a large one never starves.
@@ -15,12 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from dataclasses import dataclass
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import Unavailable
 
 #: The share of the budget one stream may hold.
 STREAM_SHARE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A unary request refused by its size before it was parsed (see `InferenceServicer.infer_request_of`)."""
+
+    size: int
 
 
 class ByteBudget:
@@ -34,14 +42,21 @@ class ByteBudget:
     def _fits(self, size: int) -> bool:
         return self.limit is None or self.held == 0 or self.held + size <= self.limit
 
+    def fits(self, size: int) -> bool:
+        """Whether a unary request of `size` bytes would be admitted now."""
+        return not self._waiting and self._fits(size)
+
+    def refusal(self, size: int) -> Unavailable:
+        """What a request of `size` bytes that does not fit is refused with."""
+        return Unavailable(
+            f"the server holds {_mib(self.held)} of requests and responses in flight; a request of "
+            f"{_mib(size)} would pass its limit of {_mib(self.limit or 0)} (--max-inflight-mb): try again"
+        )
+
     def admit(self, size: int) -> None:
         """Take `size` bytes for a unary request, or refuse it (`Unavailable`) where they do not fit now."""
-        if self._waiting or not self._fits(size):
-            raise Unavailable(
-                f"the server holds {_mib(self.held)} of requests and responses in flight; a request of "
-                f"{_mib(size)} would pass its limit of {_mib(self.limit or 0)} (--max-inflight-mb): "
-                "try again"
-            )
+        if not self.fits(size):
+            raise self.refusal(size)
         self.held += size
 
     async def wait(self, size: int) -> None:

@@ -71,6 +71,36 @@ def keepalive_options() -> list[tuple[str, int]]:
     ]
 
 
+class _Handlers:
+    """Takes the method handlers the generated code registers, so that one may be replaced first."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass  # made again from the registered ones
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def _add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """`inference.GRPCInferenceService` as generated, but for `ModelInfer`'s request deserializer: the
+    servicer's, which refuses a request past the budget of bytes in flight before parsing it."""
+    caught = _Handlers()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, caught)
+    caught.handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
+        servicer.ModelInfer,
+        request_deserializer=servicer.infer_request_of,
+        response_serializer=pb.ModelInferResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(caught.service, caught.handlers),))
+    server.add_registered_method_handlers(caught.service, caught.handlers)
+
+
 async def create_server(
     address: str,
     servicer: InferenceServicer,
@@ -97,7 +127,7 @@ async def create_server(
     if reuse_port:
         options.append(("grpc.so_reuseport", 1))
     server = grpc.aio.server(options=options, interceptors=list(interceptors) or None)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    _add_inference_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (

@@ -39,7 +39,7 @@ from pipeline.protocol.streams import (
     status_of,
     wants_empty_final,
 )
-from pipeline.runtime.admission import ByteBudget, StreamHold
+from pipeline.runtime.admission import ByteBudget, Refused, StreamHold
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
 from pipeline.runtime.shared_memory import SharedMemoryRegistry
@@ -377,9 +377,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
         return await _guarded(context, self._admitted(request, CallContext.of(context)))
 
-    async def _admitted(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+    def infer_request_of(self, data: bytes) -> pb.ModelInferRequest | Refused:
+        """`ModelInfer`'s request deserializer: a request past the budget of bytes in flight is refused by
+        its size, before the bytes gRPC received are parsed into a second copy."""
+        if not self.budget.fits(len(data)):
+            return Refused(len(data))
+        return pb.ModelInferRequest.FromString(data)
+
+    async def _admitted(
+        self, request: pb.ModelInferRequest | Refused, call: CallContext
+    ) -> pb.ModelInferResponse:
         """A unary request within the budget of bytes in flight, or refused before it is served (its
         response is handed to gRPC as it is made, so only the request's bytes are held)."""
+        if isinstance(request, Refused):
+            raise self.budget.refusal(request.size)
         size = request.ByteSize()
         self.budget.admit(size)
         try:

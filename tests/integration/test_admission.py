@@ -5,8 +5,10 @@ taken is not read further."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
+import aiohttp
 import grpc
 import numpy as np
 
@@ -83,6 +85,31 @@ async def test_a_request_past_the_budget_is_refused_as_retryable_and_the_router_
                 assert refused.code() == grpc.StatusCode.UNAVAILABLE
                 assert "--max-inflight-mb" in (refused.details() or "")
                 assert held.requests == 1, "refused before it reached a stage"
+                # And over HTTP, in Triton's binary tensor extension.
+                raw = _row(BIG).tobytes()
+                header = json.dumps(
+                    {
+                        "inputs": [
+                            {
+                                "name": "X",
+                                "datatype": "FP32",
+                                "shape": [1, BIG],
+                                "parameters": {"binary_data_size": len(raw)},
+                            }
+                        ]
+                    }
+                ).encode()
+                async with (
+                    aiohttp.ClientSession() as http,
+                    http.post(
+                        f"http://{router.http_address}/v2/models/e/infer",
+                        data=header + raw,
+                        headers={"Inference-Header-Content-Length": str(len(header))},
+                    ) as answer,
+                ):
+                    assert answer.status == 503
+                    assert "--max-inflight-mb" in (await answer.json())["error"]
+                assert held.requests == 1
                 # Small requests still fit beside the one held.
                 small = await stub.ModelInfer(request_for("f", X=np.ones((2, 3), np.float32)), timeout=30)
                 assert response_tensors(small)["Y"].to_array().tolist() == [[2.0] * 3] * 2
