@@ -204,9 +204,10 @@ def run(
     folder = Path(tempfile.mkdtemp(prefix=f"scaling-{name}-"))
     processes = []
     try:
-        off = ["--metrics-port", "off", "--model-dir", str(model_dir)]
-        pre, pre_address = start("preprocess", ["-m", "services.preprocess", *off], folder)
-        post, post_address = start("postprocess", ["-m", "services.postprocess", *off], folder)
+        off = ["--metrics-port", "off"]
+        stage = [*off, "--model-dir", str(model_dir)]
+        pre, pre_address = start("preprocess", ["-m", "services.preprocess", *stage], folder)
+        post, post_address = start("postprocess", ["-m", "services.postprocess", *stage], folder)
         processes += [pre, post]
         models = []
         for i in range(variant.model_replicas):
@@ -215,7 +216,7 @@ def run(
                 if i < variant.slow
                 else ["-m", "services.model"]
             )
-            process, address = start(f"model-{i}", [*entry, *off], folder)
+            process, address = start(f"model-{i}", [*entry, *stage], folder)
             processes.append(process)
             models.append(address)
         env = {
@@ -224,7 +225,8 @@ def run(
             "POSTPROCESS_ADDRESS": post_address,
         }
         router_command = ["-m", "pipeline", "router"]
-        # The variant's ensemble alone: a file of `--ensembles`, else the repository's own.
+        # The variant's ensemble alone (no --model-dir, which would add the repository's every ensemble):
+        # a file of `--ensembles`, else the repository's own.
         ensemble = (
             ensembles / f"{variant.ensemble}.yaml"
             if ensembles is not None

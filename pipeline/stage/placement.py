@@ -6,7 +6,8 @@ Python model is loaded by exactly one of them, decided here once, from the ensem
 - a step whose ensemble names its stage `preprocess` or `postprocess` (a YAML ensemble) is served there;
 - otherwise (a `config.pbtxt` ensemble names no stage) a step that runs after a step of a model that is
   not a Python model of the repository (one the model service runs: ONNX, PyTorch, TensorRT; or another
-  server's), directly or through other steps, is `postprocess`'s, and any other is `preprocess`'s;
+  server's) or after a decoupled Python model (a generator: what follows handles each of its responses),
+  directly or through other steps, is `postprocess`'s, and any other is `preprocess`'s;
 - a Python model that no ensemble calls is `preprocess`'s.
 
 Where ensembles disagree, the first that calls the model (by ensemble name) decides. `--load-model`
@@ -16,7 +17,7 @@ Where ensembles disagree, the first that calls the model (by ensemble name) deci
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 
 from pipeline.ensemble.plan import EnsemblePlan, PlanStep
 from pipeline.runtime.repository import BACKEND_PLATFORMS, ModelRepository, RepositoryEntry
@@ -28,10 +29,14 @@ PYTHON_SERVICES = ("preprocess", "postprocess")
 
 
 def place_python_models(
-    python_models: Iterable[str], backends: Mapping[str, str], plans: Iterable[EnsemblePlan]
+    python_models: Iterable[str],
+    backends: Mapping[str, str],
+    plans: Iterable[EnsemblePlan],
+    decoupled: Container[str] = (),
 ) -> dict[str, str]:
     """Python model -> the service (`preprocess` or `postprocess`) that serves it. `backends` gives the
-    backend of each repository model (to tell the model service's steps from the Python ones)."""
+    backend of each repository model (to tell the model service's steps from the Python ones); `decoupled`
+    names the decoupled Python models."""
     python = set(python_models)
     placed: dict[str, tuple[str, str]] = {}
     for plan in sorted(plans, key=lambda p: p.name):
@@ -39,7 +44,7 @@ def place_python_models(
         for step in plan.steps:
             if step.model_name not in python:
                 continue
-            service = _service_of(step, steps, backends)
+            service = _service_of(step, steps, backends, decoupled)
             earlier = placed.setdefault(step.model_name, (service, plan.name))
             if earlier[0] != service:
                 log.warning(
@@ -55,7 +60,9 @@ def place_python_models(
     return {name: placed.get(name, (PYTHON_SERVICES[0], ""))[0] for name in sorted(python)}
 
 
-def _service_of(step: PlanStep, steps: Mapping[int, PlanStep], backends: Mapping[str, str]) -> str:
+def _service_of(
+    step: PlanStep, steps: Mapping[int, PlanStep], backends: Mapping[str, str], decoupled: Container[str]
+) -> str:
     if step.stage in PYTHON_SERVICES:
         return step.stage
     pending, seen = list(step.depends_on), set()
@@ -65,7 +72,8 @@ def _service_of(step: PlanStep, steps: Mapping[int, PlanStep], backends: Mapping
             continue
         seen.add(index)
         earlier = steps[index]
-        if earlier.stage == "model" or backends.get(earlier.model_name) != "python":
+        name = earlier.model_name
+        if earlier.stage == "model" or backends.get(name) != "python" or name in decoupled:
             return PYTHON_SERVICES[1]
         pending.extend(earlier.depends_on)
     return PYTHON_SERVICES[0]
@@ -78,5 +86,6 @@ def python_models_of(service: str, repository: ModelRepository, plans: Iterable[
     }
     backends = {name: entry.backend for name, entry in entries.items()}
     python = [name for name, backend in backends.items() if backend == "python"]
-    placement = place_python_models(python, backends, plans)
+    decoupled = {name for name in python if entries[name].config.model_transaction_policy.decoupled}
+    placement = place_python_models(python, backends, plans, decoupled)
     return [name for name, placed in placement.items() if placed == service]

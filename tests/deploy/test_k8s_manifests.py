@@ -266,6 +266,8 @@ def test_stages_scale_on_the_routers_queue_for_their_own_models() -> None:
     """Each stage's HPA scales on external metrics the adapter's rules define, selecting exactly the models
     the ensembles run on that stage; the rules read only series the router exports."""
     from pipeline.ensemble.catalog import ensemble_plans
+    from pipeline.runtime.repository import ModelRepository
+    from pipeline.stage.placement import PYTHON_SERVICES, python_models_of
 
     rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["external"]
     defined = {rule["name"]["as"]: rule for rule in rules}
@@ -280,9 +282,17 @@ def test_stages_scale_on_the_routers_queue_for_their_own_models() -> None:
                 f"adapter rule {rule['name']['as']} reads {series}, which nothing exports"
             )
     models_of: dict[str, set[str]] = {}
-    for plan in ensemble_plans([ENSEMBLES], repository=REPOSITORY):
+    plans = ensemble_plans([ENSEMBLES], repository=REPOSITORY)
+    # A config.pbtxt ensemble's steps name no stage: its Python models go where the services place them.
+    placed = {
+        name: service
+        for service in PYTHON_SERVICES
+        for name in python_models_of(service, ModelRepository(REPOSITORY), plans)
+    }
+    for plan in plans:
         for step in plan.steps:
-            models_of.setdefault(step.stage, set()).add(step.model_name)
+            stage = step.stage or placed.get(step.model_name, "model")
+            models_of.setdefault(stage, set()).add(step.model_name)
     hpas = {hpa["spec"]["scaleTargetRef"]["name"]: hpa for hpa in of_kind("HorizontalPodAutoscaler")}
     for stage, models in models_of.items():
         metrics = hpas[stage]["spec"]["metrics"]

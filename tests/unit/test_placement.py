@@ -38,6 +38,8 @@ def test_the_example_ensembles_place_each_python_model_where_their_steps_name_it
         "digits_preprocess",
         "embeddings_tokenize",
         "refcnn_preprocess",
+        "textgen_generate",
+        "textgen_tokenize",
     ]
     # digits_blank runs on the gated ensemble's blank branch, which names the postprocess stage.
     assert python_models_of("postprocess", repository, plans) == [
@@ -45,6 +47,8 @@ def test_the_example_ensembles_place_each_python_model_where_their_steps_name_it
         "digits_postprocess",
         "embeddings_pool",
         "refcnn_postprocess",
+        # After textgen's decoupled generator: it handles each of the generator's responses.
+        "textgen_detokenize",
     ]
 
 
