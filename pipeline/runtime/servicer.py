@@ -489,6 +489,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             own = call if timeout is None and metadata is call.metadata else CallContext(timeout, metadata)
             try:
                 response = pb.ModelStreamInferResponse(infer_response=await self.infer(request, own))
+            except Unimplemented as err:
+                if request.model_name in decoupled:
+                    # Its model was learnt to be decoupled while this request waited for it (an ensemble
+                    # made available by this very request): refused before it ran, it streams now.
+                    await self._many(request, size, call, slots, hold)
+                    return
+                response = error_response(request, err.code, err.message, rpc_status_of(err))
             except PipelineError as err:
                 response = error_response(request, err.code, err.message, rpc_status_of(err))
             except Exception:
