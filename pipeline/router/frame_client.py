@@ -10,7 +10,6 @@ difference.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Sequence
 
@@ -18,8 +17,7 @@ import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.frames import AUTHORIZATION, HEADER, HELLO, REQUEST, RESPONSE, frame
-from pipeline.protocol.streams import add_hop_parameters, remove_hop_parameters
-from pipeline.router.stage_stream import raise_streamed_error, rpc_error
+from pipeline.router.stage_stream import MatchedRequests, rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +25,17 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
 
 
-class FrameConnection:
+class FrameConnection(MatchedRequests):
     """One connection to a replica's frame port."""
+
+    PREFIX = "f"
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame_bytes: int
     ) -> None:
+        super().__init__()
         self._reader, self._writer = reader, writer
         self._max_frame_bytes = max_frame_bytes
-        self._pending: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
-        self._ids = itertools.count()
-        self.broken: grpc.aio.AioRpcError | None = None
         self._task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
@@ -73,40 +71,10 @@ class FrameConnection:
     def usable(self) -> bool:
         return self.broken is None
 
-    async def infer(
-        self, request: pb.ModelInferRequest, timeout: float | None, trace: dict[str, str]
-    ) -> pb.ModelInferResponse:
-        """Send `request` and wait for its response (at most `timeout` seconds); raises `AioRpcError` as a
-        unary call would. The request's `id` is the connection's while it travels."""
-        if self.broken is not None:
-            raise self.broken
-        own_id = request.id
-        key = request.id = f"f{next(self._ids)}"
-        add_hop_parameters(request, timeout, trace)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[pb.ModelStreamInferResponse] = loop.create_future()
-        self._pending[key] = future
-        timer = loop.call_later(timeout, self._expire, key) if timeout is not None else None
-        try:
-            self._writer.write(frame(REQUEST, request.SerializeToString()))
-            if self._writer.transport.get_write_buffer_size() > 1 << 20:
-                await self._writer.drain()
-            response = await future
-        finally:
-            self._pending.pop(key, None)
-            if timer is not None:
-                timer.cancel()
-            request.id = own_id
-            remove_hop_parameters(request)
-        raise_streamed_error(response)
-        reply = response.infer_response
-        reply.id = own_id
-        return reply
-
-    def _expire(self, key: str) -> None:
-        future = self._pending.pop(key, None)
-        if future is not None and not future.done():
-            future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+    async def _send(self, request: pb.ModelInferRequest) -> None:
+        self._writer.write(frame(REQUEST, request.SerializeToString()))
+        if self._writer.transport.get_write_buffer_size() > 1 << 20:
+            await self._writer.drain()
 
     async def _read(self) -> None:
         reason = "the stage's frame connection ended"
@@ -116,10 +84,7 @@ class FrameConnection:
                 if kind != RESPONSE or length > self._max_frame_bytes:
                     reason = f"the stage sent an unexpected frame (kind {kind}, {length} bytes)"
                     break
-                response = pb.ModelStreamInferResponse.FromString(await self._reader.readexactly(length))
-                future = self._pending.pop(response.infer_response.id, None)
-                if future is not None and not future.done():
-                    future.set_result(response)
+                self._answered(pb.ModelStreamInferResponse.FromString(await self._reader.readexactly(length)))
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as err:
             reason = f"the stage's frame connection ended: {err}"
         finally:

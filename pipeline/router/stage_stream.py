@@ -70,53 +70,37 @@ def raise_streamed_error(response: pb.ModelStreamInferResponse) -> None:
         raise rpc_error(code, status.message, rpc_status.to_status(status).trailing_metadata)
 
 
-class StageStream:
-    """One `ModelStreamInfer` call to a replica, carrying many requests at once."""
+class MatchedRequests:
+    """Requests sent on one connection and their responses matched by `id`: what a stage stream and a frame
+    connection share. A subclass sends (`_send`) and reads, handing each response to `_answered`."""
 
-    def __init__(
-        self, stub: pb_grpc.GRPCInferenceServiceStub, metadata: Sequence[tuple[str, str | bytes]]
-    ) -> None:
-        self._call = stub.ModelStreamInfer(metadata=tuple(metadata))
+    #: What the ids of this kind of connection begin with (in logs, which hop a request took).
+    PREFIX = ""
+
+    def __init__(self) -> None:
         self._pending: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
         self._ids = itertools.count()
-        self._writing = asyncio.Lock()
-        self.opened = time.monotonic()
         self.broken: grpc.aio.AioRpcError | None = None
-        self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    @property
-    def fresh(self) -> bool:
-        """Whether the stream should take new requests."""
-        return self.broken is None and time.monotonic() - self.opened < MAX_AGE_S
-
-    @property
-    def idle(self) -> bool:
-        return not self._pending
+    async def _send(self, request: pb.ModelInferRequest) -> None:
+        raise NotImplementedError
 
     async def infer(
         self, request: pb.ModelInferRequest, timeout: float | None, trace: dict[str, str]
     ) -> pb.ModelInferResponse:
         """Send `request` and wait for its response (at most `timeout` seconds); raises `AioRpcError` as a
-        unary call would. The request's `id` is the stream's while it travels."""
+        unary call would. The request's `id` is the connection's while it travels."""
         if self.broken is not None:
             raise self.broken
         own_id = request.id
-        key = request.id = f"s{next(self._ids)}"
+        key = request.id = f"{self.PREFIX}{next(self._ids)}"
         add_hop_parameters(request, timeout, trace)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[pb.ModelStreamInferResponse] = loop.create_future()
         self._pending[key] = future
-        timer = None
-        if timeout is not None:
-            timer = loop.call_later(timeout, self._expire, key)
+        timer = loop.call_later(timeout, self._expire, key) if timeout is not None else None
         try:
-            async with self._writing:
-                try:
-                    await self._call.write(request)
-                except asyncio.InvalidStateError:  # the call ended before this request could go
-                    raise StreamBroken("the stage's stream ended") from None
-                except grpc.aio.AioRpcError as err:  # the call failed as a whole: its status
-                    raise self._broken(err) from None
+            await self._send(request)
             response = await future
         finally:
             self._pending.pop(key, None)
@@ -134,6 +118,40 @@ class StageStream:
         if future is not None and not future.done():
             future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
+    def _answered(self, response: pb.ModelStreamInferResponse) -> None:
+        future = self._pending.pop(response.infer_response.id, None)
+        if future is not None and not future.done():
+            future.set_result(response)
+
+
+class StageStream(MatchedRequests):
+    """One `ModelStreamInfer` call to a replica, carrying many requests at once."""
+
+    PREFIX = "s"
+
+    def __init__(
+        self, stub: pb_grpc.GRPCInferenceServiceStub, metadata: Sequence[tuple[str, str | bytes]]
+    ) -> None:
+        super().__init__()
+        self._call = stub.ModelStreamInfer(metadata=tuple(metadata))
+        self._writing = asyncio.Lock()
+        self.opened = time.monotonic()
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the stream should take new requests."""
+        return self.broken is None and time.monotonic() - self.opened < MAX_AGE_S
+
+    async def _send(self, request: pb.ModelInferRequest) -> None:
+        async with self._writing:
+            try:
+                await self._call.write(request)
+            except asyncio.InvalidStateError:  # the call ended before this request could go
+                raise StreamBroken("the stage's stream ended") from None
+            except grpc.aio.AioRpcError as err:  # the call failed as a whole: its status
+                raise self._broken(err) from None
+
     @staticmethod
     def _broken(err: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
         """What the requests of a stream that failed with `err` fail with: the stage's own refusal of the
@@ -146,9 +164,7 @@ class StageStream:
         broken: grpc.aio.AioRpcError = StreamBroken("the stage's stream ended")
         try:
             async for response in self._call:
-                future = self._pending.pop(response.infer_response.id, None)
-                if future is not None and not future.done():
-                    future.set_result(response)
+                self._answered(response)
         except grpc.aio.AioRpcError as err:
             broken = self._broken(err)
         except asyncio.CancelledError:
