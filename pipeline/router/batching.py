@@ -13,8 +13,8 @@ or exception per request, so one bad item fails only its own request.
 
 Tracing: a request may bring its span (the router's step span). A batch then gets one span, a child of its
 first member's span and linked to every member's span, current while `execute` runs (so the stage call
-carries its context); each member gets a `queue` span for its wait, and the batch's size and ids as
-attributes and a link, so its own trace says which batch it rode in (`pipeline.router.batch_spans`). Time
+carries its context); each member's span gets the batch's size and a link to it, so its own trace says
+which batch it rode in (`pipeline.router.batch_spans`). Time
 is read from a `pipeline.router.clock.Clock`, which tests replace.
 """
 
@@ -59,7 +59,6 @@ class _Pending(Generic[In, Out]):
     deadline: float | None
     future: asyncio.Future[Out]
     span: Span | None = None
-    enqueued_ns: int = 0  # wall clock, for the queue span
     state: int = _QUEUED
     timer: Timer | None = None
 
@@ -252,7 +251,6 @@ class DynamicBatcher(Generic[In, Out]):
         pending = _Pending(payload, size, key, priority, next(self._seq), now, deadline, future)
         if span is not None and self._telemetry is not None:
             pending.span = span
-            pending.enqueued_ns = time.time_ns()
         if (
             config.idle_dispatch
             and not self._queued
@@ -488,7 +486,7 @@ class DynamicBatcher(Generic[In, Out]):
 
     def _batch_span(self, batch: list[_Pending[In, Out]], size: int) -> Span | None:
         """Start the batch's span (see `batch_spans`); None when no member is traced."""
-        members = [(p.span, p.enqueued_ns) for p in batch if p.span is not None]
+        members = [p.span for p in batch if p.span is not None]
         if not members:
             return None
         tracer = self._telemetry.tracer  # type: ignore[union-attr]

@@ -16,7 +16,6 @@ import logging
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
@@ -69,10 +68,9 @@ class StageCalls:
         timeout: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
         what: str,
-        attributes: Mapping[str, Any] | None = None,
     ) -> pb.ModelInferResponse:
         """Send one request to its stage model unbatched, and count it; `what` names the step or model in
-        errors, `attributes` go on the call's span (whose context goes to the stage in the metadata)."""
+        errors. The call's span (with tracing on) sends its context to the stage in the metadata."""
         model = request.model_name
         stats = self.registry.stats.get(model)
         first = request.inputs[0].shape if request.inputs else ()
@@ -80,7 +78,7 @@ class StageCalls:
         started = time.perf_counter_ns()
         try:
             if self.telemetry.enabled:
-                with self._span(model, client, attributes or {}):
+                with self._span(model, client):
                     response = await client.call(
                         "ModelInfer",
                         request,
@@ -106,11 +104,11 @@ class StageCalls:
         self.caching.observe_version(model, request.model_version, response.model_version)
         return response
 
-    def _span(self, model: str, client: StageClient, attributes: Mapping[str, Any]):
+    def _span(self, model: str, client: StageClient):
         """The span of one unbatched stage call."""
         return self.telemetry.span(
             f"ModelInfer {model}",
-            {MODEL: model, STAGE: client.endpoint.name, PEER: client.endpoint.address, **attributes},
+            {MODEL: model, STAGE: client.endpoint.name, PEER: client.endpoint.address},
             kind=SpanKind.CLIENT,
         )
 

@@ -44,16 +44,7 @@ from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.servicer import CallContext
-from pipeline.runtime.telemetry import (
-    ENSEMBLE,
-    MODEL,
-    REQUEST_ID,
-    SKIP_REASON,
-    STAGE,
-    STEP,
-    STEP_SKIPPED,
-    Telemetry,
-)
+from pipeline.runtime.telemetry import MODEL, SKIP_REASON, STEP, STEP_SKIPPED, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +79,6 @@ class Executor:
         stats = self.registry.stats.get(plan.name)
         started = time.perf_counter_ns()
         try:
-            if self.telemetry.enabled and (span := self.telemetry.current_span()) is not None:
-                span.set_attribute(ENSEMBLE, plan.name)
             response, items = await self.run(plan, request, call)
         except BaseException:
             if stats is not None:
@@ -129,13 +118,9 @@ class Executor:
                     await finished[producer].wait()
             attributes: dict[str, Any] = {}
             if telemetry.enabled:
-                attributes = {
-                    ENSEMBLE: plan.name,
-                    STEP: step.index,
-                    MODEL: step.model_name,
-                    STAGE: step.stage,
-                    REQUEST_ID: request.id,
-                }
+                # NOTE: the ensemble and the request id are on the request's span, the parent of this one.
+                # Every attribute costs each traced request its encoding, so none is repeated here.
+                attributes = {STEP: step.index, MODEL: step.model_name}
             if conditional and self._skipped(plan, step, values, attributes, awaited):
                 if finished is not None:
                     finished[step.index].set()
@@ -332,7 +317,6 @@ class Executor:
             timeout=timeout,
             metadata=metadata,
             what=step.label,
-            attributes={REQUEST_ID: request_id},
         )
         return response_tensors(response)
 

@@ -52,7 +52,6 @@ _TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 # Span attribute names; `rpc.*`, `server.*` and `error.*` are OpenTelemetry's semantic conventions.
-ENSEMBLE = "pipeline.ensemble"
 MODEL = "pipeline.model"
 STEP = "pipeline.step"
 STAGE = "pipeline.stage"
@@ -62,8 +61,6 @@ RESPONSE_INDEX = "pipeline.response.index"
 RESPONSE_FINAL = "pipeline.response.final"
 BATCH_SIZE = "pipeline.batch.size"
 BATCH_REQUESTS = "pipeline.batch.requests"
-BATCH_TRACE_ID = "pipeline.batch.trace_id"
-BATCH_SPAN_ID = "pipeline.batch.span_id"
 #: On a step's span: True when the request skipped the step (a condition, or an input never produced),
 #: with the reason.
 STEP_SKIPPED = "pipeline.step.skipped"

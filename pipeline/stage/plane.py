@@ -56,7 +56,7 @@ from pipeline.protocol.streams import DECOUPLED_UNARY, set_final
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 from pipeline.runtime.servicer import CallContext, DataPlane
-from pipeline.runtime.telemetry import BATCH_SIZE, MODEL, NO_SPAN, Telemetry
+from pipeline.runtime.telemetry import BATCH_SIZE, Telemetry
 from pipeline.stage.api import Deadline, Stage
 from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
 from pipeline.stage.control import ModelControl, config_override
@@ -370,12 +370,9 @@ class StagePlane(DataPlane):
         stats = self._models[name].stats
         telemetry = self.telemetry
         try:
-            with telemetry.span("decode") if telemetry.enabled else NO_SPAN:
-                tensors = validate_inputs(
-                    name, request_tensors(request), served.inputs, served.max_batch_size
-                )
-                wanted = requested_outputs(request, served.outputs, name)
-                arrays = {tensor_name: tensor.to_array() for tensor_name, tensor in tensors.items()}
+            tensors = validate_inputs(name, request_tensors(request), served.inputs, served.max_batch_size)
+            wanted = requested_outputs(request, served.outputs, name)
+            arrays = {tensor_name: tensor.to_array() for tensor_name, tensor in tensors.items()}
             batch = next(iter(arrays.values())).shape[0] if served.max_batch_size > 0 and arrays else None
             items = batch or 1
             decoded = time.perf_counter_ns()
@@ -385,11 +382,12 @@ class StagePlane(DataPlane):
                     span.set_attribute(BATCH_SIZE, items)
             result, queue_ns, compute_ns, wall = await self._execute(served, arrays, deadline)
             if telemetry.enabled:
-                telemetry.record_span("compute", wall[0], wall[1], {MODEL: name, BATCH_SIZE: items})
+                # NOTE: the request's span has the model and the batch size; decoding and encoding are
+                # the time before and after this span (each span costs every traced request its export).
+                telemetry.record_span("compute", wall[0], wall[1])
             encoding = time.perf_counter_ns()
-            with telemetry.span("encode") if telemetry.enabled else NO_SPAN:
-                specs = {spec.name: spec for spec in served.outputs}
-                response = stage_response(name, version, request.id, wanted, result, specs, batch)
+            specs = {spec.name: spec for spec in served.outputs}
+            response = stage_response(name, version, request.id, wanted, result, specs, batch)
         except BaseException:
             stats.request_failed(time.perf_counter_ns() - started)
             raise

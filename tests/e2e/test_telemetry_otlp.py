@@ -82,11 +82,10 @@ def test_a_stage_process_exports_its_spans_over_otlp(receiver, tmp_path):
     ours = [(service, span) for service, span in servicer.spans if span.trace_id.hex() == TRACE_ID]
     assert {service for service, _ in ours} == {"e2e-postprocess"}
     by_name = {span.name: span for _, span in ours}
-    assert {"ModelInfer digits_postprocess", "decode", "compute", "encode"} <= set(by_name)
+    assert {"ModelInfer digits_postprocess", "compute"} <= set(by_name)
     server_span = by_name["ModelInfer digits_postprocess"]
     assert server_span.parent_span_id.hex() == PARENT_ID
-    for child in ("decode", "compute", "encode"):
-        assert by_name[child].parent_span_id == server_span.span_id
+    assert by_name["compute"].parent_span_id == server_span.span_id
     attributes = {a.key: a.value for a in server_span.attributes}
     assert attributes["pipeline.request_id"].string_value == "otlp-1"
     assert attributes["pipeline.batch.size"].int_value == 2

@@ -152,8 +152,7 @@ async def test_one_trace_per_request_across_processes_with_the_batch_linked(serv
         trace_id = root.context.trace_id
         step = next(s for s in _named(router, "step scale") if s.context.trace_id == trace_id)
         assert step.parent.span_id == root.context.span_id
-        assert step.attributes["pipeline.ensemble"] == "chain"
-        assert step.attributes["pipeline.stage"] == "a"
+        assert step.attributes["pipeline.model"] == "scale" and step.attributes["pipeline.step"] == 0
         call = next(
             s for s in router if s.kind == SpanKind.CLIENT and s.parent.span_id == step.context.span_id
         )
@@ -162,7 +161,7 @@ async def test_one_trace_per_request_across_processes_with_the_batch_linked(serv
         assert stage_server.parent.span_id == call.context.span_id and stage_server.parent.is_remote
         assert stage_server.resource.attributes["service.name"] == "pipeline-a"
         inner = {s.name for s in a if s.parent and s.parent.span_id == stage_server.context.span_id}
-        assert inner == {"decode", "compute", "encode"}
+        assert inner == {"compute"}
 
     # Batched step: one batch span, a child of one member's step, linked to every member's step span.
     [batch] = _named(router, "batch shift")
@@ -173,14 +172,15 @@ async def test_one_trace_per_request_across_processes_with_the_batch_linked(serv
     assert {link.context.span_id for link in batch.links} == {s.context.span_id for s in steps}
     assert batch.parent.span_id in {s.context.span_id for s in steps}
     for step in steps:
-        # Each member's own trace says which batch it rode in and how large it was.
+        # Each member's own trace says which batch it rode in and how large it was: the first member's
+        # holds the batch span itself, every other's links to it. Its queue wait ends as the batch starts.
         assert step.attributes["pipeline.batch.size"] == BATCH
-        assert step.attributes["pipeline.batch.span_id"] == f"{batch.context.span_id:016x}"
         assert by_id[step.parent.span_id].kind == SpanKind.SERVER
-        queue = [s for s in _named(router, "queue shift") if s.parent.span_id == step.context.span_id]
-        assert len(queue) == 1
+        assert step.start_time <= batch.start_time <= batch.end_time <= step.end_time
         if step.context.span_id != batch.parent.span_id:
             assert [link.context.span_id for link in step.links] == [batch.context.span_id]
+        else:
+            assert not step.links
     # The stage continued the batch span's context: one stage call, one server span under the batch.
     [stage_server] = [s for s in b if s.kind == SpanKind.SERVER]
     assert stage_server.parent.span_id == batch.context.span_id
@@ -214,8 +214,8 @@ async def test_an_error_is_recorded_on_the_spans(served):
     assert any(e.name == "exception" for e in root.events)
     [stage_server] = [s for s in served.traced["a"].spans() if s.kind == SpanKind.SERVER]
     assert stage_server.status.status_code == StatusCode.ERROR
-    [compute] = [s for s in served.traced["a"].spans() if s.name == "decode"]
-    assert compute.status.status_code == StatusCode.UNSET
+    # The model refused the input: its server span holds the error, and no compute span was recorded.
+    assert not [s for s in served.traced["a"].spans() if s.name == "compute"]
 
 
 def _scrape(metrics: Metrics) -> dict[tuple[str, tuple], float]:
