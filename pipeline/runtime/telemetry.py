@@ -10,7 +10,8 @@ of the span that makes each stage call, and the stage server continues it.
 
 Exporters (`OTEL_TRACES_EXPORTER`, comma-separated): `otlp` (the protocol from
 `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`: `grpc`, the default, or `http/protobuf`; endpoint, headers and
-timeouts from the exporters' own `OTEL_EXPORTER_OTLP_*` variables), `console`, `jsonl` (one JSON span per
+timeouts from the exporters' own `OTEL_EXPORTER_OTLP_*` variables; the SDK's exporters with a cheaper encoder,
+`pipeline.runtime.otlp`), `console`, `jsonl` (one JSON span per
 line appended to `PIPELINE_TRACE_FILE`, default `traces.jsonl`, which `pipeline trace` reads) and `none`.
 The sampler comes from `OTEL_TRACES_SAMPLER`/`OTEL_TRACES_SAMPLER_ARG` through the SDK's own handling. Each
 service reports as `<prefix>-<service>` where the prefix is `OTEL_SERVICE_NAME` (default `pipeline`), so
@@ -40,6 +41,8 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from pipeline.runtime.otlp import GrpcSpanExporter, HttpSpanExporter
 
 log = logging.getLogger(__name__)
 
@@ -210,13 +213,9 @@ def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
         if not name:
             raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL: unsupported protocol {protocol!r}")
     if name == "otlp_proto_grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter()
+        return GrpcSpanExporter()
     if name == "otlp_proto_http":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-
-        return HttpExporter()
+        return HttpSpanExporter()
     if name == "console":
         return ConsoleSpanExporter()
     if name == "jsonl":

@@ -1,13 +1,15 @@
 """OTLP export from a real service process, configured only by OpenTelemetry's environment variables.
 
-The receiver is built here from the official protobuf definitions (`opentelemetry-proto`): a gRPC server
-implementing `TraceService/Export` on 127.0.0.1 and a port the OS picks.
+The receiver is built here from the official protobuf definitions (`opentelemetry-proto`), on 127.0.0.1 and a
+port the OS picks: a gRPC server implementing `TraceService/Export`, or an HTTP server taking OTLP/HTTP's
+`POST /v1/traces` of a protobuf `ExportTraceServiceRequest`.
 """
 
 from __future__ import annotations
 
 import threading
 from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import numpy as np
@@ -44,22 +46,48 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-@pytest.fixture
-def receiver():
+def _http_receiver(servicer: Receiver) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+            reply = servicer.Export(request, None).SerializeToString()
+            self.send_response(200 if self.path == "/v1/traces" else 404)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    return ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+
+@pytest.fixture(params=["grpc", "http/protobuf"])
+def receiver(request):
     servicer = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, port
-    server.stop(None)
+    if request.param == "grpc":
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        yield servicer, request.param, port
+        server.stop(None)
+    else:
+        http = _http_receiver(servicer)
+        thread = threading.Thread(target=http.serve_forever, daemon=True)
+        thread.start()
+        yield servicer, request.param, http.server_address[1]
+        http.shutdown()
+        http.server_close()
 
 
 def test_a_stage_process_exports_its_spans_over_otlp(receiver, tmp_path):
-    servicer, port = receiver
+    servicer, protocol, port = receiver
     env = {
         "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
         "OTEL_EXPORTER_OTLP_INSECURE": "true",
         "OTEL_BSP_SCHEDULE_DELAY": "50",
