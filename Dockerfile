@@ -7,9 +7,8 @@
 #   docker build --target model-repository -t pipeline-model-repository .   # the example repository
 #
 # (compose.yaml builds all five.) Builds with the classic builder and with BuildKit: no RUN --mount,
-# no heredocs. Router and postprocess share every layer (no PyTorch of their own; a shared dependency that
-# needs it gets the same pinned CPU build); the model image adds PyTorch and ONNX Runtime, and preprocess
-# takes the model image's environment (Python-backend models there may import torch).
+# no heredocs. Router, preprocess and postprocess share every layer (no PyTorch of their own; a shared
+# dependency that needs it gets the same pinned CPU build); the model image adds PyTorch and ONNX Runtime.
 # No service image holds model files: the services serve the model repository mounted at /models
 # (compose.yaml). The last target builds the example models and copies the example repository into the
 # volume mounted at /models when it runs (compose.yaml's one-shot `model-repository` service): the
@@ -33,8 +32,8 @@ RUN groupadd --system --gid 10001 pipeline \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin pipeline
 
 # --- dependencies, then the project: pip, wheels and certificates stay in these stages ------------------
-# Stage order matters for the classic builder, which builds every stage above its target: the router and
-# postprocess targets come before anything that installs PyTorch.
+# Stage order matters for the classic builder, which builds every stage above its target: the router,
+# preprocess and postprocess targets come before anything that installs PyTorch.
 FROM python AS deps
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG USE_LOCAL_WHEELS=1
@@ -74,7 +73,7 @@ COPY pipeline/ pipeline/
 COPY services/ services/
 RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
 
-# --- router and postprocess: one image's layers, two commands (preprocess adds PyTorch, below)
+# --- router, preprocess, postprocess: one image's layers, three commands -------------------------------
 FROM python AS serve
 COPY --from=build /opt/venv /opt/venv
 COPY ensembles/ /app/ensembles/
@@ -91,6 +90,11 @@ FROM serve AS router
 ENV PIPELINE_SERVICE=router
 EXPOSE 8001 8000
 CMD ["pipeline", "router"]
+
+FROM serve AS preprocess
+ENV PIPELINE_SERVICE=preprocess
+EXPOSE 8101
+CMD ["python", "-m", "services.preprocess"]
 
 FROM serve AS postprocess
 ENV PIPELINE_SERVICE=postprocess
@@ -124,15 +128,6 @@ USER pipeline
 HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py"]
 EXPOSE 8102
 CMD ["python", "-m", "services.model"]
-
-# --- preprocess: the serving image with PyTorch as well, for Python-backend models that import it (the
-# example's text generator runs a torch network one step at a time); after the model image, whose
-# environment it takes
-FROM serve AS preprocess
-COPY --from=build-model /opt/venv /opt/venv
-ENV PIPELINE_SERVICE=preprocess
-EXPOSE 8101
-CMD ["python", "-m", "services.preprocess"]
 
 # --- the example repository: model_repository/'s Python stages and configs, and the example models built
 # from the code (examples/models/build.py: trained or exported here, deterministically). Last, so that the

@@ -47,8 +47,10 @@ _SWITCH = re.compile(r"switch\.(.+)")
 _OPTIONAL_OUTPUTS = "optional_outputs"
 
 
-def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
-    """Triton's `ModelConfig` of an ensemble: platform "ensemble" and its steps."""
+def ensemble_config(plan: EnsemblePlan, *, decoupled: bool = False) -> mc.ModelConfig:
+    """Triton's `ModelConfig` of an ensemble: platform "ensemble" and its steps. `decoupled`: a step of it is
+    decoupled, so the ensemble answers with any number of responses, and says so as Triton's does
+    (`model_transaction_policy { decoupled: true }`)."""
     config = model_config(
         plan.name,
         platform="ensemble",
@@ -65,6 +67,8 @@ def ensemble_config(plan: EnsemblePlan) -> mc.ModelConfig:
         for stage_tensor, tensor_name in step.outputs:
             entry.output_map[stage_tensor] = tensor_name
     config.ensemble_scheduling.max_inflight_requests = plan.max_inflight_requests
+    if decoupled:
+        config.model_transaction_policy.decoupled = True
     # What Triton's ensembles cannot say goes in `parameters`, as a config.pbtxt ensemble writes it.
     if plan.response_cache:
         config.response_cache.enable = True

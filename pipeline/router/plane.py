@@ -180,7 +180,7 @@ class RouterPlane(DataPlane):
     async def model_config(self, name: str, version: str, call: CallContext) -> mc.ModelConfig:
         plan = self._ensemble(name, version)
         if plan is not None:
-            return ensemble_config(plan)
+            return ensemble_config(plan, decoupled=plan.name in self.decoupled)
         request = pb.ModelConfigRequest(name=name, version=version)
         client = await self.stages.stage_client(name)
         reply = await client.call(

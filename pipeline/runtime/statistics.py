@@ -6,6 +6,11 @@ decode, inference and encode times of the execution each rode in (a batch's time
 as Triton counts them); `batch_stats` counts the
 executions of each batch size; `cache_hit` and `cache_miss` count the router's response cache lookups (a
 hit is a success without an execution). perf_analyzer reads these for its server-side breakdown.
+
+A decoupled model's responses are counted by their index in their request too, as Triton's `response_stats`
+counts them: `compute_infer` the time until the model made the response (from the request's start, or from
+its previous response), `compute_output` its encoding, `success` both, `fail` an error response, and
+`empty_response` a response that carries the final flag alone.
 """
 
 from __future__ import annotations
@@ -30,6 +35,24 @@ class _Duration:
 
 
 @dataclass(slots=True)
+class _ResponseStats:
+    compute_infer: _Duration = field(default_factory=_Duration)
+    compute_output: _Duration = field(default_factory=_Duration)
+    success: _Duration = field(default_factory=_Duration)
+    fail: _Duration = field(default_factory=_Duration)
+    empty_response: _Duration = field(default_factory=_Duration)
+
+    def proto(self) -> pb.InferResponseStatistics:
+        return pb.InferResponseStatistics(
+            compute_infer=self.compute_infer.proto(),
+            compute_output=self.compute_output.proto(),
+            success=self.success.proto(),
+            fail=self.fail.proto(),
+            empty_response=self.empty_response.proto(),
+        )
+
+
+@dataclass(slots=True)
 class ModelStats:
     """What one model has done since the server started."""
 
@@ -47,6 +70,22 @@ class ModelStats:
     cache_hit: _Duration = field(default_factory=_Duration)
     #: Requests the cache could not answer, and the time spent looking them up and storing their responses.
     cache_miss: _Duration = field(default_factory=_Duration)
+    #: A decoupled model's responses, by their index in their request (Triton's `response_stats`).
+    responses: dict[int, _ResponseStats] = field(default_factory=dict)
+
+    def response_done(self, index: int, *, infer_ns: int, output_ns: int = 0, empty: bool = False) -> None:
+        """Response `index` of a request to a decoupled model was made (`empty`: the final flag alone)."""
+        response = self.responses.setdefault(index, _ResponseStats())
+        if empty:
+            response.empty_response.add(infer_ns)
+            return
+        response.compute_infer.add(infer_ns)
+        response.compute_output.add(output_ns)
+        response.success.add(infer_ns + output_ns)
+
+    def response_failed(self, index: int, ns: int) -> None:
+        """Response `index` of a request to a decoupled model was an error."""
+        self.responses.setdefault(index, _ResponseStats()).fail.add(ns)
 
     def request_done(
         self,
@@ -109,4 +148,5 @@ class ModelStats:
                 pb.InferBatchStatistics(batch_size=size, compute_infer=d.proto())
                 for size, d in sorted(self.batches.items())
             ],
+            response_stats={str(index): r.proto() for index, r in sorted(self.responses.items())},
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
@@ -151,10 +152,14 @@ async def stream_replies(
     arrays: dict[str, np.ndarray],
     deadline: Deadline,
     encode: Callable[[Mapping[str, np.ndarray]], pb.ModelInferResponse],
+    stats: ModelStats | None = None,
 ) -> AsyncIterator[pb.ModelStreamInferResponse]:
     """`replies` as the stream's responses: `encode` makes each response of outputs; an error is a response
-    of its own (its status as `pipeline.protocol.streams` carries it), a final flag alone an empty one."""
+    of its own (its status as `pipeline.protocol.streams` carries it), a final flag alone an empty one. Each
+    is counted in `stats` by its index (`ModelStats.response_done`)."""
+    index, since = 0, time.perf_counter_ns()
     async for outputs, error, final in replies(pool, arrays, deadline):
+        made = time.perf_counter_ns()
         if error is not None:
             reply = error_response(request, error.code, error.message, rpc_status_of(error))
         elif outputs is None:
@@ -164,6 +169,13 @@ async def stream_replies(
             reply = pb.ModelStreamInferResponse(infer_response=empty)
         else:
             reply = pb.ModelStreamInferResponse(infer_response=encode(outputs))
+        if stats is not None:
+            if error is not None:
+                stats.response_failed(index, made - since)
+            else:
+                output_ns = time.perf_counter_ns() - made
+                stats.response_done(index, infer_ns=made - since, output_ns=output_ns, empty=outputs is None)
+        index, since = index + 1, made
         yield set_final(reply, final)
 
 

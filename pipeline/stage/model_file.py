@@ -4,6 +4,7 @@ any of them is loaded; their placement from `instance_group`; and errors that na
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 import sys
 import threading
@@ -17,6 +18,8 @@ from pipeline.stage import triton_python_backend_utils as pb_utils
 
 #: The name a Triton `model.py` imports the utilities under.
 PB_UTILS_MODULE = "triton_python_backend_utils"
+
+log = logging.getLogger(__name__)
 
 _module_ids = itertools.count(1)
 
@@ -87,10 +90,16 @@ class SharedModule:
             del sys.modules[self.module.__name__]
 
 
-def instance_placements(config: mc.ModelConfig) -> list[tuple[str, str, int]]:
-    """(instance name, kind "CPU" or "GPU", device id) of each instance `instance_group` asks for; groups
-    are named where the config leaves them unnamed (Triton's `<model>_<index>`). One CPU instance without
-    a group."""
+def instance_placements(
+    config: mc.ModelConfig, source: str, gpus: int | None = None
+) -> list[tuple[str, str, int]]:
+    """(instance name, kind "CPU" or "GPU", device id) of each instance `instance_group` asks for, and the
+    groups rewritten as placed (what `ModelConfig` then reports); groups are named where the config leaves
+    them unnamed (Triton's `<model>_<index>`). One CPU instance without a group.
+
+    A `KIND_GPU` group's instances run on GPUs, as in Triton (see `_on_gpus`); where no GPU is visible they
+    run on the CPU instead (logged), as the model service runs a model of `KIND_AUTO` there. `gpus` is how
+    many are visible (None: torch counts them, only if a group asks for GPUs)."""
     if not config.instance_group:
         config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
     placed = []
@@ -98,15 +107,43 @@ def instance_placements(config: mc.ModelConfig) -> list[tuple[str, str, int]]:
         group.name = group.name or f"{config.name}_{index}"
         group.count = max(group.count, 1)
         if group.kind == mc.ModelInstanceGroup.KIND_GPU:
-            gpus = list(group.gpus) or [0]
+            gpus = visible_gpus() if gpus is None else gpus
+            if gpus > 0:
+                placed += _on_gpus(group, gpus, source)
+                continue
+            log.warning(
+                "%s: instance_group '%s' asks for KIND_GPU, but no CUDA GPU is visible: its %d instance(s) run "
+                "on the CPU",
+                source,
+                group.name,
+                group.count,
+            )
             del group.gpus[:]
-            group.gpus.extend(gpus)
-            for gpu in gpus:
-                placed += [(f"{group.name}_{k}", "GPU", gpu) for k in range(group.count)]
-        else:
-            group.kind = mc.ModelInstanceGroup.KIND_CPU
-            placed += [(f"{group.name}_{k}", "CPU", 0) for k in range(group.count)]
+        group.kind = mc.ModelInstanceGroup.KIND_CPU
+        placed += [(f"{group.name}_{k}", "CPU", 0) for k in range(group.count)]
     return placed
+
+
+def _on_gpus(group: mc.ModelInstanceGroup, gpus: int, source: str) -> list[tuple[str, str, int]]:
+    """A `KIND_GPU` group's instances: `count` on each GPU it lists, or spread round robin over the visible
+    GPUs when it lists none (as the model service places its other models)."""
+    unknown = [gpu for gpu in group.gpus if not 0 <= gpu < gpus]
+    if unknown:
+        raise RepositoryError(
+            f"{source}: instance_group '{group.name}' names GPU(s) {unknown}, but {gpus} are visible "
+            f"(0..{gpus - 1})"
+        )
+    on = [gpu for gpu in group.gpus for _ in range(group.count)] or [k % gpus for k in range(group.count)]
+    return [(f"{group.name}_{k}", "GPU", gpu) for k, gpu in enumerate(on)]
+
+
+def visible_gpus() -> int:
+    """CUDA GPUs that torch sees; 0 where torch is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def device_of(kind: str, device_id: int) -> str:

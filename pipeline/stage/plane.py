@@ -489,6 +489,7 @@ async def _stream(
             arrays,
             deadline,
             lambda outputs: stage_response(name, version, request.id, wanted, outputs, specs, batch),
+            model.stats,
         ):
             failed = failed or bool(reply.error_message)
             yield reply

@@ -81,9 +81,14 @@ ACTED_ON = RUNTIME_FIELDS | {"model_transaction_policy"}
 
 
 class PythonBackend:
-    """Prepares the versions of `model.py` entries: a `Stage` subclass or a `TritonPythonModel`."""
+    """Prepares the versions of `model.py` entries: a `Stage` subclass or a `TritonPythonModel`. Instances of
+    kind `KIND_GPU` go on the `gpus` visible GPUs (None: as many as torch sees), or on the CPU where there
+    are none (`pipeline.stage.model_file.instance_placements`)."""
 
     names: tuple[str, ...] = ("python",)
+
+    def __init__(self, gpus: int | None = None) -> None:
+        self.gpus = gpus
 
     def prepare(self, entry: RepositoryEntry, version: str) -> PreparedVersion:
         """Import the version's `model.py`, complete its config and create its (unloaded) instances."""
@@ -94,9 +99,9 @@ class PythonBackend:
             if entry.has_config:
                 log_ignored(entry.config, ACTED_ON, entry.source)
             if stage_class is not None:
-                return _prepare_stage(entry, version, path, stage_class, module)
+                return _prepare_stage(entry, version, path, stage_class, module, self.gpus)
             assert triton_class is not None
-            return prepare_triton(entry, version, path, triton_class, module)
+            return prepare_triton(entry, version, path, triton_class, module, self.gpus)
         except BaseException:
             module.discard()
             raise
@@ -143,11 +148,11 @@ def _model_classes(module: types.ModuleType, path: Path) -> tuple[type[Stage] | 
 
 
 def _prepare_stage(
-    entry: RepositoryEntry, version: str, path: Path, cls: type[Stage], module: SharedModule
+    entry: RepositoryEntry, version: str, path: Path, cls: type[Stage], module: SharedModule, gpus: int | None
 ) -> PreparedVersion:
     config = mc.ModelConfig()
     config.CopyFrom(entry.config)
-    placements = instance_placements(config)
+    placements = instance_placements(config, entry.source, gpus)
     stages = []
     for _ in placements:
         try:

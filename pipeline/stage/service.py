@@ -38,7 +38,7 @@ from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.telemetry import Telemetry
 from pipeline.stage.api import Stage
 from pipeline.stage.control import add_model_control_arguments, model_control_of
-from pipeline.stage.placement import python_models_of
+from pipeline.stage.placement import python_models_of, unplaced_python_models
 from pipeline.stage.plane import StagePlane
 from pipeline.stage.python_backend import PythonBackend
 
@@ -49,9 +49,7 @@ log = logging.getLogger(__name__)
 
 def add_repository_arguments(parser: argparse.ArgumentParser, *, service: str) -> None:
     """The model repository flags, in Triton's spelling too: `--model-dir` (alias `--model-repository`, env
-    `PIPELINE_MODEL_DIR`) and `--load-model NAME` (repeatable; env `PIPELINE_<SERVICE>_LOAD_MODEL`, names
-    separated by commas), which serves only the models named instead of every one the service runs."""
-    load = settings.load_models(service)
+    `PIPELINE_MODEL_DIR`) and `--load-model` (`add_load_model_argument`)."""
     parser.add_argument(
         "--model-dir",
         "--model-repository",
@@ -60,6 +58,13 @@ def add_repository_arguments(parser: argparse.ArgumentParser, *, service: str) -
         default=settings.MODEL_DIR.get(),
         help="the model repository, in Triton's layout (env PIPELINE_MODEL_DIR; default %(default)s)",
     )
+    add_load_model_argument(parser, service=service)
+
+
+def add_load_model_argument(parser: argparse.ArgumentParser, *, service: str) -> None:
+    """`--load-model NAME` (repeatable; env `PIPELINE_<SERVICE>_LOAD_MODEL`, names separated by commas),
+    Triton's explicit model control: serve only the models named instead of every one the service runs."""
+    load = settings.load_models(service)
     parser.add_argument(
         "--load-model",
         action="append",
@@ -238,14 +243,14 @@ def python_service_main(service: str, argv: Sequence[str] | None = None) -> None
     )
 
 
-def _placed_models(service: str, repository: ModelRepository, ensembles: Sequence[Path]) -> list[str] | None:
-    """The Python models the ensembles place in `service`; None (every Python model) where the ensembles
-    cannot be read (the router refuses them with the reason)."""
+def _placed_models(service: str, repository: ModelRepository, ensembles: Sequence[Path]) -> list[str]:
+    """The Python models the ensembles place in `service`; where the ensembles cannot be read (the router
+    refuses them with the reason), every Python model but those the model service runs."""
     try:
         plans = ensemble_plans(ensembles, repository=repository.root)
     except ConfigError as err:
         log.warning("cannot read the ensembles to place the python models, so serving all of them: %s", err)
-        return None
+        return unplaced_python_models(repository)
     models = python_models_of(service, repository, plans)
     log.info(
         "%s serves the python models %s (where their ensembles run them; --load-model chooses otherwise)",

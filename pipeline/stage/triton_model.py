@@ -60,10 +60,11 @@ _STATUS = {
 
 
 def prepare_triton(
-    entry: RepositoryEntry, version: str, path: Path, cls: type, module: SharedModule
+    entry: RepositoryEntry, version: str, path: Path, cls: type, module: SharedModule, gpus: int | None = None
 ) -> PreparedVersion:
     """A version of a `TritonPythonModel`: its config, completed and checked, and one unloaded instance per
-    placement."""
+    placement (`instance_placements`; `gpus` visible), each told where it runs as Triton tells it:
+    `model_instance_kind` "CPU" or "GPU" and `model_instance_device_id`."""
     if not callable(getattr(cls, "execute", None)):
         raise RepositoryError(f"{path}: TritonPythonModel has no execute(requests) method")
     config = mc.ModelConfig()
@@ -79,7 +80,7 @@ def prepare_triton(
             f"backend does: in a config.pbtxt beside its version folders ({entry.folder / 'config.pbtxt'}), "
             "or by its auto_complete_config"
         )
-    placements = instance_placements(config)
+    placements = instance_placements(config, entry.source, gpus)
     inputs, outputs = tensor_specs(config, entry.source)
     set_tensor_specs(config, inputs, outputs)
     model_config = json.dumps(triton_json(config))

@@ -1,18 +1,24 @@
-"""`python -m services.model`: serve the ONNX, PyTorch and TensorRT models of a Triton model repository."""
+"""`python -m services.model`: serve the ONNX, PyTorch and TensorRT models of a Triton model repository, and
+its Python models that ask for GPUs (`instance_group [ { kind: KIND_GPU } ]`)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.runtime import settings
 from pipeline.runtime.arguments import add_server_arguments, positive_int
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.server import configure_logging
 from pipeline.stage.control import add_model_control_arguments
-from pipeline.stage.service import run_stage_service
+from pipeline.stage.placement import MODEL_SERVICE, model_service_models, python_models_of
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.stage.service import add_load_model_argument, repository_models, run_stage_service
 
-SERVICE = "model"
+SERVICE = MODEL_SERVICE
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,9 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
         dest="model_dir",
         default=settings.MODEL_DIR.get(),
         help="Triton model repository: <model>/config.pbtxt and <model>/<version>/model.{onnx,pt,pt2,plan}; "
-        "the models whose backend is onnxruntime, pytorch or tensorrt are served (env PIPELINE_MODEL_DIR; "
-        "default %(default)s)",
+        "the models whose backend is onnxruntime, pytorch or tensorrt are served, and the python models whose "
+        "instance_group asks for KIND_GPU (env PIPELINE_MODEL_DIR; default %(default)s)",
     )
+    add_load_model_argument(parser, service=SERVICE)
     parser.add_argument(
         "--engine-cache",
         default=settings.ENGINE_CACHE.get(),
@@ -84,9 +91,33 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    configure_logging(args.log_level, SERVICE)
     repository = ModelRepository(args.model_dir)
     backend = ModelBackend(options, repository_root=repository.root)
-    run_stage_service([], args, service=SERVICE, repository=repository, backends=[backend])
+    run_stage_service(
+        [],
+        args,
+        service=SERVICE,
+        repository=repository,
+        backends=[backend, PythonBackend()],
+        models=served_models(repository, args),
+    )
+
+
+def served_models(repository: ModelRepository, args: argparse.Namespace) -> list[str]:
+    """The models loaded at start-up: those `--load-model` names, else every model of the repository but
+    the Python models that run in the Python services (`pipeline.stage.placement`)."""
+    named = repository_models(args)
+    if named is not None:
+        return named
+    python = python_models_of(SERVICE, repository, ())
+    if python:
+        log.info(
+            "%s serves the python models %s: their instance_group asks for GPUs (--load-model chooses otherwise)",
+            SERVICE,
+            ", ".join(python),
+        )
+    return model_service_models(repository)
 
 
 if __name__ == "__main__":

@@ -158,6 +158,11 @@ def test_make_run_builds_the_models_serves_and_stops_cleanly_on_sigterm(tmp_path
         with InferenceClient(address) as client:
             out = client.infer("digits", {"IMAGE": bytes_batch([encode(x_test[1])], (-1, 1))}, timeout=30)
         assert out["LABEL"][0, 0] == y_test[1]
+        # The streaming example too: its generator in the model service, its text through postprocess.
+        command = [sys.executable, "-m", "pipeline", "infer", "--url", address, "-m", "textgen", "--stream"]
+        command += ["--value", "PROMPT=To be", "--value", "MAX_TOKENS=12"]
+        streamed = subprocess.run(command, cwd=REPO, capture_output=True, timeout=120, check=True)
+        assert len(streamed.stdout.decode("ascii")) == 13
         process.send_signal(signal.SIGTERM)
         rest, _ = process.communicate(timeout=60)
         assert process.returncode == 0, rest

@@ -92,6 +92,22 @@ def test_each_character_is_a_response_and_the_last_is_flagged(textgen) -> None:
     assert _flags(replies) == [False] * (len(replies) - 1) + [True]
 
 
+def test_the_generator_runs_in_the_model_service_which_has_the_devices(textgen) -> None:
+    """Its config asks for a GPU instance (KIND_GPU), so the model service serves it, on its GPU where it has
+    one and on the CPU here; the tokenizer stays in preprocess, the detokenizer in postprocess."""
+
+    def ready(stage: str) -> set[str]:
+        with grpc.insecure_channel(textgen.stages[stage].address) as channel:
+            index = pb_grpc.GRPCInferenceServiceStub(channel).RepositoryIndex(
+                pb.RepositoryIndexRequest(ready=True), timeout=30
+            )
+        return {model.name for model in index.models if model.name.startswith("textgen")}
+
+    assert ready("model") == {"textgen_generate"}
+    assert ready("preprocess") == {"textgen_tokenize"}
+    assert ready("postprocess") == {"textgen_detokenize"}
+
+
 def test_interleaved_streams_each_get_their_own_responses_in_order(textgen) -> None:
     requests = [_request(b"Four score", 8 + i, f"s{i}") for i in range(12)]
     by_id = _stream(textgen.router.address, requests)

@@ -151,6 +151,8 @@ async def test_each_generated_token_runs_the_next_step_and_streams_in_order(serv
     async with inference_stub(served.router) as stub:
         config = await stub.ModelConfig(pb.ModelConfigRequest(name="story"))
         assert config.config.platform == "ensemble"
+        # A decoupled step makes the ensemble decoupled, and its config says so, as Triton's does.
+        assert config.config.model_transaction_policy.decoupled
         call = stub.ModelStreamInfer(timeout=60)
         for request_id, prompt, steps in (("a", 1, 6), ("b", 2, 3), ("c", 3, 1)):
             await call.write(story(request_id, prompt, steps))
@@ -383,6 +385,7 @@ async def test_a_triton_repository_streams_through_the_router_to_tritonclient(tm
     assert texts["13"] == []
     assert len(errors) == 1 and "unlucky prompt 13" in errors[0]
     assert config.config.ensemble_scheduling.max_inflight_requests == 8
+    assert config.config.model_transaction_policy.decoupled
 
 
 async def test_generate_stream_sends_an_event_per_response_and_generate_answers_a_plain_model(
@@ -395,6 +398,11 @@ async def test_generate_stream_sends_an_event_per_response_and_generate_answers_
         async with serving_router(load_ensembles([tmp_path])) as router, aiohttp.ClientSession() as http:
             await wait_serving(router.address)
             base = f"http://{router.http_address}/v2/models"
+            async with http.get(f"{base}/story/config") as reply:
+                assert reply.status == 200
+                assert (await reply.json())["model_transaction_policy"] == {"decoupled": True}
+            async with http.get(f"{base}/detokenize/config") as reply:
+                assert "model_transaction_policy" not in await reply.json()
             async with http.post(
                 f"{base}/story/generate_stream", json={"PROMPT": 2, "STEPS": 3, "id": "g"}
             ) as reply:

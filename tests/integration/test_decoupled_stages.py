@@ -128,6 +128,26 @@ async def test_a_generator_stage_streams_each_yield_and_interleaved_requests_kee
             assert not replies[-1].infer_response.outputs  # the generator's end: the final flag alone
 
 
+async def test_statistics_count_each_response_by_its_index_as_triton_response_stats() -> None:
+    async with serving_stages([Count()]) as stage, inference_stub(stage.address) as stub:
+        await wait_serving(stage.address)
+        call = stub.ModelStreamInfer(timeout=30)
+        await call.write(streamed("count", "a", START=np.array([[0]]), STEPS=np.array([[5]])))
+        await call.write(streamed("count", "b", START=np.array([[0]]), STEPS=np.array([[3]])))
+        await collect(call, {"a", "b"})
+        await call.done_writing()
+        (stats,) = (await stub.ModelStatistics(pb.ModelStatisticsRequest(name="count"))).model_stats
+    # a: responses 0..4 and its final flag alone at 5; b: 0..2, and the final flag at 3.
+    by_index = stats.response_stats
+    assert sorted(by_index, key=int) == ["0", "1", "2", "3", "4", "5"]
+    assert [by_index[str(i)].success.count for i in range(6)] == [2, 2, 2, 1, 1, 0]
+    assert [by_index[str(i)].empty_response.count for i in range(6)] == [0, 0, 0, 1, 0, 1]
+    assert all(r.fail.count == 0 for r in by_index.values())
+    for response in by_index.values():
+        assert response.compute_infer.count == response.success.count == response.compute_output.count
+        assert response.success.ns >= response.compute_infer.ns
+
+
 async def test_the_final_flag_alone_is_sent_only_to_a_client_that_asks_for_it() -> None:
     async with serving_stages([Count()]) as stage, inference_stub(stage.address) as stub:
         await wait_serving(stage.address)

@@ -1,4 +1,5 @@
-"""Which Python stage service serves which Python model: decided once, from the ensembles."""
+"""Which stage service serves which Python model: decided once, from the ensembles and the models' own
+instance_group (a Python model that asks for GPUs is the model service's)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ from pathlib import Path
 from pipeline.ensemble.catalog import repository_ensembles
 from pipeline.ensemble.pbtxt import load_repository_ensembles
 from pipeline.runtime.repository import ModelRepository
-from pipeline.stage.placement import python_models_of
+from pipeline.stage.placement import (
+    model_service_models,
+    python_models_of,
+    unplaced_python_models,
+)
 from tests.stages import EXAMPLE_REPOSITORY, write_model
 
 PYTHON = "class M:\n    pass\n"
@@ -38,9 +43,10 @@ def test_the_example_ensembles_place_each_python_model_where_their_steps_name_it
         "digits_preprocess",
         "embeddings_tokenize",
         "refcnn_preprocess",
-        "textgen_generate",
         "textgen_tokenize",
     ]
+    # The generator's instance_group asks for a GPU: it runs in the model service, which has the devices.
+    assert python_models_of("model", repository, plans) == ["textgen_generate"]
     # digits_blank runs on the gated ensemble's blank branch, which names the postprocess stage.
     assert python_models_of("postprocess", repository, plans) == [
         "digits_blank",
@@ -93,3 +99,29 @@ def test_ensembles_that_disagree_leave_the_model_with_the_first(tmp_path: Path, 
     assert python_models_of("preprocess", ModelRepository(root), plans) == ["norm"]
     assert python_models_of("postprocess", ModelRepository(root), plans) == []
     assert "served by preprocess (give --load-model to choose)" in caplog.text
+
+
+GPU_GROUP = 'backend: "python"\ninstance_group [ { count: 1, kind: KIND_GPU } ]\n'
+
+
+def test_a_python_model_that_asks_for_gpus_is_the_model_services_and_what_follows_is_postprocess(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "repository"
+    write_model(root, "tokenize", PYTHON, 'backend: "python"\n')
+    write_model(root, "generate", PYTHON, GPU_GROUP)
+    write_model(root, "detokenize", PYTHON, 'backend: "python"\n')
+    write_model(root, "spare_gpu", PYTHON, GPU_GROUP)  # in no ensemble: still the model service's
+    write_model(root, "spare", PYTHON, 'backend: "python"\ninstance_group [ { kind: KIND_CPU } ]\n')
+    (root / "cnn" / "1").mkdir(parents=True)
+    (root / "cnn" / "1" / "model.onnx").write_bytes(b"")
+    _ensemble(root, "chain", [("tokenize", "X", "a"), ("generate", "a", "b"), ("detokenize", "b", "Y")])
+    repository = ModelRepository(root)
+    plans = load_repository_ensembles(root)
+    assert python_models_of("preprocess", repository, plans) == ["spare", "tokenize"]
+    assert python_models_of("model", repository, plans) == ["generate", "spare_gpu"]
+    assert python_models_of("postprocess", repository, plans) == ["detokenize"]
+    # The model service needs no ensembles: its models and the Python models that ask for GPUs.
+    assert model_service_models(repository) == ["cnn", "generate", "spare_gpu"]
+    # Where the ensembles cannot be read, a Python service serves every Python model but the model service's.
+    assert unplaced_python_models(repository) == ["detokenize", "spare", "tokenize"]

@@ -18,8 +18,8 @@ others generate joins them at the next step (the network runs once per step, not
 - a request whose client has gone (`is_cancelled()` on its sender) is dropped before the next step, with
   the final flag and nothing else, so the network never computes for a stream nobody reads.
 
-The network runs where the instance is placed: the GPU of a KIND_GPU instance, otherwise where the
-`device` parameter says (`auto`: CUDA when torch sees a GPU, else the CPU).
+The network runs where Triton's args place the instance: on its GPU (`model_instance_device_id`) when
+`model_instance_kind` is GPU and torch sees CUDA, otherwise on the CPU.
 """
 
 import json
@@ -54,12 +54,10 @@ def _parameters(config):
     return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
 
 
-def _device(args, requested):
-    if args.get("model_instance_kind") == "GPU":
-        return torch.device(f"cuda:{args['model_instance_device_id']}")
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
+def _device(args):
+    if args.get("model_instance_kind") == "GPU" and torch.cuda.is_available():
+        return torch.device(f"cuda:{args.get('model_instance_device_id', '0')}")
+    return torch.device("cpu")
 
 
 def _error(message, code=pb_utils.TritonError.INVALID_ARG):
@@ -89,7 +87,7 @@ class TritonPythonModel:
         self.max_tokens_limit = int(parameters.get("max_tokens_limit", "1024"))
         if self.temperature < 0 or self.max_tokens_limit < 1:
             raise pb_utils.TritonModelException("temperature must be >= 0 and max_tokens_limit >= 1")
-        self.device = _device(args, parameters.get("device", "auto"))
+        self.device = _device(args)
         path = Path(args["model_repository"]) / args["model_version"] / NETWORK_FILE
         self.network = torch.jit.load(str(path), map_location=self.device).eval()
         self.sampler = torch.Generator(device=self.device).manual_seed(int(parameters.get("seed", "0")))
