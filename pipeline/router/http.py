@@ -48,6 +48,7 @@ from pipeline.router.rest_codec import (
     metadata_json,
 )
 from pipeline.runtime import settings
+from pipeline.runtime.admission import REQUEST_COST, cost_of
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
     Scope,
@@ -261,19 +262,24 @@ class RestFrontDoor:
     async def infer(self, request: web.Request) -> web.StreamResponse:
         name, version = _model_of(request)
         encoding = check_encoding(request.headers.get("Content-Encoding", ""))
+        budget = self.servicer.budget
+        # A body whose length is told is refused by what it would cost before it is read, as a gRPC
+        # `ModelInfer` is at the door (`pipeline.runtime.admission`).
+        if request.content_length is not None and not budget.fits(cost_of(request.content_length)):
+            raise budget.refusal(cost_of(request.content_length))
         # NOTE: the body is read whole before the codec takes a worker, so a client that sends slowly
         # holds none; the read is bounded by the application's client_max_size.
         body = await request.read()
-        # The body's bytes count in the server's budget of bytes in flight from here, its request's and
-        # response's as they are made (`pipeline.runtime.admission`); past it, refused before it is decoded.
-        budget, held = self.servicer.budget, len(body)
+        # The body's bytes count in the server's budget of bytes in flight from here, its request's (twice:
+        # it is sent on) and response's as they are made; past it, refused before it is decoded.
+        held = len(body)
         budget.admit(held)
         try:
             infer_req, form = await self.codec.infer_request(
                 body, encoding, request.headers.get(HEADER_LENGTH), name, version, self.max_body_bytes
             )
             del body
-            budget.charge(size := infer_req.ByteSize())
+            budget.charge(size := (REQUEST_COST - 1) * infer_req.ByteSize())
             held += size
             reply = await self.servicer.infer(infer_req, _call_of(request))
             budget.charge(size := reply.ByteSize())

@@ -1,34 +1,41 @@
 """A server's budget of bytes in flight: what bounds its memory, whatever its clients send.
 
-A request costs its server a few times its size while it is served (the message gRPC parsed, the tensors
-made of it, what it sends on), and its response as much again until it is sent. `max_inflight_requests`
-counts requests; this counts their bytes. A unary request that would take the bytes held past the limit is
-refused at once, before it is parsed, with UNAVAILABLE (retryable: the budget frees as responses go out);
-a stream's next request is not read until its bytes fit, so a client that stops reading its responses is
-not read from either, and gRPC's flow control holds the rest in the client. A request is admitted when
-nothing is held whatever its size (it is within `--max-message-mb`), so a large one never starves.
+A unary request costs its server about three times its size while it is served (`REQUEST_COST`: the bytes
+gRPC received, the message parsed from them, what is sent on), and that is what it takes of the budget;
+`max_inflight_requests` counts requests, this counts their bytes. A request past the limit is refused with
+UNAVAILABLE (retryable: the budget frees as responses go out), and a gRPC `ModelInfer` is refused at the
+door, before its message is read: gRPC receives a message whole before it tells its size, so the door
+(`ByteBudget.door`) sets aside room for what recent requests cost, refuses while the bytes held leave none,
+and waits while requests being read took it (their reads end soon). What gRPC buffers of a call not read
+is its transport's window, not its message. A request is admitted when nothing is held whatever its size
+(it is within `--max-message-mb`), so a large one never starves.
 
-A stream holds at most a quarter of the budget, so one client that never reads cannot take it all.
+A stream's next request is not read until its bytes fit, so a client that stops reading its responses is
+not read from either, and gRPC's flow control holds the rest in the client. A stream holds at most a
+quarter of the budget, so one client that never reads cannot take it all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from dataclasses import dataclass
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import Unavailable
 
 #: The share of the budget one stream may hold.
 STREAM_SHARE = 4
+#: What serving a unary request holds, in multiples of its size: its bytes as received, the message parsed
+#: from them, and the request sent on (to a stage, or a model's tensors). Measured on the router: about 3.
+REQUEST_COST = 3
+#: How much of what requests cost of late the door forgets at each request read: a flood of large requests
+#: keeps the door's estimate up, and after it the estimate falls to the size of what comes next.
+FORGET = 8
 
 
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """A unary request refused by its size before it was parsed (see `InferenceServicer.infer_request_of`)."""
-
-    size: int
+def cost_of(size: int) -> int:
+    """What a unary request of `size` bytes takes of the budget while it is served."""
+    return REQUEST_COST * size
 
 
 class ByteBudget:
@@ -38,6 +45,13 @@ class ByteBudget:
         self.limit = limit
         self.held = 0
         self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        #: Room set aside at the door for the requests being read.
+        self.reading = 0
+        #: What the door sets aside for a request about to be read: the most that requests read of late cost.
+        #: Until one is read, all of it: the first requests are read one at a time.
+        self.expected = limit or 0
+        self._learned = False
+        self._doors: list[asyncio.Future[None]] = []
 
     def _fits(self, size: int) -> bool:
         return self.limit is None or self.held == 0 or self.held + size <= self.limit
@@ -46,11 +60,12 @@ class ByteBudget:
         """Whether a unary request of `size` bytes would be admitted now."""
         return not self._waiting and self._fits(size)
 
-    def refusal(self, size: int) -> Unavailable:
-        """What a request of `size` bytes that does not fit is refused with."""
+    def refusal(self, size: int, what: str = "this request costs") -> Unavailable:
+        """What a request that would take `size` bytes and does not fit is refused with."""
         return Unavailable(
-            f"the server holds {_mib(self.held)} of requests and responses in flight; a request of "
-            f"{_mib(size)} would pass its limit of {_mib(self.limit or 0)} (--max-inflight-mb): try again"
+            f"the server holds {_mib(self.held)} of requests and responses in flight and {what} "
+            f"{_mib(size)}, which would pass its limit of {_mib(self.limit or 0)} (--max-inflight-mb): "
+            "try again"
         )
 
     def admit(self, size: int) -> None:
@@ -74,6 +89,43 @@ class ByteBudget:
             else:
                 self._waiting.remove((size, future))
             raise
+
+    async def door(self) -> int:
+        """Set room aside to read a unary request whose size is not known yet, or refuse it (`Unavailable`)
+        before its message is read where the bytes held leave none. Waits while requests being read took the
+        room: their reads end soon, and free it or tell it is taken. Returns the room set aside, for `read`."""
+        while not self._room():
+            if not self.reading:
+                raise self.refusal(self.expected, "requests cost of late")
+            future = asyncio.get_running_loop().create_future()
+            self._doors.append(future)
+            try:
+                await future
+            finally:
+                if not future.done():
+                    self._doors.remove(future)
+        self.reading += self.expected
+        return self.expected
+
+    def _room(self) -> bool:
+        if self.limit is None:
+            return True
+        if self._waiting:
+            return False  # streams wait their turn: a unary request does not jump the queue
+        taken = self.held + self.reading
+        return taken == 0 or taken + self.expected <= self.limit
+
+    def read(self, reserved: int, size: int | None) -> None:
+        """The request the door let in was read (`size` bytes; None: it never came): the room set aside for it
+        goes back, and the door learns what a request costs."""
+        self.reading -= reserved
+        if size is not None:
+            decayed = self.expected - self.expected // FORGET if self._learned else 0
+            self.expected, self._learned = max(cost_of(size), decayed), True
+        doors, self._doors = self._doors, []
+        for future in doors:
+            if not future.done():
+                future.set_result(None)
 
     def charge(self, size: int) -> None:
         """Count `size` bytes made while serving (a response): they are held already, so never refused."""

@@ -88,14 +88,13 @@ class _Handlers:
 
 
 def _add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    """`inference.GRPCInferenceService` as generated, but for `ModelInfer`'s request deserializer: the
-    servicer's, which refuses a request past the budget of bytes in flight before parsing it."""
+    """`inference.GRPCInferenceService` as generated, but for `ModelInfer`'s handler: one that reads its
+    request itself (a client-streaming handler: the client's unary call is one message on the same HTTP/2
+    stream), so that a request past the budget of bytes in flight is refused before its message is read."""
     caught = _Handlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, caught)
-    caught.handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
-        servicer.ModelInfer,
-        request_deserializer=servicer.infer_request_of,
-        response_serializer=pb.ModelInferResponse.SerializeToString,
+    caught.handlers["ModelInfer"] = grpc.stream_unary_rpc_method_handler(
+        servicer.ModelInferAtTheDoor, response_serializer=pb.ModelInferResponse.SerializeToString
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(caught.service, caught.handlers),))
     server.add_registered_method_handlers(caught.service, caught.handlers)

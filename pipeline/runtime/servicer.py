@@ -24,6 +24,7 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import (
     ERROR_DOMAIN,
     NOT_STARTED,
+    InvalidInput,
     ModelNotFound,
     PipelineError,
     Unavailable,
@@ -39,7 +40,7 @@ from pipeline.protocol.streams import (
     status_of,
     wants_empty_final,
 )
-from pipeline.runtime.admission import ByteBudget, Refused, StreamHold
+from pipeline.runtime.admission import ByteBudget, StreamHold, cost_of
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
 from pipeline.runtime.shared_memory import SharedMemoryRegistry
@@ -377,26 +378,39 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
         return await _guarded(context, self._admitted(request, CallContext.of(context)))
 
-    def infer_request_of(self, data: bytes) -> pb.ModelInferRequest | Refused:
-        """`ModelInfer`'s request deserializer: a request past the budget of bytes in flight is refused by
-        its size, before the bytes gRPC received are parsed into a second copy."""
-        if not self.budget.fits(len(data)):
-            return Refused(len(data))
-        return pb.ModelInferRequest.FromString(data)
+    async def ModelInferAtTheDoor(self, requests: object, context: grpc.aio.ServicerContext):
+        """`ModelInfer` as it is served (`pipeline.runtime.server`): a handler that reads its one request
+        itself, once the budget of bytes in flight has room for it, so that a request refused while the
+        budget is full is refused before gRPC received its message."""
+        return await _guarded(context, self._read_admitted(context))
 
-    async def _admitted(
-        self, request: pb.ModelInferRequest | Refused, call: CallContext
-    ) -> pb.ModelInferResponse:
+    async def _read_admitted(self, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+        budget = self.budget
+        reserved = await budget.door()
+        size = None
+        try:
+            data = await context.read()  # the message's bytes: this handler has no deserializer
+            if not isinstance(data, bytes):
+                raise InvalidInput("ModelInfer: the call ended before its request came")
+            size = len(data)
+        finally:
+            budget.read(reserved, size)
+        budget.admit(cost := cost_of(size))
+        try:
+            request = pb.ModelInferRequest.FromString(data)
+            del data
+            return await self.infer(request, CallContext.of(context))
+        finally:
+            budget.release(cost)
+
+    async def _admitted(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         """A unary request within the budget of bytes in flight, or refused before it is served (its
-        response is handed to gRPC as it is made, so only the request's bytes are held)."""
-        if isinstance(request, Refused):
-            raise self.budget.refusal(request.size)
-        size = request.ByteSize()
-        self.budget.admit(size)
+        response is handed to gRPC as it is made, so only what the request costs is held)."""
+        self.budget.admit(cost := cost_of(request.ByteSize()))
         try:
             return await self.infer(request, call)
         finally:
-            self.budget.release(size)
+            self.budget.release(cost)
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext):
         return await _guarded(context, self.plane.statistics(request.name, request.version))

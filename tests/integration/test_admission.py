@@ -110,14 +110,57 @@ async def test_a_request_past_the_budget_is_refused_as_retryable_and_the_router_
                     assert answer.status == 503
                     assert "--max-inflight-mb" in (await answer.json())["error"]
                 assert held.requests == 1
-                # Small requests still fit beside the one held.
-                small = await stub.ModelInfer(request_for("f", X=np.ones((2, 3), np.float32)), timeout=30)
-                assert response_tensors(small)["Y"].to_array().tolist() == [[2.0] * 3] * 2
+                # A small request is refused too while the budget holds no room for one like those of late:
+                # its size is not known before it is read.
+                small = request_for("f", X=np.ones((2, 3), np.float32))
+                try:
+                    await stub.ModelInfer(small, timeout=30)
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE
+                else:
+                    raise AssertionError("a request was read while the budget held no room")
                 held.release.set()
                 assert response_tensors(await first)["Y"].to_array().shape == (1, BIG)
+                answer = await stub.ModelInfer(small, timeout=30)
+                assert response_tensors(answer)["Y"].to_array().tolist() == [[2.0] * 3] * 2
                 # The budget freed with its response: the same request is taken now.
                 again = await stub.ModelInfer(request_for("e", X=_row(BIG)), timeout=30)
                 assert response_tensors(again)["Y"].to_array().shape == (1, BIG)
+
+
+async def test_a_request_refused_while_the_budget_is_full_is_refused_before_its_message_is_read(
+    tmp_path,
+) -> None:
+    held = Held()
+    async with serving_stages([held]) as stage:
+        await wait_serving(stage.address)
+        _ensemble(tmp_path, stage.address)
+        async with serving_router(
+            load_ensembles([tmp_path]), max_message_mb=1, options={"max_inflight_mb": 1}
+        ) as router:
+            await wait_serving(router.address)
+            async with inference_stub(router.address) as stub:
+                first = asyncio.ensure_future(stub.ModelInfer(request_for("e", X=_row(BIG)), timeout=30))
+                assert await asyncio.to_thread(held.entered.wait, 30)
+                # Past the router's --max-message-mb: had gRPC received it, the call would fail by its size
+                # (RESOURCE_EXHAUSTED), as it does below once the budget is free.
+                oversized = request_for("e", X=_row(2 * BIG))
+                try:
+                    await stub.ModelInfer(oversized, timeout=30)
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+                    assert "--max-inflight-mb" in (err.details() or "")
+                else:
+                    raise AssertionError("a request was taken past a full budget")
+                held.release.set()
+                assert response_tensors(await first)["Y"].to_array().shape == (1, BIG)
+                try:
+                    await stub.ModelInfer(oversized, timeout=30)
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+                else:
+                    raise AssertionError("a message past --max-message-mb was taken")
+                assert held.requests == 1
 
 
 async def test_a_stream_whose_responses_are_not_taken_is_not_read_further(tmp_path) -> None:

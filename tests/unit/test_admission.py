@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pipeline.protocol.errors import Unavailable
-from pipeline.runtime.admission import ByteBudget
+from pipeline.runtime.admission import FORGET, ByteBudget, cost_of
 
 
 def test_a_request_is_admitted_while_it_fits_and_always_when_nothing_is_held() -> None:
@@ -44,3 +44,32 @@ async def test_waiters_are_served_in_turn_and_a_cancelled_one_gives_back_what_it
     with pytest.raises(asyncio.CancelledError):
         await third
     assert budget.held == 0
+
+
+async def test_the_door_sets_room_aside_for_what_requests_cost_of_late_and_refuses_when_none_is_left() -> (
+    None
+):
+    budget = ByteBudget(100)
+    first = await budget.door()  # nothing held: in, whatever it turns out to be
+    second = asyncio.ensure_future(budget.door())
+    await asyncio.sleep(0)
+    assert not second.done(), "until a request was read, they are read one at a time"
+    budget.read(first, 10)
+    budget.admit(cost_of(10))
+    assert budget.expected == cost_of(10) == 30
+    budget.read(await second, 10)
+    budget.admit(30)
+    third = await budget.door()  # 60 held, 30 more fit
+    fourth = asyncio.ensure_future(budget.door())
+    await asyncio.sleep(0)
+    assert not fourth.done(), "the room left is set aside for the request being read"
+    budget.read(third, None)  # its client went away before its message came
+    budget.read(await fourth, 10)
+    budget.admit(30)
+    assert (budget.held, budget.reading) == (90, 0)
+    with pytest.raises(Unavailable, match="--max-inflight-mb"):
+        await budget.door()  # refused before anything is read: what is held leaves no room
+    budget.release(90)
+    budget.read(await budget.door(), 1)
+    assert budget.expected == 30 - 30 // FORGET, "a small request lowers the estimate by a share only"
+    assert await ByteBudget(None).door() == 0
