@@ -38,6 +38,7 @@ from pipeline.protocol.streams import error_response, is_final, set_final, statu
 from pipeline.router.executor import Executor
 from pipeline.router.registry import ENSEMBLE_VERSION
 from pipeline.runtime.servicer import CallContext, rpc_status_of
+from pipeline.runtime.statistics import ModelStats
 
 #: Responses of one request held between the decoupled step and the client (running downstream or done).
 STREAM_DEPTH = 16
@@ -68,7 +69,11 @@ class EnsembleStreams:
         stats = self.executor.registry.stats.get(plan.name)
         try:
             async with contextlib.aclosing(self._stream(plan, source, request, call)) as replies:
+                index, since = 0, started
                 async for reply in replies:
+                    if stats is not None:
+                        since = _count_response(stats, index, since, reply)
+                    index += 1
                     yield reply
         except BaseException:
             if stats is not None:
@@ -265,6 +270,17 @@ def _downstream(plan: EnsemblePlan, source: PlanStep) -> tuple[PlanStep, ...]:
             fed.add(step.index)
             found.append(step)
     return tuple(found)
+
+
+def _count_response(stats: ModelStats, index: int, since: int, reply: pb.ModelStreamInferResponse) -> int:
+    """Count response `index` of a request in the ensemble's `response_stats`, as made in the time since the
+    request's start or its previous response (`since`, `perf_counter_ns`); returns now."""
+    now = time.perf_counter_ns()
+    if reply.error_message:
+        stats.response_failed(index, now - since)
+    else:
+        stats.response_done(index, infer_ns=now - since, empty=not reply.infer_response.outputs)
+    return now
 
 
 def _done(reply: pb.ModelStreamInferResponse) -> asyncio.Task[pb.ModelStreamInferResponse]:

@@ -164,6 +164,13 @@ async def test_each_generated_token_runs_the_next_step_and_streams_in_order(serv
         for replies in got.values():
             assert [is_final(r) for r in replies] == [False] * (len(replies) - 1) + [True]
             assert all(r.infer_response.model_name == "story" for r in replies)
+        reply = await stub.ModelStatistics(pb.ModelStatisticsRequest(name="story"))
+    # The ensemble's responses are counted by their index, as Triton's response_stats: three requests made
+    # a first response, two a second and a third, one the fourth to sixth.
+    [stats] = reply.model_stats
+    made = {int(index): r.success.count for index, r in stats.response_stats.items() if r.success.count}
+    assert made == {0: 3, 1: 2, 2: 2, 3: 1, 4: 1, 5: 1}
+    assert all(r.fail.count == 0 for r in stats.response_stats.values())
 
 
 async def test_model_infer_on_a_decoupled_ensemble_is_refused(served: Served) -> None:
