@@ -237,7 +237,12 @@ class StagePlane(DataPlane):
         )
         await pool.load()
         try:
-            await warm_up(pool, samples, f"model '{entry.name}' version {version}")
+            await warm_up(
+                pool,
+                samples,
+                f"model '{entry.name}' version {version}",
+                decoupled=config.model_transaction_policy.decoupled,
+            )
         except BaseException:
             await pool.unload()
             raise

@@ -7,7 +7,8 @@ dimension) and its data: `zero_data`, `random_data` (seeded: every load warms up
 a file of the model's `warmup/` folder holding the raw row-major bytes of one item (a BYTES element is a
 4-byte little-endian length and its bytes). A BYTES input's zero or random data is empty strings. The item
 is repeated `batch_size` times for a model that batches; a model that does not takes `batch_size` 1. Each
-sample runs `count` times (at least once) on every instance.
+sample runs `count` times (at least once) on every instance; on a decoupled model, as a streamed request: its
+responses are read up to the final one.
 
 A sample is checked as a request would be (names, datatypes, shapes against the model's inputs) when the
 version is prepared, and a sample that fails on an instance refuses the version with its reason: a model
@@ -22,16 +23,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.codec import Tensor, validate_inputs
 from pipeline.protocol.datatypes import DATATYPES, array_from_raw
-from pipeline.protocol.errors import InvalidInput, PipelineError, RepositoryError
+from pipeline.protocol.errors import InvalidInput, PipelineError, RepositoryError, StageError
 from pipeline.protocol.model_config import datatype_of_config
 from pipeline.protocol.types import TensorSpec
-from pipeline.stage.api import NO_DEADLINE
-from pipeline.stage.pool import InstancePool
+from pipeline.stage.api import NO_DEADLINE, Deadline
+from pipeline.stage.decoupled import ResponseChannel
+from pipeline.stage.pool import InstancePool, Slot
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +136,12 @@ def _batch_of(item: np.ndarray, batch: int, config: mc.ModelConfig) -> np.ndarra
     return np.repeat(item[np.newaxis], batch, axis=0)
 
 
-async def warm_up(pool: InstancePool, samples: Sequence[WarmupSample], label: str) -> None:
+async def warm_up(
+    pool: InstancePool, samples: Sequence[WarmupSample], label: str, *, decoupled: bool = False
+) -> None:
     """Run every sample `count` times on every instance of `pool` (the instances side by side); the first
-    failure is raised as `RepositoryError` naming the sample and the instance."""
+    failure is raised as `RepositoryError` naming the sample and the instance. A `decoupled` version's sample
+    runs as a streamed request does: every response read up to the final flag, an error response its failure."""
     if not samples:
         return
 
@@ -144,7 +150,10 @@ async def warm_up(pool: InstancePool, samples: Sequence[WarmupSample], label: st
         for sample in samples:
             for _ in range(sample.count):
                 try:
-                    await slot.call(slot.instance.run, sample.inputs, NO_DEADLINE)
+                    if decoupled:
+                        await _run_decoupled(slot, sample.inputs)
+                    else:
+                        await slot.call(slot.instance.run, sample.inputs, NO_DEADLINE)
                 except Exception as exc:
                     reason = exc.message if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
                     raise RepositoryError(
@@ -157,3 +166,34 @@ async def warm_up(pool: InstancePool, samples: Sequence[WarmupSample], label: st
             raise outcome
     runs = sum(sample.count for sample in samples)
     log.info("%s: warmed up each of %d instance(s) with %d run(s)", label, len(pool.slots), runs)
+
+
+async def _run_decoupled(slot: Slot, inputs: dict[str, np.ndarray]) -> None:
+    """One sample on a decoupled instance: its responses read up to the final one (a Triton model may send
+    them after its `execute` returned), and the model's call returned, so the instance is free again."""
+    # NOTE: a deadline of its own, never the shared NO_DEADLINE: closing the channel marks its deadline
+    # cancelled, which stops a model that still sends.
+    deadline = Deadline()
+    channel = ResponseChannel(asyncio.get_running_loop(), deadline)
+    running = asyncio.ensure_future(slot.call(slot.run_decoupled, inputs, deadline, channel))
+
+    def returned(future: asyncio.Future[None]) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            channel.fail(
+                error
+                if isinstance(error, PipelineError)
+                else StageError(f"{type(error).__name__}: {error}", grpc.StatusCode.INTERNAL)
+            )
+
+    running.add_done_callback(returned)
+    try:
+        while True:
+            _, error, final = await channel.get()
+            if error is not None:
+                raise error
+            if final:
+                break
+        await running
+    finally:
+        channel.close()

@@ -123,6 +123,62 @@ async def test_a_failing_warm_up_refuses_the_version_with_its_reason(tmp_path: P
         assert (await stub.ModelReady(pb.ModelReadyRequest(name="recorder"))).ready
 
 
+#: A decoupled stage (its `infer` a generator): three responses per request, recording each; refuses 13
+#: after its first response.
+GENERATOR = """
+import numpy as np
+from pipeline.stage import InvalidInput, Stage, TensorSpec
+
+SENT = []
+
+
+class Generator(Stage):
+    max_batch_size = 0
+    inputs = (TensorSpec("X", "FP32", (3,)),)
+    outputs = (TensorSpec("Y", "FP32", (3,)),)
+
+    def infer(self, inputs):
+        for step in range(3):
+            if step == 1 and (inputs["X"] == 13).any():
+                raise InvalidInput("X: 13 is unlucky")
+            SENT.append(step)
+            yield {"Y": inputs["X"] + step}
+"""
+
+GENERATOR_WARMUP = """
+backend: "python"
+model_warmup [ { name: "ones" batch_size: 1 count: 2
+  inputs { key: "X" value: { data_type: TYPE_FP32 dims: [ 3 ] input_data_file: "x.bin" } } } ]
+"""
+
+
+def _generator(root: Path, x: tuple[float, ...]) -> Path:
+    path = write_model(root, "generator", GENERATOR, GENERATOR_WARMUP)
+    (root / "generator" / "warmup").mkdir(exist_ok=True)
+    (root / "generator" / "warmup" / "x.bin").write_bytes(np.asarray(x, "<f4").tobytes())
+    return path
+
+
+async def test_a_decoupled_model_warms_up_with_every_response_read(tmp_path: Path) -> None:
+    path = _generator(tmp_path, (1.0, 2.0, 3.0))
+    async with _serving(tmp_path) as stage, inference_stub(stage.address) as stub:
+        await wait_serving(stage.address)
+        # The sample ran twice, each time to its last response, before the model was ready.
+        module = next(m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == str(path))
+        assert module.SENT == [0, 1, 2, 0, 1, 2]
+        assert (await stub.ModelReady(pb.ModelReadyRequest(name="generator"))).ready
+
+
+async def test_a_decoupled_models_error_response_in_warm_up_refuses_it(tmp_path: Path) -> None:
+    _generator(tmp_path, (13.0, 0.0, 0.0))
+    async with _serving(tmp_path) as stage, inference_stub(stage.address) as stub:
+        await wait_serving(stage.address)
+        [model] = (await stub.RepositoryIndex(pb.RepositoryIndexRequest())).models
+        assert model.state == "UNAVAILABLE"
+        assert "model_warmup 'ones' failed on instance 0" in model.reason
+        assert "13 is unlucky" in model.reason
+
+
 @pytest.mark.parametrize(
     ("sample", "reason"),
     [
