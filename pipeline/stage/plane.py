@@ -237,12 +237,7 @@ class StagePlane(DataPlane):
         )
         await pool.load()
         try:
-            await warm_up(
-                pool,
-                samples,
-                f"model '{entry.name}' version {version}",
-                decoupled=config.model_transaction_policy.decoupled,
-            )
+            await warm_up(pool, samples, f"model '{entry.name}' version {version}")
         except BaseException:
             await pool.unload()
             raise

@@ -46,11 +46,13 @@ _SEED = 0
 
 @dataclass(frozen=True)
 class WarmupSample:
-    """One sample of `model_warmup`, ready to run: its name, its input arrays and how many runs it gets."""
+    """One sample of `model_warmup`, ready to run: its name, its input arrays, how many runs it gets, and
+    whether its model is decoupled (the sample then runs as a streamed request)."""
 
     name: str
     inputs: dict[str, np.ndarray]
     count: int
+    decoupled: bool = False
 
 
 def warmup_samples(
@@ -58,6 +60,7 @@ def warmup_samples(
 ) -> list[WarmupSample]:
     """The samples of a version's config, built and checked; `RepositoryError` naming the sample otherwise."""
     samples = []
+    decoupled = config.model_transaction_policy.decoupled
     for index, warmup in enumerate(config.model_warmup):
         name = warmup.name or f"#{index}"
         where = f"{source}: model_warmup '{name}'"
@@ -79,7 +82,7 @@ def warmup_samples(
         except InvalidInput as exc:
             raise RepositoryError(f"{where}: {exc.message}") from None
         arrays = {input_name: tensor.to_array() for input_name, tensor in checked.items()}
-        samples.append(WarmupSample(name, arrays, max(warmup.count, 1)))
+        samples.append(WarmupSample(name, arrays, max(warmup.count, 1), decoupled))
     return samples
 
 
@@ -136,12 +139,10 @@ def _batch_of(item: np.ndarray, batch: int, config: mc.ModelConfig) -> np.ndarra
     return np.repeat(item[np.newaxis], batch, axis=0)
 
 
-async def warm_up(
-    pool: InstancePool, samples: Sequence[WarmupSample], label: str, *, decoupled: bool = False
-) -> None:
+async def warm_up(pool: InstancePool, samples: Sequence[WarmupSample], label: str) -> None:
     """Run every sample `count` times on every instance of `pool` (the instances side by side); the first
-    failure is raised as `RepositoryError` naming the sample and the instance. A `decoupled` version's sample
-    runs as a streamed request does: every response read up to the final flag, an error response its failure."""
+    failure is raised as `RepositoryError` naming the sample and the instance. A decoupled model's sample runs
+    as a streamed request does: every response read up to the final flag, an error response its failure."""
     if not samples:
         return
 
@@ -150,7 +151,7 @@ async def warm_up(
         for sample in samples:
             for _ in range(sample.count):
                 try:
-                    if decoupled:
+                    if sample.decoupled:
                         await _run_decoupled(slot, sample.inputs)
                     else:
                         await slot.call(slot.instance.run, sample.inputs, NO_DEADLINE)
