@@ -6,7 +6,9 @@ serve: each step that names no stage gets the first declared stage whose `Reposi
 as READY, and every step's model its signature, learnt from its stage, against which the ensemble is
 checked. An ensemble whose models no stage serves is UNAVAILABLE with its reason (`unavailable`), and is
 tried again every second while the router serves and before a request for it (`ModelInfer`, `ModelReady`)
-is answered: a model loaded later makes it available. The files' own mistakes (a signature mismatch, a
+is answered: a model loaded later makes it available. A model that its stage's `RepositoryIndex` listed as
+READY and lists no more (unloaded) makes its ensembles UNAVAILABLE again, within a second or at the next
+`ModelReady`, until it is served again. The files' own mistakes (a signature mismatch, a
 model no stage can ever be found for) stop the router at start-up instead; found later, they keep the
 ensemble UNAVAILABLE.
 
@@ -91,6 +93,9 @@ class EnsembleAvailability:
         self._looks = 0
         #: Set when a stage's health or an ensemble's availability changes: wakes `monitor`.
         self._changed = asyncio.Event()
+        #: (stage, model) of the steps of available ensembles that the stage's `RepositoryIndex` has listed as
+        #: READY: one no longer listed was unloaded (`withdraw_unserved`).
+        self._listed: set[tuple[str, str]] = set()
         self._serve: Serve = lambda plan: None
 
     # --- start-up and availability --------------------------------------------------------------------
@@ -179,6 +184,8 @@ class EnsembleAvailability:
         for name in sorted(self.unavailable):
             try:
                 plan = self._resolved(self.catalog.ensembles[name])
+                if gone := self._gone(plan):
+                    raise NotServed(_no_longer_served(gone))
                 await self._learn_signatures(plan)
                 check_signatures(plan, self.registry.signatures)
                 self._serve(plan)
@@ -206,6 +213,31 @@ class EnsembleAvailability:
         self._changed.set()
         if self.started:
             log.info("ensemble '%s' is available: the stages serve every model of its steps", plan.name)
+
+    def withdraw_unserved(self) -> None:
+        """Make UNAVAILABLE each available ensemble with a step whose model its stage's `RepositoryIndex`
+        listed as READY and lists no more (it was unloaded, or a reload failed), as Triton's ensemble stops
+        being ready with its models. It is looked at again as the other unavailable ones are: the model
+        served again makes it available again."""
+        for name, plan in self.plans.items():
+            if name not in self.unavailable and (gone := self._gone(plan)):
+                self._not_available(name, _no_longer_served(gone))
+                self._changed.set()
+
+    def _gone(self, plan: EnsemblePlan) -> list[str]:
+        """The steps' models (as `'model' on stage 'key'`) that their stage listed as READY and no longer
+        lists; each model it lists is noted as listed."""
+        gone = []
+        for step in plan.steps:
+            index = self.stages.indexes.get(step.stage)
+            if index is None:  # a stage without RepositoryIndex, or not asked yet: it cannot say
+                continue
+            key = (step.stage, step.model_name)
+            if step.model_name in index:
+                self._listed.add(key)
+            elif key in self._listed:
+                gone.append(f"'{step.model_name}' on stage '{step.stage}'")
+        return sorted(set(gone))
 
     def _resolved(self, plan: EnsemblePlan) -> EnsemblePlan:
         """`plan` with the stage of each step that names none: the first declared stage whose
@@ -289,6 +321,10 @@ class EnsembleAvailability:
         available (see `available_plan`), and every stage of its steps serving."""
         if not self.started:
             return False
+        if name not in self.unavailable:
+            # A model of it unloaded a moment ago makes it not ready now, not at the next monitor round.
+            await self.stages.refresh_index()
+            self.withdraw_unserved()
         if name in self.unavailable:
             await self.complete()
         return self.ensemble_problem(name) is None
@@ -333,12 +369,13 @@ class EnsembleAvailability:
         while True:
             changed.clear()
             await asyncio.gather(*(c.replicas.check_health(timeout=interval) for c in self.clients.values()))
+            # A model unloaded since makes its ensembles unavailable, and one loaded since makes them
+            # available (the index is asked again there); a version a stage stopped serving takes its
+            # cached responses with it.
+            await self.stages.refresh_index()
+            self.withdraw_unserved()
             if self.unavailable:
-                # A model loaded since makes its ensembles available (the index is asked again there).
                 await self.complete()
-            elif self.stages.caching.holds_entries:
-                # A version a stage stopped serving takes its cached responses with it.
-                await self.stages.refresh_index()
             ready = self.ready()
             if ready != was_ready and on_ready is not None:
                 await on_ready(ready)
@@ -363,3 +400,7 @@ class EnsembleAvailability:
             return f"ensemble(s) {', '.join(sorted(self.unavailable))} not available"
         down = [key for key, client in self.clients.items() if not client.replicas.healthy]
         return f"stage(s) {', '.join(down)} down" if down else ""
+
+
+def _no_longer_served(gone: Iterable[str]) -> str:
+    return f"model(s) {', '.join(gone)} no longer served: not READY in the stage's RepositoryIndex"

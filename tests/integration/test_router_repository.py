@@ -495,6 +495,22 @@ async def test_an_ensemble_whose_models_no_stage_serves_is_unavailable_and_the_r
                 reply = await stub.ModelInfer(request_for("absent", X=X), timeout=20)
                 np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 3 * X)
 
+                # A model unloaded from its stage takes its ensemble with it, as Triton's ensemble stops being
+                # ready with its models; loaded again, the ensemble serves again.
+                async with inference_stub(stage.address) as stage_stub:
+                    await stage_stub.RepositoryModelUnload(
+                        pb.RepositoryModelUnloadRequest(model_name="missing")
+                    )
+                assert not (await stub.ModelReady(pb.ModelReadyRequest(name="lost"))).ready
+                state, reason = (await ensemble_states(stub))["lost"]
+                assert state == "UNAVAILABLE" and "'missing' on stage 'only' no longer served" in reason
+                await watch_health(router.address, INFERENCE_SERVICE, NOT_SERVING)
+                assert (await stub.ModelReady(pb.ModelReadyRequest(name="chain"))).ready
+                await load(stage.address, "missing")
+                reply = await stub.ModelInfer(request_for("lost", X=X), timeout=20)
+                np.testing.assert_array_equal(response_tensors(reply)["OUT"].to_array(), 2 * X + 1)
+                await watch_health(router.address, INFERENCE_SERVICE, SERVING)
+
 
 def test_the_ensembles_folder_is_optional_and_readiness_is_strict_unless_told(tmp_path, monkeypatch):
     write_config(tmp_path, "chain", CHAIN)
