@@ -166,7 +166,10 @@ class StageClient:
         await replicas.settle()
         name, address = self.endpoint.name, self.endpoint.address
         tried: set[Replica] = set()
-        self.budget.called()
+        if method == "ModelInfer":
+            # The budget is the stage's inference traffic: the router's own index and metadata calls (one
+            # a second) must not buy retries of it.
+            self.budget.called()
         replica = replicas.pick(method, tried)
         if replica is None:
             # Every replica is down or draining: answer at once instead of waiting out the deadline.
