@@ -112,6 +112,10 @@ class ByteBudget:
             return True
         if self._waiting:
             return False  # streams wait their turn: a unary request does not jump the queue
+        if not self._learned:
+            # No request read yet tells what one costs: they are read one at a time, whatever else (an HTTP
+            # request, a stream) holds bytes within the limit, and the first one read teaches the door.
+            return self.reading == 0 and self.held < self.limit
         taken = self.held + self.reading
         return taken == 0 or taken + self.expected <= self.limit
 

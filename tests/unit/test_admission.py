@@ -73,3 +73,20 @@ async def test_the_door_sets_room_aside_for_what_requests_cost_of_late_and_refus
     budget.read(await budget.door(), 1)
     assert budget.expected == 30 - 30 // FORGET, "a small request lowers the estimate by a share only"
     assert await ByteBudget(None).door() == 0
+
+
+async def test_before_any_request_is_read_the_door_lets_one_in_beside_bytes_held_elsewhere() -> None:
+    # An HTTP request (or a stream) holds bytes before any gRPC request was read: the door still lets one in
+    # to learn what requests cost, rather than refusing every one for want of an estimate.
+    budget = ByteBudget(100)
+    budget.charge(10)
+    first = await budget.door()
+    second = asyncio.ensure_future(budget.door())
+    await asyncio.sleep(0)
+    assert not second.done(), "until a request was read, they are read one at a time"
+    budget.read(first, 5)
+    budget.read(await second, 5)
+    assert budget.expected == cost_of(5)
+    budget.charge(80)  # 90 held: 15 more do not fit
+    with pytest.raises(Unavailable, match="--max-inflight-mb"):
+        await budget.door()
