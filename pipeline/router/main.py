@@ -40,8 +40,8 @@ from pipeline.runtime.security import (
 )
 from pipeline.runtime.server import (
     INFERENCE_SERVICE,
-    configure_logging,
     create_server,
+    prepare_process,
     serve,
     set_serving,
     start_metrics,
@@ -323,7 +323,7 @@ async def serve_router(
 
 def run_router(args: argparse.Namespace) -> int:
     """Entry point of the router process."""
-    configure_logging(args.log_level, "router")
+    prepare_process(args.log_level, "router")
     if args.workers > 1:
         return run_workers(args, sys.argv[1:])
     try:

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.runtime import settings
+from pipeline.runtime.allocator import keep_freed_memory
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.servicer import InferenceServicer
 
@@ -152,11 +153,14 @@ async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool)
         await health_servicer.set(service, status)
 
 
-def configure_logging(level: str, service: str) -> None:
+def prepare_process(level: str, service: str) -> None:
+    """What every service process does first: its log format, and an allocator that keeps freed memory
+    for the next message (`pipeline.runtime.allocator`)."""
     logging.basicConfig(
         level=level.upper(),
         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
     )
+    keep_freed_memory()
 
 
 async def serve(

@@ -27,8 +27,8 @@ from pipeline.runtime.security import (
     server_credentials_of,
 )
 from pipeline.runtime.server import (
-    configure_logging,
     create_server,
+    prepare_process,
     serve,
     set_serving,
     start_metrics,
@@ -188,7 +188,7 @@ def run_stage_service(
 ) -> None:
     """Entry point of a stage service process: serve `stages` and the repository models of `backends` until
     SIGTERM or SIGINT."""
-    configure_logging(args.log_level, service)
+    prepare_process(args.log_level, service)
     try:
         uvloop.run(
             serve_stages(
@@ -233,7 +233,7 @@ def python_service_main(service: str, argv: Sequence[str] | None = None) -> None
     """The `preprocess` and `postprocess` services: serve the repository's Python models that run there
     (`pipeline.stage.placement`, or those `--load-model` names) until SIGTERM or SIGINT."""
     args = python_service_parser(service).parse_args(argv)
-    configure_logging(args.log_level, service)
+    prepare_process(args.log_level, service)
     repository = ModelRepository(args.model_dir)
     models = repository_models(args)
     if models is None:

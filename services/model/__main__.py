@@ -11,7 +11,7 @@ from pathlib import Path
 from pipeline.runtime import settings
 from pipeline.runtime.arguments import add_server_arguments, positive_int
 from pipeline.runtime.repository import ModelRepository
-from pipeline.runtime.server import configure_logging
+from pipeline.runtime.server import prepare_process
 from pipeline.stage.control import add_model_control_arguments
 from pipeline.stage.placement import MODEL_SERVICE, model_service_models, python_models_of
 from pipeline.stage.python_backend import PythonBackend
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except ValueError as exc:
         parser.error(str(exc))
-    configure_logging(args.log_level, SERVICE)
+    prepare_process(args.log_level, SERVICE)
     repository = ModelRepository(args.model_dir)
     backend = ModelBackend(options, repository_root=repository.root)
     run_stage_service(
