@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.protocol.frames import AUTHORIZATION, HEADER, HELLO, REQUEST, RESPONSE, frame
+from pipeline.protocol.frames import AUTHORIZATION, HELLO, REQUEST, RESPONSE, FrameProtocol, parse
 from pipeline.router.stage_stream import MatchedRequests, rpc_error
 
 log = logging.getLogger(__name__)
@@ -30,13 +30,11 @@ class FrameConnection(MatchedRequests):
 
     PREFIX = "f"
 
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame_bytes: int
-    ) -> None:
+    def __init__(self, frames: FrameProtocol) -> None:
         super().__init__()
-        self._reader, self._writer = reader, writer
-        self._max_frame_bytes = max_frame_bytes
-        self._task = asyncio.get_running_loop().create_task(self._read())
+        self._frames = frames
+        self._reason: str | None = None
+        frames.deliver_to(self._response, self._ended)
 
     @classmethod
     async def open(
@@ -44,58 +42,64 @@ class FrameConnection(MatchedRequests):
     ) -> FrameConnection:
         """Connect and say hello (with the router's token, where it has one); raises `OSError` (a
         `ConnectionError` where the port refuses the hello) or `TimeoutError` where it cannot be used."""
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=1 << 20), CONNECT_TIMEOUT_S
+        loop = asyncio.get_running_loop()
+        _, frames = await asyncio.wait_for(
+            loop.create_connection(lambda: FrameProtocol(max_frame_bytes), host, port), CONNECT_TIMEOUT_S
         )
         hello = pb.ModelInferRequest(id="hello")
         for key, value in auth:
             if key == AUTHORIZATION:
                 hello.parameters[AUTHORIZATION].string_param = str(value)
-        writer.write(frame(HELLO, hello.SerializeToString()))
         try:
-            length, kind = HEADER.unpack(
-                await asyncio.wait_for(reader.readexactly(HEADER.size), CONNECT_TIMEOUT_S)
-            )
-            if kind != RESPONSE or length > max_frame_bytes:
+            frames.write(HELLO, hello.SerializeToString())
+            kind, payload = await asyncio.wait_for(frames.read(), CONNECT_TIMEOUT_S)
+            if kind != RESPONSE:
                 raise ConnectionError(f"the frame port answered its hello with a frame of kind {kind}")
-            answer = pb.ModelStreamInferResponse.FromString(await reader.readexactly(length))
-        except (asyncio.IncompleteReadError, TimeoutError) as err:
-            writer.close()
+            answer = parse(pb.ModelStreamInferResponse, payload)
+        except (EOFError, TimeoutError) as err:
+            frames.close()
             raise ConnectionError(f"the frame port did not answer its hello: {err!r}") from None
+        except ConnectionError:
+            frames.close()
+            raise
         if answer.error_message:
-            writer.close()
+            frames.close()
             raise ConnectionError(f"the frame port refused its hello: {answer.error_message}")
-        return cls(reader, writer, max_frame_bytes)
+        return cls(frames)
 
     @property
     def usable(self) -> bool:
         return self.broken is None
 
     async def _send(self, request: pb.ModelInferRequest) -> None:
-        self._writer.write(frame(REQUEST, request.SerializeToString()))
-        if self._writer.transport.get_write_buffer_size() > 1 << 20:
-            await self._writer.drain()
-
-    async def _read(self) -> None:
-        reason = "the stage's frame connection ended"
+        frames = self._frames
         try:
-            while True:
-                length, kind = HEADER.unpack(await self._reader.readexactly(HEADER.size))
-                if kind != RESPONSE or length > self._max_frame_bytes:
-                    reason = f"the stage sent an unexpected frame (kind {kind}, {length} bytes)"
-                    break
-                self._answered(pb.ModelStreamInferResponse.FromString(await self._reader.readexactly(length)))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as err:
-            reason = f"the stage's frame connection ended: {err}"
-        finally:
-            self.broken = rpc_error(grpc.StatusCode.UNAVAILABLE, reason)
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(rpc_error(grpc.StatusCode.UNAVAILABLE, reason))
-            self._pending.clear()
-            self._writer.close()
+            frames.write(REQUEST, request.SerializeToString())
+            await frames.drain()
+        except ConnectionError:
+            raise rpc_error(
+                grpc.StatusCode.UNAVAILABLE, self._reason or "the stage's frame connection ended"
+            ) from None
+
+    def _response(self, kind: int, payload: bytearray) -> None:
+        if kind != RESPONSE:
+            self._ended(ConnectionError(f"the stage sent an unexpected frame (kind {kind})"))
+            self._frames.close()
+            return
+        self._answered(parse(pb.ModelStreamInferResponse, payload))
+
+    def _ended(self, reason: Exception) -> None:
+        if self.broken is not None:
+            return
+        ending = "the stage's frame connection ended"
+        self._reason = details = f"{ending}: {reason}" if str(reason) else ending
+        self.broken = rpc_error(grpc.StatusCode.UNAVAILABLE, details)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(rpc_error(grpc.StatusCode.UNAVAILABLE, details))
+        self._pending.clear()
+        self._frames.close()
 
     def close(self) -> None:
         """Close the connection: requests in flight fail as UNAVAILABLE."""
-        self._task.cancel()
-        self._writer.close()
+        self._frames.close()

@@ -10,14 +10,14 @@ bearer tokens and the hello carries none that may infer (then it closes the conn
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+from collections.abc import Callable, Coroutine
 
 import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import PipelineError, Unavailable
-from pipeline.protocol.frames import AUTHORIZATION, HEADER, HELLO, REQUEST, RESPONSE, frame
+from pipeline.protocol.frames import AUTHORIZATION, HELLO, REQUEST, RESPONSE, FrameProtocol, parse
 from pipeline.protocol.streams import error_response, hop_context
 from pipeline.runtime.security import AccessPolicy, Scope
 from pipeline.runtime.servicer import CallContext, InferenceServicer, internal_error, rpc_status_of
@@ -36,7 +36,7 @@ class FrameServer:
         self.max_frame_bytes = max_frame_bytes
         self.policy = policy
         self._server: asyncio.AbstractServer | None = None
-        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._connections: dict[asyncio.Task[None], FrameProtocol] = {}
         #: The requests being answered, on every connection.
         self._answering: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -44,7 +44,8 @@ class FrameServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen on `host:port` (0: a port the OS picks); returns the port."""
-        self._server = await asyncio.start_server(self._connected, host, port, limit=1 << 20)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._connection, host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -58,35 +59,31 @@ class FrameServer:
             _, late = await asyncio.wait(self._answering, timeout=grace)
             for task in late:
                 task.cancel()
-        for writer in self._connections.values():
-            writer.close()  # its reader sees the end of the stream
+        for frames in self._connections.values():
+            frames.close()  # its reader sees the end of the stream
         await asyncio.gather(*self._answering, *self._connections, return_exceptions=True)
 
-    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _connection(self) -> FrameProtocol:
+        return _Connection(self.max_frame_bytes, self._connected)
+
+    async def _connected(self, frames: FrameProtocol) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._connections[task] = writer
+        self._connections[task] = frames
         try:
-            await self._serve(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
+            await self._serve(frames)
+        except (ConnectionError, EOFError):
             pass  # the caller went away, or the server closed the connection
         finally:
             del self._connections[task]
-            writer.close()
-            with contextlib.suppress(ConnectionError, OSError):
-                await writer.wait_closed()
+            frames.close()
+            await frames.closed
 
-    async def _read(self, reader: asyncio.StreamReader) -> tuple[int, bytes]:
-        length, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
-        if length > self.max_frame_bytes:
-            raise ConnectionError(f"a frame of {length} bytes, more than {self.max_frame_bytes}")
-        return kind, await reader.readexactly(length)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        kind, payload = await self._read(reader)
+    async def _serve(self, frames: FrameProtocol) -> None:
+        kind, payload = await frames.read()
         if kind != HELLO:
             raise ConnectionError("a frame connection must begin with a HELLO")
-        hello = pb.ModelInferRequest.FromString(payload)
+        hello = parse(pb.ModelInferRequest, payload)
         metadata: tuple[tuple[str, str | bytes], ...] = ()
         if AUTHORIZATION in hello.parameters:
             metadata = ((AUTHORIZATION, hello.parameters[AUTHORIZATION].string_param),)
@@ -94,17 +91,11 @@ class FrameServer:
             refusal = error_response(
                 hello, grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required", None
             )
-            writer.write(frame(RESPONSE, refusal.SerializeToString()))
+            frames.write(RESPONSE, refusal.SerializeToString())
             return
-        writer.write(
-            frame(
-                RESPONSE,
-                pb.ModelStreamInferResponse(
-                    infer_response=pb.ModelInferResponse(id=hello.id)
-                ).SerializeToString(),
-            )
-        )
-        kind, payload = await self._read(reader)
+        welcome = pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(id=hello.id))
+        frames.write(RESPONSE, welcome.SerializeToString())
+        kind, payload = await frames.read()
         slots = asyncio.Semaphore(INFLIGHT)
         tasks: set[asyncio.Task[None]] = set()
         try:
@@ -115,14 +106,15 @@ class FrameServer:
                 size = len(payload)
                 await self.servicer.budget.wait(size)  # not read further until its bytes fit
                 task = asyncio.create_task(
-                    self._answer(pb.ModelInferRequest.FromString(payload), size, writer, slots)
+                    self._answer(parse(pb.ModelInferRequest, payload), size, frames, slots)
                 )
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 self._answering.add(task)
                 task.add_done_callback(self._answering.discard)
-                kind, payload = await self._read(reader)
-        except asyncio.IncompleteReadError:
+                del payload
+                kind, payload = await frames.read()
+        except EOFError:
             # The caller has sent all it will: answer what it sent, then close.
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -131,7 +123,7 @@ class FrameServer:
                 task.cancel()
 
     async def _answer(
-        self, request: pb.ModelInferRequest, size: int, writer: asyncio.StreamWriter, slots: asyncio.Semaphore
+        self, request: pb.ModelInferRequest, size: int, frames: FrameProtocol, slots: asyncio.Semaphore
     ) -> None:
         budget = self.servicer.budget
         try:
@@ -145,11 +137,23 @@ class FrameServer:
                 response = error_response(request, err.code, err.message, rpc_status_of(err))
             except Exception:
                 response = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
-            answer = frame(RESPONSE, response.SerializeToString())
+            answer = response.SerializeToString()
             budget.charge(len(answer))
             size += len(answer)
-            writer.write(answer)
-            await writer.drain()
+            frames.write(RESPONSE, answer)
+            await frames.drain()
         finally:
             budget.release(size)
             slots.release()
+
+
+class _Connection(FrameProtocol):
+    """A connection to the frame port, served by a task of its own from the moment it is made."""
+
+    def __init__(self, max_frame_bytes: int, serve: Callable[[FrameProtocol], Coroutine[None, None, None]]):
+        super().__init__(max_frame_bytes)
+        self._serve = serve
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.task = asyncio.get_running_loop().create_task(self._serve(self))
