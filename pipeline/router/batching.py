@@ -455,9 +455,9 @@ class DynamicBatcher(Generic[In, Out]):
         self.stats.batch_done(size, compute_ns)
         if self._metrics is not None:
             metrics, model = self._metrics, self.model
-            metrics.child(metrics.batch_size, model).observe(size)
-            metrics.child(metrics.compute_duration, model).observe(compute_ns / 1e9)
-            queue = metrics.child(metrics.queue_duration, model)
+            metrics.batch_size.labels(model).observe(size)
+            metrics.compute_duration.labels(model).observe(compute_ns / 1e9)
+            queue = metrics.queue_duration.labels(model)
             for pending in batch:
                 queue.observe(now - pending.enqueued)
         finished = self._clock.now()

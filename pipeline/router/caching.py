@@ -223,7 +223,7 @@ class ResponseCaching:
         span = self.telemetry.current_span() if self.telemetry.enabled else None
         if span is not None:
             span.set_attribute(CACHE_HIT, hit)
-        self.metrics.child(self.metrics.cache_requests, name, "hit" if hit else "miss").inc()
+        self.metrics.cache_requests.labels(name, "hit" if hit else "miss").inc()
         if not hit:
             stats.cache_missed(cache_ns)
             return pb.ModelInferResponse.FromString(raw)

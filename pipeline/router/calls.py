@@ -99,8 +99,8 @@ class StageCalls:
             # NOTE: an unbatched call executes once per request, taking it whole.
             stats.request_done(items=items, total_ns=elapsed, compute_ns=elapsed)
             stats.batch_done(items, elapsed)
-        self.metrics.child(self.metrics.compute_duration, model).observe(elapsed / 1e9)
-        self.metrics.child(self.metrics.batch_size, model).observe(items)
+        self.metrics.compute_duration.labels(model).observe(elapsed / 1e9)
+        self.metrics.batch_size.labels(model).observe(items)
         self.caching.observe_version(model, request.model_version, response.model_version)
         return response
 

@@ -186,7 +186,7 @@ class StageClient:
             except grpc.aio.AioRpcError as err:
                 code, details = err.code(), err.details() or ""
                 if self.metrics is not None:
-                    self.metrics.child(self.metrics.stage_calls, name, code.name).inc()
+                    self.metrics.stage_calls.labels(name, code.name).inc()
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
                 # NOTE: our own cancellation arrives as asyncio.CancelledError; a CANCELLED status is the
@@ -229,7 +229,7 @@ class StageClient:
                 now = time.monotonic()
                 replica.observe(now - started, now)
             if self.metrics is not None:
-                self.metrics.child(self.metrics.stage_calls, name, "OK").inc()
+                self.metrics.stage_calls.labels(name, "OK").inc()
             return reply
 
     async def _send(
@@ -313,7 +313,7 @@ class StageClient:
         code, details = err.code(), err.details() or ""
         name, address = self.endpoint.name, self.endpoint.address
         if self.metrics is not None:
-            self.metrics.child(self.metrics.stage_calls, name, code.name).inc()
+            self.metrics.stage_calls.labels(name, code.name).inc()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'")
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):

@@ -285,11 +285,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     record_error(span, err, outcome)
                 raise
             finally:
-                self.metrics.child(self.metrics.requests, model, outcome).inc()
+                self.metrics.requests.labels(model, outcome).inc()
                 if outcome == "OK":
-                    self.metrics.child(self.metrics.request_duration, model).observe(
-                        time.perf_counter() - started
-                    )
+                    self.metrics.request_duration.labels(model).observe(time.perf_counter() - started)
 
     async def stream(
         self,
@@ -321,7 +319,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     count, since = 0, time.time_ns()
                     async for reply in responses:
                         if count == 0:
-                            self.metrics.child(self.metrics.first_response, model).observe(
+                            self.metrics.first_response.labels(model).observe(
                                 (time.perf_counter() - started) * 1e3
                             )
                         if reply.error_message:
@@ -344,11 +342,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 message = internal_error()
                 await send(set_final(error_response(request, grpc.StatusCode.INTERNAL, message, None), True))
             finally:
-                self.metrics.child(self.metrics.requests, model, outcome).inc()
+                self.metrics.requests.labels(model, outcome).inc()
                 if outcome == "OK":
-                    self.metrics.child(self.metrics.request_duration, model).observe(
-                        time.perf_counter() - started
-                    )
+                    self.metrics.request_duration.labels(model).observe(time.perf_counter() - started)
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext):
         return pb.ServerLiveResponse(live=True)

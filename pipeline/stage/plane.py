@@ -402,9 +402,9 @@ class StagePlane(DataPlane):
             output_ns=finished - encoding,
         )
         metrics = self.metrics
-        metrics.child(metrics.queue_duration, name).observe(queue_ns / 1e9)
-        metrics.child(metrics.compute_duration, name).observe(compute_ns / 1e9)
-        metrics.child(metrics.batch_size, name).observe(items)
+        metrics.queue_duration.labels(name).observe(queue_ns / 1e9)
+        metrics.compute_duration.labels(name).observe(compute_ns / 1e9)
+        metrics.batch_size.labels(name).observe(items)
         return response
 
     async def _execute(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
@@ -32,3 +33,28 @@ def test_a_server_not_serving_yet_exports_triton_families_without_samples():
     families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}
     assert families["nv_inference_request_success"].samples == []
     assert families["process_cpu_seconds"].samples[0].value > 0
+
+
+def test_counters_and_histograms_read_as_prometheus_client_writes_them():
+    metrics = Metrics()
+    metrics.requests.labels("refcnn", "OK").inc()
+    metrics.requests.labels("refcnn", "OK").inc(2)
+    metrics.requests.labels("refcnn", "INVALID_ARGUMENT").inc()
+    for seconds in (0.0005, 0.0007, 0.003, 20.0):  # on a bound, between bounds, past the last
+        metrics.request_duration.labels("refcnn").observe(seconds)
+    metrics.cache_evictions.inc()
+    families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}
+    counts = {s.labels["outcome"]: s.value for s in families["pipeline_requests"].samples}
+    assert counts == {"OK": 3, "INVALID_ARGUMENT": 1}
+    samples = families["pipeline_request_duration_seconds"].samples
+    buckets = {s.labels["le"]: s.value for s in samples if s.name.endswith("_bucket")}
+    assert (buckets["0.0005"], buckets["0.001"], buckets["0.005"], buckets["10.0"]) == (1, 2, 3, 3)
+    assert buckets["+Inf"] == 4
+    total = next(s.value for s in samples if s.name.endswith("_sum"))
+    assert abs(total - 20.0042) < 1e-9
+    assert families["pipeline_cache_evictions"].samples[0].value == 1
+
+
+def test_a_child_with_the_wrong_labels_is_refused():
+    with pytest.raises(ValueError, match="pipeline_requests"):
+        Metrics().requests.labels("refcnn")
