@@ -130,27 +130,30 @@ class DynamicBatcher(Generic[In, Out]):
         #: Requests the router holds that will be submitted here (`expect`), not yet submitted.
         self._upcoming = 0
         self._seq = itertools.count()
-        self._wake = asyncio.Event()
         self._inflight: set[asyncio.Task[None]] = set()
         #: Batches executing: the scheduler's tasks and batches of one run by their submitter.
         self._busy = 0
         self._previous_done: asyncio.Future[None] | None = None
-        self._scheduler: asyncio.Task[None] | None = None
+        #: The scheduler runs as a callback of the event loop, once per wake-up (see `_wake`), not as a task:
+        #: a wake-up then costs no task and no timeout of its own.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._woken = False
+        self._timer: Timer | None = None
+        self._timer_at: float | None = None
         self.stats = ModelStats()
         self.counters = QueueCounters()
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._scheduler is None:
-            self._scheduler = asyncio.create_task(self._run(), name=f"batcher-{self.name}")
+        """Start scheduling, on the running event loop."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
 
     async def aclose(self) -> None:
         """Stop scheduling; queued requests fail with UNAVAILABLE, batches in flight finish."""
-        if self._scheduler is not None:
-            self._scheduler.cancel()
-            await asyncio.gather(self._scheduler, return_exceptions=True)
-            self._scheduler = None
+        self._loop = None
+        self._set_timer(None)
         for queue in self._keys.values():
             for fifo in queue.fifos:
                 for pending in fifo:
@@ -181,7 +184,7 @@ class DynamicBatcher(Generic[In, Out]):
 
     def replicas_changed(self) -> None:
         """The stage's ready replicas changed: a new one may take a queued batch now."""
-        self._wake.set()
+        self._wake()
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -193,7 +196,7 @@ class DynamicBatcher(Generic[In, Out]):
     def unexpect(self) -> None:
         """An expected request will not be submitted after all (its request failed, or skipped the step)."""
         self._upcoming -= 1
-        self._wake.set()
+        self._wake()
 
     def priority_of(self, requested: int | None) -> int:
         """The queue index for a request's `priority` parameter (1 is highest)."""
@@ -244,7 +247,7 @@ class DynamicBatcher(Generic[In, Out]):
                 f"{self.name} is saturated: {self._queued} requests queued (max_queue_size "
                 f"{config.max_queue_size}); retry later"
             )
-        if self._scheduler is None:
+        if self._loop is None:
             self.start()
         future: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
         now = self._clock.now()
@@ -267,7 +270,7 @@ class DynamicBatcher(Generic[In, Out]):
                 await self._execute_batch([pending], now, *self._chain())
             finally:
                 self._busy -= 1
-                self._wake.set()
+                self._wake()
             return future.result()
         queue = self._keys.get(key)
         if queue is None:
@@ -278,7 +281,7 @@ class DynamicBatcher(Generic[In, Out]):
         self._queued += 1
         if deadline is not None:
             pending.timer = self._clock.call_at(deadline, lambda: self._expire(pending))
-        self._wake.set()
+        self._wake()
         try:
             return await future
         except asyncio.CancelledError:
@@ -318,17 +321,40 @@ class DynamicBatcher(Generic[In, Out]):
 
     # --- scheduling ----------------------------------------------------------------------------------
 
-    async def _run(self) -> None:
-        while True:
-            self._wake.clear()
-            now = self._clock.now()
-            wake_at = None
-            while self._queued and self._busy < self.max_inflight:
-                batch, wake_at = self._form(now)
-                if batch is None:
-                    break
-                self._dispatch(batch, now)
-            await self._clock.wait(self._wake, wake_at)
+    def _wake(self) -> None:
+        """Have the scheduler look at the queue once the running callback is done (several wake-ups before
+        it runs make one look)."""
+        if not self._woken and self._loop is not None:
+            self._woken = True
+            self._loop.call_soon(self._schedule)
+
+    def _schedule(self) -> None:
+        """Send every batch that should go now, and look again when the earliest waiting one is due."""
+        self._woken = False
+        if self._loop is None:
+            return  # closed
+        now = self._clock.now()
+        wake_at = None
+        while self._queued and self._busy < self.max_inflight:
+            batch, wake_at = self._form(now)
+            if batch is None:
+                break
+            self._dispatch(batch, now)
+        self._set_timer(wake_at)
+
+    def _set_timer(self, when: float | None) -> None:
+        """Wake the scheduler at `when` (on the clock), instead of at any time set before; None: never."""
+        if when == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = None, when
+        if when is not None:
+            self._timer = self._clock.call_at(when, self._timer_due)
+
+    def _timer_due(self) -> None:
+        self._timer, self._timer_at = None, None
+        self._wake()
 
     def _form(self, now: float) -> tuple[list[_Pending[In, Out]] | None, float | None]:
         """The batch to send now, or (None, when to look again).
@@ -422,7 +448,7 @@ class DynamicBatcher(Generic[In, Out]):
     def _batch_finished(self, task: asyncio.Task[None]) -> None:
         self._busy -= 1
         self._inflight.discard(task)
-        self._wake.set()
+        self._wake()
 
     async def _execute_batch(
         self,
