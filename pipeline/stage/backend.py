@@ -52,6 +52,9 @@ class Instance(Protocol):
     reason: str
     #: Run on the event loop instead of a thread: only for work of microseconds (see `Stage.inline`).
     inline: bool
+    #: Where it is its version's only instance, run batches that have lately been brief on the event loop
+    #: too (`pipeline.stage.pool.BRIEF_S`): for compute that never waits on the request (no deadline polling).
+    inline_when_brief: bool
 
     def load(self) -> None:
         """Read weights, build, warm up. Raise `pipeline.protocol.errors.RepositoryError` for a bad artifact."""
@@ -143,6 +146,8 @@ class StageInstance:
     generator is decoupled: each of its yields is a response, and its end the final flag."""
 
     device = "cpu"
+    #: A stage's own code may wait on its request (`Stage.expired()`): it says for itself (`Stage.inline`).
+    inline_when_brief = False
 
     def __init__(self, stage: Stage, reason: str = "python stage") -> None:
         self.stage = stage

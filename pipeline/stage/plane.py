@@ -233,7 +233,10 @@ class StagePlane(DataPlane):
         samples = warmup_samples(config, inputs, entry.folder, entry.source)
         label = f"{entry.name}-{version}"
         pool = InstancePool(
-            [Slot(instance, f"model-{label}-{i}") for i, instance in enumerate(prepared.instances)]
+            [
+                Slot(instance, f"model-{label}-{i}", alone=len(prepared.instances) == 1)
+                for i, instance in enumerate(prepared.instances)
+            ]
         )
         await pool.load()
         try:
@@ -429,7 +432,7 @@ class StagePlane(DataPlane):
             try:
                 if deadline.expired():
                     raise DeadlineExceeded(NOT_STARTED_MESSAGE)
-                result, begun, ended, wall_start, wall_end = await slot.call(slot.run, arrays, deadline)
+                result, begun, ended, wall_start, wall_end = await slot.execute(arrays, deadline)
             except asyncio.CancelledError:
                 deadline.cancelled = True
                 raise

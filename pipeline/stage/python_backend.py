@@ -268,6 +268,7 @@ class _StageFileInstance:
         self.device = device
         self.reason = self._adapted.reason
         self.inline = self._adapted.inline
+        self.inline_when_brief = False
         self._path = path
         self._module = module
         self._loaded = False

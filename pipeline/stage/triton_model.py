@@ -147,6 +147,8 @@ class TritonInstance:
     """One instance of a `TritonPythonModel`: `initialize` at load, `execute` per batch, `finalize` at unload."""
 
     inline = False
+    #: `execute` may poll `is_cancelled()` while its request is cancelled by the event loop.
+    inline_when_brief = False
 
     def __init__(
         self,

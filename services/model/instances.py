@@ -51,6 +51,8 @@ class ArtifactInstance(abc.ABC):
     """
 
     inline = False
+    #: A model file's batch is compute alone: a lone instance runs brief ones on the event loop.
+    inline_when_brief = True
 
     def __init__(
         self,

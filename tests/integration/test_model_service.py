@@ -395,6 +395,7 @@ class _Held:
     def __init__(self, instance, backend: CountingBackend, number: int) -> None:
         self.instance, self.backend, self.number = instance, backend, number
         self.device, self.reason, self.inline = instance.device, instance.reason, instance.inline
+        self.inline_when_brief = instance.inline_when_brief
         self.loaded = False
 
     def load(self) -> None:
