@@ -259,19 +259,20 @@ class DynamicBatcher(Generic[In, Out]):
             and not self._queued
             and self._busy == 0
             and not (config.batch_upcoming and self._upcoming > 0)
+            and not config.preserve_ordering
+            and pending.span is None
         ):
             # NOTE: nothing waits and the stage is idle (every request at low load): the batch of one runs in
-            # the caller's task, saving the scheduler's wake-up and a task per request.
+            # the caller's task, saving the scheduler's wake-up, a task and the futures of a batch.
             if deadline is not None and deadline <= now:
                 self.counters.dropped_deadline += 1
                 raise DeadlineExceeded(f"{self.name}: the request's deadline passed before it was sent")
             self._busy += 1
             try:
-                await self._execute_batch([pending], now, *self._chain())
+                return await self._execute_one(pending, now)
             finally:
                 self._busy -= 1
                 self._wake()
-            return future.result()
         queue = self._keys.get(key)
         if queue is None:
             queue = self._keys[key] = _KeyQueue(self._levels)
@@ -477,25 +478,7 @@ class DynamicBatcher(Generic[In, Out]):
             raise
         except Exception as err:  # every member must hear of the failure
             results = [err] * len(batch)
-        compute_ns = time.perf_counter_ns() - started
-        self.stats.batch_done(size, compute_ns)
-        if self._metrics is not None:
-            metrics, model = self._metrics, self.model
-            metrics.batch_size.labels(model).observe(size)
-            metrics.compute_duration.labels(model).observe(compute_ns / 1e9)
-            queue = metrics.queue_duration.labels(model)
-            for pending in batch:
-                queue.observe(now - pending.enqueued)
-        finished = self._clock.now()
-        for pending, result in zip(batch, results, strict=True):
-            total_ns = int((finished - pending.enqueued) * 1e9)
-            if isinstance(result, BaseException):
-                self.stats.request_failed(total_ns)
-            else:
-                queue_ns = int((now - pending.enqueued) * 1e9)
-                self.stats.request_done(
-                    items=pending.size, total_ns=total_ns, queue_ns=queue_ns, compute_ns=compute_ns
-                )
+        self._count(batch, results, now, time.perf_counter_ns() - started)
         try:
             if previous is not None:
                 await asyncio.shield(previous)
@@ -509,6 +492,49 @@ class DynamicBatcher(Generic[In, Out]):
         finally:
             if not done.done():
                 done.set_result(None)
+
+    async def _execute_one(self, pending: _Pending[In, Out], now: float) -> Out:
+        """Run a batch of one request in the caller's task: its result, or its error raised."""
+        started = time.perf_counter_ns()
+        try:
+            (result,) = await self._execute([pending.payload])
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            result = err
+        self._count([pending], [result], now, time.perf_counter_ns() - started)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _count(
+        self,
+        batch: Sequence[_Pending[In, Out]],
+        results: Sequence[Out | BaseException],
+        now: float,
+        compute_ns: int,
+    ) -> None:
+        """A batch's execution and each request's outcome, in the statistics and the metrics."""
+        size = sum(p.size for p in batch)
+        stats = self.stats
+        stats.batch_done(size, compute_ns)
+        if self._metrics is not None:
+            metrics, model = self._metrics, self.model
+            metrics.batch_size.labels(model).observe(size)
+            metrics.compute_duration.labels(model).observe(compute_ns / 1e9)
+            queue = metrics.queue_duration.labels(model)
+            for pending in batch:
+                queue.observe(now - pending.enqueued)
+        finished = self._clock.now()
+        for pending, result in zip(batch, results, strict=True):
+            total_ns = int((finished - pending.enqueued) * 1e9)
+            if isinstance(result, BaseException):
+                stats.request_failed(total_ns)
+            else:
+                queue_ns = int((now - pending.enqueued) * 1e9)
+                stats.request_done(
+                    items=pending.size, total_ns=total_ns, queue_ns=queue_ns, compute_ns=compute_ns
+                )
 
     def _batch_span(self, batch: list[_Pending[In, Out]], size: int) -> Span | None:
         """Start the batch's span (see `batch_spans`); None when no member is traced."""

@@ -198,8 +198,12 @@ class StageCalls:
         `priority` and queue `timeout`, `expected`: announced to the batcher by `expect()`."""
         batcher, tensors = self.registry.batchers[model]
         try:
-            priority = batcher.priority_of(_int_parameter(parameters, "priority"))
-            queue_deadline = batcher.deadline_of(deadline, _int_parameter(parameters, "timeout"))
+            if parameters:
+                priority = batcher.priority_of(_int_parameter(parameters, "priority"))
+                queue_deadline = batcher.deadline_of(deadline, _int_parameter(parameters, "timeout"))
+            else:  # most requests: the batcher's defaults
+                priority = batcher.priority_of(None)
+                queue_deadline = batcher.deadline_of(deadline, None)
             key = tensors.key(stage_call)
         except BaseException:
             if expected:
