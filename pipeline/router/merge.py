@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,11 +30,11 @@ class StageCall:
     #: When the request gives up (`time.monotonic()`), None for never: a batch's stage call gets the latest
     #: of its members' deadlines, so that no stage works on for a batch every member has given up on.
     deadline: float | None = None
+    #: Dimension 0: how many items the request carries (read from its inputs).
+    size: int = field(init=False)
 
-    @property
-    def size(self) -> int:
-        """Dimension 0: how many items the request carries."""
-        return next(iter(self.inputs.values())).shape[0]
+    def __post_init__(self) -> None:
+        self.size = next(iter(self.inputs.values())).shape[0]
 
 
 class TensorBatching:
