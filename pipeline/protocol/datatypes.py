@@ -39,10 +39,14 @@ _LENGTH = struct.Struct("<I")
 
 def datatype_of(array: np.ndarray) -> str:
     """The protocol datatype of a numpy array (strings and bytes arrays are BYTES)."""
-    if array.dtype.kind in ("O", "S", "U"):
+    dtype = array.dtype
+    found = _BY_DTYPE.get(dtype)  # a dtype in this machine's byte order: most arrays
+    if found is not None:
+        return found
+    if dtype.kind in ("O", "S", "U"):
         return "BYTES"
     try:
-        return _BY_DTYPE[array.dtype.newbyteorder("=")]
+        return _BY_DTYPE[dtype.newbyteorder("=")]
     except KeyError:
         raise TypeError(f"numpy dtype {array.dtype} has no protocol datatype") from None
 

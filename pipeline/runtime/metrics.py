@@ -53,7 +53,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -167,7 +167,10 @@ class HistogramChild:
         self.sum += value
 
 
-class _Family:
+Child = TypeVar("Child", "CounterChild", "HistogramChild")
+
+
+class _Family(Generic[Child]):
     """A metric family whose children are made on first use and kept: `labels(...)` is one dict lookup.
     Updated on the server's event loop only (every request path runs there); read when scraped."""
 
@@ -175,12 +178,12 @@ class _Family:
         self.name = name
         self.documentation = documentation
         self.label_names = tuple(labels)
-        self.children: dict[tuple[str, ...], Any] = {}
+        self.children: dict[tuple[str, ...], Child] = {}
 
-    def _child(self) -> Any:
+    def _child(self) -> Child:
         raise NotImplementedError
 
-    def labels(self, *values: str) -> Any:
+    def labels(self, *values: str) -> Child:
         child = self.children.get(values)
         if child is None:
             if len(values) != len(self.label_names):
@@ -192,14 +195,11 @@ class _Family:
         raise NotImplementedError
 
 
-class LoopCounter(_Family):
+class LoopCounter(_Family[CounterChild]):
     """A counter (exposed as `NAME_total`)."""
 
     def _child(self) -> CounterChild:
         return CounterChild()
-
-    def labels(self, *values: str) -> CounterChild:
-        return super().labels(*values)
 
     def inc(self, amount: float = 1.0) -> None:
         """Count on the family's one child, where it has no labels."""
@@ -212,7 +212,7 @@ class LoopCounter(_Family):
         return family
 
 
-class LoopHistogram(_Family):
+class LoopHistogram(_Family[HistogramChild]):
     """A histogram with fixed bucket bounds."""
 
     def __init__(
@@ -223,9 +223,6 @@ class LoopHistogram(_Family):
 
     def _child(self) -> HistogramChild:
         return HistogramChild(self.bounds)
-
-    def labels(self, *values: str) -> HistogramChild:
-        return super().labels(*values)
 
     def family(self) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.label_names))
@@ -239,13 +236,16 @@ class LoopHistogram(_Family):
         return family
 
 
+F = TypeVar("F", bound=_Family[Any])
+
+
 class _Families(Collector):
     """The server's counters and histograms, as metric families when scraped."""
 
     def __init__(self) -> None:
-        self.families: list[_Family] = []
+        self.families: list[_Family[Any]] = []
 
-    def add(self, family: _Family) -> Any:
+    def add(self, family: F) -> F:
         self.families.append(family)
         return family
 

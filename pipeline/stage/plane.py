@@ -389,8 +389,7 @@ class StagePlane(DataPlane):
                 # the time before and after this span (each span costs every traced request its export).
                 telemetry.record_span("compute", wall[0], wall[1])
             encoding = time.perf_counter_ns()
-            specs = {spec.name: spec for spec in served.outputs}
-            response = stage_response(name, version, request.id, wanted, result, specs, batch)
+            response = stage_response(name, version, request.id, wanted, result, served.output_specs, batch)
         except BaseException:
             stats.request_failed(time.perf_counter_ns() - started)
             raise

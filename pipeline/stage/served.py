@@ -37,10 +37,13 @@ class ServedVersion:
     retired: bool = False
     #: Answers with any number of responses (`pipeline.stage.decoupled`): served on streams only.
     decoupled: bool = field(init=False)
+    #: `outputs` by name.
+    output_specs: dict[str, TensorSpec] = field(init=False)
 
     def __post_init__(self) -> None:
         self.quiet.set()
         self.decoupled = self.config.model_transaction_policy.decoupled
+        self.output_specs = {spec.name: spec for spec in self.outputs}
 
     @property
     def max_batch_size(self) -> int:
