@@ -39,6 +39,24 @@ def frame(kind: int, payload: bytes) -> bytes:
     return HEADER.pack(len(payload), kind) + payload
 
 
+#: The tag of `ModelStreamInferResponse.infer_response`: field 2, length-delimited.
+_INFER_RESPONSE_TAG = 0x12
+
+
+def stream_response(reply: Message) -> tuple[bytes, bytes]:
+    """The `ModelStreamInferResponse` that carries `reply` (a `ModelInferResponse`), as two pieces to write one
+    after the other: in protobuf's wire format that message is the field's tag and length, then the reply's
+    own bytes, so the reply is serialized once instead of being copied into a new message first."""
+    inner = reply.SerializeToString()
+    prefix = bytearray((_INFER_RESPONSE_TAG,))
+    length = len(inner)
+    while length >= 0x80:  # the length as a varint: seven bits a byte, low bits first
+        prefix.append(length & 0x7F | 0x80)
+        length >>= 7
+    prefix.append(length)
+    return bytes(prefix), inner
+
+
 M = TypeVar("M", bound=Message)
 
 
@@ -137,12 +155,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.transport.resume_reading()
         return kind, payload
 
-    def write(self, kind: int, payload: bytes) -> None:
-        """Send a frame (raises `ConnectionError` once the connection is closing)."""
+    def write(self, kind: int, *payload: bytes) -> None:
+        """Send a frame whose payload is the pieces given, one after the other (raises `ConnectionError` once
+        the connection is closing)."""
         transport = self.transport
         if transport is None or transport.is_closing():
             raise ConnectionError("the frame connection is closed")
-        transport.writelines((HEADER.pack(len(payload), kind), payload))
+        length = sum(map(len, payload))
+        transport.writelines((HEADER.pack(length, kind), *payload))
 
     async def drain(self) -> None:
         """Wait while more than `WRITE_AHEAD` bytes wait to be sent."""

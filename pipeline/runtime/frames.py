@@ -17,7 +17,15 @@ import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import PipelineError, Unavailable
-from pipeline.protocol.frames import AUTHORIZATION, HELLO, REQUEST, RESPONSE, FrameProtocol, parse
+from pipeline.protocol.frames import (
+    AUTHORIZATION,
+    HELLO,
+    REQUEST,
+    RESPONSE,
+    FrameProtocol,
+    parse,
+    stream_response,
+)
 from pipeline.protocol.streams import error_response, hop_context
 from pipeline.runtime.security import AccessPolicy, Scope
 from pipeline.runtime.servicer import CallContext, InferenceServicer, internal_error, rpc_status_of
@@ -132,15 +140,18 @@ class FrameServer:
                 if self._closing:
                     raise Unavailable("the server is shutting down")
                 reply = await self.servicer.infer(request, CallContext(timeout, metadata))
-                response = pb.ModelStreamInferResponse(infer_response=reply)
+                answer: tuple[bytes, ...] = stream_response(reply)
             except PipelineError as err:
-                response = error_response(request, err.code, err.message, rpc_status_of(err))
+                answer = (
+                    error_response(request, err.code, err.message, rpc_status_of(err)).SerializeToString(),
+                )
             except Exception:
-                response = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
-            answer = response.SerializeToString()
-            budget.charge(len(answer))
-            size += len(answer)
-            frames.write(RESPONSE, answer)
+                internal = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
+                answer = (internal.SerializeToString(),)
+            answered = sum(map(len, answer))
+            budget.charge(answered)
+            size += answered
+            frames.write(RESPONSE, *answer)
             await frames.drain()
         finally:
             budget.release(size)

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import uvloop
 
-from pipeline.protocol.frames import HEADER, READ_AHEAD, FrameProtocol
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.protocol.frames import HEADER, READ_AHEAD, FrameProtocol, stream_response
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, None]], None]] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
 SIZES = (0, 1, 4, 5, 100, 65_530, 65_536, 65_541, 200_000, 3 << 20)
@@ -139,3 +140,10 @@ def test_a_reader_that_stops_reading_stops_the_connection_being_read(loop: str) 
         server.close()
 
     LOOPS[loop](main())
+
+
+def test_a_stream_response_in_two_pieces_is_the_message_protobuf_writes() -> None:
+    for size in (0, 1, 127, 128, 16_383, 16_384, 3 << 20):  # the length's varint of one to four bytes
+        reply = pb.ModelInferResponse(model_name="m", id="7", raw_output_contents=[b"\x01" * size])
+        expected = pb.ModelStreamInferResponse(infer_response=reply).SerializeToString()
+        assert b"".join(stream_response(reply)) == expected
