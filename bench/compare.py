@@ -37,6 +37,7 @@ import yaml
 
 from bench import grpc_floor, peers
 from bench.running import REPO, Pipeline, mean_batch, per_request, statistics, wait_ready
+from examples.models.build import build
 
 LEVELS = peers.LEVELS
 #: What batching ON means when the committed ensemble does not say.
@@ -86,6 +87,8 @@ def ensemble_variant(folder: Path, batching: bool) -> Path:
     """A model repository in `folder` that serves refcnn alone: its models, copied from the example
     repository, and its ensemble with dynamic batching on every stage (ON) or on none (OFF)."""
     repository = REPO / "model_repository"
+    # A fresh clone has no model file yet: `make run` and `make model` write it, and so does this.
+    build(repository, ["refcnn_cnn"], progress=False)
     source = yaml.safe_load((repository / "refcnn" / "ensemble.yaml").read_text())
     variant = copy.deepcopy(source)
     for stage in variant["stages"].values():
