@@ -33,7 +33,7 @@ from opentelemetry.trace import Span, use_span
 from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
 from pipeline.protocol.types import BatchingConfig
 from pipeline.router.batch_spans import batch_span
-from pipeline.router.clock import Clock, Timer
+from pipeline.router.clock import Clock, Timer, Wakeups
 from pipeline.runtime.statistics import ModelStats
 
 if TYPE_CHECKING:
@@ -134,12 +134,8 @@ class DynamicBatcher(Generic[In, Out]):
         #: Batches executing: the scheduler's tasks and batches of one run by their submitter.
         self._busy = 0
         self._previous_done: asyncio.Future[None] | None = None
-        #: The scheduler runs as a callback of the event loop, once per wake-up (see `_wake`), not as a task:
-        #: a wake-up then costs no task and no timeout of its own.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._woken = False
-        self._timer: Timer | None = None
-        self._timer_at: float | None = None
+        #: The scheduler: a callback of the event loop, once per wake-up, not a task.
+        self._wakeups = Wakeups(self._clock, self._schedule)
         self.stats = ModelStats()
         self.counters = QueueCounters()
 
@@ -147,13 +143,11 @@ class DynamicBatcher(Generic[In, Out]):
 
     def start(self) -> None:
         """Start scheduling, on the running event loop."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
+        self._wakeups.start()
 
     async def aclose(self) -> None:
         """Stop scheduling; queued requests fail with UNAVAILABLE, batches in flight finish."""
-        self._loop = None
-        self._set_timer(None)
+        self._wakeups.close()
         for queue in self._keys.values():
             for fifo in queue.fifos:
                 for pending in fifo:
@@ -247,7 +241,7 @@ class DynamicBatcher(Generic[In, Out]):
                 f"{self.name} is saturated: {self._queued} requests queued (max_queue_size "
                 f"{config.max_queue_size}); retry later"
             )
-        if self._loop is None:
+        if not self._wakeups.started:
             self.start()
         future: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
         now = self._clock.now()
@@ -323,17 +317,11 @@ class DynamicBatcher(Generic[In, Out]):
     # --- scheduling ----------------------------------------------------------------------------------
 
     def _wake(self) -> None:
-        """Have the scheduler look at the queue once the running callback is done (several wake-ups before
-        it runs make one look)."""
-        if not self._woken and self._loop is not None:
-            self._woken = True
-            self._loop.call_soon(self._schedule)
+        """Have the scheduler look at the queue once the running callback is done."""
+        self._wakeups.soon()
 
     def _schedule(self) -> None:
         """Send every batch that should go now, and look again when the earliest waiting one is due."""
-        self._woken = False
-        if self._loop is None:
-            return  # closed
         now = self._clock.now()
         wake_at = None
         while self._queued and self._busy < self.max_inflight:
@@ -341,21 +329,7 @@ class DynamicBatcher(Generic[In, Out]):
             if batch is None:
                 break
             self._dispatch(batch, now)
-        self._set_timer(wake_at)
-
-    def _set_timer(self, when: float | None) -> None:
-        """Wake the scheduler at `when` (on the clock), instead of at any time set before; None: never."""
-        if when == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._timer_at = None, when
-        if when is not None:
-            self._timer = self._clock.call_at(when, self._timer_due)
-
-    def _timer_due(self) -> None:
-        self._timer, self._timer_at = None, None
-        self._wake()
+        self._wakeups.at(wake_at)
 
     def _form(self, now: float) -> tuple[list[_Pending[In, Out]] | None, float | None]:
         """The batch to send now, or (None, when to look again).
@@ -478,7 +452,7 @@ class DynamicBatcher(Generic[In, Out]):
             raise
         except Exception as err:  # every member must hear of the failure
             results = [err] * len(batch)
-        self._count(batch, results, now, time.perf_counter_ns() - started)
+        self._account(batch, results, now, time.perf_counter_ns() - started)
         try:
             if previous is not None:
                 await asyncio.shield(previous)
@@ -502,39 +476,16 @@ class DynamicBatcher(Generic[In, Out]):
             raise
         except Exception as err:
             result = err
-        self._count([pending], [result], now, time.perf_counter_ns() - started)
+        self._account([pending], [result], now, time.perf_counter_ns() - started)
         if isinstance(result, BaseException):
             raise result
         return result
 
-    def _count(
-        self,
-        batch: Sequence[_Pending[In, Out]],
-        results: Sequence[Out | BaseException],
-        now: float,
-        compute_ns: int,
+    def _account(
+        self, batch: Sequence[_Pending[In, Out]], results: Sequence[Out | BaseException], now: float, ns: int
     ) -> None:
-        """A batch's execution and each request's outcome, in the statistics and the metrics."""
-        size = sum(p.size for p in batch)
-        stats = self.stats
-        stats.batch_done(size, compute_ns)
-        if self._metrics is not None:
-            metrics, model = self._metrics, self.model
-            metrics.batch_size.labels(model).observe(size)
-            metrics.compute_duration.labels(model).observe(compute_ns / 1e9)
-            queue = metrics.queue_duration.labels(model)
-            for pending in batch:
-                queue.observe(now - pending.enqueued)
-        finished = self._clock.now()
-        for pending, result in zip(batch, results, strict=True):
-            total_ns = int((finished - pending.enqueued) * 1e9)
-            if isinstance(result, BaseException):
-                stats.request_failed(total_ns)
-            else:
-                queue_ns = int((now - pending.enqueued) * 1e9)
-                stats.request_done(
-                    items=pending.size, total_ns=total_ns, queue_ns=queue_ns, compute_ns=compute_ns
-                )
+        """A batch's execution (`ns` long, begun at `now`) and each request's outcome, counted."""
+        _account(self.stats, self._metrics, self.model, batch, results, now, self._clock.now(), ns)
 
     def _batch_span(self, batch: list[_Pending[In, Out]], size: int) -> Span | None:
         """Start the batch's span (see `batch_spans`); None when no member is traced."""
@@ -544,3 +495,34 @@ class DynamicBatcher(Generic[In, Out]):
         tracer = self._telemetry.tracer  # type: ignore[union-attr]
         assert tracer is not None
         return batch_span(tracer, self.model, members, size, len(batch))
+
+
+def _account(
+    stats: ModelStats,
+    metrics: Metrics | None,
+    model: str,
+    batch: Sequence[_Pending[In, Out]],
+    results: Sequence[Out | BaseException],
+    now: float,
+    finished: float,
+    compute_ns: int,
+) -> None:
+    """A batch's execution and each request's outcome, in the model's statistics and metrics: `now` when the
+    batch was taken, `finished` when its results came, `compute_ns` how long its execution took."""
+    size = sum(p.size for p in batch)
+    stats.batch_done(size, compute_ns)
+    if metrics is not None:
+        metrics.batch_size.labels(model).observe(size)
+        metrics.compute_duration.labels(model).observe(compute_ns / 1e9)
+        queue = metrics.queue_duration.labels(model)
+        for pending in batch:
+            queue.observe(now - pending.enqueued)
+    for pending, result in zip(batch, results, strict=True):
+        total_ns = int((finished - pending.enqueued) * 1e9)
+        if isinstance(result, BaseException):
+            stats.request_failed(total_ns)
+        else:
+            queue_ns = int((now - pending.enqueued) * 1e9)
+            stats.request_done(
+                items=pending.size, total_ns=total_ns, queue_ns=queue_ns, compute_ns=compute_ns
+            )

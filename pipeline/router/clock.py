@@ -64,3 +64,56 @@ class _ManualTimer:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+class Wakeups:
+    """Runs a callback on the event loop once the running callback is done (several wake-ups before it runs
+    make one run), or at a time on a clock: a scheduler that runs this way costs no task, and no timeout of
+    its own, per wake-up."""
+
+    def __init__(self, clock: Clock, callback: Callable[[], None]) -> None:
+        self._clock = clock
+        self._callback = callback
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._woken = False
+        self._timer: Timer | None = None
+        self._at: float | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
+
+    def start(self) -> None:
+        """Run the callback on the running event loop from now on."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+
+    def close(self) -> None:
+        """No more runs: wake-ups are ignored until `start()`."""
+        self._loop = None
+        self.at(None)
+
+    def soon(self) -> None:
+        """Run the callback once the running callback is done."""
+        if not self._woken and self._loop is not None:
+            self._woken = True
+            self._loop.call_soon(self._run)
+
+    def at(self, when: float | None) -> None:
+        """Run the callback at `when` (on the clock), instead of at any time set before; None: never."""
+        if when == self._at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._at = None, when
+        if when is not None:
+            self._timer = self._clock.call_at(when, self._due)
+
+    def _due(self) -> None:
+        self._timer, self._at = None, None
+        self.soon()
+
+    def _run(self) -> None:
+        self._woken = False
+        if self._loop is not None:
+            self._callback()

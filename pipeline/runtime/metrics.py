@@ -236,16 +236,20 @@ class LoopHistogram(_Family[HistogramChild]):
         return family
 
 
-F = TypeVar("F", bound=_Family[Any])
-
-
 class _Families(Collector):
     """The server's counters and histograms, as metric families when scraped."""
 
     def __init__(self) -> None:
         self.families: list[_Family[Any]] = []
 
-    def add(self, family: F) -> F:
+    def counter(self, name: str, documentation: str, *labels: str) -> LoopCounter:
+        family = LoopCounter(name, documentation, labels)
+        self.families.append(family)
+        return family
+
+    def histogram(self, name: str, documentation: str, buckets: Iterable[float]) -> LoopHistogram:
+        """A histogram labelled by model."""
+        family = LoopHistogram(name, documentation, ("model",), buckets)
         self.families.append(family)
         return family
 
@@ -294,80 +298,54 @@ class Metrics:
         r = self.registry
         families = self._families = _Families()
         r.register(families)
-        self.requests: LoopCounter = families.add(
-            LoopCounter(
-                "pipeline_requests",
-                "Inference requests answered, by model and gRPC outcome",
-                ["model", "outcome"],
-            )
+        counter, histogram = families.counter, families.histogram
+        self.requests = counter(
+            "pipeline_requests", "Inference requests answered, by model and gRPC outcome", "model", "outcome"
         )
-        self.request_duration: LoopHistogram = families.add(
-            LoopHistogram(
-                "pipeline_request_duration_seconds",
-                "Time from a request's arrival to its answer",
-                ["model"],
-                LATENCY_BUCKETS,
-            )
+        self.request_duration = histogram(
+            "pipeline_request_duration_seconds",
+            "Time from a request's arrival to its answer",
+            LATENCY_BUCKETS,
         )
-        self.queue_duration: LoopHistogram = families.add(
-            LoopHistogram(
-                "pipeline_queue_duration_seconds",
-                "Time a request waited before its execution started",
-                ["model"],
-                LATENCY_BUCKETS,
-            )
+        self.queue_duration = histogram(
+            "pipeline_queue_duration_seconds",
+            "Time a request waited before its execution started",
+            LATENCY_BUCKETS,
         )
-        self.compute_duration: LoopHistogram = families.add(
-            LoopHistogram(
-                "pipeline_compute_duration_seconds",
-                "Time of one execution (a stage call on the router, the model's infer on a stage)",
-                ["model"],
-                LATENCY_BUCKETS,
-            )
+        self.compute_duration = histogram(
+            "pipeline_compute_duration_seconds",
+            "Time of one execution (a stage call on the router, the model's infer on a stage)",
+            LATENCY_BUCKETS,
         )
-        self.first_response: LoopHistogram = families.add(
-            LoopHistogram(
-                "nv_inference_first_response_histogram_ms",
-                "Duration from request to first response in milliseconds",
-                ["model"],
-                FIRST_RESPONSE_BUCKETS,
-            )
+        self.first_response = histogram(
+            "nv_inference_first_response_histogram_ms",
+            "Duration from request to first response in milliseconds",
+            FIRST_RESPONSE_BUCKETS,
         )
-        self.batch_size: LoopHistogram = families.add(
-            LoopHistogram("pipeline_batch_size", "Items per execution", ["model"], BATCH_BUCKETS)
+        self.batch_size = histogram("pipeline_batch_size", "Items per execution", BATCH_BUCKETS)
+        self.stage_calls = counter(
+            "pipeline_stage_calls", "The router's calls of each stage, by gRPC outcome", "stage", "outcome"
         )
-        self.stage_calls: LoopCounter = families.add(
-            LoopCounter(
-                "pipeline_stage_calls",
-                "The router's calls of each stage, by gRPC outcome",
-                ["stage", "outcome"],
-            )
+        self.branch_requests = counter(
+            "pipeline_branch_requests",
+            "Requests that ran (taken=true) or skipped (taken=false) a step of an ensemble with conditions",
+            "ensemble",
+            "step",
+            "taken",
         )
-        self.branch_requests: LoopCounter = families.add(
-            LoopCounter(
-                "pipeline_branch_requests",
-                "Requests that ran (taken=true) or skipped (taken=false) a step of an ensemble with conditions",
-                ["ensemble", "step", "taken"],
-            )
+        self.cache_requests = counter(
+            "pipeline_cache_requests",
+            "Response cache lookups, by model and result (hit or miss)",
+            "model",
+            "result",
         )
-        self.cache_requests: LoopCounter = families.add(
-            LoopCounter(
-                "pipeline_cache_requests",
-                "Response cache lookups, by model and result (hit or miss)",
-                ["model", "result"],
-            )
+        self.cache_evictions = counter(
+            "pipeline_cache_evictions", "Entries the response cache dropped to stay within its size"
         )
-        self.cache_evictions: LoopCounter = families.add(
-            LoopCounter(
-                "pipeline_cache_evictions", "Entries the response cache dropped to stay within its size", []
-            )
-        )
-        self.stage_retries: LoopCounter = families.add(
-            LoopCounter(
-                "pipeline_stage_retries",
-                "Stage calls the router sent again, within the stage's retry budget",
-                ["stage"],
-            )
+        self.stage_retries = counter(
+            "pipeline_stage_retries",
+            "Stage calls the router sent again, within the stage's retry budget",
+            "stage",
         )
         self._gauges = _Gauges()
         r.register(self._gauges)
