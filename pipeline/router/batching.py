@@ -472,9 +472,7 @@ class DynamicBatcher(Generic[In, Out]):
         started = time.perf_counter_ns()
         try:
             (result,) = await self._execute([pending.payload])
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:
+        except Exception as err:  # the request hears of it; a cancellation goes on up
             result = err
         self._account([pending], [result], now, time.perf_counter_ns() - started)
         if isinstance(result, BaseException):

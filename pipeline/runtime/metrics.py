@@ -45,6 +45,7 @@ seventh of its CPU on them.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import bisect
 import logging
@@ -170,7 +171,7 @@ class HistogramChild:
 Child = TypeVar("Child", "CounterChild", "HistogramChild")
 
 
-class _Family(Generic[Child]):
+class _Family(abc.ABC, Generic[Child]):
     """A metric family whose children are made on first use and kept: `labels(...)` is one dict lookup.
     Updated on the server's event loop only (every request path runs there); read when scraped."""
 
@@ -180,8 +181,9 @@ class _Family(Generic[Child]):
         self.label_names = tuple(labels)
         self.children: dict[tuple[str, ...], Child] = {}
 
+    @abc.abstractmethod
     def _child(self) -> Child:
-        raise NotImplementedError
+        """A new child, counting from zero."""
 
     def labels(self, *values: str) -> Child:
         child = self.children.get(values)
@@ -191,8 +193,9 @@ class _Family(Generic[Child]):
             child = self.children[values] = self._child()
         return child
 
+    @abc.abstractmethod
     def family(self) -> Metric:
-        raise NotImplementedError
+        """prometheus-client's family of these children, as they are now."""
 
 
 class LoopCounter(_Family[CounterChild]):
@@ -296,7 +299,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        families = self._families = _Families()
+        families = _Families()
         r.register(families)
         counter, histogram = families.counter, families.histogram
         self.requests = counter(

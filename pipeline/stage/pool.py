@@ -34,7 +34,8 @@ _RECENT_WEIGHT = 0.25
 class Slot:
     """One instance and the one thread it runs on.
 
-    `started` and `finished` are written only by the instance's thread (one writer each, no lock)."""
+    `started` and `finished` are written only by the thread running the instance's batch, one batch at a time
+    (one writer each, no lock)."""
 
     def __init__(self, instance: Instance, label: str, *, alone: bool = False) -> None:
         self.instance = instance
@@ -83,9 +84,13 @@ class Slot:
         else:
             loop = asyncio.get_running_loop()
             outcome = await loop.run_in_executor(self.executor, self.run, arrays, deadline)
-        took = (outcome[2] - outcome[1]) / 1e9
-        # A long batch counts at once (the next goes to the thread); brief ones bring the average down slowly.
-        self.recent_s = took if recent is None or took > recent else recent + _RECENT_WEIGHT * (took - recent)
+        if self.brief_inline:
+            took = (outcome[2] - outcome[1]) / 1e9
+            # A long batch counts at once (the next goes to the thread); brief ones bring the average down
+            # slowly.
+            self.recent_s = (
+                took if recent is None or took > recent else recent + _RECENT_WEIGHT * (took - recent)
+            )
         return outcome
 
     async def call(self, method: Any, *args: Any) -> Any:
