@@ -28,12 +28,13 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from opentelemetry.trace import Span, use_span
+from opentelemetry.trace import Span
 
 from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
 from pipeline.protocol.types import BatchingConfig
 from pipeline.router.batch_spans import batch_span
 from pipeline.router.clock import Clock, Timer, Wakeups
+from pipeline.runtime.spans import Current
 from pipeline.runtime.statistics import ModelStats
 
 if TYPE_CHECKING:
@@ -439,7 +440,7 @@ class DynamicBatcher(Generic[In, Out]):
             if span is None:
                 results = await self._execute([p.payload for p in batch])
             else:
-                with use_span(span, end_on_exit=True):
+                with Current(span):
                     results = await self._execute([p.payload for p in batch])
             if len(results) != len(batch):
                 raise RuntimeError(

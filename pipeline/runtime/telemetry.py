@@ -33,6 +33,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -43,6 +44,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pipeline.runtime.otlp import GrpcSpanExporter, HttpSpanExporter
+from pipeline.runtime.spans import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +93,15 @@ class Telemetry:
     built from the environment; a test keeps its own).
     """
 
-    def __init__(self, tracer_provider: trace.TracerProvider | None = None, *, owns_provider: bool = False):
+    def __init__(self, tracer_provider: TracerProvider | None = None, *, owns_provider: bool = False):
         self.provider = tracer_provider
-        self.enabled = tracer_provider is not None
-        self.tracer: trace.Tracer | None = (
-            tracer_provider.get_tracer("pipeline") if tracer_provider is not None else None
-        )
+        self.tracer: Tracer | None = None
+        if tracer_provider is not None:
+            sdk_tracer = tracer_provider.get_tracer("pipeline")
+            # NOTE: a provider the SDK disabled (OTEL_SDK_DISABLED) hands out a no-op tracer: tracing is off.
+            if isinstance(sdk_tracer, SdkTracer):
+                self.tracer = Tracer(sdk_tracer)
+        self.enabled = self.tracer is not None
         self._owns_provider = owns_provider
 
     @classmethod
@@ -107,7 +112,7 @@ class Telemetry:
 
     def shutdown(self) -> None:
         """Export what is buffered and stop the exporters (only for a provider this object owns)."""
-        if self._owns_provider and isinstance(self.provider, TracerProvider):
+        if self._owns_provider and self.provider is not None:
             self.provider.shutdown()
 
     # --- spans ---------------------------------------------------------------------------------------

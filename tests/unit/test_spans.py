@@ -1,0 +1,184 @@
+"""The lean spans (`pipeline.runtime.spans`) behave as the OpenTelemetry SDK's spans do where this project and
+its exporters can tell: sampling, parents, exceptions, status, limits, ended spans, the current span."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    set_span_in_context,
+)
+
+from pipeline.runtime.spans import RecordingSpan, Tracer
+from pipeline.runtime.telemetry import Telemetry
+
+REMOTE = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+
+
+def _tracer(**provider_args) -> tuple[Tracer, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(**provider_args)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Tracer(provider.get_tracer("pipeline")), exporter  # type: ignore[arg-type]
+
+
+def test_children_share_the_trace_and_name_their_parent():
+    tracer, exporter = _tracer()
+    with tracer.start_as_current_span("root", kind=SpanKind.SERVER, attributes={"a": 1}) as root:
+        assert trace.get_current_span() is root
+        with tracer.start_as_current_span("child") as child:
+            assert trace.get_current_span() is child
+        assert trace.get_current_span() is root
+    assert trace.get_current_span() is trace.INVALID_SPAN
+    finished = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(finished) == {"root", "child"}
+    root_span, child_span = finished["root"], finished["child"]
+    assert root_span.parent is None and root_span.kind == SpanKind.SERVER
+    assert dict(root_span.attributes) == {"a": 1}
+    assert child_span.context.trace_id == root_span.context.trace_id
+    assert child_span.parent.span_id == root_span.context.span_id
+    assert root_span.context.trace_flags.sampled and not root_span.context.is_remote
+    assert root_span.start_time <= child_span.start_time <= child_span.end_time <= root_span.end_time
+    assert root_span.instrumentation_scope.name == "pipeline"
+    assert root_span.resource.attributes["service.name"]
+
+
+def test_a_remote_parent_and_explicit_times():
+    tracer, exporter = _tracer()
+    span = tracer.start_span("s", context=set_span_in_context(NonRecordingSpan(REMOTE)), start_time=10)
+    span.end(end_time=25)
+    [done] = exporter.get_finished_spans()
+    assert done.context.trace_id == REMOTE.trace_id and done.parent == REMOTE and done.parent.is_remote
+    assert (done.start_time, done.end_time) == (10, 25)
+
+
+def test_the_sampler_decides():
+    tracer, exporter = _tracer(sampler=ALWAYS_OFF)
+    with tracer.start_as_current_span("dropped") as span:
+        assert not span.is_recording() and not isinstance(span, RecordingSpan)
+        assert span.get_span_context().is_valid and not span.get_span_context().trace_flags.sampled
+    assert exporter.get_finished_spans() == ()
+
+    # Parent-based: a sampled remote parent wins over a ratio of 0.
+    tracer, exporter = _tracer(sampler=ParentBased(TraceIdRatioBased(0.0)))
+    tracer.start_span("kept", context=set_span_in_context(NonRecordingSpan(REMOTE))).end()
+    tracer.start_span("root dropped").end()
+    assert [span.name for span in exporter.get_finished_spans()] == ["kept"]
+
+
+class _Tagging(Sampler):
+    def should_sample(
+        self, parent_context, trace_id, name, kind=None, attributes=None, links=None, trace_state=None
+    ):
+        return SamplingResult(Decision.RECORD_AND_SAMPLE, {"sampled.by": "tagging", "a": 0})
+
+    def get_description(self) -> str:
+        return "tagging"
+
+
+def test_a_samplers_attributes_are_the_spans_and_the_callers_win():
+    tracer, exporter = _tracer(sampler=_Tagging())
+    tracer.start_span("s", attributes={"a": 1}).end()
+    [span] = exporter.get_finished_spans()
+    assert dict(span.attributes) == {"sampled.by": "tagging", "a": 1}
+
+
+def test_an_exception_leaving_the_block_is_recorded_and_fails_the_span():
+    tracer, exporter = _tracer()
+    with pytest.raises(ValueError), tracer.start_as_current_span("failing"):
+        raise ValueError("boom")
+    with pytest.raises(KeyError), tracer.start_as_current_span("quiet", record_exception=False):
+        raise KeyError("k")
+    with (
+        pytest.raises(RuntimeError),
+        tracer.start_as_current_span("unset", record_exception=False, set_status_on_exception=False),
+    ):
+        raise RuntimeError("r")
+    # Not an error (as the SDK has it): a cancellation ends the span, unmarked.
+    with pytest.raises(asyncio.CancelledError), tracer.start_as_current_span("cancelled"):
+        raise asyncio.CancelledError
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    failing = spans["failing"]
+    assert failing.status.status_code == StatusCode.ERROR
+    assert failing.status.description == "ValueError: boom"
+    [event] = failing.events
+    assert event.name == "exception"
+    assert event.attributes["exception.type"] == "ValueError"
+    assert event.attributes["exception.message"] == "boom"
+    assert "raise ValueError" in event.attributes["exception.stacktrace"]
+    assert spans["quiet"].status.status_code == StatusCode.ERROR and not spans["quiet"].events
+    assert spans["unset"].status.status_code == StatusCode.UNSET and not spans["unset"].events
+    assert spans["cancelled"].status.status_code == StatusCode.UNSET and not spans["cancelled"].events
+
+
+def test_status_ok_is_final_and_unset_changes_nothing():
+    tracer, exporter = _tracer()
+    span = tracer.start_span("s")
+    span.set_status(StatusCode.ERROR, "bad")
+    span.set_status(Status(StatusCode.UNSET))
+    assert span.status.status_code == StatusCode.ERROR  # type: ignore[attr-defined]
+    span.set_status(Status(StatusCode.OK))
+    span.set_status(StatusCode.ERROR, "late")
+    span.end()
+    [done] = exporter.get_finished_spans()
+    assert done.status.status_code == StatusCode.OK
+
+
+def test_limits_drop_and_count():
+    tracer, exporter = _tracer(span_limits=SpanLimits(max_span_attributes=2, max_events=1, max_links=1))
+    other = SpanContext(0x1, 0x2, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    span = tracer.start_span("s", attributes={"a": 1, "b": 2, "c": 3}, links=[Link(REMOTE), Link(other)])
+    span.set_attribute("a", 10)  # an existing key is replaced, not dropped
+    span.set_attributes({"d": 4})
+    span.add_event("one")
+    span.add_event("two")
+    span.add_link(other)
+    span.end()
+    [done] = exporter.get_finished_spans()
+    assert dict(done.attributes) == {"a": 10, "b": 2}
+    assert (done.dropped_attributes, done.dropped_events, done.dropped_links) == (2, 1, 2)
+    assert [event.name for event in done.events] == ["one"] and [link.context for link in done.links] == [
+        REMOTE
+    ]
+
+
+def test_an_ended_span_changes_no_more(caplog):
+    tracer, exporter = _tracer()
+    span = tracer.start_span("s")
+    span.end()
+    assert not span.is_recording()
+    span.set_attribute("late", 1)
+    span.add_event("late")
+    span.update_name("renamed")
+    with caplog.at_level(logging.WARNING, logger="pipeline.runtime.spans"):
+        span.end()
+    [done] = exporter.get_finished_spans()
+    assert done.name == "s" and not done.attributes and not done.events
+    assert "ended twice" in caplog.text
+
+
+def test_an_sdk_provider_disabled_by_the_environment_means_no_tracing(monkeypatch):
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    telemetry = Telemetry(TracerProvider())
+    assert not telemetry.enabled and telemetry.tracer is None
