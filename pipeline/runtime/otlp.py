@@ -28,7 +28,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import SpanFlags
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 log = logging.getLogger(__name__)
 
@@ -85,41 +85,107 @@ def _fill_span(out: PbSpan, span: ReadableSpan) -> None:
     parent = span.parent
     if parent is not None:
         out.parent_span_id = parent.span_id.to_bytes(8, "big")
-        out.flags = _REMOTE if parent.is_remote else _HAS_IS_REMOTE
+        flags = _REMOTE if parent.is_remote else _HAS_IS_REMOTE
     else:
-        out.flags = _HAS_IS_REMOTE
-    out.name = span.name
-    out.kind = _KINDS[span.kind]
+        flags = _HAS_IS_REMOTE
     if span.start_time is not None:
         out.start_time_unix_nano = span.start_time
     if span.end_time is not None:
         out.end_time_unix_nano = span.end_time
-    if span.attributes:
-        _fill_attributes(out.attributes, span.attributes)
+    # The name, kind, flags and status, then the attributes, merged from pieces serialized once.
+    _SPAN_ATTRIBUTES.fill(out, span.attributes, [_head(span.name, span.kind, flags, span.status)])
     for event in span.events:
         pb_event = out.events.add()
         pb_event.name = event.name
         pb_event.time_unix_nano = event.timestamp
-        _fill_attributes(pb_event.attributes, event.attributes)
+        _EVENT_ATTRIBUTES.fill(pb_event, event.attributes)
         if event.dropped_attributes:
             pb_event.dropped_attributes_count = event.dropped_attributes
     for link in span.links:
         pb_link = out.links.add()
         pb_link.trace_id = link.context.trace_id.to_bytes(16, "big")
         pb_link.span_id = link.context.span_id.to_bytes(8, "big")
-        _fill_attributes(pb_link.attributes, link.attributes)
+        _LINK_ATTRIBUTES.fill(pb_link, link.attributes)
         if link.dropped_attributes:
             pb_link.dropped_attributes_count = link.dropped_attributes
         pb_link.flags = _REMOTE if link.context.is_remote else _HAS_IS_REMOTE
-    status = span.status
-    pb_status = out.status
-    pb_status.code = status.status_code.value  # type: ignore[assignment]  # (setting it makes status present)
-    if status.description:
-        pb_status.message = status.description
     if span.dropped_attributes or span.dropped_events or span.dropped_links:
         out.dropped_attributes_count = span.dropped_attributes
         out.dropped_events_count = span.dropped_events
         out.dropped_links_count = span.dropped_links
+
+
+#: Serialized name, kind, flags and status, by those values (up to `_MAX_HEADS` of them).
+_HEADS: dict[tuple[str, SpanKind, int, StatusCode, str | None], bytes] = {}
+_MAX_HEADS = 1024
+
+
+def _head(name: str, kind: SpanKind, flags: int, status: Status) -> bytes:
+    key = (name, kind, flags, status.status_code, status.description)
+    piece = _HEADS.get(key)
+    if piece is None:
+        head = PbSpan(name=name, kind=_KINDS[kind], flags=flags)
+        head.status.code = status.status_code.value  # type: ignore[assignment]  # (it makes status present)
+        if status.description:
+            head.status.message = status.description
+        piece = head.SerializePartialToString()
+        if len(_HEADS) < _MAX_HEADS:
+            _HEADS[key] = piece
+    return piece
+
+
+class _Attributes:
+    """Attributes of one kind of message (a span, event or link) appended from pieces serialized once.
+
+    Most attributes repeat from span to span (a model's name, a step, a batch size), and setting a KeyValue
+    field by field costs more than merging its serialized form: each (key, value) is encoded once into a
+    message holding that attribute alone, and a message's attributes are appended by merging those pieces.
+    A key past `MAX_VALUES` distinct values (a request id, say) and a long string are filled field by field.
+    """
+
+    MAX_VALUES = 64
+    MAX_LENGTH = 256
+
+    def __init__(self, message: type[Any]) -> None:
+        self._message = message
+        self._pieces: dict[tuple[str, type, Any], bytes] = {}
+        self._values: dict[str, int] = {}
+
+    def fill(self, out: Any, attributes: Mapping[str, Any] | None, pieces: list[bytes] | None = None) -> None:
+        """Append `attributes` to `out`, after merging `pieces` (other fields of it, serialized) into it."""
+        pieces = pieces or []
+        for key, value in (attributes or {}).items():
+            piece = self._piece(key, value)
+            if piece is not None:
+                pieces.append(piece)
+                continue
+            if pieces:  # keep the attributes in order
+                out.MergeFromString(b"".join(pieces))
+                pieces.clear()
+            _fill_attributes(out.attributes, {key: value})
+        if pieces:
+            out.MergeFromString(b"".join(pieces))
+
+    def _piece(self, key: str, value: Any) -> bytes | None:
+        kind = type(value)
+        # NOTE: the type is part of the key, for True == 1 and 1 == 1.0.
+        piece = self._pieces.get((key, kind, value)) if kind in _SCALARS else None
+        if piece is not None or kind not in _SCALARS:
+            return piece
+        seen = self._values.get(key, 0)
+        if seen >= self.MAX_VALUES or (kind is str and len(value) > self.MAX_LENGTH):
+            return None
+        message = self._message()
+        _fill_attributes(message.attributes, {key: value})
+        piece = self._pieces[(key, kind, value)] = message.SerializePartialToString()
+        self._values[key] = seen + 1
+        return piece
+
+
+_SCALARS = frozenset({str, int, bool, float})
+_SPAN_ATTRIBUTES = _Attributes(PbSpan)
+_EVENT_ATTRIBUTES = _Attributes(PbSpan.Event)
+_LINK_ATTRIBUTES = _Attributes(PbSpan.Link)
 
 
 def _fill_attributes(out: Any, attributes: Mapping[str, Any] | None) -> None:

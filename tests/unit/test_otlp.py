@@ -1,7 +1,9 @@
-"""The OTLP encoder gives the SDK's own encoder's request, field by field, for every kind of span content."""
+"""The OTLP encoder gives the SDK's own encoder's request, field by field, for every kind of span content, for
+the SDK's spans and this project's (`pipeline.runtime.spans`)."""
 
 from __future__ import annotations
 
+import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -20,6 +22,7 @@ from opentelemetry.trace import (
 )
 
 from pipeline.runtime.otlp import encode_spans
+from pipeline.runtime.spans import Tracer
 
 REMOTE = SpanContext(
     0x4BF92F3577B34DA6A3CE929D0E0E4736,
@@ -30,12 +33,14 @@ REMOTE = SpanContext(
 )
 
 
-def _spans() -> list[ReadableSpan]:
+def _spans(lean: bool = False) -> list[ReadableSpan]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": "test", "deployment": "a"}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("pipeline", "1.0", schema_url="https://opentelemetry.io/schemas/1.11.0")
     other = provider.get_tracer("other")
+    if lean:
+        tracer, other = Tracer(tracer), Tracer(other)  # type: ignore[arg-type]
     with tracer.start_as_current_span(
         "ModelInfer refcnn",
         context=set_span_in_context(NonRecordingSpan(REMOTE)),
@@ -57,8 +62,9 @@ def _spans() -> list[ReadableSpan]:
     return list(exporter.get_finished_spans())
 
 
-def test_the_request_equals_the_sdk_encoders():
-    spans = _spans()
+@pytest.mark.parametrize("lean", [False, True], ids=["sdk spans", "lean spans"])
+def test_the_request_equals_the_sdk_encoders(lean):
+    spans = _spans(lean)
     ours, theirs = encode_spans(spans), sdk_encode_spans(spans)
     assert ours == theirs
     assert ours.SerializeToString(deterministic=True) == theirs.SerializeToString(deterministic=True)
@@ -95,3 +101,28 @@ def test_an_attribute_otlp_cannot_carry_is_left_out():
     )
     [kept] = encode_spans([made]).resource_spans[0].scope_spans[0].spans[0].attributes
     assert kept.key == "good" and kept.value.int_value == 1
+
+
+def test_attributes_serialized_once_and_those_that_are_not_encode_alike():
+    # A key with more distinct values than are kept serialized (a request id), a long string, and values
+    # equal across types (True, 1, 1.0) that must not share a serialized piece.
+    [span] = _spans()[:1]
+    made = [
+        ReadableSpan(
+            f"made {i % 3}",
+            context=span.context,
+            resource=span.resource,
+            attributes={
+                "id": str(i),
+                "model": "m",
+                "long": "x" * 1000,
+                "n": (True, 1, 1.0)[i % 3],
+                "i": i % 2,
+            },
+            start_time=i,
+            end_time=i + 1,
+        )
+        for i in range(200)
+    ]
+    assert encode_spans(made) == sdk_encode_spans(made)
+    assert encode_spans(made) == sdk_encode_spans(made)  # the second time from what was kept
