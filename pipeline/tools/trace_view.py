@@ -3,9 +3,9 @@
 Services write the file with `OTEL_TRACES_EXPORTER=jsonl PIPELINE_TRACE_FILE=path` (see
 `pipeline.runtime.telemetry`). The command prints the trace as a waterfall: one line per span, indented under its
 parent, with its service, start offset, duration and a bar scaled to the trace's time; `--png` draws the
-same with matplotlib. A batch that a request rode in lives in the trace of the batch's first request; the
-other members' spans link to it, and the waterfall shows the linked batch (and the stage's spans under it)
-beneath the linking span, marked `↗`.
+same with matplotlib. A batch that a request rode in lives in the trace of the batch's first request and
+links to every member's span; the waterfall of another member shows that batch (and the stage's spans under
+it) beneath the member's span that it links to, marked `↗`.
 """
 
 from __future__ import annotations
@@ -79,12 +79,16 @@ def pick_trace(spans: Sequence[dict[str, Any]], trace_id: str | None = None) -> 
 
 
 def waterfall(spans: Sequence[dict[str, Any]], trace_id: str) -> list[Row]:
-    """The rows of one trace, depth first in start order, with linked spans of other traces inlined."""
-    by_id = {s["span_id"]: s for s in spans}
+    """The rows of one trace, depth first in start order, with the spans of other traces that link to its
+    spans (the batches its requests rode in) inlined."""
     children: dict[str | None, list[dict[str, Any]]] = defaultdict(list)
+    linking: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for span in spans:
         children[span.get("parent_span_id")].append(span)
-    for kids in children.values():
+        if span["trace_id"] != trace_id:
+            for link in span.get("links", ()):
+                linking[link["span_id"]].append(span)
+    for kids in (*children.values(), *linking.values()):
         kids.sort(key=lambda s: s["start_ns"])
     rows: list[Row] = []
     shown: set[str] = set()
@@ -96,11 +100,8 @@ def waterfall(spans: Sequence[dict[str, Any]], trace_id: str) -> list[Row]:
         rows.append(Row(span, depth, linked))
         for child in children.get(span["span_id"], ()):
             visit(child, depth + 1, linked)
-        for link in span.get("links", ()):
-            target = by_id.get(link["span_id"])
-            # Only links out of this trace: a batch span's links back to its members are not followed.
-            if target is not None and target["trace_id"] != trace_id and link.get("attributes"):
-                visit(target, depth + 1, True)
+        for batch in linking.get(span["span_id"], ()):
+            visit(batch, depth + 1, True)
 
     members = [s for s in spans if s["trace_id"] == trace_id]
     ids = {s["span_id"] for s in members}

@@ -172,15 +172,12 @@ async def test_one_trace_per_request_across_processes_with_the_batch_linked(serv
     assert {link.context.span_id for link in batch.links} == {s.context.span_id for s in steps}
     assert batch.parent.span_id in {s.context.span_id for s in steps}
     for step in steps:
-        # Each member's own trace says which batch it rode in and how large it was: the first member's
-        # holds the batch span itself, every other's links to it. Its queue wait ends as the batch starts.
+        # Each member's step says how large its batch was, and the batch links to it (the first member's
+        # trace holds the batch span itself). Its queue wait ends as the batch starts.
         assert step.attributes["pipeline.batch.size"] == BATCH
         assert by_id[step.parent.span_id].kind == SpanKind.SERVER
         assert step.start_time <= batch.start_time <= batch.end_time <= step.end_time
-        if step.context.span_id != batch.parent.span_id:
-            assert [link.context.span_id for link in step.links] == [batch.context.span_id]
-        else:
-            assert not step.links
+        assert not step.links
     # The stage continued the batch span's context: one stage call, one server span under the batch.
     [stage_server] = [s for s in b if s.kind == SpanKind.SERVER]
     assert stage_server.parent.span_id == batch.context.span_id
