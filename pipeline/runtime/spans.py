@@ -34,15 +34,38 @@ from typing import Any
 from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace import Tracer as SdkTracer
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 from opentelemetry.util.types import Attributes
 
 log = logging.getLogger(__name__)
 
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+#: Trace flags by (sampled, random trace id).
+_FLAGS = {
+    (sampled, random): TraceFlags(
+        (TraceFlags.SAMPLED if sampled else 0) | (TraceFlags.RANDOM_TRACE_ID if random else 0)
+    )
+    for sampled in (False, True)
+    for random in (False, True)
+}
+#: How the SDK's parent-based sampler describes itself when a child follows its parent's decision (its
+#: default delegates, which its `parentbased_*` settings of OTEL_TRACES_SAMPLER keep).
+_FOLLOWS_PARENT = (
+    ",remoteParentSampled:AlwaysOnSampler,remoteParentNotSampled:AlwaysOffSampler,"
+    "localParentSampled:AlwaysOnSampler,localParentNotSampled:AlwaysOffSampler}"
+)
 _UNSET = Status(StatusCode.UNSET)
 
 
@@ -54,6 +77,11 @@ class Tracer(trace.Tracer):
         self.resource = sdk_tracer.resource
         self.processor = sdk_tracer.span_processor
         self.ids = sdk_tracer.id_generator
+        self._random_ids = self.ids.is_trace_id_random()
+        description = self.sampler.get_description()
+        self._children_follow_parent = description.startswith("ParentBased{") and description.endswith(
+            _FOLLOWS_PARENT
+        )
         # NOTE: the SDK keeps its tracer's scope and limits in attributes without a public accessor.
         self.scope = sdk_tracer._instrumentation_scope
         limits = sdk_tracer._span_limits
@@ -73,25 +101,30 @@ class Tracer(trace.Tracer):
         set_status_on_exception: bool = True,
     ) -> trace.Span:
         current = trace.get_current_span(context).get_span_context()
-        parent = current if current.is_valid else None
-        trace_id = current.trace_id if parent is not None else self.ids.generate_trace_id()
         links = links or ()
-        sampling = self.sampler.should_sample(context, trace_id, name, kind, attributes, links)
-        sampled = sampling.decision.is_sampled()
+        parent = current if current.is_valid else None
+        trace_state: TraceState | None
+        if parent is not None and self._children_follow_parent:
+            # What the SDK's parent-based sampler with its default delegates decides, without asking it.
+            trace_id, trace_state = parent.trace_id, parent.trace_state
+            recording = sampled = parent.trace_flags.sampled
+        else:
+            trace_id = parent.trace_id if parent is not None else self.ids.generate_trace_id()
+            sampling = self.sampler.should_sample(context, trace_id, name, kind, attributes, links)
+            recording, sampled = sampling.decision.is_recording(), sampling.decision.is_sampled()
+            # NOTE: as in the SDK, a span's attributes are the sampler's (its own samplers pass them through).
+            trace_state, attributes = sampling.trace_state, sampling.attributes
+        random = parent.trace_flags.random_trace_id if parent is not None else self._random_ids
         span_context = SpanContext(
-            trace_id,
-            self.ids.generate_span_id(),
-            False,
-            _SAMPLED if sampled else _NOT_SAMPLED,
-            sampling.trace_state,
+            trace_id, self.ids.generate_span_id(), False, _FLAGS[sampled, random], trace_state
         )
-        if not sampling.decision.is_recording():
+        if not recording:
             return NonRecordingSpan(span_context)
-        if sampling.attributes:
-            attributes = {**sampling.attributes, **(attributes or {})}
         span = RecordingSpan(self, name, span_context, parent, kind, attributes, links, start_time)
-        span.record_exceptions = record_exception
-        span.status_on_exception = set_status_on_exception
+        if not record_exception:
+            span.record_exceptions = False
+        if not set_status_on_exception:
+            span.status_on_exception = False
         return span
 
     def start_as_current_span(  # type: ignore[override]  # (a context manager object, not a generator's)
@@ -148,6 +181,17 @@ class Current:
 class RecordingSpan(trace.Span, ReadableSpan):
     """A sampled span: the API's span while it runs, and the `ReadableSpan` processors get when it ends."""
 
+    # NOTE: ReadableSpan's properties read these fields; its __init__ is not called (it would make a resource
+    # when none is given). What most spans keep as it starts is a class attribute until a span changes it.
+    _status = _UNSET
+    _end_time: int | None = None
+    _instrumentation_info = None
+    _events: Sequence[Event] = ()
+    _links: Sequence[Link] = ()
+    _dropped_attributes = _dropped_events = _dropped_links = 0
+    record_exceptions = True
+    status_on_exception = True
+
     def __init__(
         self,
         tracer: Tracer,
@@ -159,25 +203,13 @@ class RecordingSpan(trace.Span, ReadableSpan):
         links: Sequence[Link],
         start_time: int | None,
     ) -> None:
-        # NOTE: ReadableSpan's properties read these fields; its __init__ is not called, for it would make a
-        # resource when none is given.
         self._tracer = tracer
         self._name = name
         self._context = context
         self._parent = parent
         self._kind = kind
-        self._resource = tracer.resource
-        self._instrumentation_scope = tracer.scope
-        self._instrumentation_info = None
-        self._status = _UNSET
         self._start_time = start_time if start_time is not None else time.time_ns()
-        self._end_time: int | None = None
         self._attributes: dict[str, Any] = {}
-        self._events: list[Event] = []
-        self._links: list[Link] = []
-        self._dropped = [0, 0, 0]  # attributes, events, links
-        self.record_exceptions = True
-        self.status_on_exception = True
         if attributes:
             self.set_attributes(attributes)
         for link in links:
@@ -208,15 +240,17 @@ class RecordingSpan(trace.Span, ReadableSpan):
         if key in mine or len(mine) < self._tracer.max_attributes:
             mine[key] = value
         else:
-            self._dropped[0] += 1
+            self._dropped_attributes += 1
 
     def add_event(self, name: str, attributes: Attributes = None, timestamp: int | None = None) -> None:
         if self._end_time is not None:
             return
         if len(self._events) < self._tracer.max_events:
-            self._events.append(Event(name, attributes, timestamp))
+            if not self._events:
+                self._events = []
+            self._events.append(Event(name, attributes, timestamp))  # type: ignore[attr-defined]
         else:
-            self._dropped[1] += 1
+            self._dropped_events += 1
 
     def add_link(self, context: SpanContext, attributes: Attributes = None) -> None:
         if self._end_time is None and context.is_valid:
@@ -224,9 +258,11 @@ class RecordingSpan(trace.Span, ReadableSpan):
 
     def _add_link(self, link: Link) -> None:
         if len(self._links) < self._tracer.max_links:
-            self._links.append(link)
+            if not self._links:
+                self._links = []
+            self._links.append(link)  # type: ignore[attr-defined]
         else:
-            self._dropped[2] += 1
+            self._dropped_links += 1
 
     def update_name(self, name: str) -> None:
         if self._end_time is None:
@@ -286,12 +322,20 @@ class RecordingSpan(trace.Span, ReadableSpan):
 
     @property
     def dropped_attributes(self) -> int:
-        return self._dropped[0]
+        return self._dropped_attributes
 
     @property
     def dropped_events(self) -> int:
-        return self._dropped[1]
+        return self._dropped_events
 
     @property
     def dropped_links(self) -> int:
-        return self._dropped[2]
+        return self._dropped_links
+
+    @property
+    def _resource(self) -> Resource:  # type: ignore[override]  # (the tracer's, read by ReadableSpan)
+        return self._tracer.resource
+
+    @property
+    def _instrumentation_scope(self) -> InstrumentationScope | None:  # type: ignore[override]
+        return self._tracer.scope

@@ -11,8 +11,10 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
+    ALWAYS_ON,
     Decision,
     ParentBased,
     Sampler,
@@ -97,11 +99,54 @@ class _Tagging(Sampler):
         return "tagging"
 
 
-def test_a_samplers_attributes_are_the_spans_and_the_callers_win():
+def test_a_samplers_attributes_are_the_spans_as_in_the_sdk():
     tracer, exporter = _tracer(sampler=_Tagging())
     tracer.start_span("s", attributes={"a": 1}).end()
     [span] = exporter.get_finished_spans()
-    assert dict(span.attributes) == {"sampled.by": "tagging", "a": 1}
+    assert dict(span.attributes) == {"sampled.by": "tagging", "a": 0}
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        None,  # the SDK's default: parent-based, always on at the root
+        ParentBased(TraceIdRatioBased(0.5)),
+        ParentBased(ALWAYS_ON, local_parent_sampled=ALWAYS_OFF),  # a child is asked about
+        TraceIdRatioBased(0.5),
+    ],
+    ids=["default", "parent-based ratio", "parent-based, children off", "ratio"],
+)
+def test_decisions_and_flags_are_the_sdks(sampler):
+    """Children of sampled and unsampled, local and remote parents: the same decisions and trace flags as the
+    SDK's spans (which a child that follows its parent makes without asking the sampler)."""
+    provider = TracerProvider(sampler=sampler, id_generator=_Ids())
+    sdk, lean = provider.get_tracer("pipeline"), Tracer(provider.get_tracer("pipeline"))  # type: ignore[arg-type]
+    parents = [
+        None,
+        NonRecordingSpan(REMOTE),
+        NonRecordingSpan(SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(0))),
+        NonRecordingSpan(
+            SpanContext(0x5, 0x6, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED | 2))
+        ),
+        NonRecordingSpan(SpanContext(0x5, 0x6, is_remote=False, trace_flags=TraceFlags(0))),
+    ]
+    for parent in parents:
+        context = set_span_in_context(parent) if parent is not None else None
+        for trace_id in (0x1, 0xFFFFFFFFFFFFFFFF0000000000000000):
+            _Ids.trace_id = trace_id
+            theirs = sdk.start_span("s", context=context)
+            ours = lean.start_span("s", context=context)
+            assert ours.is_recording() == theirs.is_recording()
+            assert ours.get_span_context().trace_flags == theirs.get_span_context().trace_flags
+            assert ours.get_span_context().trace_id == theirs.get_span_context().trace_id
+            assert ours.get_span_context().trace_state == theirs.get_span_context().trace_state
+
+
+class _Ids(RandomIdGenerator):
+    trace_id = 1
+
+    def generate_trace_id(self) -> int:
+        return self.trace_id
 
 
 def test_an_exception_leaving_the_block_is_recorded_and_fails_the_span():
