@@ -13,9 +13,8 @@ or exception per request, so one bad item fails only its own request.
 
 Tracing: a request may bring its span (the router's step span). A batch then gets one span, a child of its
 first member's span and linked to every member's span, current while `execute` runs (so the stage call
-carries its context); each member's span gets the batch's size and a link to it, so its own trace says
-which batch it rode in (`pipeline.router.batch_spans`). Time
-is read from a `pipeline.router.clock.Clock`, which tests replace.
+carries its context); each member's span gets the batch's size (`pipeline.router.batch_spans`). Time is read
+from a `pipeline.router.clock.Clock`, which tests replace.
 """
 
 from __future__ import annotations
