@@ -8,9 +8,12 @@ of the throughput. `Tracer` here implements the same API (`opentelemetry.trace.T
 project's servers at about a third of that:
 
 - sampling, ids, resource, instrumentation scope, span limits and span processors (and so the exporters and
-  `OTEL_BSP_*`) are the SDK tracer's: what the environment configures for the SDK configures these spans;
-  processors hear of a span when it ends (`on_end`), not when it starts: the SDK's own do nothing at the
-  start, and another's `on_start` may expect the SDK's span class;
+  `OTEL_BSP_*`) are the SDK tracer's: what the environment configures for the SDK configures these spans.
+  Where the sampler is the SDK's parent-based one with its default delegates (every `parentbased_*` value
+  of OTEL_TRACES_SAMPLER, and the default), a span with a parent takes its parent's decision without asking
+  it, as it would have decided. Processors hear of a span when it ends (`on_end`), not when it starts: the
+  SDK's own do nothing at the start, and another's `on_start` may expect the SDK's span class. The SDK's
+  own metrics about spans (off unless OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED) are not kept;
 - a span is its own `ReadableSpan` (processors and exporters get it as they get the SDK's copy), with plain
   containers and the SDK's count limits; values are not validated as they are set: an attribute OTLP cannot
   carry is dropped, with a log line, when the span is encoded (`pipeline.runtime.otlp`);
@@ -179,7 +182,7 @@ class Current:
 
 
 class RecordingSpan(trace.Span, ReadableSpan):
-    """A sampled span: the API's span while it runs, and the `ReadableSpan` processors get when it ends."""
+    """A recording span: the API's span while it runs, and the `ReadableSpan` processors get when it ends."""
 
     # NOTE: ReadableSpan's properties read these fields; its __init__ is not called (it would make a resource
     # when none is given). What most spans keep as it starts is a class attribute until a span changes it.

@@ -1,7 +1,8 @@
 """Tracing: one OpenTelemetry trace per request, across the router and every stage service.
 
-Each server holds a `Telemetry` made around a tracer provider that is passed in (tests give one with an
-in-memory exporter) or built from OpenTelemetry's standard environment variables by `Telemetry.from_env`.
+Each server holds a `Telemetry` made around an SDK tracer provider that is passed in (tests give one with an
+in-memory exporter) or built from OpenTelemetry's standard environment variables by `Telemetry.from_env`; its
+spans are made by `pipeline.runtime.spans` from the provider's sampler, ids, resource and processors.
 With tracing off (the default: `OTEL_TRACES_EXPORTER` unset or `none`) `enabled` is False and every helper
 returns at once, so the hot path pays an attribute check and no span objects.
 
