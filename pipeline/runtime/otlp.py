@@ -115,7 +115,8 @@ def _fill_span(out: PbSpan, span: ReadableSpan) -> None:
         out.dropped_links_count = span.dropped_links
 
 
-#: Serialized name, kind, flags and status, by those values (up to `_MAX_HEADS` of them).
+#: Serialized name, kind, flags and status, by those values; emptied when it holds `_MAX_HEADS` (names or
+#: status messages that never repeat, as a long stream's `response N` spans, must not keep newer ones out).
 _HEADS: dict[tuple[str, SpanKind, int, StatusCode, str | None], bytes] = {}
 _MAX_HEADS = 1024
 
@@ -129,8 +130,9 @@ def _head(name: str, kind: SpanKind, flags: int, status: Status) -> bytes:
         if status.description:
             head.status.message = status.description
         piece = head.SerializePartialToString()
-        if len(_HEADS) < _MAX_HEADS:
-            _HEADS[key] = piece
+        if len(_HEADS) >= _MAX_HEADS:
+            _HEADS.clear()
+        _HEADS[key] = piece
     return piece
 
 

@@ -21,6 +21,7 @@ from opentelemetry.trace import (
     set_span_in_context,
 )
 
+from pipeline.runtime import otlp
 from pipeline.runtime.otlp import encode_spans
 from pipeline.runtime.spans import Tracer
 
@@ -103,13 +104,13 @@ def test_an_attribute_otlp_cannot_carry_is_left_out():
     assert kept.key == "good" and kept.value.int_value == 1
 
 
-def test_attributes_serialized_once_and_those_that_are_not_encode_alike():
-    # A key with more distinct values than are kept serialized (a request id), a long string, and values
-    # equal across types (True, 1, 1.0) that must not share a serialized piece.
+def test_attributes_serialized_once_and_those_that_are_not_encode_alike(monkeypatch):
+    # A key with more distinct values than are kept serialized (a request id), a long string, values equal
+    # across types (True, 1, 1.0) that must not share a serialized piece, and names that never repeat.
     [span] = _spans()[:1]
     made = [
         ReadableSpan(
-            f"made {i % 3}",
+            f"made {i % 3}" if i % 2 else f"response {i}",
             context=span.context,
             resource=span.resource,
             attributes={
@@ -124,5 +125,7 @@ def test_attributes_serialized_once_and_those_that_are_not_encode_alike():
         )
         for i in range(200)
     ]
+    monkeypatch.setattr(otlp, "_MAX_HEADS", 16)  # the serialized heads are emptied as they fill
     assert encode_spans(made) == sdk_encode_spans(made)
     assert encode_spans(made) == sdk_encode_spans(made)  # the second time from what was kept
+    assert len(otlp._HEADS) <= 16
