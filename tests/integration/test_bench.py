@@ -79,7 +79,14 @@ async def test_closed_loop_counts_every_request_once(server) -> None:
     if report.statistics:
         for r in report.results:
             assert r.stages is not None or r.stages_error
-        assert "server statistics over the measured interval" in format_report(report)
+            if r.stages is not None:
+                # The server's time for a request is part of what the client waited for it.
+                served = r.stages["double"]["request_us"]
+                client, outside = r.outside_server_us("double")
+                assert 0 < served < client and outside == pytest.approx(client - served)
+        text = format_report(report)
+        assert "server statistics over the measured interval" in text
+        assert "us outside the server's request time" in text
     else:
         assert all(r.stages is None for r in report.results)
         assert "client-side figures only" in format_report(report)
@@ -194,6 +201,8 @@ def test_bytes_inputs_from_npy_files_are_read_without_pickle(tmp_path: Path) -> 
 def test_statistics_deltas_give_perf_analyzers_figures() -> None:
     def stats(inferences: int, executions: int, queue_ns: int, infer_ns: int, b8: int) -> pb.ModelStatistics:
         s = pb.ModelStatistics(name="m", version="1", inference_count=inferences, execution_count=executions)
+        s.inference_stats.success.count = inferences
+        s.inference_stats.success.ns = 2 * infer_ns
         s.inference_stats.queue.count = inferences
         s.inference_stats.queue.ns = queue_ns
         s.inference_stats.compute_infer.count = inferences
@@ -210,6 +219,7 @@ def test_statistics_deltas_give_perf_analyzers_figures() -> None:
     assert m["inference_count"] == 80 and m["execution_count"] == 10
     assert m["mean_batch_size"] == 8.0 and m["batch_sizes"] == {8: 10}
     assert m["queue_us"] == pytest.approx(1.0) and m["compute_infer_us"] == pytest.approx(5.0)
+    assert m["request_us"] == pytest.approx(10.0)
 
 
 async def test_cpu_per_request_is_read_from_each_process_metrics() -> None:

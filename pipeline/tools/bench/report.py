@@ -75,6 +75,17 @@ class LevelResult:
     def percentile_ms(self, q: float) -> float:
         return _percentile_ms(self.latencies, q)
 
+    def outside_server_us(self, model: str) -> tuple[float, float] | None:
+        """The client's mean latency and what of it the server's statistics do not cover (its own mean
+        request time subtracted: the client, the transport, and the server's RPC handling before and after
+        the request), in microseconds; None where the server reported no time for `model`."""
+        stats = (self.stages or {}).get(model)
+        served = None if stats is None else stats.get("request_us")
+        if served is None or not self.latencies.size:
+            return None
+        client = float(self.latencies.mean() * 1e6)
+        return client, client - served
+
     @property
     def responses_per_s(self) -> float:
         """Streamed responses with outputs per second, over the measured interval."""
@@ -214,7 +225,7 @@ def format_report(report: BenchReport) -> str:
         lines += [
             "",
             f"server statistics over the measured interval, {r.level.label}:",
-            f"  {'model':<28} {'requests':>9} {'execs':>8} {'batch':>6} {'queue us':>9} "
+            f"  {'model':<28} {'requests':>9} {'execs':>8} {'batch':>6} {'request us':>10} {'queue us':>9} "
             f"{'compute us':>10} {'infer us':>9} {'cache hit':>9}",
         ]
         if r.stages_error:
@@ -224,8 +235,15 @@ def format_report(report: BenchReport) -> str:
             total = sum(v for v in compute if v is not None) if any(v is not None for v in compute) else None
             lines.append(
                 f"  {name:<28} {s['inference_count']:>9} {s['execution_count']:>8} "
-                f"{_fmt(s['mean_batch_size']):>6} {_fmt(s['queue_us']):>9} {_fmt(total):>10} "
-                f"{_fmt(s['compute_infer_us']):>9} {_hit_share(s):>9}"
+                f"{_fmt(s['mean_batch_size']):>6} {_fmt(s.get('request_us')):>10} {_fmt(s['queue_us']):>9} "
+                f"{_fmt(total):>10} {_fmt(s['compute_infer_us']):>9} {_hit_share(s):>9}"
+            )
+        outside = r.outside_server_us(o.model)
+        if outside is not None:
+            client, beyond = outside
+            lines.append(
+                f"  {o.model}: the client's mean latency {_fmt(client, 0)} us, of which {_fmt(beyond, 0)} us outside "
+                "the server's request time (the client, the transport, the server's RPC handling)"
             )
     return "\n".join(lines)
 

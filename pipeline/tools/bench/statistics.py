@@ -32,8 +32,9 @@ def statistics_delta(
     """What each model did between two `ModelStatistics` readings, as perf_analyzer reports it.
 
     Per model with any activity: requests (`inference_count`), executions (`execution_count`), the mean
-    batch size (from `batch_stats`, else requests / executions), and the mean queue wait and compute phases
-    per request (from `inference_stats`), in microseconds; `batch_sizes` counts executions by batch size.
+    batch size (from `batch_stats`, else requests / executions), and the mean time of a successful request
+    at the server, queue wait and compute phases per request (from `inference_stats`), in microseconds;
+    `batch_sizes` counts executions by batch size.
     """
     report: dict[str, dict[str, Any]] = {}
     for key, a in after.items():
@@ -65,6 +66,7 @@ def statistics_delta(
             "success_count": a.inference_stats.success.count - b.inference_stats.success.count,
             "fail_count": a.inference_stats.fail.count - b.inference_stats.fail.count,
             "mean_batch_size": mean_batch,
+            "request_us": mean_us("success"),
             "queue_us": mean_us("queue"),
             "compute_input_us": mean_us("compute_input"),
             "compute_infer_us": mean_us("compute_infer"),
