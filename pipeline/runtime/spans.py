@@ -11,9 +11,10 @@ project's servers at about a third of that:
   `OTEL_BSP_*`) are the SDK tracer's: what the environment configures for the SDK configures these spans.
   Where the sampler is the SDK's parent-based one with its default delegates (every `parentbased_*` value
   of OTEL_TRACES_SAMPLER, and the default), a span with a parent takes its parent's decision without asking
-  it, as it would have decided. Processors hear of a span when it ends (`on_end`), not when it starts: the
-  SDK's own do nothing at the start, and another's `on_start` may expect the SDK's span class. The SDK's
-  own metrics about spans (off unless OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED) are not kept;
+  it, as it would have decided. Processors hear of a span when it starts (`on_start`: a processor that
+  copies baggage or adds attributes there still can) and when it ends (`on_end`); the SDK's own batch and
+  simple processors, which do nothing at the start, are not called there. The SDK's own metrics about
+  spans (off unless OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED) are not kept;
 - a span is its own `ReadableSpan` (processors and exporters get it as they get the SDK's copy), with plain
   containers and the SDK's count limits; values are not validated as they are set: an attribute OTLP cannot
   carry is dropped, with a log line, when the span is encoded (`pipeline.runtime.otlp`);
@@ -38,8 +39,15 @@ from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace import (
+    ConcurrentMultiSpanProcessor,
+    Event,
+    ReadableSpan,
+    SpanProcessor,
+    SynchronousMultiSpanProcessor,
+)
 from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
     Link,
@@ -72,6 +80,10 @@ _FOLLOWS_PARENT = (
 _UNSET = Status(StatusCode.UNSET)
 
 
+#: Processors whose `on_start` does nothing (these exact classes, not their subclasses): not called there.
+_QUIET_AT_START = (BatchSpanProcessor, SimpleSpanProcessor)
+
+
 class Tracer(trace.Tracer):
     """Makes `RecordingSpan`s with an SDK tracer's sampler, ids, resource, scope, limits and processors."""
 
@@ -79,6 +91,10 @@ class Tracer(trace.Tracer):
         self.sampler = sdk_tracer.sampler
         self.resource = sdk_tracer.resource
         self.processor = sdk_tracer.span_processor
+        #: The processors to call at a span's start, and the provider's processors they were picked from (a
+        #: processor added to the provider later is seen at the next span).
+        self._starters: tuple[SpanProcessor, ...] = ()
+        self._starters_of: object = None
         self.ids = sdk_tracer.id_generator
         self._random_ids = self.ids.is_trace_id_random()
         description = self.sampler.get_description()
@@ -124,11 +140,26 @@ class Tracer(trace.Tracer):
         if not recording:
             return NonRecordingSpan(span_context)
         span = RecordingSpan(self, name, span_context, parent, kind, attributes, links, start_time)
+        for processor in self._starting():
+            processor.on_start(span, parent_context=context)  # type: ignore[arg-type]  # (SDK's span type)
         if not record_exception:
             span.record_exceptions = False
         if not set_status_on_exception:
             span.status_on_exception = False
         return span
+
+    def _starting(self) -> tuple[SpanProcessor, ...]:
+        """The processors whose `on_start` may do something, of those the provider has now."""
+        processor = self.processor
+        if not isinstance(processor, SynchronousMultiSpanProcessor | ConcurrentMultiSpanProcessor):
+            return (processor,)
+        # NOTE: the SDK's multi-processors keep their processors in an attribute without a public accessor; a
+        # processor added to the provider replaces the tuple.
+        processors = processor._span_processors
+        if processors is not self._starters_of:
+            self._starters = tuple(p for p in processors if type(p) not in _QUIET_AT_START)
+            self._starters_of = processors
+        return self._starters
 
     def start_as_current_span(  # type: ignore[override]  # (a context manager object, not a generator's)
         self,

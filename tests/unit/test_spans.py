@@ -8,7 +8,7 @@ import logging
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
@@ -227,3 +227,33 @@ def test_an_sdk_provider_disabled_by_the_environment_means_no_tracing(monkeypatc
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     telemetry = Telemetry(TracerProvider())
     assert not telemetry.enabled and telemetry.tracer is None
+
+
+class _Stamp(SpanProcessor):
+    """Adds an attribute at each span's start, as a processor that copies baggage into spans does."""
+
+    def __init__(self) -> None:
+        self.parents: list[SpanContext] = []
+
+    def on_start(self, span, parent_context=None) -> None:
+        span.set_attribute("stamped", span.name)
+        self.parents.append(trace.get_current_span(parent_context).get_span_context())
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "sdk"])
+def test_a_processor_hears_of_each_span_at_its_start(lean):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    sdk_tracer = provider.get_tracer("pipeline")
+    tracer = Tracer(sdk_tracer) if lean else sdk_tracer  # type: ignore[arg-type]
+    with tracer.start_as_current_span("before"):
+        pass
+    stamp = _Stamp()
+    provider.add_span_processor(stamp)  # added after the tracer was made: it hears of the next span
+    with tracer.start_as_current_span("after", context=set_span_in_context(NonRecordingSpan(REMOTE))):
+        pass
+    finished = {span.name: span for span in exporter.get_finished_spans()}
+    assert "stamped" not in finished["before"].attributes
+    assert finished["after"].attributes["stamped"] == "after"
+    assert stamp.parents == [REMOTE]
