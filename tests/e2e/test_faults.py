@@ -140,17 +140,35 @@ async def test_replicas_killed_and_terminated_under_load_lose_nothing(replicated
     assert outcomes["OK"] > 0
 
 
+async def _preprocessed(stub) -> int:
+    """Images the router has had through the preprocess step so far."""
+    stats = await stub.ModelStatistics(pb.ModelStatisticsRequest(name="digits_preprocess"), timeout=10)
+    return sum(model.inference_count for model in stats.model_stats)
+
+
 async def test_sigterm_on_the_router_completes_the_requests_it_accepted(replicated: Pipeline):
-    # Big requests, so that they are still in flight when the signal comes.
     request = request_for("digits", IMAGE=images(64))
+    # The model replicas are paused, so that every accepted request is still in flight when the signal comes:
+    # each waits at the model step once it is through the preprocess step.
+    models = [p for n, p in replicated.stages.items() if n.startswith("model") and p.popen.poll() is None]
     async with inference_stub(replicated.router.address) as stub:
         await stub.ModelInfer(request, timeout=30)  # warm
-        calls = [asyncio.ensure_future(stub.ModelInfer(request, timeout=60)) for _ in range(CONCURRENCY)]
-        await asyncio.sleep(0.3)  # every call has reached the router (loopback, a few MB)
-        pending = sum(not c.done() for c in calls)
-        replicated.router.popen.send_signal(signal.SIGTERM)
+        before = await _preprocessed(stub)
+        for model in models:
+            model.popen.send_signal(signal.SIGSTOP)
+        try:
+            calls = [asyncio.ensure_future(stub.ModelInfer(request, timeout=60)) for _ in range(CONCURRENCY)]
+            deadline = time.monotonic() + 30
+            while await _preprocessed(stub) < before + CONCURRENCY * 64:
+                assert time.monotonic() < deadline, "the router did not take every request"
+                await asyncio.sleep(0.05)
+            pending = sum(not c.done() for c in calls)
+            replicated.router.popen.send_signal(signal.SIGTERM)
+        finally:
+            for model in models:
+                model.popen.send_signal(signal.SIGCONT)
         results = await asyncio.gather(*calls, return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
     assert not failures, failures[:3]
-    assert pending > 0, "every request had finished before the signal: nothing was tested"
+    assert pending == CONCURRENCY, "a request finished before the signal, with its model paused"
     assert await asyncio.to_thread(replicated.router.popen.wait, 30) == 0
