@@ -90,7 +90,10 @@ class Tracer(trace.Tracer):
     def __init__(self, sdk_tracer: SdkTracer) -> None:
         self.sampler = sdk_tracer.sampler
         self.resource = sdk_tracer.resource
-        self.processor = sdk_tracer.span_processor
+        #: The provider's multi-processor: it hands each span on to the processors added to the provider.
+        self.processor: SynchronousMultiSpanProcessor | ConcurrentMultiSpanProcessor = (
+            sdk_tracer.span_processor
+        )
         #: The processors to call at a span's start, and the provider's processors they were picked from (a
         #: processor added to the provider later is seen at the next span).
         self._starters: tuple[SpanProcessor, ...] = ()
@@ -150,12 +153,9 @@ class Tracer(trace.Tracer):
 
     def _starting(self) -> tuple[SpanProcessor, ...]:
         """The processors whose `on_start` may do something, of those the provider has now."""
-        processor = self.processor
-        if not isinstance(processor, SynchronousMultiSpanProcessor | ConcurrentMultiSpanProcessor):
-            return (processor,)
         # NOTE: the SDK's multi-processors keep their processors in an attribute without a public accessor; a
         # processor added to the provider replaces the tuple.
-        processors = processor._span_processors
+        processors = self.processor._span_processors
         if processors is not self._starters_of:
             self._starters = tuple(p for p in processors if type(p) not in _QUIET_AT_START)
             self._starters_of = processors

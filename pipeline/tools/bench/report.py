@@ -80,7 +80,7 @@ class LevelResult:
         request time subtracted: the client, the transport, and the server's RPC handling before and after
         the request), in microseconds; None where the server reported no time for `model`."""
         stats = (self.stages or {}).get(model)
-        served = None if stats is None else stats.get("request_us")
+        served = None if stats is None else stats["request_us"]
         if served is None or not self.latencies.size:
             return None
         client = float(self.latencies.mean() * 1e6)
@@ -235,7 +235,7 @@ def format_report(report: BenchReport) -> str:
             total = sum(v for v in compute if v is not None) if any(v is not None for v in compute) else None
             lines.append(
                 f"  {name:<28} {s['inference_count']:>9} {s['execution_count']:>8} "
-                f"{_fmt(s['mean_batch_size']):>6} {_fmt(s.get('request_us')):>10} {_fmt(s['queue_us']):>9} "
+                f"{_fmt(s['mean_batch_size']):>6} {_fmt(s['request_us']):>10} {_fmt(s['queue_us']):>9} "
                 f"{_fmt(total):>10} {_fmt(s['compute_infer_us']):>9} {_hit_share(s):>9}"
             )
         outside = r.outside_server_us(o.model)
