@@ -6,11 +6,11 @@ STAMP := $(VENV)/.installed
 EXAMPLES := model_repository
 MODEL_DIR ?= $(EXAMPLES)
 
-.PHONY: install run model test fuzz lint format protos k8s clean
+.PHONY: install run model test fuzz lint format protos k8s docs docs-reference clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
+	$(BIN)/python -m pip install --quiet -e ".[test,bench,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,13 +27,25 @@ endif
 model: $(STAMP)
 	$(BIN)/python -m examples.models.build --model-dir $(MODEL_DIR) --force
 
-## test: lint, type and architecture checks, then every test (unit, integration, end to end with real processes)
+## test: lint, type and architecture checks, the documentation site built strictly, then every test (unit,
+## integration, end to end with real processes; the docs' runnable examples among them)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m mypy
 	$(BIN)/lint-imports
+	$(MAKE) docs
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## docs: build the documentation site from docs/ into $(DOCS_SITE), strictly: a broken link or anchor, or a
+## page left out of mkdocs.yml's navigation, fails the build
+DOCS_SITE ?= site
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean --site-dir $(abspath $(DOCS_SITE))
+
+## docs-reference: regenerate docs/reference/ from the commands' argument parsers (a test fails when it is stale)
+docs-reference: $(STAMP)
+	$(BIN)/python -m pipeline.tools.docgen
 
 ## fuzz: every fuzz test at $(FUZZ_EXAMPLES) cases each: requests over gRPC and HTTP, ensemble files, model
 ## repositories and config.pbtxt files (`make test` runs a few hundred of each)
@@ -62,5 +74,5 @@ k8s: $(STAMP)
 	$(BIN)/python -m tests.deploy.test_k8s_manifests --write
 
 clean:
-	rm -rf $(VENV) $(MODEL_DIR)/.engines .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(MODEL_DIR)/.engines .pytest_cache .ruff_cache $(DOCS_SITE)
 	rm -f $(MODEL_DIR)/*/[0-9]*/model.pt $(MODEL_DIR)/*/[0-9]*/model.pt2 $(MODEL_DIR)/*/[0-9]*/model.onnx
