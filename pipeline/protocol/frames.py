@@ -121,6 +121,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         #: Why no more frames come (None while they may): `EOFError` where the peer ended at a frame's end.
         self.ended: Exception | None = None
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        #: Whether the peer may still read once it has ended its side (TLS closes both sides at once).
+        self._half_close = True
 
     def deliver_to(
         self, on_frame: Callable[[int, bytearray], None], on_end: Callable[[Exception], None]
@@ -180,6 +182,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         transport.set_write_buffer_limits(high=WRITE_AHEAD)
+        self._half_close = transport.get_extra_info("sslcontext") is None
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._payload is not None:
@@ -227,7 +230,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         inside = self._payload is not None or self._held
         self._end(ConnectionError("the connection ended inside a frame") if inside else EOFError())
-        return True  # the peer may still read: answers go out before the connection closes
+        return self._half_close  # the peer may still read: answers go out before the connection closes
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end(ConnectionError(f"the frame connection was lost: {exc}") if exc else EOFError())

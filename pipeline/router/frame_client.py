@@ -1,5 +1,6 @@
 """The router's connection to a stage's frame port (`pipeline.protocol.frames`): many `ModelInfer`
-requests in flight on one plain stream, matched with their responses by `id`.
+requests in flight on one stream, matched with their responses by `id`; over TLS where the router's channel
+to the stage has TLS (the same roots, client certificate and server name), never plaintext then.
 
 It behaves as `pipeline.router.stage_stream.StageStream` does, down to the errors: a failed request
 raises the `grpc.aio.AioRpcError` a unary call would have raised, with the same status details, and a
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Sequence
 
 import grpc
@@ -38,13 +40,26 @@ class FrameConnection(MatchedRequests):
 
     @classmethod
     async def open(
-        cls, host: str, port: int, auth: Sequence[tuple[str, str | bytes]], max_frame_bytes: int
+        cls,
+        host: str,
+        port: int,
+        auth: Sequence[tuple[str, str | bytes]],
+        max_frame_bytes: int,
+        *,
+        tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
     ) -> FrameConnection:
-        """Connect and say hello (with the router's token, where it has one); raises `OSError` (a
-        `ConnectionError` where the port refuses the hello) or `TimeoutError` where it cannot be used."""
+        """Connect (with `tls`, verifying that the stage's certificate names `server_name`, else `host`) and
+        say hello (with the router's token, where it has one); raises `OSError` (an `ssl.SSLError` where the
+        TLS handshake fails, a `ConnectionError` where the port refuses the hello) or `TimeoutError` where it
+        cannot be used."""
         loop = asyncio.get_running_loop()
+        name = (server_name or host) if tls is not None else None
         _, frames = await asyncio.wait_for(
-            loop.create_connection(lambda: FrameProtocol(max_frame_bytes), host, port), CONNECT_TIMEOUT_S
+            loop.create_connection(
+                lambda: FrameProtocol(max_frame_bytes), host, port, ssl=tls, server_hostname=name
+            ),
+            CONNECT_TIMEOUT_S,
         )
         hello = pb.ModelInferRequest(id="hello")
         for key, value in auth:

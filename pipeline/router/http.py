@@ -51,8 +51,9 @@ from pipeline.runtime import settings
 from pipeline.runtime.admission import REQUEST_COST, cost_of
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
+    AccessPolicy,
     Scope,
-    TokenAuthenticator,
+    certificate_names,
     server_ssl_context_of,
 )
 from pipeline.runtime.server import write_port
@@ -108,17 +109,19 @@ class RestFrontDoor:
         self,
         servicer: InferenceServicer,
         *,
-        authenticator: TokenAuthenticator | None = None,
+        policy: AccessPolicy | None = None,
         max_body_bytes: int = 64 * 1024 * 1024,
         max_json_output_bytes: int = 64 * 1024 * 1024,
         codec: CodecPool | None = None,
     ) -> None:
         """`max_body_bytes`: the largest request body, decompressed, and the most its inputs may hold;
         `max_json_output_bytes`: the largest JSON a response's outputs may take (0: no limit; binary data
-        has none); `codec`: where large bodies and responses are decoded and encoded."""
+        has none); `codec`: where large bodies and responses are decoded and encoded; `policy`: who may
+        call what, as on the gRPC side (bearer tokens, and client certificates where the server requires
+        them)."""
         self.servicer = servicer
         self.plane = servicer.plane
-        self.authenticator = authenticator
+        self.policy = policy or AccessPolicy()
         self.max_body_bytes = max_body_bytes
         self.max_json_output_bytes = max_json_output_bytes
         self.codec = codec or CodecPool()
@@ -182,21 +185,30 @@ class RestFrontDoor:
     async def _auth(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        """Bearer tokens as on the gRPC side: health stays open, repository changes need the admin scope."""
+        """Credentials as on the gRPC side (a bearer token, or the connection's client certificate): health
+        stays open, repository changes need the admin scope."""
+        policy = self.policy
         if (
-            self.authenticator is None
+            not policy.enabled
             or request.path in OPEN_PATHS
             or request.match_info.http_exception is not None  # no such endpoint: 404 or 405 as it is
         ):
             return await handler(request)
         header = request.headers.get("Authorization")
-        scope = self.authenticator.scope_of((("authorization", header),) if header is not None else ())
+        metadata = (("authorization", header),) if header is not None else ()
+        transport = request.transport
+        names = certificate_names(transport.get_extra_info("peercert")) if transport is not None else ()
+        scope = policy.scope(metadata, names)
         if scope is None:
             response = error_response(401, UNAUTHENTICATED_MESSAGE)
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         if request.match_info.route.name in _ADMIN_ROUTES and scope < Scope.ADMIN:
-            return error_response(403, "changing the model repository needs an admin token")
+            return error_response(
+                403,
+                "changing the model repository needs an admin token (or a client certificate listed in "
+                "--tls-admin-identities)",
+            )
         return await handler(request)
 
     # --- endpoints -------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from pipeline.runtime.security import (
     SecurityConfigError,
     access_policy_of,
     add_client_tls_arguments,
-    channel_credentials,
+    client_tls,
     interceptors_of,
     server_credentials_of,
     stage_token_of,
@@ -176,7 +176,7 @@ def router_plane(
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         telemetry=telemetry,
         metrics=metrics,
-        stage_credentials=channel_credentials(
+        stage_tls=client_tls(
             getattr(args, "stage_tls_ca", None),
             getattr(args, "stage_tls_cert", None),
             getattr(args, "stage_tls_key", None),
@@ -210,7 +210,7 @@ def _front_door(servicer: InferenceServicer, args: argparse.Namespace, policy: A
     """The HTTP/REST endpoints over the gRPC servicer, with its tokens and limits."""
     return RestFrontDoor(
         servicer,
-        authenticator=policy.tokens,
+        policy=policy,
         max_body_bytes=args.max_message_mb * 1024 * 1024,
         max_json_output_bytes=getattr(args, "max_json_output_mb", settings.MAX_JSON_OUTPUT_MB.default) << 20,
         codec=CodecPool(getattr(args, "http_codec_processes", settings.HTTP_CODEC_PROCESSES.default)),

@@ -18,8 +18,6 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
-import grpc
-
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.ensemble.pbtxt import ensemble_config
@@ -38,6 +36,7 @@ from pipeline.router.streaming import EnsembleStreams
 from pipeline.router.targets import Resolve
 from pipeline.router.workers import WorkerPeers, merge_statistics
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.security import ClientTls
 from pipeline.runtime.servicer import CallContext, DataPlane
 from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import Telemetry
@@ -55,7 +54,7 @@ class RouterPlane(DataPlane):
         max_message_bytes: int = 64 * 1024 * 1024,
         telemetry: Telemetry | None = None,
         metrics: Metrics | None = None,
-        stage_credentials: grpc.ChannelCredentials | None = None,
+        stage_tls: ClientTls | None = None,
         stage_token: str | None = None,
         max_inflight_requests: int = 0,
         max_batch_items: int = 0,
@@ -64,7 +63,7 @@ class RouterPlane(DataPlane):
         resolve: Resolve | None = None,
         strict_readiness: bool = True,
     ) -> None:
-        """`stage_credentials`: TLS for the stage calls; `stage_token`: the bearer token they carry (for
+        """`stage_tls`: TLS for the stage calls (gRPC and frames); `stage_token`: the bearer token they carry (for
         stages that ask for one). `max_inflight_requests`: inference requests the
         router holds at once (more are refused UNAVAILABLE at once, so memory stays bounded under overload;
         0: no limit). `max_batch_items`: items (dimension 0) one request may carry (0: no limit).
@@ -84,7 +83,7 @@ class RouterPlane(DataPlane):
                 endpoint,
                 max_message_bytes=max_message_bytes,
                 metrics=metrics,
-                credentials=stage_credentials,
+                tls=stage_tls,
                 resolve_interval=resolve_interval,
                 resolve=resolve,
                 token=stage_token,

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable, Sequence
 
@@ -28,6 +29,7 @@ from pipeline.router.retry import StageRetry
 from pipeline.router.stage_stream import StageStream
 from pipeline.router.targets import Resolve, Target, resolve_dns, tls_name
 from pipeline.runtime import settings
+from pipeline.runtime.security import ClientTls
 from pipeline.runtime.server import keepalive_options, server_options
 
 log = logging.getLogger(__name__)
@@ -46,9 +48,18 @@ class Replica:
     #: A latency learnt this long ago counts half: a replica that was slow gets calls again to show it.
     HALF_LIFE_S = 5.0
 
-    def __init__(self, address: str, channel: grpc.aio.Channel) -> None:
+    def __init__(
+        self,
+        address: str,
+        channel: grpc.aio.Channel,
+        *,
+        tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
+    ) -> None:
+        """`tls` and `server_name`: the TLS of its frame connection, that of its channel (None: plaintext)."""
         self.address = address
         self.channel = channel
+        self.tls, self.server_name = tls, server_name
         self.stub = pb_grpc.GRPCInferenceServiceStub(channel)
         self.health_stub = health_pb2_grpc.HealthStub(channel)
         self.state = UNKNOWN
@@ -102,7 +113,9 @@ class Replica:
                 self.takes_frames = False if extensions is not None else None
                 return None
             try:
-                self._frames = await FrameConnection.open(host, port, auth, max_frame_bytes)
+                self._frames = await FrameConnection.open(
+                    host, port, auth, max_frame_bytes, tls=self.tls, server_name=self.server_name
+                )
             except (OSError, TimeoutError) as err:
                 self.takes_frames = False
                 log.info("replica %s: calls over gRPC (its frame port %d: %s)", self.address, port, err)
@@ -157,9 +170,11 @@ class Replica:
 
 
 def _host_of(address: str) -> str | None:
-    """The host of a replica's `ip:port` or `[ip6]:port` address; None for a Unix socket."""
+    """The host of a replica's `ip:port` or `[ip6]:port` address, with or without its `ipv4:`/`ipv6:` scheme
+    (a fixed target's replicas keep it); None for a Unix socket."""
     if address.startswith(("unix:", "unix-abstract:")):
         return None
+    address = address.removeprefix("ipv4:").removeprefix("ipv6:")
     if address.startswith("["):
         return address[1:].partition("]")[0]
     return address.rpartition(":")[0] or None
@@ -180,12 +195,13 @@ class Replicas:
         max_message_bytes: int,
         retry: StageRetry,
         auth: Sequence[tuple[str, str]] = (),
-        credentials: grpc.ChannelCredentials | None = None,
+        tls: ClientTls | None = None,
         resolve: Resolve | None = None,
         resolve_interval: float | None = None,
     ) -> None:
         """`stage` names the stage in logs; `retry` paces the health watches' reconnections; `auth`: the
-        metadata of the protocol's readiness calls (for a stage without a health service)."""
+        metadata of the protocol's readiness calls (for a stage without a health service); `tls`: the TLS of
+        the replicas' channels and frame connections, which verify the name `tls_name` gives."""
         self.stage = stage
         self.retry = retry
         self.target = Target.parse(address)
@@ -193,7 +209,9 @@ class Replicas:
         self.resolve_interval = (
             settings.RESOLVE_INTERVAL_S.get() if resolve_interval is None else resolve_interval
         )
-        self._credentials = credentials
+        self._tls = tls
+        #: The name the stage's certificate must carry, on every connection to it.
+        self._server_name = tls_name(address) if tls is not None else None
         self._auth = tuple(auth)
         self._options: list[tuple[str, str | int]] = [
             *server_options(max_message_bytes),
@@ -204,8 +222,8 @@ class Replicas:
             # Its own connection per replica, even where another client dials the same address.
             ("grpc.use_local_subchannel_pool", 1),
         ]
-        if credentials is not None and (name := tls_name(address)) is not None:
-            self._options.append(("grpc.ssl_target_name_override", name))
+        if self._server_name is not None:
+            self._options.append(("grpc.ssl_target_name_override", self._server_name))
         #: Replica address -> its replica.
         self.by_address: dict[str, Replica] = {}
         self._watching = False
@@ -228,11 +246,12 @@ class Replicas:
             if self.target.fixed
             else (f"ipv6:{address}" if address.startswith("[") else f"ipv4:{address}")
         )
-        if self._credentials is None:
+        if self._tls is None:
             channel = grpc.aio.insecure_channel(target, options=self._options)
+            replica = Replica(address, channel)
         else:
-            channel = grpc.aio.secure_channel(target, self._credentials, options=self._options)
-        replica = Replica(address, channel)
+            channel = grpc.aio.secure_channel(target, self._tls.credentials, options=self._options)
+            replica = Replica(address, channel, tls=self._tls.ssl_context, server_name=self._server_name)
         known = [r.latency for r in self.by_address.values() if r.sampled]
         if known:  # a newcomer is assumed as fast as the fastest, so it gets calls at once, not all of them
             replica.latency, replica.sampled = min(known), time.monotonic()

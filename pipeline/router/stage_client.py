@@ -38,7 +38,7 @@ from pipeline.router.retry import RetryBudget, StageRetry
 from pipeline.router.stage_stream import StreamBroken
 from pipeline.router.targets import Resolve
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.security import bearer_metadata
+from pipeline.runtime.security import ClientTls, bearer_metadata
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +89,15 @@ class StageClient:
         *,
         max_message_bytes: int,
         metrics: Metrics | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
+        tls: ClientTls | None = None,
         retry: StageRetry | None = None,
         budget: RetryBudget | None = None,
         resolve: Resolve | None = None,
         resolve_interval: float | None = None,
         token: str | None = None,
     ) -> None:
-        """`token`: the router's own bearer token for stages that ask for one (sent with every call)."""
+        """`tls`: the TLS of its calls, gRPC and frames alike; `token`: the router's own bearer token for
+        stages that ask for one (sent with every call)."""
         self.endpoint = endpoint
         self.metrics = metrics
         self.retry = retry or StageRetry()
@@ -110,7 +111,7 @@ class StageClient:
             max_message_bytes=max_message_bytes,
             retry=self.retry,
             auth=self._auth,
-            credentials=credentials,
+            tls=tls,
             resolve=resolve,
             resolve_interval=resolve_interval,
         )

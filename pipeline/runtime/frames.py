@@ -3,14 +3,20 @@
 Each request goes through the servicer's own inference path (`InferenceServicer.infer`: its span, metrics
 and statistics), as a `ModelStreamInfer` request would. A connection holds at most `INFLIGHT` requests at
 once, answered or not, and its bytes count in the server's budget of bytes in flight
-(`pipeline.runtime.admission`): a caller that stops reading its responses is not read from either. A connection's first frame is a `HELLO`, which the server answers: with an error where it asks for
-bearer tokens and the hello carries none that may infer (then it closes the connection). Servers that require client certificates (mutual TLS) offer no frame port: their callers use gRPC.
+(`pipeline.runtime.admission`): a caller that stops reading its responses is not read from either.
+
+A server with TLS takes frames with the same TLS as gRPC (`tls`: its certificate, and with `--tls-ca` client
+certificates required and verified), never in plaintext. A connection's first frame is a `HELLO`, which the
+server answers: with an error where its access policy asks for credentials and neither the hello's bearer
+token nor the connection's client certificate may infer (then it closes the connection), as gRPC refuses a
+call (`AccessPolicy.scope`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable, Coroutine
 
 import grpc
@@ -27,7 +33,7 @@ from pipeline.protocol.frames import (
     stream_response,
 )
 from pipeline.protocol.streams import error_response, hop_context
-from pipeline.runtime.security import AccessPolicy, Scope
+from pipeline.runtime.security import UNAUTHENTICATED_MESSAGE, AccessPolicy, certificate_names
 from pipeline.runtime.servicer import CallContext, InferenceServicer, internal_error, rpc_status_of
 
 log = logging.getLogger(__name__)
@@ -37,12 +43,21 @@ INFLIGHT = 64
 
 
 class FrameServer:
-    """Takes frames on a port and answers them through `servicer`'s inference path."""
+    """Takes frames on a port and answers them through `servicer`'s inference path; with `tls` (the server's
+    TLS, `server_ssl_context`), over TLS only."""
 
-    def __init__(self, servicer: InferenceServicer, *, max_frame_bytes: int, policy: AccessPolicy) -> None:
+    def __init__(
+        self,
+        servicer: InferenceServicer,
+        *,
+        max_frame_bytes: int,
+        policy: AccessPolicy,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.servicer = servicer
         self.max_frame_bytes = max_frame_bytes
         self.policy = policy
+        self.tls = tls
         self._server: asyncio.AbstractServer | None = None
         self._connections: dict[asyncio.Task[None], FrameProtocol] = {}
         #: The requests being answered, on every connection.
@@ -53,7 +68,7 @@ class FrameServer:
     async def start(self, host: str, port: int) -> int:
         """Listen on `host:port` (0: a port the OS picks); returns the port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._connection, host, port)
+        self._server = await loop.create_server(self._connection, host, port, ssl=self.tls)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -95,10 +110,10 @@ class FrameServer:
         metadata: tuple[tuple[str, str | bytes], ...] = ()
         if AUTHORIZATION in hello.parameters:
             metadata = ((AUTHORIZATION, hello.parameters[AUTHORIZATION].string_param),)
-        if self.policy.enabled and (self.policy.token_scope(metadata) or 0) < Scope.INFER:
-            refusal = error_response(
-                hello, grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required", None
-            )
+        assert frames.transport is not None
+        names = certificate_names(frames.transport.get_extra_info("peercert"))
+        if self.policy.enabled and self.policy.scope(metadata, names) is None:
+            refusal = error_response(hello, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, None)
             frames.write(RESPONSE, refusal.SerializeToString())
             return
         welcome = pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(id=hello.id))

@@ -1,9 +1,10 @@
 """TLS on every hop and optional per-request authentication.
 
-TLS: every server takes `--tls-cert`/`--tls-key` (PEM files; the server then listens with TLS only) and
-`--tls-ca` (clients must then present a certificate signed by it: mutual TLS). The router's calls of its
-stages use `--stage-tls-ca`/`--stage-tls-cert`/`--stage-tls-key` (env `PIPELINE_STAGE_TLS_*`), and
-clients (`InferenceClient`, `pipeline infer`) take the same three files.
+TLS: every server takes `--tls-cert`/`--tls-key` (PEM files; the server then listens with TLS only, on
+every port that takes inference: gRPC, HTTP/REST and a stage's frame port) and `--tls-ca` (clients must then
+present a certificate signed by it: mutual TLS). The router's calls of its stages use
+`--stage-tls-ca`/`--stage-tls-cert`/`--stage-tls-key` (env `PIPELINE_STAGE_TLS_*`), on gRPC and frames
+alike (`ClientTls`), and clients (`InferenceClient`, `pipeline infer`) take the same three files.
 
 Authentication (every server, router and stages alike): bearer tokens, `authorization: Bearer <token>` in
 the call's metadata, checked per request against a set of tokens (file or environment) in constant time,
@@ -26,6 +27,7 @@ import argparse
 import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import ssl
@@ -93,23 +95,52 @@ def server_credentials(
     )
 
 
-def channel_credentials(
+@dataclasses.dataclass(frozen=True)
+class ClientTls:
+    """A client's TLS, made once from its PEM files: the same roots and client certificate for a gRPC channel
+    and for an asyncio stream (a stage's frame port), so that both verify a server alike."""
+
+    credentials: grpc.ChannelCredentials
+    #: For `loop.create_connection(..., ssl=ssl_context, server_hostname=...)`.
+    ssl_context: ssl.SSLContext
+
+
+def client_tls(
     ca: str | os.PathLike[str] | None,
     cert: str | os.PathLike[str] | None = None,
     key: str | os.PathLike[str] | None = None,
-) -> grpc.ChannelCredentials | None:
-    """TLS channel credentials from PEM files (the CA to trust; a client certificate for mutual TLS), or
-    None (plaintext) when none is given."""
+) -> ClientTls | None:
+    """A client's TLS from PEM files (the CA to trust; a client certificate for mutual TLS), or None
+    (plaintext) when none is given."""
     ca_pem = _read(ca, "TLS CA")
     cert_pem, key_pem = _read(cert, "TLS certificate"), _read(key, "TLS key")
     if ca_pem is None and cert_pem is None and key_pem is None:
         return None
     if (cert_pem is None) != (key_pem is None):
         raise SecurityConfigError("a client certificate needs both its certificate and its key")
-    # NOTE: without a CA the system's trust store is used (a server with a public certificate).
-    return grpc.ssl_channel_credentials(
+    # NOTE: without a CA the system's trust store is used (a server with a public certificate), on both.
+    credentials = grpc.ssl_channel_credentials(
         root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
     )
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    try:
+        if ca_pem is not None:
+            context.load_verify_locations(cadata=ca_pem.decode("ascii"))
+        if cert_pem is not None:
+            context.load_cert_chain(str(cert), str(key))
+    except (OSError, ssl.SSLError, UnicodeDecodeError, ValueError) as err:
+        raise SecurityConfigError(f"cannot use the TLS files {ca}, {cert}, {key}: {err}") from None
+    return ClientTls(credentials, context)
+
+
+def channel_credentials(
+    ca: str | os.PathLike[str] | None,
+    cert: str | os.PathLike[str] | None = None,
+    key: str | os.PathLike[str] | None = None,
+) -> grpc.ChannelCredentials | None:
+    """The gRPC channel credentials of `client_tls`, or None (plaintext) when no file is given."""
+    tls = client_tls(ca, cert, key)
+    return None if tls is None else tls.credentials
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
@@ -349,20 +380,50 @@ class AccessPolicy:
 
     def certificate_scope(self, auth_context: Mapping[str, Iterable[bytes]]) -> Scope | None:
         """The scope of the call's client certificate, from gRPC's auth context (None: none, or no scope)."""
-        if not self.client_certificates:
-            return None
         names = {
             value.decode("utf-8", "replace")
             for key in ("x509_common_name", "x509_subject_alternative_name")
             for value in auth_context.get(key, ())
         }
-        if not names:
-            return None  # no verified certificate on this connection
+        return self.identity_scope(names)
+
+    def identity_scope(self, names: Iterable[str]) -> Scope | None:
+        """The scope of a verified client certificate whose identities are `names` (its subject CN and
+        subject alternative names); None where it has none, no certificate was verified, or none is asked
+        for."""
+        names = set(names)
+        if not self.client_certificates or not names:
+            return None
         if names & self.admin_identities:
             return Scope.ADMIN
         if self.identities and not names & self.identities:
             return None
         return Scope.INFER
+
+    def scope(
+        self, metadata: Sequence[tuple[str, str | bytes]] | None, names: Iterable[str] = ()
+    ) -> Scope | None:
+        """A caller's scope: the higher of its bearer token's and its client certificate's (`names`, as
+        `identity_scope` takes them); None where neither has one."""
+        return highest(self.token_scope(metadata), self.identity_scope(names))
+
+
+def highest(*scopes: Scope | None) -> Scope | None:
+    """The highest of the scopes given (None where all are None)."""
+    return max((scope for scope in scopes if scope is not None), default=None)
+
+
+def certificate_names(certificate: Mapping[str, Any] | None) -> frozenset[str]:
+    """The identities of a verified peer certificate as Python's `ssl` gives it (`SSLObject.getpeercert()`,
+    an asyncio transport's `peercert`): its subject CN and subject alternative names, the names gRPC's auth
+    context lists (`x509_common_name`, `x509_subject_alternative_name`), IP addresses written as gRPC writes
+    them. Empty where there is no certificate."""
+    if not certificate:
+        return frozenset()
+    names = {value for rdn in certificate.get("subject", ()) for key, value in rdn if key == "commonName"}
+    for kind, value in certificate.get("subjectAltName", ()):
+        names.add(str(ipaddress.ip_address(value.strip())) if kind == "IP Address" else value)
+    return frozenset(names)
 
 
 def access_policy_of(
@@ -503,9 +564,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
         # NOTE: the certificate is known only to the call's own context, not to the interceptor.
         def check(context: grpc.aio.ServicerContext) -> tuple[grpc.StatusCode, str] | None:
-            certificate = policy.certificate_scope(context.auth_context())
-            scopes = [scope for scope in (token, certificate) if scope is not None]
-            return _refusal(method, max(scopes) if scopes else None)
+            return _refusal(method, highest(token, policy.certificate_scope(context.auth_context())))
 
         return _checked(handler, check)
 

@@ -25,6 +25,7 @@ from pipeline.runtime.security import (
     access_policy_of,
     interceptors_of,
     server_credentials_of,
+    server_ssl_context_of,
 )
 from pipeline.runtime.server import (
     create_server,
@@ -167,14 +168,16 @@ async def serve_stages(
 def _frame_server(
     servicer: InferenceServicer, args: argparse.Namespace, policy: AccessPolicy
 ) -> FrameServer | None:
-    """The service's frame port (`pipeline.runtime.frames`), unless `--frames-port off` or the service
-    requires client certificates (its callers then use gRPC alone)."""
+    """The service's frame port (`pipeline.runtime.frames`), unless `--frames-port off`: with the TLS of the
+    service's gRPC port where it has TLS (the same flags), client certificates and all."""
     if getattr(args, "frames_port", None) is None:
         return None
-    if policy.client_certificates:
-        log.info("no frame port: this service requires client certificates, which gRPC checks")
-        return None
-    return FrameServer(servicer, max_frame_bytes=args.max_message_mb * 1024 * 1024, policy=policy)
+    return FrameServer(
+        servicer,
+        max_frame_bytes=args.max_message_mb * 1024 * 1024,
+        policy=policy,
+        tls=server_ssl_context_of(args),
+    )
 
 
 def run_stage_service(
