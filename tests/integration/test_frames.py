@@ -156,7 +156,9 @@ async def test_a_frame_port_refuses_a_connection_without_a_token_where_the_stage
             port = port_of(tuple(meta.extensions))
             assert port is not None
             for wrong in ((), (("authorization", "Bearer guess"),)):
-                with pytest.raises(ConnectionError, match="refused its hello: missing or invalid credentials"):
+                with pytest.raises(
+                    ConnectionError, match="refused its hello: missing or invalid credentials"
+                ):
                     await FrameConnection.open("127.0.0.1", port, wrong, 1 << 26)
             frames = await Replica(stage.address, channel).frames(token, 1 << 26)
             assert frames is not None
