@@ -25,6 +25,7 @@ import grpc
 from google.rpc import status_pb2
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.protocol.call_chain import CALL_CHAIN_HEADER
 
 #: `ServerMetadata.extensions`: a failed streamed request's response carries its status (`STATUS_PARAMETER`).
 STREAM_STATUS_EXTENSION = "pipeline_stream_status"
@@ -32,8 +33,9 @@ STREAM_STATUS_EXTENSION = "pipeline_stream_status"
 STATUS_PARAMETER = "pipeline.status"
 #: Request parameter: microseconds the caller still waits for the request (a unary call's deadline).
 TIMEOUT_PARAMETER = "pipeline.timeout_us"
-#: Request parameters carrying the caller's W3C trace context (a unary call's `traceparent` metadata).
-TRACE_PARAMETERS = ("traceparent", "tracestate")
+#: Request parameters carrying the caller's W3C trace context (a unary call's `traceparent` metadata), and
+#: the chain of model calls it belongs to (`pipeline.protocol.call_chain`), which travels the same way.
+TRACE_PARAMETERS = ("traceparent", "tracestate", CALL_CHAIN_HEADER)
 #: Response parameter of a decoupled model's responses: true on a request's last one (Triton's).
 FINAL_PARAMETER = "triton_final_response"
 #: Request parameter: send the final flag as an empty response where the model sends it alone (Triton's).

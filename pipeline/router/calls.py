@@ -22,6 +22,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import EnsemblePlan, PlanStep
+from pipeline.protocol.call_chain import CALL_CHAIN_HEADER, CallChain
 from pipeline.protocol.codec import (
     Tensor,
     infer_response,
@@ -176,7 +177,9 @@ class StageCalls:
         )
         wanted = requested_outputs(request, signature.outputs, name)
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
-        stage_call = StageCall(inputs, tuple(wanted), request.model_version, deadline)
+        stage_call = StageCall(
+            inputs, tuple(wanted), request.model_version, deadline, CallChain.of(call.metadata)
+        )
         outputs = await self.submit(
             name, stage_call, deadline, request.parameters, self.telemetry.current_span()
         )
@@ -237,6 +240,9 @@ class StageCalls:
             if span is not None:
                 span.set_attributes({STAGE: client.endpoint.name, PEER: client.endpoint.address})
             metadata = self.telemetry.inject(())
+        chain = CallChain.merged(call.chain for call in calls)
+        if chain is not None:
+            metadata = (*metadata, (CALL_CHAIN_HEADER, chain.header()))
         # The batch's deadline is its last member's: the stage works on while anyone still waits for it.
         deadlines = [call.deadline for call in calls if call.deadline is not None]
         timeout = None

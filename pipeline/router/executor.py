@@ -20,6 +20,7 @@ import grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import EnsemblePlan, PlanStep
 from pipeline.ensemble.signatures import check_signatures
+from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.codec import (
     Tensor,
     infer_response,
@@ -227,6 +228,7 @@ class Executor:
                 tuple(stage_tensor for stage_tensor, _ in step.outputs),
                 step.model_version,
                 deadline,
+                CallChain.of(metadata),
             )
             expected = awaited.pop(step.index, None) is not None
             try:

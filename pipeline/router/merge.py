@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.ensemble.plan import ModelSignature
+from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.codec import Tensor
 from pipeline.protocol.datatypes import DATATYPES, array_to_raw
 
@@ -30,6 +31,9 @@ class StageCall:
     #: When the request gives up (`time.monotonic()`), None for never: a batch's stage call gets the latest
     #: of its members' deadlines, so that no stage works on for a batch every member has given up on.
     deadline: float | None = None
+    #: The chain of model calls the request belongs to, when a model made it (Triton's BLS): a batch's
+    #: stage call carries its members' chains merged.
+    chain: CallChain | None = None
     #: Dimension 0: how many items the request carries (read from its inputs).
     size: int = field(init=False)
 

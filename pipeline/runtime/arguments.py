@@ -78,6 +78,20 @@ def add_server_arguments(
             "messages on a plain stream; gRPC serves everything else), 0 for one the OS picks, 'off' for "
             f"none (env {frames.variable}; default %(default)s)",
         )
+        parser.add_argument(
+            "--router",
+            default=settings.ROUTER.get(),
+            metavar="HOST:PORT",
+            help="the router, where the calls that models make to other models go (Triton's BLS: "
+            "InferenceRequest.exec); without it such calls are answered with an error (env PIPELINE_ROUTER)",
+        )
+        parser.add_argument(
+            "--router-port-file",
+            type=Path,
+            default=None,
+            help="read the router's port from this file (its --port-file) at the first call a model makes, "
+            "for a router started after this service on a port the OS picks",
+        )
     parser.add_argument(
         "--max-message-mb",
         type=positive_int,

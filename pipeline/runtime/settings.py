@@ -126,6 +126,10 @@ MAX_CONNECTION_AGE_S = Setting("PIPELINE_MAX_CONNECTION_AGE_S", 30.0, float)
 MODEL_DIR = Setting("PIPELINE_MODEL_DIR", Path("model_repository"), Path)
 ENSEMBLES = Setting("PIPELINE_ENSEMBLES", Path("ensembles"), Path)
 
+# The stage services.
+#: Where the models' calls to other models go (Triton's BLS): the router's host:port.
+ROUTER: Setting[str | None] = Setting("PIPELINE_ROUTER", None, _optional)
+
 # Security (pipeline.runtime.security).
 TLS_CERT: Setting[str | None] = Setting("PIPELINE_TLS_CERT", None, _optional)
 TLS_KEY: Setting[str | None] = Setting("PIPELINE_TLS_KEY", None, _optional)

@@ -34,6 +34,7 @@ import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.codec import (
     metadata_response,
     request_tensors,
@@ -48,6 +49,7 @@ from pipeline.protocol.errors import (
     PipelineError,
     RepositoryError,
     RepositoryNotFound,
+    ResourceExhausted,
     Unavailable,
     Unimplemented,
 )
@@ -59,6 +61,7 @@ from pipeline.runtime.servicer import CallContext, DataPlane
 from pipeline.runtime.telemetry import BATCH_SIZE, Telemetry
 from pipeline.stage.api import Deadline, Stage
 from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
+from pipeline.stage.bls import CallScope, RouterCalls
 from pipeline.stage.control import ModelControl, config_override
 from pipeline.stage.decoupled import count_stream, stream_replies
 from pipeline.stage.encode import stage_response
@@ -82,11 +85,13 @@ class StagePlane(DataPlane):
         telemetry: Telemetry | None = None,
         metrics: Metrics | None = None,
         control: ModelControl | None = None,
+        router: RouterCalls | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`models` limits the repository models served to those named (Triton's `--load-model`); `control`
         says whether `RepositoryModelLoad`/`Unload` may run (by default they are refused) and caps the
-        instances of every repository model. `clock` times the calls' deadlines (a test may give its own)."""
+        instances of every repository model. `router` is where the models' calls to other models go
+        (`pipeline.stage.bls`). `clock` times the calls' deadlines (a test may give its own)."""
         names = [stage.name for stage in stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage model names must be unique, got {names}")
@@ -94,6 +99,7 @@ class StagePlane(DataPlane):
         self.backends = {name: backend for backend in backends for name in backend.names}
         self._only = set(models) if models is not None else None
         self.control = control or ModelControl()
+        self.router = router
         self.clock = clock
         self._stages = list(stages)
         self._models: dict[str, ServedModel] = {name: ServedModel(name, fixed=True) for name in names}
@@ -383,7 +389,8 @@ class StagePlane(DataPlane):
                 span = telemetry.current_span()
                 if span is not None:
                     span.set_attribute(BATCH_SIZE, items)
-            result, queue_ns, compute_ns, wall = await self._execute(served, arrays, deadline)
+            chain = CallChain.of(call.metadata) if call.metadata else None
+            result, queue_ns, compute_ns, wall = await self._execute(served, arrays, deadline, chain)
             if telemetry.enabled:
                 # NOTE: the request's span has the model and the batch size; decoding and encoding are
                 # the time before and after this span (each span costs every traced request its export).
@@ -410,12 +417,18 @@ class StagePlane(DataPlane):
         return response
 
     async def _execute(
-        self, served: ServedVersion, arrays: dict[str, np.ndarray], deadline: Deadline
+        self,
+        served: ServedVersion,
+        arrays: dict[str, np.ndarray],
+        deadline: Deadline,
+        chain: CallChain | None = None,
     ) -> tuple[dict[str, np.ndarray], int, int, tuple[int, int]]:
         """Run on an idle instance of the version: the result, the wait and run times (ns), and the run's
         wall-clock start and end (for its span). A call whose deadline passes while it waits for an instance
         is answered DEADLINE_EXCEEDED and never run; one whose caller goes away while it runs has its
-        deadline marked, so that a stage checking `expired()` stops early."""
+        deadline marked, so that a stage checking `expired()` stops early, and the calls its model made to
+        other models cancelled. `chain`: the chain of model calls the request belongs to, if a model made
+        it; it is refused at once when every instance is busy waiting on it (`_check_waits`)."""
         if served.retired:
             # Replaced between lookup and execution: use what serves that version now, if anything does.
             served = self._get(served.name, served.version)
@@ -427,13 +440,19 @@ class StagePlane(DataPlane):
         model.pending += 1
         submitted = time.perf_counter_ns()
         try:
+            if chain is not None and served.pool.idle.empty():
+                _check_waits(served, chain)
             slot = await served.pool.idle.get()
+            scope = None
             try:
                 if deadline.expired():
                     raise DeadlineExceeded(NOT_STARTED_MESSAGE)
-                result, begun, ended, wall_start, wall_end = await slot.execute(arrays, deadline)
+                scope = CallScope(self.router, deadline, chain, slot.key, self.telemetry.enabled)
+                result, begun, ended, wall_start, wall_end = await slot.execute(arrays, deadline, scope)
             except asyncio.CancelledError:
                 deadline.cancelled = True
+                if scope is not None:
+                    scope.cancel()
                 raise
             finally:
                 served.pool.idle.put_nowait(slot)
@@ -467,6 +486,18 @@ class StagePlane(DataPlane):
             served = self._get(model, version)
             reply.model_stats.append(self._models[model].stats.proto(model, served.version))
         return reply
+
+
+def _check_waits(served: ServedVersion, chain: CallChain) -> None:
+    """Refuse a call made by a model when every instance of its version is busy and waits for it: none
+    could ever run it (Triton's Python backend waits forever there)."""
+    slots = served.pool.slots
+    if all(slot.busy and slot.key in chain.waiting for slot in slots):
+        raise ResourceExhausted(
+            f"model '{served.name}': every instance ({len(slots)}) is waiting for this call, which a model "
+            f"made while running on it, so no instance could ever run it; give the model more instances "
+            "(instance_group count) or call it on another model"
+        )
 
 
 async def _stream(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 from pipeline.protocol.errors import DeadlineExceeded
 from pipeline.stage.api import NO_DEADLINE, Deadline
 from pipeline.stage.backend import Instance, ResponseSink
+from pipeline.stage.bls import CallScope
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class Slot:
 
     def __init__(self, instance: Instance, label: str, *, alone: bool = False) -> None:
         self.instance = instance
+        #: Names the instance in the chains of the calls its model makes (`pipeline.protocol.call_chain`).
+        self.key = uuid.uuid4().hex[:16]
         self.executor = None if instance.inline else ThreadPoolExecutor(1, thread_name_prefix=label)
         #: Whether brief batches run on the event loop (see `BRIEF_S`); the first batch always goes to the
         #: thread, and is timed.
@@ -49,41 +53,59 @@ class Slot:
         self.started = 0
         self.finished = 0
 
+    @property
+    def busy(self) -> bool:
+        """Whether the instance is running a batch."""
+        return self.started != self.finished
+
     def run(
-        self, arrays: dict[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+        self, arrays: dict[str, np.ndarray], deadline: Deadline = NO_DEADLINE, scope: CallScope | None = None
     ) -> tuple[dict[str, np.ndarray], int, int, int, int]:
         """Run one batch and time it: the result, its perf-counter start and end, and its wall-clock ones.
-        A batch whose deadline has passed by the time the instance's thread takes it up is not started."""
+        A batch whose deadline has passed by the time the instance's thread takes it up is not started.
+        `scope`: where the calls its model makes go (`pipeline.stage.bls`)."""
         if deadline.expired():
             raise DeadlineExceeded(NOT_STARTED_MESSAGE)
         self.started += 1
+        entered = None if scope is None else scope.enter()
         wall_start, begun = time.time_ns(), time.perf_counter_ns()
         try:
             result = self.instance.run(arrays, deadline)
         finally:
             self.finished += 1
+            if entered is not None:
+                CallScope.leave(entered)
         return result, begun, time.perf_counter_ns(), wall_start, time.time_ns()
 
-    def run_decoupled(self, arrays: dict[str, np.ndarray], deadline: Deadline, sink: ResponseSink) -> None:
+    def run_decoupled(
+        self,
+        arrays: dict[str, np.ndarray],
+        deadline: Deadline,
+        sink: ResponseSink,
+        scope: CallScope | None = None,
+    ) -> None:
         """Run one request of a decoupled instance (its responses go to `sink`), counted as `run` counts."""
         if deadline.expired():
             raise DeadlineExceeded(NOT_STARTED_MESSAGE)
         self.started += 1
+        entered = None if scope is None else scope.enter()
         try:
             self.instance.run_decoupled(arrays, deadline, sink)  # type: ignore[attr-defined]
         finally:
             self.finished += 1
+            if entered is not None:
+                CallScope.leave(entered)
 
     async def execute(
-        self, arrays: dict[str, np.ndarray], deadline: Deadline
+        self, arrays: dict[str, np.ndarray], deadline: Deadline, scope: CallScope | None = None
     ) -> tuple[dict[str, np.ndarray], int, int, int, int]:
         """`run` one batch on the instance's thread, or on the event loop where it is inline or lately brief."""
         recent = self.recent_s
         if self.executor is None or (self.brief_inline and recent is not None and recent < BRIEF_S):
-            outcome = self.run(arrays, deadline)
+            outcome = self.run(arrays, deadline, scope)
         else:
             loop = asyncio.get_running_loop()
-            outcome = await loop.run_in_executor(self.executor, self.run, arrays, deadline)
+            outcome = await loop.run_in_executor(self.executor, self.run, arrays, deadline, scope)
         if self.brief_inline:
             took = (outcome[2] - outcome[1]) / 1e9
             # A long batch counts at once (the next goes to the thread); brief ones bring the average down

@@ -38,6 +38,7 @@ from pipeline.runtime.server import (
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.telemetry import Telemetry
 from pipeline.stage.api import Stage
+from pipeline.stage.bls import RouterCalls
 from pipeline.stage.control import add_model_control_arguments, model_control_of
 from pipeline.stage.placement import python_models_of, unplaced_python_models
 from pipeline.stage.plane import StagePlane
@@ -115,6 +116,7 @@ async def serve_stages(
         telemetry=telemetry,
         metrics=metrics,
         control=model_control_of(args, policy),
+        router=_router_calls(args),
     )
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
@@ -148,6 +150,8 @@ async def serve_stages(
 
     async def stop() -> None:
         await plane.unload()
+        if plane.router is not None:
+            await plane.router.close()
         metrics.close()
         if owned:
             # Flushing may wait on an exporter's endpoint: not on the event loop.
@@ -162,6 +166,20 @@ async def serve_stages(
         stopping=stopping,
         drain_delay=getattr(args, "drain_delay", 0.0),
         drain=None if frames is None else frames.close,
+    )
+
+
+def _router_calls(args: argparse.Namespace) -> RouterCalls | None:
+    """Where the service's models send their calls to other models (`--router`), if anywhere."""
+    address, port_file = getattr(args, "router", None), getattr(args, "router_port_file", None)
+    if address is None and port_file is None:
+        return None
+    return RouterCalls(
+        address,
+        port_file=port_file,
+        host=args.host,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        token=settings.TOKEN.get(),
     )
 
 

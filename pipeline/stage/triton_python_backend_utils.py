@@ -19,25 +19,33 @@ pb_utils` works unchanged. What is here behaves as Triton's documented API does:
 - the type helpers `triton_string_to_numpy`, `triton_to_numpy_type`, `numpy_to_triton_type`,
   `serialize_byte_tensor`, `deserialize_bytes_tensor`, and Triton's `TRITONSERVER_*` flag constants.
 
-Refused with a message saying so: calls from a model into other models (BLS, `InferenceRequest.exec`) and
-the model loading API (`load_model`, ...): each service here runs the models of its own backend, so a model's
-neighbours usually run in another process; an ensemble chains them instead.
+- calls from a model to other models (Business Logic Scripting): `InferenceRequest(model_name=...,
+  inputs=..., requested_output_names=...).exec()` from `execute`, `await request.async_exec()` from an
+  `async def execute`, `exec(decoupled=True)` / `async_exec(decoupled=True)` for a decoupled callee (an
+  iterator of its responses, with `cancel()`); the callee's errors come back as `has_error()` responses.
+  The calls go through the router (`pipeline.stage.bls` says what they carry and how they are bounded).
+
+Refused with a message saying so: the model loading API (`load_model`, ...), which belongs to the service
+that runs the model (`RepositoryModelLoad`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from enum import IntEnum
 from typing import Any, ClassVar
 
+import grpc
 import numpy as np
 
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.datatypes import DATATYPES, datatype_of
 from pipeline.protocol.model_config import config_datatype, datatype_of_config
+from pipeline.stage import bls
 
 # Part of the module's API (what `auto_complete_config` gets), kept in a module of its own.
 from pipeline.stage.triton_model_config import ModelConfig as ModelConfig
@@ -50,6 +58,9 @@ TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 #: Release flags a model may set on a request (`InferenceRequest.set_release_flags`).
 TRITONSERVER_REQUEST_RELEASE_ALL = 1
 TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+#: Where a called model's outputs should be put (`PreferredMemory`); outputs here are always in host memory.
+TRITONSERVER_MEMORY_GPU = 0
+TRITONSERVER_MEMORY_CPU = 1
 
 #: Where a model's `Logger` lines go.
 _model_log = logging.getLogger("triton_python_backend_utils")
@@ -202,11 +213,35 @@ class _Capsule:
         return (1, 0)  # kDLCPU: tensors here live in host memory
 
 
-class InferenceRequest:
-    """A request as `execute` receives it: its input tensors and the outputs asked for.
+class PreferredMemory:
+    """Where a called model's outputs should be put (Triton's `preferred_memory` of a BLS request). Accepted;
+    outputs reach a model in host memory here, as numpy arrays, whatever it asks."""
 
-    Building one inside a model to call another model (BLS) is allowed, but `exec` and `async_exec` refuse.
-    """
+    def __init__(self, preferred_memory_type: int, preferred_device_id: int = 0) -> None:
+        self.preferred_memory_type = preferred_memory_type
+        self.preferred_device_id = preferred_device_id
+
+
+class InferenceTrace:
+    """A request's trace context (Triton's): pass `request.trace()` to the requests a model makes, so that
+    their spans sit under its own (they do by default too)."""
+
+    def __init__(self, context: Mapping[str, str] | None = None) -> None:
+        self._context = dict(context or {})
+
+    def get_context(self) -> str | None:
+        """The W3C trace context (`traceparent`, `tracestate`) as JSON, or None for an untraced request."""
+        return json.dumps(self._context) if self._context else None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The trace context as the headers a call carries."""
+        return dict(self._context)
+
+
+class InferenceRequest:
+    """A request: as `execute` receives it (its input tensors and the outputs asked for), or made by a model
+    to call another model (`exec`, `async_exec`)."""
 
     def __init__(
         self,
@@ -218,10 +253,11 @@ class InferenceRequest:
         model_version: int = -1,
         flags: int = 0,
         timeout: int = 0,
+        preferred_memory: PreferredMemory | None = None,
+        trace: InferenceTrace | None = None,
         parameters: Mapping[str, Any] | str | None = None,
         cancelled: Callable[[], bool] | None = None,
         response_sender: InferenceResponseSender | None = None,
-        **_: Any,
     ) -> None:
         """Triton's arguments; `cancelled` is what `is_cancelled` asks (the runtime passes the call's deadline
         check), `response_sender` what `get_response_sender` gives (the runtime passes one to a decoupled
@@ -231,8 +267,11 @@ class InferenceRequest:
         self._requested = list(requested_output_names)
         self._request_id = request_id
         self._correlation_id = correlation_id
+        self._model_version = model_version
         self._flags = flags
         self._timeout = timeout
+        self._preferred_memory = preferred_memory
+        self._trace = trace
         self._cancelled = cancelled
         self._sender = response_sender
         if parameters is None:
@@ -279,17 +318,64 @@ class InferenceRequest:
         model may check it between pieces of work and answer `TritonError.CANCELLED`."""
         return self._cancelled is not None and self._cancelled()
 
-    def exec(self, *_: Any, **__: Any) -> InferenceResponse:
-        """Refused: calling other models from a model (BLS) is not supported; chain them in an ensemble."""
-        raise TritonModelException(
-            f"InferenceRequest.exec (a call to model '{self._model_name}' from inside a model, Triton's BLS) is "
-            "not supported by this server: its services each run the models of their own backend, so the "
-            "models of a pipeline run in separate processes; chain the models with an ensemble instead"
-        )
+    def trace(self) -> InferenceTrace:
+        """The request's trace context: given to the requests a model makes, their spans sit under it."""
+        if self._trace is not None:
+            return self._trace
+        scope = bls.current()
+        return InferenceTrace(scope.trace_headers() if scope is not None else None)
 
-    async def async_exec(self, *_: Any, **__: Any) -> InferenceResponse:
-        """Refused, as `exec` is."""
-        return self.exec()
+    def exec(self, decoupled: bool = False) -> InferenceResponse | ResponseIterator:
+        """Call the model this request names and wait for its response (an error comes back as a response
+        that `has_error()`); `decoupled=True` for a decoupled model: an iterator of its responses."""
+        scope = bls.current()
+        if scope is None:
+            return self._outside(decoupled)
+        if decoupled:
+            return ResponseIterator(scope.stream(self._call()))
+        return _response(scope.submit(self._call()).result())
+
+    def async_exec(self, decoupled: bool = False) -> asyncio.Future[Any]:
+        """`exec` without waiting, from an `async def execute`: the call is sent at once, and the future
+        (await it, or gather several) gives its response, or for a decoupled model an iterator of them."""
+        loop = asyncio.get_running_loop()
+        scope = bls.current()
+        if scope is None or decoupled:
+            done = loop.create_future()
+            done.set_result(self.exec(decoupled) if scope is not None else self._outside(decoupled))
+            return done
+        sent = asyncio.wrap_future(scope.submit(self._call()), loop=loop)
+        return loop.create_task(_responded(sent))
+
+    def _outside(self, decoupled: bool) -> InferenceResponse | ResponseIterator:
+        response = InferenceResponse(
+            error=TritonError(
+                f"InferenceRequest.exec (a call to model '{self._model_name}'): a model calls other models from "
+                "execute, only while the service runs a request (not from initialize, finalize, a thread of "
+                "its own, or a decoupled model)",
+                TritonError.UNSUPPORTED,
+            )
+        )
+        return ResponseIterator(None, [response]) if decoupled else response
+
+    def _call(self) -> bls.Call:
+        parameters = json.loads(self._parameters) if self._parameters != "{}" else {}
+        if self._correlation_id:
+            # As Triton's clients send a sequence's requests (sequence batching is not supported here: the
+            # callee refuses it where it is declared).
+            parameters["sequence_id"] = self._correlation_id
+            parameters["sequence_start"] = bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
+            parameters["sequence_end"] = bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
+        return bls.Call(
+            model=self._model_name,
+            version="" if self._model_version < 0 else str(self._model_version),
+            inputs={tensor.name(): tensor.as_numpy() for tensor in self._inputs},
+            outputs=tuple(self._requested),
+            request_id=self._request_id,
+            timeout_us=self._timeout,
+            parameters=parameters,
+            trace=None if self._trace is None else self._trace.headers,
+        )
 
     def get_response_sender(self) -> InferenceResponseSender:
         """The sender of this request's responses: a decoupled model's only way to answer."""
@@ -380,6 +466,60 @@ class InferenceResponse:
     def error(self) -> TritonError | None:
         """The error, if any."""
         return self._error
+
+
+class ResponseIterator:
+    """The responses of a call to a decoupled model, as they come (the last may carry no tensors: the final
+    flag alone); iterating waits for each. `cancel()` cancels the call."""
+
+    def __init__(self, responses: bls.Responses | None, ready: Sequence[InferenceResponse] = ()) -> None:
+        self._responses = responses
+        self._ready = list(ready)
+
+    def __iter__(self) -> Iterator[InferenceResponse]:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._ready:
+            return self._ready.pop(0)
+        reply = None if self._responses is None else self._responses.get()
+        if reply is None:
+            self._responses = None
+            raise StopIteration
+        return _response(reply)
+
+    def cancel(self) -> None:
+        """Cancel the call: the model stops sending (an error response CANCELLED may end the iteration)."""
+        if self._responses is not None:
+            self._responses.cancel()
+
+
+#: The `TritonError` code of a called model's gRPC status (Triton answers a timed-out or refused request
+#: UNAVAILABLE).
+_TRITON_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT: TritonError.INVALID_ARG,
+    grpc.StatusCode.NOT_FOUND: TritonError.NOT_FOUND,
+    grpc.StatusCode.UNAVAILABLE: TritonError.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: TritonError.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: TritonError.UNAVAILABLE,
+    grpc.StatusCode.UNIMPLEMENTED: TritonError.UNSUPPORTED,
+    grpc.StatusCode.ALREADY_EXISTS: TritonError.ALREADY_EXISTS,
+    grpc.StatusCode.CANCELLED: TritonError.CANCELLED,
+    grpc.StatusCode.UNKNOWN: TritonError.UNKNOWN,
+}
+
+
+def _response(reply: bls.Reply) -> InferenceResponse:
+    """A called model's reply as the model sees it."""
+    if reply.code is not None:
+        code = _TRITON_CODES.get(reply.code, TritonError.INTERNAL)
+        return InferenceResponse(error=TritonError(reply.message, code), parameters=reply.parameters)
+    tensors = [Tensor(name, array) for name, array in reply.outputs.items()]
+    return InferenceResponse(tensors, parameters=reply.parameters)
+
+
+async def _responded(sent: asyncio.Future[bls.Reply]) -> InferenceResponse:
+    return _response(await sent)
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
@@ -485,6 +625,6 @@ def unload_model(model_name: str, unload_dependents: bool = False, **_: Any) -> 
 
 
 _LOADING_REFUSED = (
-    "{call}('{model}'): the model loading API is not supported by this server, whose models call no other "
-    "models; load models with RepositoryModelLoad on the service that runs them"
+    "{call}('{model}'): the model loading API is not supported by this server: models are loaded by the "
+    "service that runs them (RepositoryModelLoad there, with --model-control-mode explicit)"
 )

@@ -222,10 +222,13 @@ def test_type_helpers_and_constants() -> None:
     assert json.loads(response.parameters()) == {"k": 1}
 
 
-def test_calls_into_other_models_are_refused_saying_why() -> None:
+def test_calls_outside_a_request_and_model_loading_are_refused_saying_why() -> None:
     request = pb_utils.InferenceRequest(model_name="other", inputs=[], requested_output_names=[])
-    with pytest.raises(pb_utils.TritonModelException, match="chain the models with an ensemble"):
-        request.exec()
+    response = request.exec()
+    assert response.has_error() and response.error().code() == pb_utils.TritonError.UNSUPPORTED
+    assert "only while the service runs a request" in response.error().message()
+    [streamed] = list(request.exec(decoupled=True))
+    assert streamed.has_error()
     for call in (pb_utils.is_model_ready, pb_utils.load_model, pb_utils.unload_model):
         with pytest.raises(pb_utils.TritonModelException, match="model loading API is not supported"):
             call("other")

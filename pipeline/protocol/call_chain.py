@@ -1,0 +1,73 @@
+"""The chain of model calls a request belongs to, when models call models (Triton's BLS).
+
+A model that calls another model from inside its `execute` waits, holding its instance, until the callee
+answers. Each such call carries a `CallChain` in its metadata (`CALL_CHAIN_HEADER`, beside the trace
+context, and like it on every hop: router, batch, stage): how deep it is nested, and which instances wait
+on it, directly or through the calls in between. Two rules follow from it:
+
+- a call nested `MAX_DEPTH` deep is refused, so that a model calling itself (directly or through others)
+  ends with an error instead of calling on until memory runs out;
+- a stage refuses a call at once when every instance of the callee is busy and waits on that very call
+  (a model calling itself with one instance): Triton's Python backend blocks there forever.
+
+A batch that merges calls of several chains waits for every instance any of them waits for, and is as deep
+as the deepest (`CallChain.merged`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+#: The metadata key (a request parameter on streams and frames) that carries a call's chain.
+CALL_CHAIN_HEADER = "pipeline-call-chain"
+#: Calls nested deeper than this are refused: a model that calls itself without end is a bug to report.
+MAX_DEPTH = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CallChain:
+    """How deep a call is nested (1: called from a model that a client called) and the instances that wait
+    for it (their `instance` ids, unique across processes)."""
+
+    depth: int
+    waiting: frozenset[str]
+
+    @classmethod
+    def of(cls, metadata: Sequence[tuple[str, str | bytes]]) -> CallChain | None:
+        """The chain a call's metadata carries, or None for a call no model made (or an unreadable one)."""
+        for key, value in metadata:
+            if key == CALL_CHAIN_HEADER and isinstance(value, str):
+                return cls.parse(value)
+        return None
+
+    @classmethod
+    def parse(cls, text: str) -> CallChain | None:
+        """The chain `header()` wrote; None for text it did not write."""
+        depth, _, waiting = text.partition(";")
+        if not depth.isdigit():
+            return None
+        return cls(int(depth), frozenset(name for name in waiting.split(",") if name))
+
+    def header(self) -> str:
+        """The chain as its metadata value: `depth;instance,instance,...`."""
+        return f"{self.depth};{','.join(sorted(self.waiting))}"
+
+    def nested(self, instance: str) -> CallChain:
+        """The chain of a call made by `instance` while it runs a request of this chain."""
+        return CallChain(self.depth + 1, self.waiting | {instance})
+
+    @staticmethod
+    def merged(chains: Iterable[CallChain | None]) -> CallChain | None:
+        """The chain of a batch of calls: as deep as its deepest, waited on by every instance that waits on
+        any of them; None when no call of the batch came from a model."""
+        found = [chain for chain in chains if chain is not None]
+        if not found:
+            return None
+        if len(found) == 1:
+            return found[0]
+        return CallChain(max(c.depth for c in found), frozenset().union(*(c.waiting for c in found)))
+
+
+#: The chain of a call a client made (no model waits on it).
+ROOT = CallChain(0, frozenset())

@@ -1,0 +1,302 @@
+"""Models that call models (Triton's Business Logic Scripting), served unmodified: Python models on a real
+stage service call, through a real router, another stage model, an ensemble, a failing model and a
+decoupled one; an `async def execute` fans out into many `async_exec` calls that the callee gets in
+batches; a model calling itself is stopped with an error, whether by the depth limit or because no
+instance is free to answer it, instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.ensemble.catalog import load_catalog
+from pipeline.protocol.call_chain import MAX_DEPTH
+from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.tools.testing import Running, serving_router, serving_stages
+from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
+from tests.stages import write_model
+
+#: A model of one FP32 input X and one output Y, each [4] per item.
+XY = """
+name: "{name}"
+backend: "python"
+max_batch_size: {batch}
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+instance_group [ {{ count: {count} kind: KIND_CPU }} ]
+{extra}
+"""
+
+#: Doubles X; batched by the router as its dynamic_batching says.
+DOUBLE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2)])
+            for r in requests
+        ]
+"""
+
+#: Calls the model its `callee` parameter names with its X, and answers the callee's Y plus one; a callee's
+#: error becomes its own.
+CALLER = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.callee = json.loads(args["model_config"])["parameters"]["callee"]["string_value"]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X")
+            call = pb_utils.InferenceRequest(
+                model_name=self.callee, inputs=[x], requested_output_names=["Y"], trace=request.trace()
+            )
+            reply = call.exec()
+            if reply.has_error():
+                responses.append(pb_utils.InferenceResponse(error=reply.error()))
+                continue
+            y = pb_utils.get_output_tensor_by_name(reply, "Y").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y + 1)]))
+        return responses
+"""
+
+#: One `async_exec` call to `double` per item of its batch, all in flight at once.
+FAN_OUT = """
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            calls = [
+                pb_utils.InferenceRequest(
+                    model_name="double", inputs=[pb_utils.Tensor("X", x[i : i + 1])], requested_output_names=["Y"]
+                ).async_exec()
+                for i in range(len(x))
+            ]
+            replies = await asyncio.gather(*calls)
+            for reply in replies:
+                if reply.has_error():
+                    raise pb_utils.TritonModelException(reply.error().message())
+            y = np.concatenate([pb_utils.get_output_tensor_by_name(r, "Y").as_numpy() for r in replies])
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+        return responses
+"""
+
+#: Always fails, saying so.
+FAILING = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(error=pb_utils.TritonError("broken on purpose", pb_utils.TritonError.INVALID_ARG))
+            for _ in requests
+        ]
+"""
+
+#: Decoupled: answers X with one response per element of X[0], each Y = X * (index + 1).
+COUNTER = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            for i in range(4):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * (i + 1))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+#: Sums the responses of the decoupled `counter` (skipping an empty final one).
+STREAM_SUM = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X")
+            call = pb_utils.InferenceRequest(model_name="counter", inputs=[x], requested_output_names=["Y"])
+            total, seen = np.zeros_like(x.as_numpy()), 0
+            for reply in call.exec(decoupled=True):
+                if reply.has_error():
+                    raise pb_utils.TritonModelException(reply.error().message())
+                if reply.output_tensors():
+                    total = total + pb_utils.get_output_tensor_by_name(reply, "Y").as_numpy()
+                    seen += 1
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", total + 0 * seen)]))
+        return responses
+"""
+
+#: Calls itself with X - 1 until X[0] reaches 0 (then answers X): a recursion as deep as X[0] says.
+RECURSE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if x[0] <= 0:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x.copy())]))
+                continue
+            reply = pb_utils.InferenceRequest(
+                model_name="recurse", inputs=[pb_utils.Tensor("X", x - 1)], requested_output_names=["Y"]
+            ).exec()
+            if reply.has_error():
+                responses.append(pb_utils.InferenceResponse(error=reply.error()))
+            else:
+                responses.append(pb_utils.InferenceResponse(reply.output_tensors()))
+        return responses
+"""
+
+#: `double` twice, as Triton's ensemble.
+QUADRUPLE = """
+name: "quadruple"
+platform: "ensemble"
+max_batch_size: 64
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "double" model_version: -1 input_map { key: "X" value: "X" } output_map { key: "Y" value: "twice" } },
+    { model_name: "double" model_version: -1 input_map { key: "X" value: "twice" } output_map { key: "Y" value: "Y" } }
+  ]
+}
+"""
+
+
+def _callee(name: str) -> str:
+    return f'parameters {{ key: "callee" value: {{ string_value: "{name}" }} }}'
+
+
+def write_repository(root: Path) -> Path:
+    batching = "dynamic_batching { max_queue_delay_microseconds: 50000 }"
+    models = {
+        "double": (DOUBLE, 64, 1, batching),
+        "call_double": (CALLER, 8, 1, _callee("double")),
+        "call_quadruple": (CALLER, 8, 1, _callee("quadruple")),
+        "call_failing": (CALLER, 8, 1, _callee("failing")),
+        "call_missing": (CALLER, 8, 1, _callee("no_such_model")),
+        "fan_out": (FAN_OUT, 64, 1, ""),
+        "failing": (FAILING, 8, 1, ""),
+        "counter": (COUNTER, 0, 1, "model_transaction_policy { decoupled: true }"),
+        "stream_sum": (STREAM_SUM, 0, 1, ""),
+        "recurse": (RECURSE, 0, MAX_DEPTH + 2, ""),
+        "recurse_alone": (RECURSE.replace('"recurse"', '"recurse_alone"'), 0, 1, ""),
+    }
+    for name, (source, batch, count, extra) in models.items():
+        write_model(root, name, source, XY.format(name=name, batch=batch, count=count, extra=extra))
+    (root / "quadruple" / "1").mkdir(parents=True)
+    (root / "quadruple" / "config.pbtxt").write_text(QUADRUPLE)
+    return root
+
+
+@contextlib.asynccontextmanager
+async def pipeline(tmp_path: Path) -> AsyncIterator[Running]:
+    """The repository's Python models on a stage service, and the router; the stage finds the router's
+    port in a file written once the router listens, as a launcher does."""
+    root = write_repository(tmp_path / "repository")
+    port_file = tmp_path / "router.port"
+    options = {"router_port_file": port_file, "max_instances": MAX_DEPTH + 2}
+    async with serving_stages(
+        [], repository=ModelRepository(root), backends=[PythonBackend()], options=options
+    ) as stage:
+        await wait_serving(stage.address)
+        catalog = load_catalog(repository=root, stages={"python": stage.address})
+        async with serving_router(catalog) as router:
+            port_file.write_text(router.address.rsplit(":", 1)[1])
+            await wait_serving(router.address)
+            yield router
+
+
+def xs(*rows: float) -> np.ndarray:
+    return np.array([[row] * 4 for row in rows], np.float32)
+
+
+async def test_models_call_a_stage_model_an_ensemble_and_a_decoupled_model(tmp_path: Path) -> None:
+    async with pipeline(tmp_path) as router, inference_stub(router.address) as stub:
+        reply = await stub.ModelInfer(request_for("call_double", X=xs(1, 2)), timeout=30)
+        assert response_tensors(reply)["Y"].to_array().tolist() == xs(3, 5).tolist()
+
+        reply = await stub.ModelInfer(request_for("call_quadruple", X=xs(1, 2)), timeout=30)
+        assert response_tensors(reply)["Y"].to_array().tolist() == xs(5, 9).tolist()
+
+        x = np.array([1, 2, 3, 4], np.float32)
+        reply = await stub.ModelInfer(request_for("stream_sum", X=x), timeout=30)
+        # 1x + 2x + 3x + 4x of the decoupled counter's four responses.
+        assert response_tensors(reply)["Y"].to_array().tolist() == (x * 10).tolist()
+
+
+async def test_a_callees_error_reaches_the_caller_with_its_message(tmp_path: Path) -> None:
+    async with pipeline(tmp_path) as router, inference_stub(router.address) as stub:
+        err = await rpc_error(stub.ModelInfer(request_for("call_failing", X=xs(1)), timeout=30))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "broken on purpose" in (err.details() or "")
+
+        err = await rpc_error(stub.ModelInfer(request_for("call_missing", X=xs(1)), timeout=30))
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        assert "no_such_model" in (err.details() or "")
+
+        # The service goes on serving.
+        reply = await stub.ModelInfer(request_for("call_double", X=xs(1)), timeout=30)
+        assert response_tensors(reply)["Y"].to_array().tolist() == xs(3).tolist()
+
+
+async def test_async_exec_fan_out_feeds_the_callees_batches(tmp_path: Path) -> None:
+    async with pipeline(tmp_path) as router, inference_stub(router.address) as stub:
+        rows = [float(i) for i in range(12)]
+        replies = await asyncio.gather(
+            *(stub.ModelInfer(request_for("fan_out", X=xs(*rows)), timeout=30) for _ in range(3))
+        )
+        for reply in replies:
+            assert response_tensors(reply)["Y"].to_array().tolist() == xs(*(2 * r for r in rows)).tolist()
+        stats = (await stub.ModelStatistics(pb.ModelStatisticsRequest(name="double"))).model_stats[0]
+        # 36 calls of one item each, answered in fewer stage executions: they were batched.
+        assert stats.inference_count == 36
+        assert stats.execution_count < 36
+        assert stats.inference_count / stats.execution_count > 1
+
+
+async def test_recursion_is_bounded_by_depth_and_by_free_instances(tmp_path: Path) -> None:
+    async with pipeline(tmp_path) as router, inference_stub(router.address) as stub:
+        # Within the limit, a model calling itself completes.
+        reply = await stub.ModelInfer(
+            request_for("recurse", X=np.array([3, 0, 0, 0], np.float32)), timeout=30
+        )
+        assert response_tensors(reply)["Y"].to_array().tolist() == [0, -3, -3, -3]
+
+        # Past it, the call that would go deeper is refused, and the error climbs back up the chain.
+        deep = np.array([MAX_DEPTH + 1, 0, 0, 0], np.float32)
+        err = await rpc_error(stub.ModelInfer(request_for("recurse", X=deep), timeout=30))
+        assert f"more than the {MAX_DEPTH} allowed" in (err.details() or "")
+
+        # One instance, calling its own model: no instance could run the call. Refused at once (no deadline
+        # set: it would wait forever), where Triton's Python backend hangs.
+        one = np.array([1, 0, 0, 0], np.float32)
+        err = await rpc_error(stub.ModelInfer(request_for("recurse_alone", X=one)))
+        assert "every instance (1) is waiting for this call" in (err.details() or "")
