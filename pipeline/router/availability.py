@@ -331,15 +331,24 @@ class EnsembleAvailability:
 
     def ensemble_problem(self, name: str) -> str | None:
         """Why an ensemble cannot serve now (None: it can): it is not available, or a stage of its steps has
-        no replica serving."""
+        no replica serving, or none that serves the step's model (replicas of a stage may serve different
+        models)."""
         reason = self.unavailable.get(name)
         if reason is not None:
             return reason
-        down = sorted(
-            {step.stage for step in self.plans[name].steps if not self.clients[step.stage].replicas.healthy}
-        )
+        steps = self.plans[name].steps
+        down = sorted({step.stage for step in steps if not self.clients[step.stage].replicas.healthy})
         if down:
             return f"no replica of stage(s) {', '.join(down)} is serving"
+        unserved = sorted(
+            {
+                f"'{step.model_name}' on stage '{step.stage}'"
+                for step in steps
+                if not self.clients[step.stage].replicas.serving(step.model_name)
+            }
+        )
+        if unserved:
+            return f"no replica that serves model(s) {', '.join(unserved)} is serving"
         return None
 
     async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:

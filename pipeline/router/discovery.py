@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Container, Mapping
-
-import grpc
+from collections.abc import Container, Iterable, Mapping
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ModelNotFound, PipelineError, StageError, Unavailable, echo
 from pipeline.router.caching import ResponseCaching
 from pipeline.router.registry import ModelRegistry
+from pipeline.router.replicas import DOWN, SERVING
 from pipeline.router.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.statistics import ModelStats
@@ -75,6 +74,12 @@ class StageDiscovery:
             lambda: [(key, c.replicas.ready_count) for key, c in clients.items()],
         )
         metrics.gauge(
+            "pipeline_stage_model_replicas_ready",
+            "Replicas of the stage whose health says SERVING and whose RepositoryIndex lists the model as READY",
+            ("stage", "model"),
+            lambda: [((key, model), count) for key, c in clients.items() for model, count in _serving(c)],
+        )
+        metrics.gauge(
             "pipeline_stage_healthy",
             "1 when the stage's health check says SERVING",
             "stage",
@@ -120,7 +125,7 @@ class StageDiscovery:
 
     async def _refresh_index(self) -> None:
         keys = list(self.clients)
-        found = await asyncio.gather(*(self._index_of(self.clients[key]) for key in keys))
+        found = await asyncio.gather(*(_index_of(self.clients[key]) for key in keys))
         for key, models in zip(keys, found, strict=True):
             if not isinstance(models, PipelineError):  # a stage that is down keeps what it said last
                 self.indexes[key] = models
@@ -137,27 +142,6 @@ class StageDiscovery:
         key = self.stage_of_model.get(model) or self.repository_models.get(model)
         index = self.indexes.get(key) if key is not None else None
         return None if index is None else index.get(model, frozenset())
-
-    @staticmethod
-    async def _index_of(client: StageClient) -> dict[str, frozenset[str]] | PipelineError | None:
-        """The models a stage's `RepositoryIndex` lists as READY, with their READY versions; None for a
-        stage without the RPC (a plain OIP server); the error for a stage that cannot answer now."""
-        try:
-            reply = await client.call(
-                "RepositoryIndex",
-                pb.RepositoryIndexRequest(ready=True),
-                timeout=2.0,
-                what="its repository index",
-            )
-        except StageError as err:
-            return None if err.code == grpc.StatusCode.UNIMPLEMENTED else err
-        except PipelineError as err:
-            return err
-        ready: dict[str, set[str]] = {}
-        for model in reply.models:
-            if model.state == "READY":
-                ready.setdefault(model.name, set()).add(model.version)
-        return {name: frozenset(versions) for name, versions in ready.items()}
 
     async def stage_models_index(
         self, ready_only: bool, ensembles: Container[str]
@@ -179,19 +163,23 @@ class StageDiscovery:
     async def _stage_index(self, key: str, ready_only: bool) -> list[pb.RepositoryIndexResponse.ModelIndex]:
         client = self.clients[key]
         problem = ""
-        try:
-            answer = await client.call(
-                "RepositoryIndex",
-                pb.RepositoryIndexRequest(ready=ready_only),
-                timeout=2.0,
-                what="its repository index",
-            )
-            return list(answer.models)
-        except StageError as err:
-            if err.code != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-        except Unavailable as err:
-            problem = err.message
+        await client.replicas.settle()
+        replicas = list(client.replicas.by_address.values())
+        answers = await asyncio.gather(
+            *(client.replica_index(r, ready_only=ready_only) for r in replicas), return_exceptions=True
+        )
+        indexes = [a for a in answers if isinstance(a, list)]
+        if indexes:
+            return _merged(indexes)
+        for answer in answers:
+            if isinstance(answer, StageError):
+                raise answer
+            if isinstance(answer, Unavailable):
+                problem = answer.message
+            elif isinstance(answer, BaseException):
+                raise answer
+        if not replicas:
+            problem = f"stage '{key}' ({client.endpoint.address}) has no replica"
         # A plain OIP server, or a stage that is down: the models the ensembles name on it.
         models = []
         for model in sorted(m for m, k in self.stage_of_model.items() if k == key):
@@ -245,3 +233,69 @@ class StageDiscovery:
         if self._refreshing is not None:
             self._refreshing.cancel()
         await asyncio.gather(*(c.close() for c in self.clients.values()))
+
+
+async def _index_of(client: StageClient) -> Mapping[str, frozenset[str]] | PipelineError | None:
+    """The models a stage serves as READY, with their READY versions: those that the `RepositoryIndex` of any
+    of its replicas that is not down lists (each replica keeps its own, so that each model goes to the
+    replicas that serve it); None for a stage without the RPC (a plain OIP server); an error where no replica
+    can answer now."""
+    await client.replicas.settle()
+    replicas = list(client.replicas.by_address.values())
+    answers = await asyncio.gather(
+        *(client.replica_index(r, ready_only=True) for r in replicas), return_exceptions=True
+    )
+    problem: PipelineError = Unavailable(f"stage '{client.endpoint.name}' has no replica")
+    answered = False
+    for replica, answer in zip(replicas, answers, strict=True):
+        if isinstance(answer, PipelineError):  # a replica that cannot answer keeps what it said last
+            problem = answer
+        elif isinstance(answer, BaseException):
+            raise answer
+        else:
+            answered = True
+            replica.index = None if answer is None else _ready(answer)
+    if not answered:
+        return problem
+    ready: dict[str, set[str]] = {}
+    implemented = False
+    for replica in replicas:
+        if replica.index is not None:
+            implemented = True
+            if replica.state != DOWN:
+                for model, versions in replica.index.items():
+                    ready.setdefault(model, set()).update(versions)
+    if not implemented:
+        return None
+    return {name: frozenset(versions) for name, versions in ready.items()}
+
+
+def _ready(models: Iterable[pb.RepositoryIndexResponse.ModelIndex]) -> dict[str, frozenset[str]]:
+    """The READY models of a `RepositoryIndex`, with their READY versions."""
+    ready: dict[str, set[str]] = {}
+    for model in models:
+        if model.state == "READY":
+            ready.setdefault(model.name, set()).add(model.version)
+    return {name: frozenset(versions) for name, versions in ready.items()}
+
+
+def _merged(
+    indexes: Iterable[list[pb.RepositoryIndexResponse.ModelIndex]],
+) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+    """The replicas' `RepositoryIndex` entries as one stage's: a model version READY where any replica serves
+    it, else as the first replica that lists it says."""
+    merged: dict[tuple[str, str], pb.RepositoryIndexResponse.ModelIndex] = {}
+    for models in indexes:
+        for model in models:
+            key = (model.name, model.version)
+            if key not in merged or (model.state == "READY" and merged[key].state != "READY"):
+                merged[key] = model
+    return sorted(merged.values(), key=lambda m: (m.name, m.version))
+
+
+def _serving(client: StageClient) -> list[tuple[str, int]]:
+    """Each model that a replica of the stage lists in its `RepositoryIndex`, and how many SERVING replicas
+    list it."""
+    replicas = list(client.replicas.by_address.values())
+    models = sorted({model for r in replicas for model in r.index or ()})
+    return [(model, sum(1 for r in replicas if r.state == SERVING and r.serves(model))) for model in models]

@@ -15,7 +15,7 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -81,6 +81,17 @@ class Replica:
         self.streams: bool | None = None
         self._stream: StageStream | None = None
         self._retiring: set[asyncio.Task[None]] = set()
+        #: The models its `RepositoryIndex` listed as READY at the last look, with their READY versions; None
+        #: where it cannot say (not asked yet, or its server has no `RepositoryIndex`).
+        self.index: Mapping[str, frozenset[str]] | None = None
+
+    def serves(self, model: str, version: str = "") -> bool | None:
+        """Whether its `RepositoryIndex` lists `model` (at `version`, where one is asked for) as READY; None
+        where it cannot say."""
+        if self.index is None:
+            return None
+        versions = self.index.get(model)
+        return versions is not None and (not version or version in versions)
 
     async def _extensions(self, auth: Sequence[tuple[str, str | bytes]]) -> frozenset[str] | None:
         """Its server's extensions, asked once (None where it cannot say now: asked again next time)."""
@@ -393,20 +404,35 @@ class Replicas:
         """Replicas whose health says SERVING now."""
         return self._ready_count
 
-    def pick(self, method: str, tried: set[Replica]) -> Replica | None:
+    def pick(self, method: str, tried: set[Replica], model: str = "", version: str = "") -> Replica | None:
         """The replica for the next call: among those not tried, SERVING ones (for inference), else those not
-        heard from yet; for other RPCs, any that is up. The lowest expected wait wins, ties at random."""
+        heard from yet; for other RPCs, any that is up. Replicas of a stage may serve different models: a
+        call for `model` goes to those whose `RepositoryIndex` lists it (at `version`), else to those that
+        cannot say, and only where there are neither to one that does not list it (its answer says why). The
+        lowest expected wait wins, ties at random."""
         infer = method == "ModelInfer"
         ranks = (SERVING, UNKNOWN) if infer else (SERVING, NOT_SERVING, UNKNOWN)
+        untried = [r for r in self.by_address.values() if r not in tried]
+        groups = [untried]
+        if model:
+            said = {r: r.serves(model, version) for r in untried}
+            groups = [[r for r in untried if said[r]], [r for r in untried if said[r] is None]]
+            if not any(groups):
+                groups = [untried]
         now = time.monotonic()
         for rank in ranks:
-            candidates = [r for r in self.by_address.values() if r.state == rank and r not in tried]
-            if candidates:
-                return min(candidates, key=lambda r: (r.cost(now), r.outstanding, random.random()))
+            for group in groups:
+                candidates = [r for r in group if r.state == rank]
+                if candidates:
+                    return min(candidates, key=lambda r: (r.cost(now), r.outstanding, random.random()))
         if not infer:  # metadata may still find a replica the health watch has not reached yet
-            candidates = [r for r in self.by_address.values() if r not in tried]
+            candidates = [r for group in groups for r in group]
             return random.choice(candidates) if candidates else None
         return None
+
+    def serving(self, model: str) -> bool:
+        """Whether a SERVING replica serves `model` (its `RepositoryIndex` lists it, or it cannot say)."""
+        return any(r.state == SERVING and r.serves(model) is not False for r in self.by_address.values())
 
     async def check_health(self, timeout: float) -> bool:
         """Whether any replica is SERVING, waiting up to `timeout` for replicas not heard from yet."""

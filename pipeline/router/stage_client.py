@@ -79,6 +79,16 @@ def item_errors(err: grpc.aio.AioRpcError) -> tuple[ItemError, ...]:
     return tuple(found)
 
 
+def model_of(request: object) -> tuple[str, str]:
+    """The model (and version) a call is for, which the replica it goes to must serve: `ModelInfer`'s, or that
+    of `ModelReady`, `ModelMetadata` and `ModelConfig`; ("", "") for a call about the server."""
+    if isinstance(request, pb.ModelInferRequest):
+        return request.model_name, request.model_version
+    if isinstance(request, (pb.ModelReadyRequest, pb.ModelMetadataRequest, pb.ModelConfigRequest)):
+        return request.name, request.version
+    return "", ""
+
+
 class StageClient:
     """One stage endpoint: its replicas (`pipeline.router.replicas`: a channel each, load-aware picking),
     one bounded retry layer, and the mapping of its failures to router errors."""
@@ -171,7 +181,8 @@ class StageClient:
             # The budget is the stage's inference traffic: the router's own index and metadata calls (one
             # a second) must not buy retries of it.
             self.budget.called()
-        replica = replicas.pick(method, tried)
+        model, version = model_of(request)
+        replica = replicas.pick(method, tried, model, version)
         if replica is None:
             # Every replica is down or draining: answer at once instead of waiting out the deadline.
             raise Unavailable(f"stage '{name}' ({address}) is unavailable for {what}: no replica is serving")
@@ -205,7 +216,7 @@ class StageClient:
                 if not refused and not cut_off:
                     replicas.set_state(replica, DOWN)
                 tried.add(replica)
-                following = replicas.pick(method, tried)
+                following = replicas.pick(method, tried, model, version)
                 delay = 0.0
                 if following is None and cut_off and attempt == 1:
                     following = replica  # at once, on a new stream
@@ -278,7 +289,7 @@ class StageClient:
             await self._acquire(self._slots, deadline, what)
         try:
             await self.replicas.settle()
-            replica = self.replicas.pick("ModelInfer", set())
+            replica = self.replicas.pick("ModelInfer", set(), request.model_name, request.model_version)
             name, address = self.endpoint.name, self.endpoint.address
             if replica is None:
                 raise Unavailable(
@@ -320,6 +331,35 @@ class StageClient:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             return Unavailable(f"stage '{name}' ({address}) is unavailable for {what}: {details}")
         return StageError(f"{what} on stage '{name}': {details}", code, items=item_errors(err))
+
+    async def replica_index(
+        self, replica: Replica, *, ready_only: bool
+    ) -> list[pb.RepositoryIndexResponse.ModelIndex] | None:
+        """One replica's `RepositoryIndex` (None where its server has none); `Unavailable` where it cannot
+        answer now, `StageError` for another failure. Replicas of a stage may serve different models, so each
+        is asked for its own."""
+        name = self.endpoint.name
+        try:
+            reply = await replica.stub.RepositoryIndex(
+                pb.RepositoryIndexRequest(ready=ready_only), timeout=2.0, metadata=self._auth
+            )
+        except grpc.aio.AioRpcError as err:
+            code, details = err.code(), err.details() or ""
+            if self.metrics is not None:
+                self.metrics.stage_calls.labels(name, code.name).inc()
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            where = f"stage '{name}' ({replica.address})"
+            if code in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ):
+                raise Unavailable(f"{where} is unavailable for its repository index: {details}") from None
+            raise StageError(f"the repository index of {where}: {details}", code) from None
+        if self.metrics is not None:
+            self.metrics.stage_calls.labels(name, "OK").inc()
+        return list(reply.models)
 
     async def signature(self, model: str) -> ModelSignature:
         """A model's interface, from its `ModelMetadata` and (where the stage has it) Triton's `ModelConfig`."""

@@ -1,4 +1,5 @@
-"""A stage with several replicas behind one address: calls spread over them, and survive one stopping."""
+"""A stage with several replicas behind one address: calls spread over them, survive one stopping, and each
+model goes only to the replicas that serve it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.types import TensorSpec
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.api import Stage
+from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
+from tests.stages import TRITON_ADD_SUB_CONFIG, TRITON_ADD_SUB_MODEL, write_model
 
 
 class Square(Stage):
@@ -36,9 +41,9 @@ steps:
 """
 
 
-async def executions(address: str) -> int:
+async def executions(address: str, model: str = "square") -> int:
     async with inference_stub(address) as stub:
-        reply = await stub.ModelStatistics(pb.ModelStatisticsRequest(name="square"))
+        reply = await stub.ModelStatistics(pb.ModelStatisticsRequest(name=model))
     return reply.model_stats[0].execution_count
 
 
@@ -87,3 +92,74 @@ async def test_a_draining_replica_gets_no_new_calls(tmp_path):
                     await stub.ModelInfer(request_for("squares", X=x), timeout=10)
                 assert await executions(first.address) == drained, "a draining replica still got calls"
                 await stopping
+
+
+ADD_SUB_ENSEMBLE = """
+name: sums
+max_batch_size: 0
+stages:
+  s: {{address: "ipv4:{a},{b}"}}
+inputs: [{{name: A, datatype: FP32, shape: [4]}}, {{name: B, datatype: FP32, shape: [4]}}]
+outputs: [{{name: SUM, datatype: FP32, shape: [4]}}]
+steps:
+  - {{model_name: add_sub, stage: s, input_map: {{INPUT0: A, INPUT1: B}}, output_map: {{OUTPUT0: SUM}}}}
+"""
+
+
+async def test_each_model_goes_only_to_the_replicas_that_serve_it(tmp_path):
+    """Two replicas of a stage, only the first serving `add_sub` (explicit model control, the second started
+    without it): every request goes to the first, the ensemble stays ready whichever replica the router asks,
+    and the metrics say 1 of 2 replicas serve the model; loaded on the second, it takes calls there too."""
+    write_model(tmp_path / "models", "add_sub", TRITON_ADD_SUB_MODEL, TRITON_ADD_SUB_CONFIG)
+    repository = ModelRepository(tmp_path / "models")
+    explicit = {"model_control_mode": "explicit"}
+    a, b = np.arange(4, dtype=np.float32), np.ones(4, np.float32)
+
+    async def sums(stub, n: int) -> None:
+        replies = await asyncio.gather(
+            *(stub.ModelInfer(request_for("sums", A=a, B=b), timeout=10) for _ in range(n))
+        )
+        for reply in replies:
+            np.testing.assert_array_equal(response_tensors(reply)["SUM"].to_array(), a + b)
+
+    def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, labels)
+
+    async with (
+        serving_stages([], repository=repository, backends=[PythonBackend()], options=explicit) as first,
+        serving_stages(
+            [], repository=repository, backends=[PythonBackend()], options=explicit, models=[]
+        ) as second,
+    ):
+        await wait_serving(first.address)
+        await wait_serving(second.address)
+        (tmp_path / "sums.yaml").write_text(ADD_SUB_ENSEMBLE.format(a=first.address, b=second.address))
+        metrics = Metrics()
+        async with (
+            serving_router(load_ensembles([tmp_path / "sums.yaml"]), metrics=metrics) as router,
+            inference_stub(router.address) as stub,
+            inference_stub(second.address) as direct,
+        ):
+            await wait_serving(router.address)
+            for _ in range(5):
+                await sums(stub, 10)
+                # Each ModelReady asks both replicas' RepositoryIndex again: the model stays served.
+                assert (await stub.ModelReady(pb.ModelReadyRequest(name="sums"))).ready
+            index = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
+            states = {m.name: m.state for m in index.models}
+            assert states["sums"] == "READY" and states["add_sub"] == "READY", index
+            assert await executions(first.address, "add_sub") == 50
+            assert not sample(metrics, "pipeline_stage_retries_total", stage="s")
+            assert not sample(metrics, "pipeline_stage_calls_total", stage="s", outcome="UNAVAILABLE")
+            assert sample(metrics, "pipeline_stage_replicas_ready", stage="s") == 2
+            assert sample(metrics, "pipeline_stage_model_replicas_ready", stage="s", model="add_sub") == 1
+
+            await direct.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="add_sub"))
+            # The next ModelReady asks the replicas again, and sees the model served by both.
+            assert (await stub.ModelReady(pb.ModelReadyRequest(name="sums"))).ready
+            assert sample(metrics, "pipeline_stage_model_replicas_ready", stage="s", model="add_sub") == 2
+            await sums(stub, 20)
+            assert await executions(second.address, "add_sub") > 0
+            assert (
+                await executions(first.address, "add_sub") + await executions(second.address, "add_sub") == 70
+            )
