@@ -45,7 +45,7 @@ docs: $(STAMP)
 
 ## docs-reference: regenerate docs/reference/ from the commands' argument parsers (a test fails when it is stale)
 docs-reference: $(STAMP)
-	$(BIN)/python -m pipeline.tools.docgen
+	$(BIN)/python -m pipeline.docgen
 
 ## fuzz: every fuzz test at $(FUZZ_EXAMPLES) cases each: requests over gRPC and HTTP, ensemble files, model
 ## repositories and config.pbtxt files (`make test` runs a few hundred of each)

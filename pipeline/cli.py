@@ -7,7 +7,9 @@ import argparse
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `pipeline` command line, each subcommand's flags with their defaults from the environment
+    (`pipeline.runtime.settings`); the reference in docs/reference/ is generated from it (`pipeline.docgen`)."""
     parser = argparse.ArgumentParser(prog="pipeline", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -44,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_trace_arguments(trace)
     trace.set_defaults(func=run_trace_command)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 
