@@ -145,6 +145,20 @@ def check_response_cache(config: mc.ModelConfig, source: str) -> None:
         )
 
 
+def check_supported(config: mc.ModelConfig, source: str) -> None:
+    """Refuse a config that asks for what no service here does, rather than load a model that would then fail
+    every request: `sequence_batching` (a sequence's requests kept on one instance, with its control inputs
+    and state)."""
+    if config.HasField("sequence_batching"):
+        controls = [c.name for c in config.sequence_batching.control_input]
+        inputs = f" ({', '.join(controls)})" if controls else ""
+        raise RepositoryError(
+            f"{source}: sequence_batching is not supported by this server: it neither keeps a sequence's "
+            f"requests on one model instance nor gives the model its control inputs{inputs} and state; remove "
+            "sequence_batching to serve the model without sequences"
+        )
+
+
 #: Config fields every service acts on (the router acts on `dynamic_batching` and `response_cache`); a backend
 #: adds its own and logs the rest as ignored at load (`log_ignored`).
 SERVED_FIELDS = frozenset(

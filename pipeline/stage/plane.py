@@ -53,7 +53,7 @@ from pipeline.protocol.errors import (
     Unavailable,
     Unimplemented,
 )
-from pipeline.protocol.model_config import tensor_specs
+from pipeline.protocol.model_config import check_supported, tensor_specs
 from pipeline.protocol.streams import DECOUPLED_UNARY, set_final
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
@@ -189,6 +189,7 @@ class StagePlane(DataPlane):
         current = model.versions
         fresh: dict[str, ServedVersion] = {}
         try:
+            check_supported(entry.config, entry.source)
             self.control.check_instances(entry.config, entry.source)
             wanted = entry.served_versions()
             for version in wanted:

@@ -260,6 +260,21 @@ async def refused(
         return error.details()
 
 
+#: Sequence batching with a START control input, as Triton's stateful models declare it.
+SEQUENCE_BATCHING = """
+sequence_batching {
+  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
+}
+"""
+
+
+async def test_sequence_batching_is_refused_at_load_naming_the_field(tmp_path: Path) -> None:
+    config = KINDS["onnx"][1].format(name="sequences") + SEQUENCE_BATCHING
+    folder = add_model(tmp_path, "onnx", "sequences", {"1": 1}, config=config)
+    words = (str(folder / "config.pbtxt"), "sequence_batching is not supported", "START")
+    await refused(tmp_path, "sequences", grpc.StatusCode.INVALID_ARGUMENT, *words)
+
+
 async def test_a_config_pbtxt_with_a_syntax_error(tmp_path: Path) -> None:
     config = KINDS["onnx"][1].format(name="typo").replace("max_batch_size: 8", "max_batch_size 8 }")
     folder = add_model(tmp_path, "onnx", "typo", {"1": 1}, config=config)

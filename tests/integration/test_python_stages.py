@@ -275,6 +275,73 @@ async def test_a_bad_model_py_is_refused_naming_the_file_while_the_others_serve(
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a plain name" in error.details()
 
 
+#: Triton's sequence example as a Python model: the running sum of a sequence's INPUT, restarted where its
+#: START control input is 1; its config asks for sequence batching with START and READY control inputs.
+ACCUMULATE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.total = 0
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            if pb_utils.get_input_tensor_by_name(request, "START").as_numpy()[0, 0]:
+                self.total = 0
+            self.total += int(pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()[0, 0])
+            total = pb_utils.Tensor("OUTPUT", np.array([[self.total]], np.int32))
+            responses.append(pb_utils.InferenceResponse([total]))
+        return responses
+"""
+ACCUMULATE_CONFIG = """
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+sequence_batching {
+  max_sequence_idle_microseconds: 5000000
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] }
+  ]
+}
+instance_group [ { kind: KIND_CPU } ]
+"""
+
+
+async def test_a_model_with_sequence_batching_is_refused_at_load_naming_the_field(tmp_path: Path) -> None:
+    """Sequence batching is not served here: its model is refused at load (listed UNAVAILABLE with the reason,
+    its requests answered UNAVAILABLE with it) instead of failing every request, and the others serve."""
+    write_model(tmp_path, "accumulate", ACCUMULATE, ACCUMULATE_CONFIG)
+    write_model(tmp_path, "add_sub", TRITON_ADD_SUB_MODEL, TRITON_ADD_SUB_CONFIG)
+    config = tmp_path / "accumulate" / "config.pbtxt"
+    async with serving(tmp_path) as stage, inference_stub(stage.address) as stub:
+        await wait_serving(stage.address, timeout=60)
+        listed = await index(stub)
+        assert listed["add_sub"] == ("READY", "")
+        state, reason = listed["accumulate"]
+        assert state == "UNAVAILABLE" and str(config) in reason, reason
+        assert "sequence_batching is not supported" in reason and "START, READY" in reason
+        assert not (await stub.ModelReady(pb.ModelReadyRequest(name="accumulate"))).ready
+
+        request = request_for("accumulate", INPUT=np.array([[1]], np.int32))
+        error = await rpc_error(stub.ModelInfer(request))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "sequence_batching is not supported" in error.details()
+        error = await rpc_error(
+            stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="accumulate"))
+        )
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert str(config) in error.details() and "sequence_batching is not supported" in error.details()
+
+        ones = np.ones(4, np.float32)
+        reply = await stub.ModelInfer(request_for("add_sub", INPUT0=ones, INPUT1=ones))
+        assert outputs(reply)["OUTPUT0"].tolist() == [2.0] * 4
+
+
 async def test_unload_lets_the_request_in_flight_finish_first(tmp_path: Path) -> None:
     write_model(tmp_path, "gated", GATED_MODEL)
     GATE["entered"].clear()
