@@ -119,7 +119,8 @@ class Call:
 class RouterCalls:
     """The service's channel to the router, on which its models' calls go. The router's address is
     `address`, or read from `port_file` (with `host`) at the first call, for a router started after the
-    service on a port the OS picked. `token` goes with every call as the router's clients' bearer token."""
+    service on a port the OS picked. `credentials` (None: plaintext) and `token` (the router's clients'
+    bearer token) go with every call."""
 
     def __init__(
         self,
@@ -128,8 +129,10 @@ class RouterCalls:
         port_file: Path | None = None,
         host: str = "127.0.0.1",
         max_message_bytes: int = 64 * 1024 * 1024,
+        credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
     ) -> None:
+        self._credentials = credentials
         self._address = address
         self._port_file = port_file
         self._host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
@@ -155,7 +158,11 @@ class RouterCalls:
                 ) from None
         if address is None:
             raise ConnectionError("no router address")
-        self._channel = grpc.aio.insecure_channel(address, options=server_options(self._max_message_bytes))
+        options = server_options(self._max_message_bytes)
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(address, self._credentials, options=options)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         return self._stub
 

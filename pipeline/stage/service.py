@@ -23,6 +23,7 @@ from pipeline.runtime.security import (
     AccessPolicy,
     SecurityConfigError,
     access_policy_of,
+    channel_credentials,
     interceptors_of,
     server_credentials_of,
     server_ssl_context_of,
@@ -170,15 +171,20 @@ async def serve_stages(
 
 
 def _router_calls(args: argparse.Namespace) -> RouterCalls | None:
-    """Where the service's models send their calls to other models (`--router`), if anywhere."""
+    """Where the service's models send their calls to other models (`--router`), if anywhere: over TLS
+    where the service trusts a CA (`--tls-ca`), presenting its own certificate, with the clients' token
+    `PIPELINE_TOKEN` where one is set."""
     address, port_file = getattr(args, "router", None), getattr(args, "router_port_file", None)
     if address is None and port_file is None:
         return None
+    ca = getattr(args, "tls_ca", None)
+    credentials = channel_credentials(ca, args.tls_cert, args.tls_key) if ca else None
     return RouterCalls(
         address,
         port_file=port_file,
         host=args.host,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
+        credentials=credentials,
         token=settings.TOKEN.get(),
     )
 

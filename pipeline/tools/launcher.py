@@ -176,8 +176,10 @@ def run(args: argparse.Namespace) -> int:
     tls = _tls(tls_dir, args.mtls) if tls_dir is not None else _Tls()
     grace = ["--grace-period", str(args.grace_period)]
     # One repository for every service: each serves the entries whose backend it runs.
-    stages = _stage_services(args, ["--model-dir", str(args.model_dir), *grace, *tls.stage])
     ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
+    # The models' calls to other models (BLS) go to the router, whose port the stages read where it writes it.
+    router_port = ["--router-port-file", str(ports / "router")]
+    stages = _stage_services(args, ["--model-dir", str(args.model_dir), *grace, *tls.stage, *router_port])
     http_port_file = ports / "router.http"
     router = _router_service(args, grace, tls.router, http_port_file)
     everything = [router, *stages]  # stop order: the router drains while the stages still serve

@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import numpy as np
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.call_chain import MAX_DEPTH
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.telemetry import Telemetry
+from pipeline.stage import triton_python_backend_utils as pb_utils
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import Running, serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
@@ -174,6 +181,39 @@ class TritonPythonModel:
         return responses
 """
 
+#: What the slow models and the test tell each other: the callee started, the test lets it finish, and
+#: what the caller's call answered.
+SLOW: dict = {"entered": threading.Event(), "release": threading.Event(), "answered": threading.Event()}
+
+#: Holds its request until the test releases it (at most 20 s).
+HOLD_UNTIL_RELEASED = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from tests.integration.test_bls import SLOW
+
+class TritonPythonModel:
+    def execute(self, requests):
+        SLOW["entered"].set()
+        SLOW["release"].wait(20)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros((4,), np.float32))])]
+"""
+
+#: Calls `slow` and records what the call answered.
+CALL_AND_RECORD = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from tests.integration.test_bls import SLOW
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X")
+        reply = pb_utils.InferenceRequest(model_name="slow", inputs=[x], requested_output_names=["Y"]).exec()
+        SLOW["reply"] = (reply.error().code(), reply.error().message()) if reply.has_error() else None
+        SLOW["answered"].set()
+        return [pb_utils.InferenceResponse(error=pb_utils.TritonError("done"))]
+"""
+
+
 #: `double` twice, as Triton's ensemble.
 QUADRUPLE = """
 name: "quadruple"
@@ -208,6 +248,8 @@ def write_repository(root: Path) -> Path:
         "stream_sum": (STREAM_SUM, 0, 1, ""),
         "recurse": (RECURSE, 0, MAX_DEPTH + 2, ""),
         "recurse_alone": (RECURSE.replace('"recurse"', '"recurse_alone"'), 0, 1, ""),
+        "slow": (HOLD_UNTIL_RELEASED, 0, 1, ""),
+        "call_slow": (CALL_AND_RECORD, 0, 1, ""),
     }
     for name, (source, batch, count, extra) in models.items():
         write_model(root, name, source, XY.format(name=name, batch=batch, count=count, extra=extra))
@@ -217,18 +259,24 @@ def write_repository(root: Path) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def pipeline(tmp_path: Path) -> AsyncIterator[Running]:
+async def pipeline(
+    tmp_path: Path, *, stage_telemetry: Telemetry | None = None, router_telemetry: Telemetry | None = None
+) -> AsyncIterator[Running]:
     """The repository's Python models on a stage service, and the router; the stage finds the router's
     port in a file written once the router listens, as a launcher does."""
     root = write_repository(tmp_path / "repository")
     port_file = tmp_path / "router.port"
     options = {"router_port_file": port_file, "max_instances": MAX_DEPTH + 2}
     async with serving_stages(
-        [], repository=ModelRepository(root), backends=[PythonBackend()], options=options
+        [],
+        repository=ModelRepository(root),
+        backends=[PythonBackend()],
+        options=options,
+        telemetry=stage_telemetry or Telemetry(),
     ) as stage:
         await wait_serving(stage.address)
         catalog = load_catalog(repository=root, stages={"python": stage.address})
-        async with serving_router(catalog) as router:
+        async with serving_router(catalog, telemetry=router_telemetry or Telemetry()) as router:
             port_file.write_text(router.address.rsplit(":", 1)[1])
             await wait_serving(router.address)
             yield router
@@ -300,3 +348,71 @@ async def test_recursion_is_bounded_by_depth_and_by_free_instances(tmp_path: Pat
         one = np.array([1, 0, 0, 0], np.float32)
         err = await rpc_error(stub.ModelInfer(request_for("recurse_alone", X=one)))
         assert "every instance (1) is waiting for this call" in (err.details() or "")
+
+
+@contextlib.asynccontextmanager
+async def slow_calls() -> AsyncIterator[None]:
+    for event in ("entered", "release", "answered"):
+        SLOW[event].clear()
+    SLOW.pop("reply", None)
+    try:
+        yield
+    finally:
+        SLOW["release"].set()
+
+
+async def test_cancelling_the_outer_request_cancels_its_calls(tmp_path: Path) -> None:
+    async with pipeline(tmp_path) as router, slow_calls(), inference_stub(router.address) as stub:
+        # Metadata of the client's own: the router's call to the caller's stage is a gRPC call of its own,
+        # which carries the cancellation (its frame port carries none).
+        call = stub.ModelInfer(
+            request_for("call_slow", X=np.ones(4, np.float32)), metadata=(("x-test", "1"),)
+        )
+        assert await asyncio.to_thread(SLOW["entered"].wait, 20)
+        call.cancel()
+        # The caller's call to `slow` is cancelled with it: it answers at once, while `slow` still holds.
+        assert await asyncio.to_thread(SLOW["answered"].wait, 20)
+        assert not SLOW["release"].is_set()
+        code, message = SLOW["reply"]
+        assert code == pb_utils.TritonError.CANCELLED, message
+
+
+async def test_a_call_has_what_is_left_of_the_callers_deadline(tmp_path: Path) -> None:
+    async with pipeline(tmp_path) as router, slow_calls(), inference_stub(router.address) as stub:
+        err = await rpc_error(
+            stub.ModelInfer(request_for("call_slow", X=np.ones(4, np.float32)), timeout=1.0)
+        )
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert await asyncio.to_thread(SLOW["answered"].wait, 20)
+        assert not SLOW["release"].is_set()
+        code, message = SLOW["reply"]
+        # A call whose time ran out: UNAVAILABLE, as Triton answers a request whose timeout expired.
+        assert code == pb_utils.TritonError.UNAVAILABLE and "deadline" in message.lower(), message
+
+
+def _traced(service: str) -> tuple[Telemetry, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Telemetry(provider), exporter
+
+
+async def test_a_call_is_traced_under_its_caller(tmp_path: Path) -> None:
+    stage_telemetry, stage_spans = _traced("stage")
+    router_telemetry, router_spans = _traced("router")
+    async with (
+        pipeline(tmp_path, stage_telemetry=stage_telemetry, router_telemetry=router_telemetry) as router,
+        inference_stub(router.address) as stub,
+    ):
+        await stub.ModelInfer(request_for("call_double", X=xs(1)), timeout=30)
+    stage = [s for s in stage_spans.get_finished_spans() if s.kind == SpanKind.SERVER]
+    routed = [s for s in router_spans.get_finished_spans() if s.kind == SpanKind.SERVER]
+    caller = next(s for s in stage if "call_double" in s.name)
+    call = next(s for s in routed if s.name.endswith(" double"))
+    callee = next(s for s in stage if s.name.endswith(" double"))
+    # One trace: the router's span of the call is a child of the caller's span on the stage, and the
+    # callee's stage span sits under it.
+    assert call.parent is not None and call.parent.span_id == caller.context.span_id
+    assert {caller.context.trace_id, call.context.trace_id, callee.context.trace_id} == {
+        caller.context.trace_id
+    }
