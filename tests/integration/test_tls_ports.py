@@ -256,3 +256,30 @@ async def test_the_routers_http_port_gives_a_client_certificate_the_scope_grpc_g
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.ModelInfer(request_for("e", X=X), timeout=10)
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+async def test_pipeline_bench_loads_a_tls_router(certs, tmp_path, protocol):
+    from pipeline.tools.bench.options import BenchOptions
+    from pipeline.tools.bench.run import run_bench
+
+    async with serving_stages([Scale()]) as stage:
+        ensemble(tmp_path, stage.address, model="scale")
+        options = {"tls_cert": str(certs / "server.pem"), "tls_key": str(certs / "server-key.pem")}
+        async with serving_router(load_ensembles([tmp_path]), options=options) as router:
+            await secure_serving(router.address, credentials(certs, client_cert=False))
+            url = router.address if protocol == "grpc" else router.http_address
+            assert url is not None
+            bench = BenchOptions(
+                url=url,
+                model="e",
+                protocol=protocol,
+                shapes={"X": (3,)},
+                values={"X": "1"},  # the stage refuses negative values
+                warmup=0.2,
+                duration=0.5,
+                progress=False,
+                tls_ca=str(certs / "ca.pem"),
+            )
+            result = (await run_bench(bench)).results[0]
+            assert result.ok == result.sent > 0 and not result.errors

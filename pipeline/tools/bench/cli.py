@@ -10,6 +10,7 @@ from pathlib import Path
 import uvloop
 
 from pipeline.runtime import settings
+from pipeline.runtime.security import add_client_tls_arguments
 from pipeline.tools.bench.endpoints import PROTOCOLS
 from pipeline.tools.bench.options import ARRIVALS, BenchError, BenchOptions
 from pipeline.tools.bench.report import format_report, write_json, write_plot
@@ -150,6 +151,8 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
         default=settings.TOKEN.get(),
         help="bearer token sent with every call, where the server asks for one (env PIPELINE_TOKEN)",
     )
+    # TLS as `pipeline infer` takes it.
+    add_client_tls_arguments(parser, prefix="", env_prefix="PIPELINE_CLIENT_")
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -203,6 +206,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         progress=args.progress,
         cpu_metrics=cpu,
         token=args.token,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
         stream=args.stream,
     )
 

@@ -23,6 +23,7 @@ from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.streams import status_of
 from pipeline.router.rest_codec import HEADER_LENGTH
+from pipeline.runtime.security import ClientTls
 from pipeline.runtime.server import server_options
 
 #: The RPCs the gRPC load is made of, called with pre-serialised bytes.
@@ -51,7 +52,12 @@ class GrpcEndpoint:
     """The protocol's gRPC side."""
 
     def __init__(
-        self, url: str, max_message_bytes: int, connections: int = 1, token: str | None = None
+        self,
+        url: str,
+        max_message_bytes: int,
+        connections: int = 1,
+        token: str | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
 
         #: Sent with every call where the server asks for a token.
@@ -60,7 +66,12 @@ class GrpcEndpoint:
         options = server_options(max_message_bytes)
         # Each channel its own connection: gRPC would otherwise share one among channels to one address.
         options.append(("grpc.use_local_subchannel_pool", 1))
-        self.channels = [grpc.aio.insecure_channel(url, options=options) for _ in range(connections)]
+        if tls is None:
+            self.channels = [grpc.aio.insecure_channel(url, options=options) for _ in range(connections)]
+        else:
+            self.channels = [
+                grpc.aio.secure_channel(url, tls.credentials, options=options) for _ in range(connections)
+            ]
         self.channel = self.channels[0]
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
 
@@ -151,13 +162,16 @@ class GrpcEndpoint:
 class HttpEndpoint:
     """The protocol's HTTP/REST side (aiohttp), tensors as Triton's binary tensor data, both ways."""
 
-    def __init__(self, url: str, model: str, version: str, token: str | None = None) -> None:
-        base = url if "://" in url else f"http://{url}"
+    def __init__(
+        self, url: str, model: str, version: str, token: str | None = None, tls: ClientTls | None = None
+    ) -> None:
+        base = url if "://" in url else f"{'http' if tls is None else 'https'}://{url}"
         self.base = base.rstrip("/")
         self.path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "")
         # No cap on connections: each closed-loop worker keeps its own, as gRPC streams would.
         headers = {"Authorization": f"Bearer {token}"} if token else None
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
+        connector = aiohttp.TCPConnector(limit=0, ssl=True if tls is None else tls.ssl_context)
+        self.session = aiohttp.ClientSession(connector=connector, headers=headers)
 
     async def _get(self, path: str) -> Any:
         async with self.session.get(self.base + path, timeout=aiohttp.ClientTimeout(total=10)) as reply:
@@ -236,9 +250,11 @@ def open_endpoint(
     max_message_bytes: int,
     connections: int = 1,
     token: str | None = None,
+    tls: ClientTls | None = None,
 ) -> GrpcEndpoint | HttpEndpoint:
     """The endpoint of a protocol (`grpc` or `http`) at `url` (`connections`: gRPC connections to spread
-    calls over; `token`: the bearer token every call carries, where the server asks for one)."""
+    calls over; `token`: the bearer token every call carries, where the server asks for one; `tls`: TLS,
+    else plaintext)."""
     if protocol == "http":
-        return HttpEndpoint(url, model, version, token)
-    return GrpcEndpoint(url, max_message_bytes, connections, token)
+        return HttpEndpoint(url, model, version, token, tls)
+    return GrpcEndpoint(url, max_message_bytes, connections, token, tls)

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.runtime.security import client_tls
 from pipeline.tools.bench.endpoints import PROTOCOLS, Call, GrpcEndpoint, HttpEndpoint, open_endpoint
 
 ARRIVALS = ("poisson", "constant")
@@ -63,6 +64,10 @@ class BenchOptions:
     cpu_metrics: Mapping[str, str] = field(default_factory=dict)
     #: The bearer token every call carries, where the server asks for one.
     token: str | None = None
+    #: TLS (PEM files): the CA that turns it on, and a client certificate for servers that require one.
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     #: Each request over a `ModelStreamInfer` stream of its own, its many responses timed (gRPC only).
     stream: bool = False
 
@@ -82,6 +87,7 @@ class BenchOptions:
             max_message_bytes=self.max_message_mb * 1024 * 1024,
             connections=self.connections,
             token=self.token,
+            tls=client_tls(self.tls_ca, self.tls_cert, self.tls_key),
         )
 
     def call(self, endpoint: GrpcEndpoint | HttpEndpoint) -> Call:
