@@ -5,6 +5,11 @@ model is first asked for, and while an ensemble waits for its models or the resp
 a model no step names a stage for is served by the first declared stage that lists it. Every model of the
 stages' repositories is served through the router, ensemble or not. Which ensembles can be served is
 `pipeline.router.availability`'s.
+
+Each replica of a stage is asked for its own index: replicas may serve different models (a load that failed
+on one, or each started with its own `--load-model`). A stage serves what any of its replicas lists, and each
+model's calls go only to the replicas that list it (`Replicas.pick`); `pipeline_stage_model_replicas_ready`
+says how many serve each model.
 """
 
 from __future__ import annotations
@@ -237,36 +242,36 @@ class StageDiscovery:
 
 async def _index_of(client: StageClient) -> Mapping[str, frozenset[str]] | PipelineError | None:
     """The models a stage serves as READY, with their READY versions: those that the `RepositoryIndex` of any
-    of its replicas that is not down lists (each replica keeps its own, so that each model goes to the
-    replicas that serve it); None for a stage without the RPC (a plain OIP server); an error where no replica
-    can answer now."""
+    of its replicas lists (each replica keeps its own, so that each model goes to the replicas that serve it),
+    a replica that cannot answer now counting with what it said last unless it is down; None for a stage
+    without the RPC (a plain OIP server); an error where no replica can answer now (the stage keeps what it
+    said last)."""
     await client.replicas.settle()
     replicas = list(client.replicas.by_address.values())
     answers = await asyncio.gather(
         *(client.replica_index(r, ready_only=True) for r in replicas), return_exceptions=True
     )
     problem: PipelineError = Unavailable(f"stage '{client.endpoint.name}' has no replica")
-    answered = False
+    answered, counted = False, []
     for replica, answer in zip(replicas, answers, strict=True):
-        if isinstance(answer, PipelineError):  # a replica that cannot answer keeps what it said last
+        if isinstance(answer, PipelineError):
             problem = answer
+            if replica.state != DOWN:
+                counted.append(replica)
         elif isinstance(answer, BaseException):
             raise answer
         else:
-            answered = True
             replica.index = None if answer is None else _ready(answer)
+            answered = True
+            counted.append(replica)
     if not answered:
         return problem
-    ready: dict[str, set[str]] = {}
-    implemented = False
-    for replica in replicas:
-        if replica.index is not None:
-            implemented = True
-            if replica.state != DOWN:
-                for model, versions in replica.index.items():
-                    ready.setdefault(model, set()).update(versions)
-    if not implemented:
+    if all(replica.index is None for replica in replicas):
         return None
+    ready: dict[str, set[str]] = {}
+    for replica in counted:
+        for model, versions in (replica.index or {}).items():
+            ready.setdefault(model, set()).update(versions)
     return {name: frozenset(versions) for name, versions in ready.items()}
 
 

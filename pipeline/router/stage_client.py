@@ -184,8 +184,9 @@ class StageClient:
         model, version = model_of(request)
         replica = replicas.pick(method, tried, model, version)
         if replica is None:
-            # Every replica is down or draining: answer at once instead of waiting out the deadline.
-            raise Unavailable(f"stage '{name}' ({address}) is unavailable for {what}: no replica is serving")
+            # Every replica (that may serve the model) is down or draining: answer at once instead of waiting
+            # out the deadline.
+            raise Unavailable(f"stage '{name}' ({address}) is unavailable for {what}: {_none_serving(model)}")
         attempt = 0
         while True:
             attempt += 1
@@ -293,7 +294,8 @@ class StageClient:
             name, address = self.endpoint.name, self.endpoint.address
             if replica is None:
                 raise Unavailable(
-                    f"stage '{name}' ({address}) is unavailable for {what}: no replica is serving"
+                    f"stage '{name}' ({address}) is unavailable for {what}: "
+                    f"{_none_serving(request.model_name)}"
                 )
             sent = pb.ModelInferRequest()
             sent.CopyFrom(request)
@@ -410,3 +412,8 @@ class StageClient:
 
     async def close(self) -> None:
         await self.replicas.close()
+
+
+def _none_serving(model: str) -> str:
+    """Why no replica was picked for a call: those that may serve its model (or all) are down or draining."""
+    return f"no replica that serves model '{model}' is serving" if model else "no replica is serving"

@@ -109,7 +109,8 @@ steps:
 async def test_each_model_goes_only_to_the_replicas_that_serve_it(tmp_path):
     """Two replicas of a stage, only the first serving `add_sub` (explicit model control, the second started
     without it): every request goes to the first, the ensemble stays ready whichever replica the router asks,
-    and the metrics say 1 of 2 replicas serve the model; loaded on the second, it takes calls there too."""
+    and the metrics say 1 of 2 replicas serve the model; loaded on the second, it takes calls there too, and
+    unloaded from the first, the second serves it alone."""
     write_model(tmp_path / "models", "add_sub", TRITON_ADD_SUB_MODEL, TRITON_ADD_SUB_CONFIG)
     repository = ModelRepository(tmp_path / "models")
     explicit = {"model_control_mode": "explicit"}
@@ -163,3 +164,13 @@ async def test_each_model_goes_only_to_the_replicas_that_serve_it(tmp_path):
             assert (
                 await executions(first.address, "add_sub") + await executions(second.address, "add_sub") == 70
             )
+
+            # Unloaded from the first, the model is served by the second alone, and the ensemble stays ready.
+            async with inference_stub(first.address) as first_stub:
+                await first_stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="add_sub"))
+            assert (await stub.ModelReady(pb.ModelReadyRequest(name="sums"))).ready
+            assert sample(metrics, "pipeline_stage_model_replicas_ready", stage="s", model="add_sub") == 1
+            on_second = await executions(second.address, "add_sub")
+            await sums(stub, 10)
+            assert await executions(second.address, "add_sub") == on_second + 10
+            assert not sample(metrics, "pipeline_stage_retries_total", stage="s")

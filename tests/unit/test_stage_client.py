@@ -1,10 +1,12 @@
-"""The stage client's pieces that need no server: target syntax, look-ups and the retry budget."""
+"""The stage client's pieces that need no server: target syntax, look-ups, the retry budget and the choice of a
+replica for a model."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.router.retry import RetryBudget
+from pipeline.router.replicas import DOWN, SERVING, Replicas
+from pipeline.router.retry import RetryBudget, StageRetry
 from pipeline.router.targets import Target, resolve_dns, tls_name
 
 
@@ -46,3 +48,35 @@ def test_the_retry_budget_is_a_fifth_of_the_calls_plus_a_floor_over_its_window()
     assert budget.refused == 88
     now[0] += 10.0  # the window has passed: only the floor is left
     assert sum(budget.try_retry() for _ in range(10)) == 2
+
+
+async def test_a_model_goes_to_the_replicas_that_list_it_then_to_those_that_cannot_say():
+    replicas = Replicas(
+        "s", "ipv4:127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", max_message_bytes=1 << 20, retry=StageRetry()
+    )
+    try:
+        lists_x, lists_y, cannot_say = replicas.by_address.values()
+        for replica in (lists_x, lists_y, cannot_say):
+            replicas.set_state(replica, SERVING)
+        lists_x.index = {"x": frozenset({"1"})}
+        lists_y.index = {"y": frozenset({"1", "2"})}
+        for method in ("ModelInfer", "ModelMetadata"):
+            assert {replicas.pick(method, set(), "x") for _ in range(20)} == {lists_x}
+            assert replicas.pick(method, {lists_x}, "x") is cannot_say
+            # Where no replica lists it and none is left that cannot say, one that does not list it answers.
+            assert replicas.pick(method, {lists_x, cannot_say}, "x") is lists_y
+        assert replicas.pick("ModelInfer", set(), "y", "2") is lists_y
+        assert replicas.pick("ModelInfer", set(), "x", "2") is cannot_say
+        calls_for_any = {replicas.pick("ModelInfer", set()) for _ in range(50)}
+        assert calls_for_any == {lists_x, lists_y, cannot_say}
+
+        assert replicas.serving("x")
+        replicas.set_state(lists_x, DOWN)
+        assert replicas.pick("ModelInfer", set(), "x") is cannot_say
+        replicas.set_state(cannot_say, DOWN)
+        # The replicas that may serve it are down: none is picked (the call is answered UNAVAILABLE), not one
+        # that would answer that it does not know the model.
+        assert not replicas.serving("x") and replicas.serving("y")
+        assert replicas.pick("ModelInfer", set(), "x") is None
+    finally:
+        await replicas.close()
