@@ -113,8 +113,9 @@ class DynamicBatcher(Generic[In, Out]):
         model: str = "",
         replicas: Callable[[], int] | None = None,
     ) -> None:
-        """`replicas` says how many replicas of the stage are ready now (at least 1 is assumed): the batches
-        in flight are `max_inflight_batches` times that. Call `replicas_changed()` when it changes."""
+        """`replicas` says how many replicas of the stage are ready to serve the model now (at least 1 is
+        assumed): the batches in flight are `max_inflight_batches` times that. Call `replicas_changed()` when
+        it changes."""
         self.name = name
         self._replicas = replicas
         #: The model's name in span attributes and metric labels.

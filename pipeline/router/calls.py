@@ -161,7 +161,7 @@ class StageCalls:
             telemetry=self.telemetry,
             metrics=self.metrics,
             model=model,
-            replicas=lambda: client.replicas.ready_count,
+            replicas=lambda: client.replicas.serving(model),
         )
         client.replicas.listeners.append(batcher.replicas_changed)
         batcher.start()

@@ -430,9 +430,9 @@ class Replicas:
             return random.choice(candidates) if candidates else None
         return None
 
-    def serving(self, model: str) -> bool:
-        """Whether a SERVING replica serves `model` (its `RepositoryIndex` lists it, or it cannot say)."""
-        return any(r.state == SERVING and r.serves(model) is not False for r in self.by_address.values())
+    def serving(self, model: str) -> int:
+        """The SERVING replicas that serve `model` (their `RepositoryIndex` lists it, or they cannot say)."""
+        return sum(1 for r in self.by_address.values() if r.state == SERVING and r.serves(model) is not False)
 
     async def check_health(self, timeout: float) -> bool:
         """Whether any replica is SERVING, waiting up to `timeout` for replicas not heard from yet."""

@@ -70,13 +70,13 @@ async def test_a_model_goes_to_the_replicas_that_list_it_then_to_those_that_cann
         calls_for_any = {replicas.pick("ModelInfer", set()) for _ in range(50)}
         assert calls_for_any == {lists_x, lists_y, cannot_say}
 
-        assert replicas.serving("x")
+        assert (replicas.serving("x"), replicas.serving("y"), replicas.serving("z")) == (2, 2, 1)
         replicas.set_state(lists_x, DOWN)
         assert replicas.pick("ModelInfer", set(), "x") is cannot_say
         replicas.set_state(cannot_say, DOWN)
         # The replicas that may serve it are down: none is picked (the call is answered UNAVAILABLE), not one
         # that would answer that it does not know the model.
-        assert not replicas.serving("x") and replicas.serving("y")
+        assert (replicas.serving("x"), replicas.serving("y")) == (0, 1)
         assert replicas.pick("ModelInfer", set(), "x") is None
     finally:
         await replicas.close()
