@@ -18,6 +18,7 @@ health) are read from their owners only when Prometheus scrapes, so they cost no
 | `pipeline_inflight_batches` | model | executions running now |
 | `pipeline_stage_inflight_calls` | stage, replica | the router's calls in flight to each replica now |
 | `pipeline_stage_replicas_ready` | stage | replicas whose health says SERVING (router) |
+| `pipeline_stage_model_replicas_ready` | stage, model | of those, the replicas whose `RepositoryIndex` lists the model as READY: the replicas its calls go to (router) |
 | `pipeline_stage_healthy` | stage | 1 when the stage's health check says SERVING (router) |
 | `pipeline_branch_requests_total` | ensemble, step, taken | requests that ran (`true`) or skipped (`false`) each step of an ensemble with conditions (router) |
 | `pipeline_cache_requests_total` | model, result | lookups in the response cache: `hit` or `miss` (router) |
