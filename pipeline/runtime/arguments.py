@@ -75,8 +75,9 @@ def add_server_arguments(
             type=settings.port_or_off,
             default=frames.get(),
             help="port of the frame protocol, the router's fast path to this service (the protocol's "
-            "messages on a plain stream; gRPC serves everything else), 0 for one the OS picks, 'off' for "
-            f"none (env {frames.variable}; default %(default)s)",
+            "messages on a stream of their own, with the TLS and client certificates of the gRPC port where "
+            "it has them; gRPC serves everything else), 0 for one the OS picks, 'off' for none "
+            f"(env {frames.variable}; default %(default)s)",
         )
         parser.add_argument(
             "--router",
