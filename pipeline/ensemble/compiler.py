@@ -165,6 +165,16 @@ class _Compiler:
             self.fail(f"{label}: input_map is empty; map at least one stage input to an ensemble tensor")
         if not step.output_map:
             self.fail(f"{label}: output_map is empty; map at least one stage output to an ensemble tensor")
+        read = set(step.input_map.values())
+        for tensor in step.for_each:
+            if tensor not in read:
+                self.fail(
+                    f"{label}: for_each names tensor '{tensor}', which its input_map does not read (it reads "
+                    f"{', '.join(sorted(read)) or 'none'}); the elements of a tensor the step reads are what "
+                    "it runs on"
+                )
+        if len(set(step.for_each)) != len(step.for_each):
+            self.fail(f"{label}: for_each names a tensor more than once")
 
     def _dependencies(
         self, producers: Mapping[str, list[_Producer]], conditions: list[Condition | None]
@@ -255,6 +265,7 @@ class _Compiler:
                 batching=self._batching(i),
                 model_batching=config.steps[i].dynamic_batching is not False,
                 when=conditions[i],
+                for_each=config.steps[i].for_each,
             )
             for i in order
         )

@@ -1,7 +1,7 @@
 """Triton's `config.pbtxt` ensembles in both directions: a repository's ensembles (`platform: "ensemble"`
 with `ensemble_scheduling`) compiled as YAML ensembles are, and a plan as Triton's `ModelConfig` (what
-`ModelConfig` answers for an ensemble). What Triton's ensembles cannot say (conditions, switches, optional
-outputs) travels in `parameters`, each value YAML flow text in the YAML files' vocabulary."""
+`ModelConfig` answers for an ensemble). What Triton's ensembles cannot say (conditions, switches, fan-out
+steps, optional outputs) travels in `parameters`, each value YAML flow text in the YAML files' vocabulary."""
 
 from __future__ import annotations
 
@@ -40,9 +40,11 @@ ENSEMBLE_FIELDS = frozenset(
 
 
 #: `parameters` of an ensemble's `config.pbtxt` that carry what Triton's ensembles cannot say, each value a
-#: YAML flow text in the YAML files' vocabulary: `step.<N>.when` (step N's condition), `switch.<NAME>` (a
-#: switch), and `optional_outputs` (comma-separated names).
+#: YAML flow text in the YAML files' vocabulary: `step.<N>.when` (step N's condition), `step.<N>.for_each`
+#: (step N's fan-out tensors, comma-separated), `switch.<NAME>` (a switch), and `optional_outputs`
+#: (comma-separated names).
 _STEP_WHEN = re.compile(r"step\.(\d+)\.when")
+_STEP_FOR_EACH = re.compile(r"step\.(\d+)\.for_each")
 _SWITCH = re.compile(r"switch\.(.+)")
 _OPTIONAL_OUTPUTS = "optional_outputs"
 
@@ -85,6 +87,9 @@ def ensemble_config(plan: EnsemblePlan, *, decoupled: bool = False) -> mc.ModelC
             assert when.comparison is not None
             text = {"tensor": when.tensor, when.comparison.op: when.comparison.operand}
         config.parameters[f"step.{step.index}.when"].string_value = _flow(text)
+    for step in plan.steps:
+        if step.for_each:
+            config.parameters[f"step.{step.index}.for_each"].string_value = ",".join(step.for_each)
     for name, switch in switches.items():
         cases = [{"name": case, comparison.op: comparison.operand} for case, comparison in switch.cases]
         config.parameters[f"switch.{name}"].string_value = _flow({"tensor": switch.tensor, "cases": cases})
@@ -98,15 +103,22 @@ def _flow(value: object) -> str:
     return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
 
 
-def _extensions(config: mc.ModelConfig, source: str) -> tuple[dict[int, Any], dict[str, Any], set[str]]:
-    """Conditions, switches and optional outputs from an ensemble config's `parameters`."""
+def _extensions(
+    config: mc.ModelConfig, source: str
+) -> tuple[dict[int, Any], dict[str, Any], set[str], dict[int, list[str]]]:
+    """Conditions, switches, optional outputs and fan-out steps from an ensemble config's `parameters`."""
     when: dict[int, Any] = {}
     switches: dict[str, Any] = {}
     optional: set[str] = set()
+    for_each: dict[int, list[str]] = {}
     for key, param in sorted(config.parameters.items()):
         text = param.string_value
         if key == _OPTIONAL_OUTPUTS:
             optional.update(name.strip() for name in text.split(",") if name.strip())
+            continue
+        fan_out = _STEP_FOR_EACH.fullmatch(key)
+        if fan_out is not None:
+            for_each[int(fan_out.group(1))] = [name.strip() for name in text.split(",") if name.strip()]
             continue
         step, switch = _STEP_WHEN.fullmatch(key), _SWITCH.fullmatch(key)
         if step is None and switch is None:
@@ -120,7 +132,7 @@ def _extensions(config: mc.ModelConfig, source: str) -> tuple[dict[int, Any], di
             when[int(step.group(1))] = value
         elif switch is not None:
             switches[switch.group(1)] = value
-    return when, switches, optional
+    return when, switches, optional, for_each
 
 
 def compile_model_config(config: mc.ModelConfig, source: str) -> EnsemblePlan:
@@ -136,11 +148,14 @@ def compile_model_config(config: mc.ModelConfig, source: str) -> EnsemblePlan:
     except RepositoryError as exc:
         raise ConfigError(exc.message) from None
 
-    when, switches, optional = _extensions(config, source)
+    when, switches, optional, for_each = _extensions(config, source)
     steps = config.ensemble_scheduling.step
     for index in when:
         if index >= len(steps):
             raise ConfigError(f"{source}: parameter 'step.{index}.when': there is no step {index}")
+    for index in for_each:
+        if index >= len(steps):
+            raise ConfigError(f"{source}: parameter 'step.{index}.for_each': there is no step {index}")
     declared = {spec.name for spec in outputs}
     for name in optional - declared:
         raise ConfigError(f"{source}: parameter '{_OPTIONAL_OUTPUTS}': there is no output '{name}'")
@@ -169,14 +184,18 @@ def compile_model_config(config: mc.ModelConfig, source: str) -> EnsemblePlan:
                 "output_map": dict(step.output_map),
             }
             | ({"when": when[i]} if i in when else {})
+            | ({"for_each": for_each[i]} if i in for_each else {})
             for i, step in enumerate(steps)
         ],
     }
     return compile_ensemble(data, source, default_name=config.name)
 
 
-def load_repository_ensembles(root: str | os.PathLike[str]) -> list[EnsemblePlan]:
-    """Compile every ensemble (`platform: "ensemble"`) of a Triton model repository, sorted by name.
+def load_repository_ensembles(
+    root: str | os.PathLike[str], *, failed: dict[str, ConfigError] | None = None
+) -> list[EnsemblePlan]:
+    """Compile every ensemble (`platform: "ensemble"`) of a Triton model repository, sorted by name. One
+    that does not compile raises `ConfigError`, or, given `failed`, is put there by name and the others go on.
 
     An entry the repository cannot read is logged and skipped: it may be a stage's model, which its own
     service refuses with the same message.
@@ -187,5 +206,10 @@ def load_repository_ensembles(root: str | os.PathLike[str]) -> list[EnsemblePlan
             log.warning("model repository %s: skipping model '%s': %s", root, name, entry.message)
             continue
         log_ignored(entry.config, ENSEMBLE_FIELDS, entry.source)
-        plans.append(compile_model_config(entry.config, entry.source))
+        try:
+            plans.append(compile_model_config(entry.config, entry.source))
+        except ConfigError as err:
+            if failed is None:
+                raise
+            failed[name] = err
     return plans

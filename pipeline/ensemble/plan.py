@@ -143,6 +143,9 @@ class PlanStep:
     #: When the step runs (None: whenever its inputs exist). Its tensor counts as one of the step's inputs:
     #: a request that lacks it skips the step.
     when: Condition | None = None
+    #: A fan-out step's ensemble tensors, split along their first dimension: the step runs once per element
+    #: (each a request of one item), its outputs gathered back in order. Empty for an ordinary step.
+    for_each: tuple[str, ...] = ()
 
     @property
     def consumed(self) -> tuple[str, ...]:

@@ -240,6 +240,15 @@ class StepConfig(_Schema):
     dynamic_batching: DynamicBatchingConfig | Literal[False] | None = None
     #: The step runs only for the requests that meet this condition (and have all its inputs).
     when: WhenConfig | None = None
+    #: Fan-out: run the step once per element of these tensors' first dimension (ensemble tensors the
+    #: step's `input_map` reads, all as long), each element a request of one item at the model's batcher,
+    #: and gather its outputs back in order along the first dimension. 0 elements: empty outputs.
+    for_each: tuple[Name, ...] = ()
+
+    @field_validator("for_each", mode="before")
+    @classmethod
+    def _tensor_or_tensors(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
 
     @field_validator("model_version", mode="plain")
     @classmethod

@@ -75,6 +75,12 @@ def _interface_errors(plan: EnsemblePlan, step: PlanStep, signature: ModelSignat
             f"{where}: the ensemble batches (max_batch_size {plan.max_batch_size}) but stage model "
             f"'{step.model_name}' does not (max_batch_size 0); set the ensemble's max_batch_size to 0"
         )
+    if step.for_each and (signature.max_batch_size == 0 or signature.decoupled):
+        why = "is decoupled" if signature.decoupled else "does not batch (max_batch_size 0)"
+        errors.append(
+            f"{where}: for_each sends each element of {', '.join(step.for_each)} as a request of one item, "
+            f"but stage model '{step.model_name}' {why}"
+        )
     stage_inputs = {spec.name for spec in signature.inputs}
     stage_outputs = {spec.name for spec in signature.outputs}
     for stage_tensor, tensor in step.inputs:

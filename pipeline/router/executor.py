@@ -40,6 +40,7 @@ from pipeline.protocol.errors import (
 from pipeline.protocol.types import TensorSpec
 from pipeline.router.batching import DynamicBatcher
 from pipeline.router.calls import StageCalls
+from pipeline.router.fanout import gather, split
 from pipeline.router.merge import StageCall
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.stage_client import StageClient
@@ -222,6 +223,8 @@ class Executor:
         metadata: Sequence[tuple[str, str | bytes]],
         awaited: dict[int, DynamicBatcher[StageCall, dict[str, Tensor]]],
     ) -> dict[str, Tensor]:
+        if step.for_each:
+            return await self._fan_out(step, values, request, deadline, metadata, awaited)
         if step.model_name in self.registry.batchers:
             stage_call = StageCall(
                 {stage_tensor: values[name] for stage_tensor, name in step.inputs},
@@ -254,6 +257,55 @@ class Executor:
                 )
             outputs[tensor_name] = Tensor(tensor_name, tensor.datatype, tensor.shape, tensor.raw)
         return outputs
+
+    async def _fan_out(
+        self,
+        step: PlanStep,
+        values: Mapping[str, Tensor],
+        request: pb.ModelInferRequest,
+        deadline: float | None,
+        metadata: Sequence[tuple[str, str | bytes]],
+        awaited: dict[int, DynamicBatcher[StageCall, dict[str, Tensor]]],
+    ) -> dict[str, Tensor]:
+        """A fan-out step: one call per element of its `for_each` tensors (each a request of one item, so
+        the elements of many requests share the model's batches), the outputs gathered back in order."""
+        elements = {name: split(values[name], step.label) for name in step.for_each}
+        counts = {name: len(parts) for name, parts in elements.items()}
+        if len(set(counts.values())) > 1:
+            lengths = ", ".join(f"'{name}' {count}" for name, count in counts.items())
+            raise InvalidInput(
+                f"{step.label}: its for_each tensors differ in length ({lengths}); each element is one call"
+            )
+        count = next(iter(counts.values()))
+        batcher = awaited.pop(step.index, None)
+        if batcher is not None:
+            batcher.unexpect()  # its elements come instead, unannounced
+        results: list[dict[str, Tensor]] = [{} for _ in range(count)]
+        element_step = replace(step, for_each=())
+
+        async def element(i: int) -> None:
+            own = {**values, **{name: parts[i] for name, parts in elements.items()}}
+            results[i] = await self.call_step(element_step, own, request, deadline, metadata, {})
+
+        if count:
+            try:
+                # NOTE: one element failing cancels the others: no call outlives the request.
+                async with asyncio.TaskGroup() as group:
+                    for i in range(count):
+                        group.create_task(element(i))
+            except BaseExceptionGroup as failure:
+                raise _first_error(failure) from None
+        signature = self.registry.signatures.get(step.model_name)
+        specs = {spec.name: spec for spec in signature.outputs} if signature is not None else {}
+        return {
+            tensor_name: gather(
+                tensor_name,
+                [result[tensor_name] for result in results],
+                specs.get(stage_tensor),
+                step.label,
+            )
+            for stage_tensor, tensor_name in step.outputs
+        }
 
     def _check_first_response(
         self, plan: EnsemblePlan, step: PlanStep, values: Mapping[str, Tensor], outputs: Mapping[str, Tensor]
