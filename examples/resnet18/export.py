@@ -3,7 +3,7 @@
 The network is the standard ResNet-18 (He et al., 2015: a 7×7 stem, four stages of two basic residual
 blocks, global average pooling, a 1000-way linear layer), written here with `torch.nn` because torchvision
 does not install beside the pinned torch. Its weights are random (a fixed seed): the walkthrough in the
-README is about serving a model of your own, not about what this one predicts.
+documentation (docs/serving/index.md) is about serving a model of your own, not about what this one predicts.
 
 It writes `DIR/resnet18/1/model.onnx` with a dynamic batch dimension, tensors `input` [N, 3, 224, 224] and
 `logits` [N, 1000], and no `config.pbtxt`: the model service completes the config from the file.

@@ -1,6 +1,7 @@
-"""`python -m bench.scaling` runs as the README says: the real model service on the repository, a slow
-replica through `bench.model_stage`, and figures for every process. A benchmark that no longer starts is
-found here, not when someone next needs its figures (the timings themselves are not checked)."""
+"""`python -m bench.scaling` runs as docs/deployment/scaling.md says: the real model service on the
+repository, a slow replica through `bench.model_stage`, and figures for every process. A benchmark that no
+longer starts is found here, not when someone next needs its figures (the timings themselves are not
+checked)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
-import shutil
 import subprocess
 import sys
 
@@ -287,38 +285,3 @@ def test_tritons_http_client_classifies_as_well_as_grpc(pipeline, tmp_path, form
     status, message = report["unknown_model"]
     assert str(status) == "404", status
     assert "unknown model 'nope'" in message
-
-
-def test_the_readmes_http_examples_work_as_written(pipeline, tmp_path):
-    if shutil.which("curl") is None:
-        pytest.skip("curl is not installed")
-    text = (REPO / "README.md").read_text()
-    start = text.index("\n## HTTP/REST\n")
-    section = text[start : text.index("\n## ", start + 1)]
-    [shell] = re.findall(r"```sh\n(.*?)```", section, re.S)
-    [python] = re.findall(r"```python\n(.*?)```", section, re.S)
-    _, _, x_test, y_test = load_split()
-    (tmp_path / "three.png").write_bytes(encode(x_test[np.flatnonzero(y_test == 3)[0]], scale=4))
-    at = pipeline.router.http_address  # the README's commands, on this pipeline's port
-    done = subprocess.run(
-        ["bash", "-e", "-o", "pipefail", "-c", shell.replace("127.0.0.1:8000", at)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
-    assert out.startswith("200\n")
-    assert '"name": "digits"' in out and '"platform": "ensemble"' in out
-    assert out.count('"name":"LABEL","datatype":"INT64","shape":[1,1],"data":[3]') == 2
-    assert '"name":"LABEL","datatype":"INT64","shape":[1,1],"data":[1]' in out  # the compressed call
-    done = subprocess.run(
-        [sys.executable, "-c", python.replace("127.0.0.1:8000", at)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[[3]]"

@@ -2,7 +2,7 @@
 replica SIGTERMed (rolling restart), and the router SIGTERMed with requests in flight. No request that
 had time left in its deadline may fail.
 
-`PIPELINE_FAULT_SECONDS` sets the length of the load run (default 16; the README's figures are from 30).
+`PIPELINE_FAULT_SECONDS` sets the length of the load run (default 16; the figures in docs/reliability.md are from 30).
 """
 
 from __future__ import annotations

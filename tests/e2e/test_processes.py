@@ -1,4 +1,4 @@
-"""Process-level behaviour: a stage killed and brought back, and `pipeline run` as the README runs it: it
+"""Process-level behaviour: a stage killed and brought back, and `pipeline run` as the docs run it: it
 serves, spreads calls over replicas, restarts what dies and gives up on what keeps dying."""
 
 from __future__ import annotations

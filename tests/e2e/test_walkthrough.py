@@ -1,4 +1,4 @@
-"""The README's "Serve your own model", as a new user runs it: a ResNet-18 exported to ONNX, two Python stages
+"""The documentation's "Serve your own model" (docs/serving/index.md), as a new user runs it: a ResNet-18 exported to ONNX, two Python stages
 and a Triton ensemble config copied into the repository, served by `pipeline run`, and classified with
 Triton's client; the answer matches the same three steps run in this process."""
 
@@ -17,20 +17,19 @@ from PIL import Image
 
 from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.python_backend import PythonBackend
+from tests.docs_examples import examples
 from tests.e2e.conftest import REPO
 from tests.e2e.test_processes import launch
 
 pytestmark = pytest.mark.e2e
 
 
-def readme_blocks() -> tuple[str, str]:
-    """The walkthrough's shell commands and its Python client, as the README has them."""
-    text = (REPO / "README.md").read_text()
-    start = text.index("\n## Serve your own model\n")
-    section = text[start : text.index("\n## ", start + 1)]
-    [shell] = re.findall(r"```sh\n(.*?)```", section, re.S)
-    [python] = re.findall(r"```python\n(.*?)```", section, re.S)
-    return shell, python
+def walkthrough_blocks() -> tuple[str, str]:
+    """The walkthrough's shell commands and its Python client, the blocks the docs mark
+    `<!-- runnable: walkthrough -->`."""
+    shell, python = examples("walkthrough")
+    assert (shell.language, python.language) == ("sh", "python"), (shell.name, python.name)
+    return shell.code, python.code
 
 
 def reference(repository: Path, photo: bytes) -> tuple[int, float]:
@@ -48,10 +47,10 @@ def reference(repository: Path, photo: bytes) -> tuple[int, float]:
     return int(probabilities.argmax()), float(probabilities.max())
 
 
-def test_serve_your_own_model_as_the_readme_says(tmp_path, model_dir):
+def test_serve_your_own_model_as_the_docs_say(tmp_path, model_dir):
     repository = tmp_path / "model_repository"
     shutil.copytree(model_dir, repository)  # the tree's repository, its example models built
-    shell, python = readme_blocks()
+    shell, python = walkthrough_blocks()
     commands = [line.split("#")[0].strip() for line in shell.splitlines()]
     assert commands[-1] == "make run"  # started below on ports the OS picks, as `make run` starts it
     script = "\n".join(commands[:-1]).replace(".venv/bin/python", sys.executable)

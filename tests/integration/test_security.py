@@ -282,7 +282,7 @@ ALLOWED = {
         "pipeline/stage/model_file.py",
         "eval/exec",
     ): "runs a repository's model.py, as Triton's Python backend "
-    "does: the repository must be trusted (README, Writing a stage)",
+    "does: the repository must be trusted (docs/serving/python-stages.md)",
 }
 
 
