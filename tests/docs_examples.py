@@ -1,4 +1,4 @@
-"""The documentation's runnable examples: fenced blocks under docs/ that a test runs as they are written.
+"""The documentation's runnable examples: fenced blocks of README.md and docs/ that a test runs as written.
 
 A block is runnable when the line before its fence is an HTML comment naming what it runs against:
 
@@ -23,7 +23,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+REPO = Path(__file__).resolve().parents[1]
+#: The pages: the README and the documentation site's.
+PAGES = (REPO / "README.md", REPO / "docs")
 #: What a runnable block may run against, and the languages a test knows how to run.
 FIXTURES = ("pipeline", "walkthrough")
 LANGUAGES = ("sh", "python")
@@ -119,10 +121,12 @@ def steps(body: list[str]) -> tuple[Step, ...]:
 
 
 def examples(fixture: str | None = None) -> list[Example]:
-    """Every runnable block under docs/ (against `fixture`, where given), in page and line order."""
+    """Every runnable block of the README and under docs/ (against `fixture`, where given), in page and line
+    order."""
+    readme, docs = PAGES
     found = []
-    for path in sorted(DOCS.rglob("*.md")):
-        found += parse(path.read_text(), str(path.relative_to(DOCS)))
+    for path in [readme, *sorted(docs.rglob("*.md"))]:
+        found += parse(path.read_text(), str(path.relative_to(REPO)))
     return [example for example in found if fixture is None or example.fixture == fixture]
 
 

@@ -1,5 +1,6 @@
-"""Every block the documentation marks `<!-- runnable: pipeline -->` runs as written against the example
-pipeline, started on ports the OS picks, and prints the output the page shows (`tests/docs_examples.py`)."""
+"""Every block the README and the docs mark `<!-- runnable: pipeline -->` runs as written against the
+example pipeline, started on ports the OS picks, and prints the output the page shows
+(`tests/docs_examples.py`)."""
 
 from __future__ import annotations
 

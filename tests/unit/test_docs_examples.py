@@ -78,5 +78,6 @@ def test_an_output_shown_stands_for_the_whole_output_with_ellipses(shown, actual
 def test_every_runnable_block_of_the_docs_is_run_by_a_test():
     found = examples()  # raises on a marker that marks nothing runnable
     assert {example.fixture for example in found} == set(FIXTURES)
+    assert {"README.md", "docs/getting-started.md", "docs/clients/http.md"} <= {e.page for e in found}
     assert [e.language for e in examples("walkthrough")] == ["sh", "python"]  # test_walkthrough's two
     assert len(examples("pipeline")) >= 5
