@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import math
 import os
@@ -33,15 +32,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
+from google.protobuf import text_format
 
 from bench import grpc_floor, peers
 from bench.running import REPO, Pipeline, mean_batch, per_request, statistics, wait_ready
 from examples.models.build import build
+from pipeline._gen.inference import model_config_pb2 as mc
 
 LEVELS = peers.LEVELS
-#: What batching ON means when the committed ensemble does not say.
-DEFAULT_BATCHING = {"max_batch_size": 64, "max_queue_delay_microseconds": 2000, "max_inflight_batches": 1}
+#: What batching ON means for a model whose committed config sets no dynamic_batching.
+DEFAULT_DELAY_US = 2000
 
 
 def ceiling(levels: tuple[int, ...], seconds: float) -> list[dict[str, Any]]:
@@ -84,21 +84,21 @@ REFCNN_MODELS = ("refcnn_preprocess", "refcnn_cnn", "refcnn_postprocess")
 
 
 def ensemble_variant(folder: Path, batching: bool) -> Path:
-    """A model repository in `folder` that serves refcnn alone: its models, copied from the example
-    repository, and its ensemble with dynamic batching on every stage (ON) or on none (OFF)."""
+    """A model repository in `folder` that serves refcnn alone: its ensemble and its models, copied from the
+    example repository, each model with its own dynamic batching (ON) or none (OFF)."""
     repository = REPO / "model_repository"
     # A fresh clone has no model file yet: `make run` and `make model` write it, and so does this.
     build(repository, ["refcnn_cnn"], progress=False)
-    source = yaml.safe_load((repository / "refcnn" / "ensemble.yaml").read_text())
-    variant = copy.deepcopy(source)
-    for stage in variant["stages"].values():
-        settings = stage.pop("dynamic_batching", None)
-        if batching:
-            stage["dynamic_batching"] = settings or dict(DEFAULT_BATCHING)
-    for model in REFCNN_MODELS:
+    for model in ("refcnn", *REFCNN_MODELS):
         shutil.copytree(repository / model, folder / model, dirs_exist_ok=True)
-    (folder / "refcnn").mkdir(parents=True, exist_ok=True)
-    (folder / "refcnn" / "ensemble.yaml").write_text(yaml.safe_dump(variant, sort_keys=False))
+    for model in REFCNN_MODELS:
+        config = folder / model / "config.pbtxt"
+        parsed = text_format.Parse(config.read_text(), mc.ModelConfig())
+        if not batching:
+            parsed.ClearField("dynamic_batching")
+        elif not parsed.HasField("dynamic_batching"):
+            parsed.dynamic_batching.max_queue_delay_microseconds = DEFAULT_DELAY_US
+        config.write_text(text_format.MessageToString(parsed))
     return folder
 
 

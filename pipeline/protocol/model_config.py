@@ -1,7 +1,7 @@
 """Triton's model configuration (`inference.ModelConfig`, `config.pbtxt`): the rules every service and the
 router read it by, in one place. Its text format, its datatypes, the tensors it declares, the `parameters`
-this project gives a meaning to (`pad_value.<TENSOR>`, `deterministic`), its version policy and
-`dynamic_batching`."""
+this project gives a meaning to (`pad_value.<TENSOR>`, `deterministic`, `pipeline.<batching knob>`), its
+version policy and `dynamic_batching`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,12 @@ PAD_VALUE_PARAMETER = "pad_value."
 #: `ModelConfig.parameters` key by which a model says whether the same request always gets the same answer
 #: (`"false"`: it may not, so its responses must never be cached).
 DETERMINISTIC_PARAMETER = "deterministic"
+
+#: `ModelConfig.parameters` keys of the router's batching knobs that Triton's `dynamic_batching` has no field
+#: for (`BatchingConfig` says what each does), read where the config sets `dynamic_batching`: `true` or
+#: `false` for the flags, an integer >= 1 for `max_inflight_batches` (default: one batch per instance).
+BATCHING_PARAMETERS = ("pipeline.batch_upcoming", "pipeline.idle_dispatch", "pipeline.max_inflight_batches")
+_DEFAULTS = BatchingConfig()
 
 # ---- the text format ------------------------------------------------------------------------------------------
 _PARSE_POSITION = re.compile(r"^(\d+):(\d+) : (.*)$", re.DOTALL)
@@ -145,20 +151,6 @@ def check_response_cache(config: mc.ModelConfig, source: str) -> None:
         )
 
 
-def check_supported(config: mc.ModelConfig, source: str) -> None:
-    """Refuse a config that asks for what no service here does, rather than load a model that would then fail
-    every request: `sequence_batching` (a sequence's requests kept on one instance, with its control inputs
-    and state)."""
-    if config.HasField("sequence_batching"):
-        controls = [c.name for c in config.sequence_batching.control_input]
-        inputs = f" ({', '.join(controls)})" if controls else ""
-        raise RepositoryError(
-            f"{source}: sequence_batching is not supported by this server: it neither keeps a sequence's "
-            f"requests on one model instance nor gives the model its control inputs{inputs} and state; remove "
-            "sequence_batching to serve the model without sequences"
-        )
-
-
 #: Config fields every service acts on (the router acts on `dynamic_batching` and `response_cache`); a backend
 #: adds its own and logs the rest as ignored at load (`log_ignored`).
 SERVED_FIELDS = frozenset(
@@ -244,14 +236,16 @@ def is_deterministic(config: mc.ModelConfig) -> bool:
 
 def batching_of_config(config: mc.ModelConfig) -> BatchingConfig | None:
     """The router's batching of a model whose `ModelConfig` sets Triton's `dynamic_batching`, with the
-    model's `max_batch_size` as the largest batch and one batch in flight per instance of the model
-    (`instance_group`: `count` on each GPU it lists) on each replica; None where it sets none or the model
-    does not batch. Raises `ValueError` for settings that do not fit together (a preferred size above
-    max_batch_size)."""
+    model's `max_batch_size` as the largest batch, one batch in flight per instance of the model
+    (`instance_group`: `count` on each GPU it lists) on each replica, and the knobs Triton has no field for
+    from `parameters` (`BATCHING_PARAMETERS`); None where it sets none or the model does not batch. Raises
+    `ValueError` for settings that do not fit together (a preferred size above max_batch_size) and for a
+    knob's value that is not one."""
     if config.WhichOneof("scheduling_choice") != "dynamic_batching" or config.max_batch_size <= 0:
         return None
     batching = config.dynamic_batching
     policy = batching.default_queue_policy
+    instances = max(1, sum(g.count * max(1, len(g.gpus)) for g in config.instance_group))
     return BatchingConfig(
         max_batch_size=config.max_batch_size,
         max_queue_delay_microseconds=batching.max_queue_delay_microseconds,
@@ -262,5 +256,23 @@ def batching_of_config(config: mc.ModelConfig) -> BatchingConfig | None:
         priority_levels=batching.priority_levels,
         default_priority_level=batching.default_priority_level,
         preserve_ordering=batching.preserve_ordering,
-        max_inflight_batches=max(1, sum(g.count * max(1, len(g.gpus)) for g in config.instance_group)),
+        max_inflight_batches=int(_knob(config, "pipeline.max_inflight_batches", instances)),
+        idle_dispatch=bool(_knob(config, "pipeline.idle_dispatch", _DEFAULTS.idle_dispatch)),
+        batch_upcoming=bool(_knob(config, "pipeline.batch_upcoming", _DEFAULTS.batch_upcoming)),
     )
+
+
+def _knob(config: mc.ModelConfig, key: str, default: bool | int) -> bool | int:
+    """A batching knob from the config's `parameters` (`default` where it is not there): a flag's `true` or
+    `false`, else an integer >= 1."""
+    if key not in config.parameters:
+        return default
+    text = config.parameters[key].string_value
+    value = text.strip().lower()
+    if isinstance(default, bool):
+        if value not in ("true", "false"):
+            raise ValueError(f"parameter '{key}' is {text!r}; expected true or false")
+        return value == "true"
+    if not (value.isascii() and value.isdigit() and int(value) >= 1):
+        raise ValueError(f"parameter '{key}' is {text!r}; expected an integer >= 1")
+    return int(value)

@@ -9,8 +9,10 @@ tried again every second while the router serves and before a request for it (`M
 is answered: a model loaded later makes it available. A model that its stage's `RepositoryIndex` listed as
 READY and lists no more (unloaded) makes its ensembles UNAVAILABLE again, within a second or at the next
 `ModelReady`, until it is served again. The files' own mistakes (a signature mismatch, a
-model no stage can ever be found for) stop the router at start-up instead; found later, they keep the
-ensemble UNAVAILABLE.
+model no stage can ever be found for) stop the router at start-up instead, as Triton's `--exit-on-error`
+does; without it, and found later, they keep the ensemble UNAVAILABLE, as do the ensembles that failed to
+load (`failed`). Ensemble files read again (`reload`) replace their plans; one that fails to load or to
+check keeps its last good plan, as Triton keeps a model's last good version.
 
 Readiness follows Triton's `--strict-readiness`: strict (the default), the router is ready while every
 ensemble is available and every stage healthy; otherwise once it has started. `ModelReady` and
@@ -82,6 +84,10 @@ class EnsembleAvailability:
         self.plans: dict[str, EnsemblePlan] = dict(catalog.ensembles)
         #: The ensembles that cannot be served now, each with the reason.
         self.unavailable: dict[str, str] = dict.fromkeys(catalog.ensembles, STARTING)
+        #: The ensembles without a plan, which failed to load, each with the reason.
+        self.failed: dict[str, str] = dict(catalog.failed)
+        #: The ensembles whose files were read again and failed: each keeps its last good plan, and why.
+        self.reload_errors: dict[str, str] = {}
         #: The models the ensembles' steps call: their signatures and batching come with their ensembles.
         self.members = {step.model_name for plan in catalog.ensembles.values() for step in plan.steps}
         #: Whether the start-up's discovery is done.
@@ -100,16 +106,16 @@ class EnsembleAvailability:
 
     # --- start-up and availability --------------------------------------------------------------------
 
-    async def discover(self, retry_interval: float, serve: Serve) -> None:
+    async def discover(self, retry_interval: float, serve: Serve, *, exit_on_error: bool = True) -> None:
         """Wait for the stages (see `settle`), then serve every ensemble whose models they serve (`serve`
         sets up each). An ensemble the files get wrong (a signature mismatch, a model no stage can ever be
-        found for) raises `ConfigError`; one whose models are not served is UNAVAILABLE and tried again
-        while the router serves (`monitor`)."""
+        found for) raises `ConfigError` with `exit_on_error`, else stays UNAVAILABLE with the reason; one
+        whose models are not served is UNAVAILABLE and tried again while the router serves (`monitor`)."""
         self._serve = serve
         for client in self.clients.values():
             client.start()
         await self.settle(retry_interval)
-        await self.complete(at_start=True)
+        await self.complete(at_start=exit_on_error)
         self.started = True
         self._looked.set()
         for name, reason in sorted(self.unavailable.items()):
@@ -183,12 +189,7 @@ class EnsembleAvailability:
         errors = []
         for name in sorted(self.unavailable):
             try:
-                plan = self._resolved(self.catalog.ensembles[name])
-                if gone := self._gone(plan):
-                    raise NotServed(_no_longer_served(gone))
-                await self._learn_signatures(plan)
-                check_signatures(plan, self.registry.signatures)
-                self._serve(plan)
+                plan = await self._checked(self.catalog.ensembles[name])
             except NotServed as err:
                 self._not_available(name, str(err))
                 continue
@@ -200,6 +201,92 @@ class EnsembleAvailability:
         if at_start and errors:
             raise ConfigError("\n".join(errors))
 
+    async def _checked(self, plan: EnsemblePlan) -> EnsemblePlan:
+        """`plan` with its steps' stages found, checked against its models' signatures and set up to serve;
+        `NotServed` or `ConfigError` where it cannot be."""
+        plan = self._resolved(plan)
+        if gone := self._gone(plan):
+            raise NotServed(_no_longer_served(gone))
+        await self._learn_signatures(plan)
+        check_signatures(plan, self.registry.signatures)
+        self._serve(plan)
+        return plan
+
+    async def reload(self, catalog: Catalog) -> None:
+        """Serve the ensembles of `catalog`, the files read again: a new or changed plan replaces the one
+        before once it checks (an available ensemble meanwhile serves its last good plan; one that does not
+        check keeps it, with the reason in `reload_errors`), a failed file keeps the last good plan where
+        there is one, and an ensemble whose file is gone is no longer served. The stages are the router's
+        own from its start: a plan that declares another stage or address fails."""
+        before = dict(self.catalog.ensembles)
+        plans = dict(catalog.ensembles)
+        failed = dict(catalog.failed)
+        for name, plan in list(plans.items()):
+            if moved := self._moved_stages(plan):
+                failed[name] = moved
+                del plans[name]
+        for name in {*self.plans, *self.failed} - {*plans, *failed}:
+            log.info("ensemble '%s': its file is gone, so it is no longer served", name)
+            for known in (self.plans, self.unavailable, self.failed, self.reload_errors):
+                known.pop(name, None)
+        for name, reason in failed.items():
+            if name in before:  # it keeps its last good plan
+                plans[name] = before[name]
+                self._reload_failed(name, reason)
+            elif self.failed.get(name) != reason:
+                log.error("ensemble '%s' is not available: %s", name, reason)
+                self.failed[name] = reason
+        self._set_plans(plans)
+        for name, plan in sorted(plans.items()):
+            if name in failed or before.get(name) == plan:
+                if name not in failed:
+                    self.reload_errors.pop(name, None)
+                continue
+            self.members.update(step.model_name for step in plan.steps)
+            self.failed.pop(name, None)
+            self.reload_errors.pop(name, None)
+            if name not in self.plans or name in self.unavailable:
+                self.plans[name] = plan
+                self.unavailable[name] = f"{STARTING} (its file was read again)"
+                continue
+            try:
+                checked = await self._checked(plan)
+            except (NotServed, ConfigError) as err:
+                plans[name] = before[name]
+                self._reload_failed(name, str(err))
+                continue
+            self._available(checked)
+            log.info("ensemble '%s': serving its new plan from %s", name, plan.source)
+        self._set_plans(plans)
+        self._changed.set()
+        if self.unavailable:
+            await self.complete()
+
+    def _set_plans(self, plans: dict[str, EnsemblePlan]) -> None:
+        self.catalog = replace(self.catalog, ensembles=types.MappingProxyType(dict(plans)))
+        self.stages.catalog = self.catalog
+
+    def _reload_failed(self, name: str, reason: str) -> None:
+        if self.reload_errors.get(name) != reason:
+            log.error(
+                "ensemble '%s': its file, read again, fails; its last good plan serves: %s", name, reason
+            )
+        self.reload_errors[name] = reason
+
+    def _moved_stages(self, plan: EnsemblePlan) -> str:
+        """Why a plan read again cannot be served by the router's stages ("" where it can)."""
+        moved = [
+            f"'{key}' ({endpoint.address})"
+            for key, endpoint in plan.stages.items()
+            if key not in self.clients or self.clients[key].endpoint != endpoint
+        ]
+        if not moved:
+            return ""
+        return (
+            f"{plan.source}: stage(s) {', '.join(moved)} differ from the router's stages, which are set when "
+            "it starts: restart it to change them"
+        )
+
     def _not_available(self, name: str, reason: str, *, error: bool = False) -> None:
         if self.started and self.unavailable.get(name) != reason:
             (log.error if error else log.warning)("ensemble '%s' is not available: %s", name, reason)
@@ -209,7 +296,7 @@ class EnsembleAvailability:
         for step in plan.steps:
             self.stages.assign(step.model_name, step.stage)
         self.plans[plan.name] = plan
-        del self.unavailable[plan.name]
+        self.unavailable.pop(plan.name, None)  # a plan read again replaces one that was available
         self._changed.set()
         if self.started:
             log.info("ensemble '%s' is available: the stages serve every model of its steps", plan.name)
@@ -330,10 +417,10 @@ class EnsembleAvailability:
         return self.ensemble_problem(name) is None
 
     def ensemble_problem(self, name: str) -> str | None:
-        """Why an ensemble cannot serve now (None: it can): it is not available, or a stage of its steps has
-        no replica serving, or none that serves the step's model (replicas of a stage may serve different
-        models)."""
-        reason = self.unavailable.get(name)
+        """Why an ensemble cannot serve now (None: it can): it failed to load, it is not available, or a
+        stage of its steps has no replica serving, or none that serves the step's model (replicas of a stage
+        may serve different models)."""
+        reason = self.failed.get(name) or self.unavailable.get(name)
         if reason is not None:
             return reason
         steps = self.plans[name].steps
@@ -355,10 +442,12 @@ class EnsembleAvailability:
         """The ensembles (UNAVAILABLE with the reason where they cannot serve now), then every stage's
         models (see `StageDiscovery.stage_models_index`)."""
         reply = pb.RepositoryIndexResponse()
-        for name in sorted(self.plans):
+        for name in sorted({*self.plans, *self.failed}):
             reason = self.ensemble_problem(name)
             if reason is None:
-                reply.models.add(name=name, version=ENSEMBLE_VERSION, state="READY")
+                # A file read again that failed: its last good plan serves, and the index says why.
+                reload_error = self.reload_errors.get(name, "")
+                reply.models.add(name=name, version=ENSEMBLE_VERSION, state="READY", reason=reload_error)
             elif not ready_only:
                 reply.models.add(name=name, version=ENSEMBLE_VERSION, state="UNAVAILABLE", reason=reason)
         reply.models.extend(await self.stages.stage_models_index(ready_only, self.plans))
@@ -405,8 +494,8 @@ class EnsembleAvailability:
 
     def _not_ready_reason(self) -> str:
         """What strict readiness waits for ("" when nothing)."""
-        if self.unavailable:
-            return f"ensemble(s) {', '.join(sorted(self.unavailable))} not available"
+        if self.unavailable or self.failed:
+            return f"ensemble(s) {', '.join(sorted({*self.unavailable, *self.failed}))} not available"
         down = [key for key, client in self.clients.items() if not client.replicas.healthy]
         return f"stage(s) {', '.join(down)} down" if down else ""
 

@@ -15,13 +15,14 @@ import itertools
 import logging
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.plan import EnsemblePlan, PlanStep
+from pipeline.ensemble.catalog import describe_batching, stated_batching
+from pipeline.ensemble.plan import EnsemblePlan
 from pipeline.protocol.call_chain import CALL_CHAIN_HEADER, CallChain
 from pipeline.protocol.codec import (
     Tensor,
@@ -122,22 +123,48 @@ class StageCalls:
 
     # --- batches -------------------------------------------------------------------------------------
 
-    def batch_steps(self, plans: Iterable[EnsemblePlan], clients: Mapping[str, StageClient]) -> None:
-        """Give the model of every batched step its batcher (`clients`: each step's stage's)."""
-        for plan in plans:
-            for step in plan.steps:
-                batching = self._batching(step)
-                if batching is not None and step.model_name not in self.registry.batchers:
-                    self.add_batcher(step.model_name, clients[step.stage], batching)
-
-    def _batching(self, step: PlanStep) -> BatchingConfig | None:
-        """How a step's model is batched: as the ensemble says, else as the model's own config says."""
-        if step.batching is not None or not step.model_batching:
-            return step.batching
-        own = self.registry.signatures[step.model_name].batching
-        if own is not None and step.model_name not in self.registry.batchers:
-            log.info("model '%s': batched as its own dynamic_batching says (%s)", step.model_name, own)
-        return own
+    def batch_steps(
+        self,
+        plan: EnsemblePlan,
+        clients: Mapping[str, StageClient],
+        declared: Mapping[str, tuple[BatchingConfig | None, str]],
+    ) -> None:
+        """Give the model of every batched step its one batcher (`clients`: each step's stage's), shared by
+        every ensemble that calls it: as the model's own config says (`dynamic_batching` in its ModelConfig),
+        else as an ensemble states it (`declared`: model -> the setting, None for off, and where it is
+        stated), else none. Raises `ConfigError` for the ensemble where it states a setting that the model's
+        own, or its batcher already running, disagrees with."""
+        errors: list[str] = []
+        chosen: dict[str, BatchingConfig | None] = {}
+        for step in sorted(plan.steps, key=lambda s: s.index):
+            model = step.model_name
+            own = self.registry.signatures[model].batching
+            states, stated = stated_batching(step)
+            where = f"{plan.source} ({step.label})"
+            if states and own is not None and stated != own:
+                errors.append(
+                    f"{where}: model '{model}' has dynamic_batching {describe_batching(stated)} here but "
+                    f"{describe_batching(own)} in its own config.pbtxt (its ModelConfig on stage "
+                    f"'{step.stage}'); a model has one batcher, so one setting: drop the ensemble's"
+                )
+                continue
+            batching = own if own is not None else declared.get(model, (None, ""))[0]
+            running = self.registry.batchers.get(model)
+            if running is not None and running[0].config != batching:
+                errors.append(
+                    f"{where}: model '{model}' has dynamic_batching {describe_batching(batching)} here but its "
+                    f"batcher runs with {describe_batching(running[0].config)}; a model's batcher is set once: "
+                    "restart the router to change it"
+                )
+                continue
+            chosen[model] = batching
+        if errors:
+            raise ConfigError("\n".join(errors))
+        for step in plan.steps:
+            batching = chosen[step.model_name]
+            if batching is not None and step.model_name not in self.registry.batchers:
+                log.info("model '%s': batched with %s", step.model_name, batching)
+                self.add_batcher(step.model_name, clients[step.stage], batching)
 
     def add_batcher(self, model: str, client: StageClient, config: BatchingConfig) -> None:
         """Queue the calls of `model` (on `client`'s stage) and send them as batches, as `config` says; raises

@@ -17,7 +17,7 @@ import grpc
 import uvloop
 from grpc_health.v1 import health, health_pb2
 
-from pipeline.ensemble.catalog import load_catalog
+from pipeline.ensemble.catalog import load_catalog, sources_digest
 from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ConfigError
 from pipeline.router.codec_pool import CodecPool
@@ -61,11 +61,22 @@ def stage_argument(value: str) -> tuple[str, str]:
     return name.strip(), address.strip()
 
 
-def router_catalog(args: argparse.Namespace) -> Catalog:
+def router_sources(args: argparse.Namespace) -> tuple[list[Path], Path | None]:
+    """The YAML ensemble files and folders (`--ensembles`, default `ensembles/`) and the model repository
+    the router's flags name."""
+    model_dir: Path | None = getattr(args, "model_dir", None)
+    # The ensembles folder is optional: a missing or empty one adds no ensemble.
+    ensembles = args.ensembles if args.ensembles is not None else [Path(settings.ENSEMBLES.get())]
+    return list(ensembles), model_dir
+
+
+def router_catalog(args: argparse.Namespace, *, exit_on_error: bool | None = None) -> Catalog:
     """What the router's flags say to serve: the ensembles of the model repository and of the YAML files
     (`--ensembles`, default `ensembles/` where it holds any), and the stages. Without `--stage`, a router
-    given a repository calls the three stages at their `<STAGE>_ADDRESS`."""
-    model_dir: Path | None = getattr(args, "model_dir", None)
+    given a repository calls the three stages at their `<STAGE>_ADDRESS`. An ensemble that fails to load
+    raises `ConfigError` with `exit_on_error` (default: `--exit-on-error`), else the catalog lists it as
+    failed."""
+    ensembles, model_dir = router_sources(args)
     if model_dir is not None and not model_dir.is_dir():
         raise ConfigError(f"--model-dir {model_dir}: no such folder")
     stages: dict[str, str] = {}
@@ -75,9 +86,9 @@ def router_catalog(args: argparse.Namespace) -> Catalog:
         stages[key] = address
     if not stages and model_dir is not None:
         stages = {stage: settings.stage_address(stage).get() for stage in settings.STAGES}
-    # The ensembles folder is optional: a missing or empty one adds no ensemble.
-    ensembles = args.ensembles if args.ensembles is not None else [settings.ENSEMBLES.get()]
-    return load_catalog(ensembles, repository=model_dir, stages=stages)
+    if exit_on_error is None:
+        exit_on_error = getattr(args, "exit_on_error", True)
+    return load_catalog(ensembles, repository=model_dir, stages=stages, exit_on_error=exit_on_error)
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -158,6 +169,25 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "while every ensemble is available and every stage healthy, as Triton's default; false: ready once "
         "started, each model's readiness its own (env PIPELINE_STRICT_READINESS; default %(default)s)",
     )
+    parser.add_argument(
+        "--exit-on-error",
+        type=settings.flag,
+        default=settings.EXIT_ON_ERROR.get(),
+        metavar="BOOL",
+        help="true: an ensemble that fails to load or to check against its models stops the router at "
+        "start-up, as Triton's default; false: the router serves the others, and lists the failed one as "
+        "UNAVAILABLE with the reason (RepositoryIndex; ModelReady false; requests get UNAVAILABLE) "
+        "(env PIPELINE_EXIT_ON_ERROR; default %(default)s)",
+    )
+    parser.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        default=settings.REPOSITORY_POLL_SECS.get(),
+        help="seconds between looks at the ensemble files (--ensembles, and the model repository's "
+        "ensembles) for changes, as Triton's poll mode: a changed, added or removed file is loaded, and one "
+        "that fails keeps its last good plan; 0 never looks (env PIPELINE_REPOSITORY_POLL_SECS; default "
+        "%(default)s)",
+    )
     add_http_arguments(parser)
     add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
 
@@ -188,6 +218,7 @@ def router_plane(
         resolve_interval=getattr(args, "resolve_interval", None),
         resolve=resolve,
         strict_readiness=getattr(args, "strict_readiness", True),
+        exit_on_error=getattr(args, "exit_on_error", True),
     )
 
 
@@ -235,10 +266,30 @@ async def _listen(
     )
 
 
+async def _poll_ensembles(args: argparse.Namespace, plane: RouterPlane, interval: float) -> None:
+    """Look at the ensemble files every `interval` seconds; when one was written, added or removed, load them
+    all again and serve what changed (`RouterPlane.reload`)."""
+    ensembles, model_dir = router_sources(args)
+    seen = await asyncio.to_thread(sources_digest, ensembles, repository=model_dir)
+    while True:
+        await asyncio.sleep(interval)
+        digest = await asyncio.to_thread(sources_digest, ensembles, repository=model_dir)
+        if digest == seen:
+            continue
+        seen = digest
+        log.info("the ensemble files changed: loading them again")
+        try:
+            catalog = await asyncio.to_thread(router_catalog, args, exit_on_error=False)
+        except ConfigError as err:  # nothing to serve at all: keep serving what was loaded
+            log.error("the ensemble files, read again, fail; the last good plans serve: %s", err)
+            continue
+        await plane.reload(catalog)
+
+
 def _log_serving(plane: RouterPlane, address: str) -> None:
     """Say what the router serves once started, and which ensembles are not available (each was logged
     with its reason)."""
-    unavailable = plane.ensembles.unavailable
+    unavailable = {**plane.ensembles.unavailable, **plane.ensembles.failed}
     served = [name for name in plane.ensembles.plans if name not in unavailable]
     missing = f"; not available: {', '.join(sorted(unavailable))} (see above)" if unavailable else ""
     log.info("router serving ensembles %s on %s%s", ", ".join(served) or "(none)", address, missing)
@@ -278,9 +329,10 @@ async def serve_router(
     rest = RestServer(_front_door(servicer, args, policy), grace=args.grace_period)
     server, port = await _listen(args, servicer, health_servicer, policy)
     monitor: asyncio.Task[None] | None = None
+    poll: asyncio.Task[None] | None = None
 
     async def start() -> None:
-        nonlocal monitor
+        nonlocal monitor, poll
         if peers is not None:
             await peers.start(plane.local_statistics)
         start_metrics(metrics, args)
@@ -296,11 +348,15 @@ async def serve_router(
         await readiness(plane.ready())
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         monitor = asyncio.create_task(plane.monitor(on_ready=readiness))
+        interval = getattr(args, "repository_poll_secs", 0.0)
+        if interval > 0:
+            poll = asyncio.create_task(_poll_ensembles(args, plane, interval))
         _log_serving(plane, f"{args.host}:{port}")
 
     async def stop() -> None:
-        if monitor is not None:
-            monitor.cancel()
+        for task in (monitor, poll):
+            if task is not None:
+                task.cancel()
         await rest.stop()
         if peers is not None:
             await peers.stop()

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.ensemble.catalog import declared_batching
 from pipeline.ensemble.pbtxt import ensemble_config
 from pipeline.ensemble.plan import Catalog, EnsemblePlan
 from pipeline.protocol.codec import metadata_response, select_version
@@ -62,6 +63,7 @@ class RouterPlane(DataPlane):
         resolve_interval: float | None = None,
         resolve: Resolve | None = None,
         strict_readiness: bool = True,
+        exit_on_error: bool = True,
     ) -> None:
         """`stage_tls`: TLS for the stage calls (gRPC and frames); `stage_token`: the bearer token they carry (for
         stages that ask for one). `max_inflight_requests`: inference requests the
@@ -70,10 +72,13 @@ class RouterPlane(DataPlane):
         `cache_size`: bytes of the response cache, for the models and ensembles that enable it (0: off).
         `resolve_interval`: seconds between look-ups of the stages' DNS names (`resolve` looks them up;
         tests give their own). `strict_readiness`: ready only while every ensemble is available and every
-        stage healthy (Triton's `--strict-readiness`, its default), else once started."""
+        stage healthy (Triton's `--strict-readiness`, its default), else once started. `exit_on_error`: an
+        ensemble that fails its checks at start-up raises `ConfigError` (Triton's `--exit-on-error`, its
+        default), else it is UNAVAILABLE with the reason and the others serve."""
         self.telemetry = telemetry = telemetry or Telemetry()
         self.metrics = metrics = metrics or Metrics()
         self.max_inflight_requests = max_inflight_requests
+        self.exit_on_error = exit_on_error
         self.max_batch_items = max_batch_items
         self._inflight = 0
         self.registry = ModelRegistry(metrics)
@@ -104,19 +109,27 @@ class RouterPlane(DataPlane):
         stats = self.registry.stats
         stats.update((name, ModelStats()) for name in (*catalog.ensembles, *self.stages.stage_of_model))
 
+    async def reload(self, catalog: Catalog) -> None:
+        """Serve the ensembles of `catalog`, their files read again (see `EnsembleAvailability.reload`)."""
+        await self.ensembles.reload(catalog)
+        self.registry.stats.update(
+            (name, ModelStats()) for name in catalog.ensembles if name not in self.registry.stats
+        )
+
     # --- start-up and health -------------------------------------------------------------------------
 
     async def discover(self, *, retry_interval: float = 0.5) -> None:
         """Wait for the stages, then serve every ensemble whose models they serve: each checked against its
         models' signatures (a mismatch raises `ConfigError`) and its steps batched. The others are
         UNAVAILABLE until their models are served (see `EnsembleAvailability`)."""
-        await self.ensembles.discover(retry_interval, self._serve)
+        await self.ensembles.discover(retry_interval, self._serve, exit_on_error=self.exit_on_error)
 
     def _serve(self, plan: EnsemblePlan) -> None:
         """An ensemble whose models are known: its response cache checked, its steps batched, and whether it
         (or a stage model it calls) is decoupled, so answers on streams only."""
         self.caching.check([plan], {step.model_name: step.stage for step in plan.steps})
-        self.calls.batch_steps([plan], self.stages.clients)
+        declared = declared_batching(self.ensembles.catalog.ensembles.values())
+        self.calls.batch_steps(plan, self.stages.clients, declared)
         signatures = self.registry.signatures
         self.decoupled.update(name for name, signature in signatures.items() if signature.decoupled)
         if self.streams.source(plan) is not None:
@@ -139,6 +152,11 @@ class RouterPlane(DataPlane):
     # --- model lookup --------------------------------------------------------------------------------
 
     def _ensemble(self, name: str, version: str) -> EnsemblePlan | None:
+        """The plan of the ensemble `name` (None: no ensemble has that name); `Unavailable` with the reason
+        for an ensemble that failed to load."""
+        failed = self.ensembles.failed.get(name)
+        if failed is not None:
+            raise Unavailable(f"ensemble '{name}' is not available: {failed}")
         plan = self.ensembles.plans.get(name)
         if plan is not None:
             select_version(name, (ENSEMBLE_VERSION,), version)
@@ -160,7 +178,7 @@ class RouterPlane(DataPlane):
     async def model_ready(self, name: str, version: str) -> bool:
         try:
             plan = self._ensemble(name, version)
-        except ModelNotFound:
+        except (ModelNotFound, Unavailable):
             return False
         if plan is not None:
             return await self.ensembles.ensemble_ready(name)

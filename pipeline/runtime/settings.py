@@ -156,6 +156,11 @@ ROUTER_WORKERS = Setting("PIPELINE_ROUTER_WORKERS", 1, int)
 RESOLVE_INTERVAL_S = Setting("PIPELINE_RESOLVE_INTERVAL_S", 5.0, float)
 #: Triton's `--strict-readiness`: ready only while every ensemble is available and every stage healthy.
 STRICT_READINESS = Setting("PIPELINE_STRICT_READINESS", True, flag)
+#: Triton's `--exit-on-error`: an ensemble that fails to load stops the router at start-up; false serves the
+#: others, the failed one UNAVAILABLE with its reason.
+EXIT_ON_ERROR = Setting("PIPELINE_EXIT_ON_ERROR", True, flag)
+#: Triton's `--repository-poll-secs`: seconds between looks at the ensemble files for changes (0: never).
+REPOSITORY_POLL_SECS = Setting("PIPELINE_REPOSITORY_POLL_SECS", 0.0, float)
 
 # The model service.
 ENGINE_CACHE: Setting[str | None] = Setting("PIPELINE_ENGINE_CACHE", None, _optional)

@@ -176,7 +176,7 @@ async def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("repository")
     write_config(root, "chain", CHAIN)
     write_config(root, "twice_ensemble", TWICE)
-    own = {"gate": GATE_BATCHING, "own_off": GATE_BATCHING, "lonely": ""}
+    own = {"gate": GATE_BATCHING, "lonely": ""}
     repo_a = stage_repository(
         tmp_path_factory.mktemp("a"),
         {"scale": scale_model(), "twice": scale_model(), "gate": GATED, "own_off": offset_model()},
@@ -303,7 +303,7 @@ async def test_the_models_own_dynamic_batching_is_used(served):
     assert {size: after[size] - before.get(size, 0) for size in after} == {1: 1, 2: 1}
 
 
-async def test_dynamic_batching_false_on_a_step_turns_the_models_own_off(served):
+async def test_dynamic_batching_false_on_a_step_calls_a_model_without_its_own_unbatched(served):
     request = request_for("yamlchain", X=X)
     request.parameters["priority"].int64_param = 7  # no batcher, so no priority levels to refuse it
     async with inference_stub(served.router) as stub:

@@ -19,7 +19,6 @@ from pipeline.ensemble.catalog import (
     load_catalog,
     load_ensemble,
     load_ensembles,
-    repository_ensembles,
 )
 from pipeline.ensemble.compiler import compile_ensemble
 from pipeline.ensemble.pbtxt import ensemble_config
@@ -555,13 +554,13 @@ def test_yaml_ensembles_live_in_the_model_repository_named_by_their_folder(tmp_p
 
     write(repository / "c", _named("other"), "ensemble.yaml")
     with pytest.raises(ConfigError, match="name 'other' differs from its folder's name 'c'"):
-        repository_ensembles(repository, environ={})
+        load_catalog(repository=repository, environ={})
     (repository / "c" / "ensemble.yaml").unlink()
 
     write(repository / "d", _named("d"), "ensemble.yaml")
     (repository / "d" / "config.pbtxt").write_text('backend: "python"\n')
     with pytest.raises(ConfigError, match=re.escape("its folder also holds a config.pbtxt")):
-        repository_ensembles(repository, environ={})
+        load_catalog(repository=repository, environ={})
     (repository / "d" / "config.pbtxt").unlink()
 
     # One more of the same name in the ensembles folder is an error, as two files of one name are.

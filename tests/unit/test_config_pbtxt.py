@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.ensemble.catalog import build_catalog, load_catalog
+from pipeline.ensemble.catalog import build_catalog, declared_batching, load_catalog
 from pipeline.ensemble.compiler import compile_ensemble
 from pipeline.ensemble.pbtxt import load_repository_ensembles
 from pipeline.protocol.errors import ConfigError
@@ -178,7 +179,7 @@ steps: [{model_name: add, stage: math, input_map: {A: A}, output_map: {S: S}}]
         load_catalog([tmp_path / "solo.yaml"], stages={"model": "nowhere"})
 
 
-def test_a_step_turning_batching_off_and_one_leaving_it_to_the_model_disagree() -> None:
+def test_ensembles_that_state_a_models_batching_differently_fail_the_later_one_alone() -> None:
     def plan(name: str, batching: object) -> object:
         step = {"model_name": "m", "input_map": {"X": "X"}, "output_map": {"Y": "Y"}}
         if batching is not None:
@@ -190,12 +191,23 @@ def test_a_step_turning_batching_off_and_one_leaving_it_to_the_model_disagree() 
         }
         return compile_ensemble(data, f"{name}.yaml", default_name=name)
 
-    build_catalog([plan("a", None), plan("b", None)])
+    # One ensemble may state the batching of a model that no other source sets; the others share it.
+    catalog = build_catalog([plan("a", None), plan("b", False), plan("c", None)])
+    assert sorted(catalog.ensembles) == ["a", "b", "c"] and not catalog.failed
+    assert declared_batching(catalog.ensembles.values()) == {"m": (None, "b.yaml (step 0 (m))")}
+
+    delay = {"max_queue_delay_microseconds": 500}
+    loaded = [plan("a", delay), plan("b", None), plan("c", False), plan("d", delay)]
     with pytest.raises(ConfigError) as info:
-        build_catalog([plan("a", None), plan("b", False)])
-    assert "b.yaml (step 0 (m)): model 'm' has dynamic_batching off here but the model's own" in str(
-        info.value
+        build_catalog(loaded)
+    assert str(info.value) == (
+        "c.yaml (step 0 (m)): model 'm' has dynamic_batching off here but "
+        f"({BatchingConfig(max_queue_delay_microseconds=500)}) in a.yaml (step 0 (m)); a model has one "
+        "batcher, so one setting: declare it once, in the model's config.pbtxt"
     )
+    catalog = build_catalog(loaded, exit_on_error=False)
+    assert sorted(catalog.ensembles) == ["a", "b", "d"] and list(catalog.failed) == ["c"]
+    assert catalog.failed["c"] == str(info.value)
 
 
 def test_a_models_own_dynamic_batching_becomes_the_routers_batching() -> None:
@@ -251,3 +263,72 @@ def test_a_models_own_dynamic_batching_becomes_the_routers_batching() -> None:
     config.max_batch_size = 6
     with pytest.raises(ValueError, match=r"preferred_batch_size 8 is outside 1\.\.max_batch_size"):
         batching_of_config(config)
+
+
+def test_the_routers_own_batching_knobs_come_from_the_models_parameters() -> None:
+    config = text_format.Parse(
+        """
+        max_batch_size: 16
+        instance_group [{ count: 2 kind: KIND_CPU }]
+        dynamic_batching { max_queue_delay_microseconds: 20000 }
+        parameters [
+          { key: "pipeline.batch_upcoming", value: { string_value: "false" } },
+          { key: "pipeline.idle_dispatch", value: { string_value: " False " } },
+          { key: "pipeline.max_inflight_batches", value: { string_value: "3" } }
+        ]""",
+        mc.ModelConfig(),
+    )
+    batching = batching_of_config(config)
+    assert batching is not None
+    assert (batching.batch_upcoming, batching.idle_dispatch, batching.max_inflight_batches) == (
+        False,
+        False,
+        3,
+    )
+    del config.parameters["pipeline.max_inflight_batches"]  # one batch per instance, then
+    config.parameters["pipeline.batch_upcoming"].string_value = "true"
+    batching = batching_of_config(config)
+    assert batching is not None and (batching.batch_upcoming, batching.max_inflight_batches) == (True, 2)
+
+    config.parameters["pipeline.batch_upcoming"].string_value = "yes"
+    with pytest.raises(
+        ValueError, match=re.escape("parameter 'pipeline.batch_upcoming' is 'yes'; expected true or false")
+    ):
+        batching_of_config(config)
+    config.parameters["pipeline.batch_upcoming"].string_value = "true"
+    config.parameters["pipeline.max_inflight_batches"].string_value = "0"
+    with pytest.raises(
+        ValueError, match=re.escape("'pipeline.max_inflight_batches' is '0'; expected an integer >= 1")
+    ):
+        batching_of_config(config)
+    # Without dynamic_batching the knobs say nothing: the model is not batched.
+    config.ClearField("dynamic_batching")
+    assert batching_of_config(config) is None
+
+
+def test_an_ensemble_that_fails_to_load_fails_alone_without_exit_on_error(tmp_path: Path) -> None:
+    good = """
+stages: {s: {address: "127.0.0.1:9001"}}
+inputs: [{name: X, datatype: FP32, shape: [-1, 1]}]
+outputs: [{name: Y, datatype: FP32, shape: [-1, 1]}]
+steps: [{model_name: m, stage: s, input_map: {X: X}, output_map: {Y: Y}}]
+"""
+    (tmp_path / "good.yaml").write_text(good)
+    (tmp_path / "broken.yaml").write_text("inputs: [")
+    (tmp_path / "named.yaml").write_text("name: mine\n" + good.replace("Y: Y}", "Y: Z}"))
+    (tmp_path / "moved.yaml").write_text(
+        good.replace("9001", "9002").replace("model_name: m", "model_name: n")
+    )
+    with pytest.raises(ConfigError) as info:
+        load_catalog([tmp_path])
+    message = str(info.value)
+    assert "broken.yaml: line 1, column 10: invalid YAML" in message
+    assert "named.yaml: ensemble output 'Y': no step produces it" in message
+    assert "moved.yaml: stage 's' has address '127.0.0.1:9002', but" in message
+
+    catalog = load_catalog([tmp_path], exit_on_error=False)
+    assert list(catalog.ensembles) == ["good"]
+    # Each is named as it names itself, else by its file.
+    assert sorted(catalog.failed) == ["broken", "mine", "moved"]
+    assert catalog.failed["mine"].startswith(f"{tmp_path / 'named.yaml'}: ensemble output 'Y'")
+    assert catalog.failed["moved"].endswith("a stage key must name one endpoint")
