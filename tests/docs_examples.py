@@ -75,7 +75,7 @@ def parse(text: str, page: str) -> list[Example]:
     for number, line in enumerate(lines):
         marker = _MARKER.match(line.strip())
         if marker is None:
-            if "runnable" in line and "<!--" in line:
+            if line.strip().startswith("<!--") and "runnable" in line:
                 raise MarkerError(f"{page}:{number + 1}: write the marker as <!-- runnable: FIXTURE -->")
             continue
         fixture = marker.group("fixture")
