@@ -36,9 +36,10 @@ from pipeline.protocol.model_config import (
 from pipeline.runtime.repository import BACKEND_PLATFORMS, RepositoryEntry
 from pipeline.stage.api import NO_DEADLINE, Deadline, Stage
 
-#: Config fields the stage runtime acts on whatever the backend: those every service does, and the warm-up
-#: samples (`pipeline.stage.warmup`). A backend adds its own and logs the rest as ignored.
-RUNTIME_FIELDS = SERVED_FIELDS | {"model_warmup"}
+#: Config fields the stage runtime acts on whatever the backend: those every service does, the warm-up
+#: samples (`pipeline.stage.warmup`) and the sequence batcher (`pipeline.stage.sequences`). A backend adds its
+#: own and logs the rest as ignored.
+RUNTIME_FIELDS = SERVED_FIELDS | {"model_warmup", "sequence_batching"}
 
 
 @runtime_checkable

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ from pipeline.protocol.errors import (
     Unavailable,
     Unimplemented,
 )
-from pipeline.protocol.model_config import check_supported, tensor_specs
+from pipeline.protocol.model_config import tensor_specs
 from pipeline.protocol.streams import DECOUPLED_UNARY, set_final
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
@@ -66,6 +67,14 @@ from pipeline.stage.control import ModelControl, config_override
 from pipeline.stage.decoupled import count_stream, stream_replies
 from pipeline.stage.encode import stage_response
 from pipeline.stage.pool import NOT_STARTED_MESSAGE, InstancePool, Slot
+from pipeline.stage.sequences import (
+    Row,
+    SequenceBatcher,
+    SequenceId,
+    SequenceSettings,
+    sequence_of,
+    split_rows,
+)
 from pipeline.stage.served import ServedModel, ServedVersion, export_gauges, index_entries
 from pipeline.stage.warmup import warm_up, warmup_samples
 
@@ -189,7 +198,6 @@ class StagePlane(DataPlane):
         current = model.versions
         fresh: dict[str, ServedVersion] = {}
         try:
-            check_supported(entry.config, entry.source)
             self.control.check_instances(entry.config, entry.source)
             wanted = entry.served_versions()
             for version in wanted:
@@ -237,6 +245,11 @@ class StagePlane(DataPlane):
         if not prepared.instances:
             raise RepositoryError(f"{entry.source}: version {version} has no instance to run on")
         inputs, outputs = tensor_specs(config, entry.source)
+        sequences = (
+            SequenceSettings.of(config, entry.source, entry.folder)
+            if config.HasField("sequence_batching")
+            else None
+        )
         samples = warmup_samples(config, inputs, entry.folder, entry.source)
         label = f"{entry.name}-{version}"
         pool = InstancePool(
@@ -261,7 +274,36 @@ class StagePlane(DataPlane):
             config.platform or config.backend,
             first.reason,
         )
-        return ServedVersion(entry.name, version, config, inputs, outputs, pool, fingerprint)
+        served = ServedVersion(entry.name, version, config, inputs, outputs, pool, fingerprint)
+        if sequences is not None:
+            served.sequences = self._sequence_batcher(served, sequences)
+        return served
+
+    def _sequence_batcher(self, served: ServedVersion, settings: SequenceSettings) -> SequenceBatcher:
+        """The sequence batcher of a version: it runs its batches on the version's instances, and counts
+        each batch in the model's statistics and metrics."""
+        name = served.name
+        stats = self._models[name].stats
+        batch_size = self.metrics.batch_size.labels(name)
+
+        def observe(rows: int, compute_ns: int) -> None:
+            stats.batch_done(rows, compute_ns)
+            batch_size.observe(rows)
+
+        async def run(
+            index: int, merged: dict[str, np.ndarray], rows: list[Row], deadline: Deadline
+        ) -> tuple[list[dict[str, np.ndarray] | PipelineError], int]:
+            slot = served.pool.slots[index]
+            instance = slot.instance
+            each = getattr(instance, "run_requests", None)
+            if each is not None:  # a Triton Python model: one request per row, as Triton hands them
+                results, begun, ended = await slot.call(_timed, slot, each, rows, deadline)
+            else:
+                outputs, begun, ended = await slot.call(_timed, slot, instance.run, merged, deadline)
+                results = split_rows(outputs, len(rows), settings.batching)
+            return results, ended - begun
+
+        return SequenceBatcher(name, settings, len(served.pool.slots), run, observe=observe)
 
     def _serving_changed(self, model: ServedModel) -> None:
         """Keep `decoupled` (the models that answer on streams only) as the versions serving now say."""
@@ -277,6 +319,8 @@ class StagePlane(DataPlane):
             return
         served.retired = True
         await served.quiet.wait()
+        if served.sequences is not None:
+            await served.sequences.close()
         model = self._models.get(served.name)
         if model is not None and any(v.pool is served.pool for v in model.versions.values()):
             return
@@ -385,13 +429,16 @@ class StagePlane(DataPlane):
             arrays = {tensor_name: tensor.to_array() for tensor_name, tensor in tensors.items()}
             batch = next(iter(arrays.values())).shape[0] if served.max_batch_size > 0 and arrays else None
             items = batch or 1
+            sequence = self._sequence(served, request, batch)
             decoded = time.perf_counter_ns()
             if telemetry.enabled:
                 span = telemetry.current_span()
                 if span is not None:
                     span.set_attribute(BATCH_SIZE, items)
             chain = CallChain.of(call.metadata) if call.metadata else None
-            result, queue_ns, compute_ns, wall = await self._execute(served, arrays, deadline, chain)
+            result, queue_ns, compute_ns, wall = await self._execute(
+                served, arrays, deadline, chain, sequence
+            )
             if telemetry.enabled:
                 # NOTE: the request's span has the model and the batch size; decoding and encoding are
                 # the time before and after this span (each span costs every traced request its export).
@@ -402,7 +449,8 @@ class StagePlane(DataPlane):
             stats.request_failed(time.perf_counter_ns() - started)
             raise
         finished = time.perf_counter_ns()
-        stats.batch_done(items, compute_ns)
+        if sequence is None:  # a sequence batcher counts its own batches
+            stats.batch_done(items, compute_ns)
         stats.request_done(
             items=items,
             total_ns=finished - started,
@@ -414,8 +462,29 @@ class StagePlane(DataPlane):
         metrics = self.metrics
         metrics.queue_duration.labels(name).observe(queue_ns / 1e9)
         metrics.compute_duration.labels(name).observe(compute_ns / 1e9)
-        metrics.batch_size.labels(name).observe(items)
+        if sequence is None:
+            metrics.batch_size.labels(name).observe(items)
         return response
+
+    @staticmethod
+    def _sequence(
+        served: ServedVersion, request: pb.ModelInferRequest, batch: int | None
+    ) -> SequenceId | None:
+        """The sequence of a request for a model with a sequence batcher (None for other models), refused as
+        Triton refuses it where it names none or carries more than one item."""
+        if served.sequences is None:
+            return None
+        sequence = sequence_of(request)
+        if sequence is None:
+            raise InvalidInput(
+                f"inference request to model '{served.name}' must specify a non-zero or non-empty correlation ID"
+            )
+        if batch is not None and batch != 1:
+            raise InvalidInput(
+                f"inference request to model '{served.name}' must specify batch-size 1 due to requirements of "
+                "sequence batcher"
+            )
+        return sequence
 
     async def _execute(
         self,
@@ -423,13 +492,15 @@ class StagePlane(DataPlane):
         arrays: dict[str, np.ndarray],
         deadline: Deadline,
         chain: CallChain | None = None,
+        sequence: SequenceId | None = None,
     ) -> tuple[dict[str, np.ndarray], int, int, tuple[int, int]]:
         """Run on an idle instance of the version: the result, the wait and run times (ns), and the run's
         wall-clock start and end (for its span). A call whose deadline passes while it waits for an instance
         is answered DEADLINE_EXCEEDED and never run; one whose caller goes away while it runs has its
         deadline marked, so that a stage checking `expired()` stops early, and the calls its model made to
         other models cancelled. `chain`: the chain of model calls the request belongs to, if a model made
-        it; it is refused at once when every instance is busy waiting on it (`_check_waits`)."""
+        it; it is refused at once when every instance is busy waiting on it (`_check_waits`). A request of a
+        `sequence` goes through the version's sequence batcher instead."""
         if served.retired:
             # Replaced between lookup and execution: use what serves that version now, if anything does.
             served = self._get(served.name, served.version)
@@ -441,6 +512,10 @@ class StagePlane(DataPlane):
         model.pending += 1
         submitted = time.perf_counter_ns()
         try:
+            if sequence is not None and served.sequences is not None:
+                wall_start = time.time_ns()
+                result, queue_ns, compute_ns = await served.sequences.infer(sequence, arrays, deadline)
+                return result, queue_ns, compute_ns, (wall_start, time.time_ns())
             if chain is not None and served.pool.idle.empty():
                 _check_waits(served, chain)
             slot = await served.pool.idle.get()
@@ -487,6 +562,16 @@ class StagePlane(DataPlane):
             served = self._get(model, version)
             reply.model_stats.append(self._models[model].stats.proto(model, served.version))
         return reply
+
+
+def _timed(slot: Slot, work: Callable[..., Any], *args: Any) -> tuple[Any, int, int]:
+    """Run `work` on an instance's thread as one of its batches: counted busy, and timed (perf-counter ns)."""
+    slot.started += 1
+    begun = time.perf_counter_ns()
+    try:
+        return work(*args), begun, time.perf_counter_ns()
+    finally:
+        slot.finished += 1
 
 
 def _check_waits(served: ServedVersion, chain: CallChain) -> None:

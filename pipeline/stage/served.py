@@ -16,6 +16,7 @@ from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.statistics import ModelStats
 from pipeline.stage.pool import InstancePool
+from pipeline.stage.sequences import SequenceBatcher
 
 
 @dataclass(eq=False)
@@ -39,6 +40,9 @@ class ServedVersion:
     decoupled: bool = field(init=False)
     #: `outputs` by name.
     output_specs: dict[str, TensorSpec] = field(init=False)
+    #: The sequence batcher of a model with `sequence_batching` (`pipeline.stage.sequences`): every request
+    #: goes through it.
+    sequences: SequenceBatcher | None = None
 
     def __post_init__(self) -> None:
         self.quiet.set()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from pipeline.stage import triton_python_backend_utils as pb_utils
 from pipeline.stage.api import NO_DEADLINE, Deadline
 from pipeline.stage.backend import PreparedVersion, ResponseSink
 from pipeline.stage.model_file import SharedModule, cause, device_of, instance_placements, where
+from pipeline.stage.sequences import Row
 from pipeline.stage.triton_model_config import COMPLETED_FIELDS
 
 _ERROR = pb_utils.TritonError
@@ -199,9 +200,9 @@ class TritonInstance:
             response_sender=sender,
         )
 
-    def _execute(self, request: pb_utils.InferenceRequest) -> Any:
+    def _execute(self, *requests: pb_utils.InferenceRequest) -> Any:
         try:
-            returned = self._model.execute([request])
+            returned = self._model.execute(list(requests))
             if inspect.iscoroutine(returned):  # Triton's async execute: run it here, on this thread
                 returned = asyncio.run(returned)
         except pb_utils.TritonModelException as exc:
@@ -227,6 +228,51 @@ class TritonInstance:
         if error is not None:
             raise model_error(error, deadline)
         return self._outputs_of(response)
+
+    def run_requests(
+        self, rows: Sequence[Row], deadline: Deadline = NO_DEADLINE
+    ) -> list[dict[str, np.ndarray] | PipelineError]:
+        """A sequence batch (`pipeline.stage.sequences`) as Triton hands it to `execute`: one request per row,
+        each with its sequence's correlation id and flags; each response answers its own row (an error
+        response fails that row alone). Every tensor a response carries comes back, state outputs included."""
+        remaining = deadline.remaining()
+        requests = [
+            pb_utils.InferenceRequest(
+                model_name=self._args["model_name"],
+                inputs=[pb_utils.Tensor(name, array) for name, array in row.inputs.items()],
+                requested_output_names=self._outputs,
+                correlation_id=row.correlation_id,
+                flags=row.flags,
+                timeout=0 if remaining is None else max(1, int(remaining * 1e6)),
+                cancelled=deadline.expired,
+            )
+            for row in rows
+        ]
+        responses = self._execute(*requests)
+        if not isinstance(responses, list | tuple) or len(responses) != len(requests):
+            raise PipelineError(
+                f"{self._path}: TritonPythonModel.execute must return a list of one InferenceResponse per "
+                f"request; for {len(requests)} requests it returned {_describe(responses)}"
+            )
+        results: list[dict[str, np.ndarray] | PipelineError] = []
+        for response in responses:
+            if not isinstance(response, pb_utils.InferenceResponse):
+                raise PipelineError(
+                    f"{self._path}: TritonPythonModel.execute returned {_describe(response)} instead of an "
+                    "InferenceResponse"
+                )
+            error = response.error()
+            if error is not None:
+                results.append(model_error(error, deadline))
+                continue
+            try:
+                outputs = self._outputs_of(response)
+            except PipelineError as exc:
+                results.append(exc)
+                continue
+            outputs.update({t.name(): np.asarray(t.as_numpy()) for t in response.output_tensors()})
+            results.append(outputs)
+        return results
 
     def _outputs_of(self, response: pb_utils.InferenceResponse) -> dict[str, np.ndarray]:
         outputs = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}

@@ -303,6 +303,7 @@ input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 sequence_batching {
   max_sequence_idle_microseconds: 5000000
+  iterative_sequence: true
   control_input [
     { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
     { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] }
@@ -312,9 +313,12 @@ instance_group [ { kind: KIND_CPU } ]
 """
 
 
-async def test_a_model_with_sequence_batching_is_refused_at_load_naming_the_field(tmp_path: Path) -> None:
-    """Sequence batching is not served here: its model is refused at load (listed UNAVAILABLE with the reason,
-    its requests answered UNAVAILABLE with it) instead of failing every request, and the others serve."""
+async def test_sequence_batching_that_asks_for_what_is_not_served_is_refused_at_load_naming_the_field(
+    tmp_path: Path,
+) -> None:
+    """A part of sequence batching not served here (`iterative_sequence`): its model is refused at load (listed
+    UNAVAILABLE with the reason, its requests answered UNAVAILABLE with it) instead of failing every request,
+    and the others serve."""
     write_model(tmp_path, "accumulate", ACCUMULATE, ACCUMULATE_CONFIG)
     write_model(tmp_path, "add_sub", TRITON_ADD_SUB_MODEL, TRITON_ADD_SUB_CONFIG)
     config = tmp_path / "accumulate" / "config.pbtxt"
@@ -324,18 +328,18 @@ async def test_a_model_with_sequence_batching_is_refused_at_load_naming_the_fiel
         assert listed["add_sub"] == ("READY", "")
         state, reason = listed["accumulate"]
         assert state == "UNAVAILABLE" and str(config) in reason, reason
-        assert "sequence_batching is not supported" in reason and "START, READY" in reason
+        assert "sequence_batching: iterative_sequence is not supported" in reason
         assert not (await stub.ModelReady(pb.ModelReadyRequest(name="accumulate"))).ready
 
         request = request_for("accumulate", INPUT=np.array([[1]], np.int32))
         error = await rpc_error(stub.ModelInfer(request))
         assert error.code() == grpc.StatusCode.UNAVAILABLE
-        assert "sequence_batching is not supported" in error.details()
+        assert "iterative_sequence is not supported" in error.details()
         error = await rpc_error(
             stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="accumulate"))
         )
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert str(config) in error.details() and "sequence_batching is not supported" in error.details()
+        assert str(config) in error.details() and "iterative_sequence is not supported" in error.details()
 
         ones = np.ones(4, np.float32)
         reply = await stub.ModelInfer(request_for("add_sub", INPUT0=ones, INPUT1=ones))
