@@ -741,3 +741,29 @@ def split_rows(outputs: Mapping[str, np.ndarray], count: int, batching: bool) ->
                 f"output '{name}' has shape {list(array.shape)}; a batch of {count} rows needs {count} first"
             )
     return [{name: array[i : i + 1] for name, array in outputs.items()} for i in range(count)]
+
+
+def sequence_tensors(config: mc.ModelConfig) -> tuple[list[mc.ModelInput], list[mc.ModelOutput]]:
+    """The tensors a sequence batcher adds to a model's, as config tensors: its control inputs and state
+    inputs, and the state outputs the config does not list as outputs. A backend that binds the tensors of a
+    model file to the config's binds these too (the model file must have them)."""
+    batching = config.sequence_batching
+    inputs = []
+    for control_input in batching.control_input:
+        for control in control_input.control[:1]:
+            if control.kind == _Kind.CONTROL_SEQUENCE_CORRID:
+                data_type = control.data_type
+            elif len(control.int32_false_true):
+                data_type = mc.TYPE_INT32
+            elif len(control.fp32_false_true):
+                data_type = mc.TYPE_FP32
+            else:
+                data_type = mc.TYPE_BOOL
+            inputs.append(mc.ModelInput(name=control_input.name, data_type=data_type, dims=[1]))
+    declared = {t.name for t in config.output}
+    outputs = []
+    for state in batching.state:
+        inputs.append(mc.ModelInput(name=state.input_name, data_type=state.data_type, dims=state.dims))
+        if state.output_name not in declared:
+            outputs.append(mc.ModelOutput(name=state.output_name, data_type=state.data_type, dims=state.dims))
+    return inputs, outputs

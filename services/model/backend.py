@@ -28,6 +28,7 @@ from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import PAD_VALUE_PARAMETER, datatype_of_config, log_ignored
 from pipeline.runtime.repository import RepositoryEntry
 from pipeline.stage.backend import RUNTIME_FIELDS, PreparedVersion
+from pipeline.stage.sequences import sequence_tensors
 from services.model import tensorrt
 from services.model.artifacts import (
     KIND_BACKENDS,
@@ -208,6 +209,18 @@ class ModelBackend:
                     f"{artifact}: a TensorRT engine needs TensorRT and a CUDA GPU, and {why}"
                 )
         signature = read_signature(artifact, kind)
+        # A sequence batcher's control and state tensors are the model file's too: bound like the others,
+        # and left out of the config clients read (as Triton lists them under sequence_batching only).
+        declared = len(config.input), len(config.output)
+        if config.HasField("sequence_batching"):
+            if not (config.input and config.output):
+                raise RepositoryError(
+                    f"{source}: a model with sequence_batching declares its inputs and outputs in its config "
+                    "(they cannot be completed from a model file that also has control and state tensors)"
+                )
+            added_inputs, added_outputs = sequence_tensors(config)
+            config.input.extend(added_inputs)
+            config.output.extend(added_outputs)
         bindings = reconcile(
             config,
             signature,
@@ -224,6 +237,8 @@ class ModelBackend:
             self._instance(entry.name, artifact, kind, device, options, config, bindings, signature)
             for device in devices
         ]
+        del config.input[declared[0] :]
+        del config.output[declared[1] :]
         del config.instance_group[:]
         config.instance_group.extend(placed_groups(entry.name, devices))
         config.parameters[REASON_KEY].string_value = "; ".join(dict.fromkeys(i.reason for i in instances))

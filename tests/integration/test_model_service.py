@@ -268,10 +268,12 @@ sequence_batching {
 """
 
 
-async def test_sequence_batching_is_refused_at_load_naming_the_field(tmp_path: Path) -> None:
+async def test_a_sequence_control_input_the_model_file_lacks_is_refused_at_load_naming_it(
+    tmp_path: Path,
+) -> None:
     config = KINDS["onnx"][1].format(name="sequences") + SEQUENCE_BATCHING
     folder = add_model(tmp_path, "onnx", "sequences", {"1": 1}, config=config)
-    words = (str(folder / "config.pbtxt"), "sequence_batching is not supported", "START")
+    words = (str(folder / "config.pbtxt"), "input 'START' is not one of the model's inputs")
     await refused(tmp_path, "sequences", grpc.StatusCode.INVALID_ARGUMENT, *words)
 
 

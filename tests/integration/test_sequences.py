@@ -229,3 +229,96 @@ async def test_requests_without_a_sequence_or_with_a_batch_are_refused_as_triton
         error = await rpc_error(stub.ModelInfer(request))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "sequence id 'text' is a string" in error.details() and "UINT64" in error.details()
+
+
+# ---- ONNX models on the model service ----------------------------------------------------------------------------
+
+ONNX_CONFIG = """
+name: "running_sum"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] } ]
+sequence_batching {
+  oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 100000 preferred_batch_size: [ 3 ] }
+  control_input [ { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] } ] } ]
+  state [ {
+    input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 2 ]
+    initial_state { data_type: TYPE_FP32 dims: [ 2 ] zero_data: true name: "zeros" }
+  } ]
+}
+"""
+
+
+def write_running_sum(path: Path) -> None:
+    """An ONNX model keeping a running sum in Triton's implicit state: STATE_OUT = STATE_IN + X * READY,
+    Y = STATE_OUT * 2."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["X", "READY"], ["XR"]),
+            helper.make_node("Add", ["STATE_IN", "XR"], ["STATE_OUT"]),
+            helper.make_node("Add", ["STATE_OUT", "STATE_OUT"], ["Y"]),
+        ],
+        "running_sum",
+        [
+            helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2]),
+            helper.make_tensor_value_info("READY", TensorProto.FLOAT, ["N", 1]),
+            helper.make_tensor_value_info("STATE_IN", TensorProto.FLOAT, ["N", 2]),
+        ],
+        [
+            helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 2]),
+            helper.make_tensor_value_info("STATE_OUT", TensorProto.FLOAT, ["N", 2]),
+        ],
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def serving_models(root: Path):
+    from services.model.backend import ModelBackend, ServiceSettings
+
+    return serving_stages(
+        [], repository=ModelRepository(root), backends=[ModelBackend(ServiceSettings(device="cpu"))]
+    )
+
+
+async def test_an_onnx_model_keeps_its_state_per_sequence_in_shared_batches(tmp_path: Path) -> None:
+    write_running_sum(tmp_path / "running_sum" / "1" / "model.onnx")
+    (tmp_path / "running_sum" / "config.pbtxt").write_text(ONNX_CONFIG)
+    async with serving_models(tmp_path) as stage, inference_stub(stage.address) as stub:
+        await wait_serving(stage.address, timeout=120)
+        config = (await stub.ModelConfig(pb.ModelConfigRequest(name="running_sum"))).config
+        assert [t.name for t in config.input] == ["X"] and [t.name for t in config.output] == ["Y"]
+
+        async def run(sequence: int) -> list[list[float]]:
+            seen = []
+            for step in range(4):
+                request = request_for("running_sum", X=np.array([[sequence, step]], np.float32))
+                request.parameters["sequence_id"].int64_param = sequence
+                request.parameters["sequence_start"].bool_param = step == 0
+                request.parameters["sequence_end"].bool_param = step == 3
+                reply = await stub.ModelInfer(request, timeout=30)
+                seen.append(response_tensors(reply)["Y"].to_array()[0].tolist())
+            return seen
+
+        results = await asyncio.gather(*(run(n) for n in (1, 2, 3)))
+        stats = await stub.ModelStatistics(pb.ModelStatisticsRequest(name="running_sum"))
+    for sequence, seen in zip((1, 2, 3), results, strict=True):
+        assert seen == [[2.0 * sequence * (k + 1), 2.0 * sum(range(k + 1))] for k in range(4)]
+    model = stats.model_stats[0]
+    assert (model.inference_count, model.execution_count) == (12, 4)
+
+
+async def test_an_onnx_model_without_the_control_input_its_config_names_is_refused(tmp_path: Path) -> None:
+    write_running_sum(tmp_path / "running_sum" / "1" / "model.onnx")
+    config = ONNX_CONFIG.replace('name: "READY"', 'name: "GO"')
+    (tmp_path / "running_sum" / "config.pbtxt").write_text(config)
+    async with serving_models(tmp_path) as stage, inference_stub(stage.address) as stub:
+        await wait_serving(stage.address, timeout=120)
+        reply = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
+        (model,) = reply.models
+        assert model.state == "UNAVAILABLE"
+        assert "'GO'" in model.reason and "READY" in model.reason, model.reason
