@@ -123,10 +123,6 @@ def _options(command: Command) -> Iterator[argparse.Action]:
         yield action
 
 
-def _anchor(name: str) -> str:
-    return name.replace(" ", "-").replace(".", "")
-
-
 def command_section(command: Command, level: str = "##") -> str:
     """A command as Markdown: what it does, its usage line and a table of its arguments."""
     parser = command.parser
@@ -140,7 +136,7 @@ def command_section(command: Command, level: str = "##") -> str:
         lines += ["| subcommand | what it does |", "|---|---|"]
         for choice in subparsers._choices_actions:
             lines.append(
-                f"| [`{choice.dest}`](#{_anchor(f'pipeline {choice.dest}')}) | {_cell(choice.help or '')} |"
+                f"| [`{choice.dest}`](#{_slug(f'pipeline {choice.dest}')}) | {_cell(choice.help or '')} |"
             )
         lines.append("")
     options = list(_options(command))
@@ -152,22 +148,40 @@ def command_section(command: Command, level: str = "##") -> str:
     return "\n".join(lines)
 
 
-def variables(groups: list[list[Command]]) -> dict[str, list[str]]:
-    """Each environment variable that a flag's help names, with the flags (and commands) that read it."""
-    found: dict[str, list[str]] = {}
+def variables(groups: list[list[Command]]) -> dict[str, dict[str, list[str]]]:
+    """Each environment variable that a flag's help names: {variable: {flag: the commands that take it}}."""
+    found: dict[str, dict[str, list[str]]] = {}
     for group in groups:
         for command in group:
             if command.name == "pipeline":
                 continue
             for action in _options(command):
+                flag = action.option_strings[0] if action.option_strings else action.dest
                 for name in _VARIABLE.findall(_help(action, command.parser.prog)):
-                    where = (
-                        f"{command.name} {action.option_strings[0] if action.option_strings else action.dest}"
-                    )
-                    found.setdefault(name, [])
-                    if where not in found[name]:
-                        found[name].append(where)
+                    commands = found.setdefault(name, {}).setdefault(flag, [])
+                    if command.name not in commands:
+                        commands.append(command.name)
     return found
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs (Python-Markdown's toc) gives a heading."""
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", heading).strip().lower())
+
+
+def _read_by(flags: dict[str, list[str]], servers: list[str]) -> str:
+    """`--flag` of every server, or `--flag` of the commands listed, each a link to its reference."""
+    parts = []
+    for flag, commands in flags.items():
+        if commands == servers:
+            parts.append(f"`{flag}` of the router and every stage service")
+            continue
+        links = ", ".join(
+            f"[`{name}`]({'cli' if name.startswith('pipeline') else 'services'}.md#{_slug(name)})"
+            for name in commands
+        )
+        parts.append(f"`{flag}` of {links}")
+    return "; ".join(parts)
 
 
 def settings_table() -> dict[str, str]:
@@ -192,6 +206,8 @@ def settings_table() -> dict[str, str]:
 
 def environment_page(groups: list[list[Command]]) -> str:
     read_by = variables(groups)
+    services = groups[-1]
+    servers = ["pipeline router", *(command.name for command in services)]
     defaults = settings_table()
     lines = [
         "# Environment variables",
@@ -205,7 +221,7 @@ def environment_page(groups: list[list[Command]]) -> str:
         "|---|---|---|",
     ]
     for name in sorted(read_by.keys() | defaults.keys()):
-        where = ", ".join(f"`{flag}`" for flag in read_by.get(name, [])) or "the processes' settings"
+        where = _read_by(read_by.get(name, {}), servers) or "the processes' settings"
         lines.append(f"| `{name}` | {defaults.get(name, '')} | {where} |")
     return "\n".join(lines) + "\n"
 
