@@ -37,6 +37,7 @@ from pipeline.protocol.errors import (
     PipelineError,
     StageError,
 )
+from pipeline.protocol.sequences import copy_sequence
 from pipeline.protocol.types import TensorSpec
 from pipeline.router.batching import DynamicBatcher
 from pipeline.router.calls import StageCalls
@@ -246,7 +247,7 @@ class Executor:
             except StageError as err:
                 raise StageError(f"{step.label}: {err.message}", err.code, items=err.items) from None
         else:
-            produced = await self._call_stage(step, values, request.id, deadline, metadata)
+            produced = await self._call_stage(step, values, request, deadline, metadata)
         outputs = {}
         for stage_tensor, tensor_name in step.outputs:
             tensor = produced.get(stage_tensor)
@@ -346,14 +347,16 @@ class Executor:
         self,
         step: PlanStep,
         values: Mapping[str, Tensor],
-        request_id: str,
+        request: pb.ModelInferRequest,
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
     ) -> dict[str, Tensor]:
-        """One request, one stage call: the step's model has no batcher."""
+        """One request, one stage call: the step's model has no batcher. The step gets the request's sequence
+        (its correlation id and flags), as Triton gives it to every step of an ensemble."""
         stage_request = pb.ModelInferRequest(
-            model_name=step.model_name, model_version=step.model_version, id=request_id
+            model_name=step.model_name, model_version=step.model_version, id=request.id
         )
+        copy_sequence(request, stage_request)
         for stage_tensor, tensor_name in step.inputs:
             tensor = values[tensor_name]
             stage_request.inputs.add(name=stage_tensor, datatype=tensor.datatype, shape=tensor.shape)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import random
 import ssl
@@ -178,6 +179,12 @@ class Replica:
     def observe(self, seconds: float, now: float) -> None:
         self.latency = seconds if not self.sampled else self.latency + self.ALPHA * (seconds - self.latency)
         self.sampled = now
+
+
+def _weight(address: str, key: str) -> int:
+    """A replica's rendezvous weight for a key: the same in every process (unlike `hash`, which is salted)."""
+    digest = hashlib.blake2b(f"{address}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 def _host_of(address: str) -> str | None:
@@ -428,6 +435,28 @@ class Replicas:
         if not infer:  # metadata may still find a replica the health watch has not reached yet
             candidates = [r for group in groups for r in group]
             return random.choice(candidates) if candidates else None
+        return None
+
+    def rank(self, key: str, model: str = "", version: str = "") -> list[Replica]:
+        """The replicas that may serve `model` (their `RepositoryIndex` lists it, or they cannot say), in the
+        order of rendezvous hashing for `key`, whatever their health: every router, and every worker of one,
+        ranks the same addresses alike, so the requests of one sequence meet on one replica, and a replica
+        that comes or goes moves only the sequences it ranks first for."""
+        candidates = [
+            r for r in self.by_address.values() if not model or r.serves(model, version) is not False
+        ]
+        return sorted(candidates, key=lambda r: _weight(r.address, key), reverse=True)
+
+    def pick_sequence(
+        self, key: str, tried: set[Replica], model: str = "", version: str = ""
+    ) -> Replica | None:
+        """The replica for a request of the sequence `key`: the first in its `rank` that is SERVING (else not
+        heard from yet) and not tried."""
+        ranked = [r for r in self.rank(key, model, version) if r not in tried]
+        for state in (SERVING, UNKNOWN):
+            for replica in ranked:
+                if replica.state == state:
+                    return replica
         return None
 
     def serving(self, model: str) -> int:

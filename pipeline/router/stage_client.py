@@ -13,6 +13,7 @@ import asyncio
 import logging
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import replace
 
@@ -32,6 +33,7 @@ from pipeline.protocol.errors import (
     Unavailable,
 )
 from pipeline.protocol.model_config import batching_of_config, is_deterministic, pad_values
+from pipeline.protocol.sequences import SEQUENCE_ID, SequenceId, sequence_key, sequence_of
 from pipeline.protocol.streams import EMPTY_FINAL_PARAMETER, TRACE_PARAMETERS, is_final
 from pipeline.router.replicas import DOWN, Replica, Replicas
 from pipeline.router.retry import RetryBudget, StageRetry
@@ -127,6 +129,9 @@ class StageClient:
         )
         limit = endpoint.max_inflight_requests
         self._slots = asyncio.Semaphore(limit) if limit > 0 else None
+        #: The replica (address) each sequence of late went to, most recent last: a request of a sequence
+        #: whose replica has gone is answered at once (`_call_sequence`).
+        self._placed: OrderedDict[str, str] = OrderedDict()
 
     # --- replicas ------------------------------------------------------------------------------------
 
@@ -181,6 +186,10 @@ class StageClient:
             # The budget is the stage's inference traffic: the router's own index and metadata calls (one
             # a second) must not buy retries of it.
             self.budget.called()
+            if isinstance(request, pb.ModelInferRequest) and SEQUENCE_ID in request.parameters:
+                sequence = sequence_of(request)
+                if sequence is not None:
+                    return await self._call_sequence(request, sequence, deadline, metadata, what)
         model, version = model_of(request)
         replica = replicas.pick(method, tried, model, version)
         if replica is None:
@@ -243,6 +252,69 @@ class StageClient:
                 replica.observe(now - started, now)
             if self.metrics is not None:
                 self.metrics.stage_calls.labels(name, "OK").inc()
+            return reply
+
+    async def _call_sequence(
+        self,
+        request: pb.ModelInferRequest,
+        sequence: SequenceId,
+        deadline: float | None,
+        metadata: tuple[tuple[str, str | bytes], ...],
+        what: str,
+    ) -> pb.ModelInferResponse:
+        """A request of a sequence goes where its state is: the replica its id ranks first among those up
+        (`Replicas.rank`), never another. Where that replica has gone, the sequence is lost: its request is
+        answered UNAVAILABLE naming it, while a sequence that starts may go to the next replica."""
+        replicas, name = self.replicas, self.endpoint.name
+        model, version = request.model_name, request.model_version
+        key = sequence_key(sequence)
+        tried: set[Replica] = set()
+        while True:
+            replica = replicas.pick_sequence(key, tried, model, version)
+            if replica is None:
+                raise Unavailable(
+                    f"stage '{name}' ({self.endpoint.address}) is unavailable for {what}: {_none_serving(model)}"
+                )
+            placed = self._placed.get(key)
+            if not sequence.start and placed is not None and placed != replica.address:
+                raise Unavailable(_lost(sequence, model, name, placed, "is no longer serving"))
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'")
+            started = time.monotonic()
+            try:
+                reply = await self._send(replica, "ModelInfer", request, remaining, metadata)
+            except grpc.aio.AioRpcError as err:
+                code, details = err.code(), err.details() or ""
+                if self.metrics is not None:
+                    self.metrics.stage_calls.labels(name, code.name).inc()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    home = replicas.rank(key, model, version)[:1]
+                    if _no_start(code, details, sequence) and home and home[0] is not replica:
+                        # Refused as unknown where it went because the replica it ranks first is down.
+                        raise Unavailable(_lost(sequence, model, name, home[0].address, "is down")) from None
+                    raise StageError(
+                        f"{what} on stage '{name}': {details}", code, items=item_errors(err)
+                    ) from None
+                if not not_started(err) and not isinstance(err, StreamBroken):
+                    replicas.set_state(replica, DOWN)
+                tried.add(replica)
+                if sequence.start and self.budget.try_retry():
+                    continue  # nothing of a sequence that starts is lost: the next replica takes it
+                raise Unavailable(
+                    _lost(sequence, model, name, replica.address, f"failed ({details})")
+                ) from None
+            now = time.monotonic()
+            replica.observe(now - started, now)
+            if self.metrics is not None:
+                self.metrics.stage_calls.labels(name, "OK").inc()
+            self._placed.pop(key, None)
+            if not sequence.end:
+                self._placed[key] = replica.address
+                if len(self._placed) > _PLACED_LIMIT:
+                    self._placed.popitem(last=False)
             return reply
 
     async def _send(
@@ -412,6 +484,26 @@ class StageClient:
 
     async def close(self) -> None:
         await self.replicas.close()
+
+
+#: Sequences whose replica a client remembers (the oldest forgotten first).
+_PLACED_LIMIT = 65536
+
+
+def _lost(sequence: SequenceId, model: str, stage: str, address: str, why: str) -> str:
+    return (
+        f"sequence {sequence.value} of model '{model}' is lost: its state was on replica {address} of stage "
+        f"'{stage}', which {why}; start the sequence again (sequence_start)"
+    )
+
+
+def _no_start(code: grpc.StatusCode, details: str, sequence: SequenceId) -> bool:
+    """Whether a stage refused a request of a sequence as one it does not know (Triton's message)."""
+    return (
+        code == grpc.StatusCode.INVALID_ARGUMENT
+        and not sequence.start
+        and "must specify the START flag on the first request of the sequence" in details
+    )
 
 
 def _none_serving(model: str) -> str:

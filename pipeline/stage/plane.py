@@ -55,6 +55,7 @@ from pipeline.protocol.errors import (
     Unimplemented,
 )
 from pipeline.protocol.model_config import tensor_specs
+from pipeline.protocol.sequences import SequenceId, sequence_of
 from pipeline.protocol.streams import DECOUPLED_UNARY, set_final
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
@@ -67,14 +68,7 @@ from pipeline.stage.control import ModelControl, config_override
 from pipeline.stage.decoupled import count_stream, stream_replies
 from pipeline.stage.encode import stage_response
 from pipeline.stage.pool import NOT_STARTED_MESSAGE, InstancePool, Slot
-from pipeline.stage.sequences import (
-    Row,
-    SequenceBatcher,
-    SequenceId,
-    SequenceSettings,
-    sequence_of,
-    split_rows,
-)
+from pipeline.stage.sequences import Row, SequenceBatcher, SequenceSettings, split_rows
 from pipeline.stage.served import ServedModel, ServedVersion, export_gauges, index_entries
 from pipeline.stage.warmup import warm_up, warmup_samples
 

@@ -38,7 +38,6 @@ from typing import Protocol
 
 import numpy as np
 
-from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.datatypes import DATATYPES
 from pipeline.protocol.errors import (
@@ -49,17 +48,13 @@ from pipeline.protocol.errors import (
     Unavailable,
 )
 from pipeline.protocol.model_config import datatype_of_config
+from pipeline.protocol.sequences import SequenceId
 from pipeline.stage.api import Deadline
 
 log = logging.getLogger(__name__)
 
-#: The request parameters of a sequence's requests (the KServe v2 protocol's, as Triton's clients send them).
-SEQUENCE_ID, SEQUENCE_START, SEQUENCE_END = "sequence_id", "sequence_start", "sequence_end"
 #: Triton's default `max_sequence_idle_microseconds`.
 DEFAULT_IDLE_S = 1.0
-#: Triton's request flags, as `InferenceRequest.flags()` gives them to a Python model.
-FLAG_START, FLAG_END = 1, 2
-
 _Kind = mc.ModelSequenceBatching.Control
 _CORRID_TYPES = {
     mc.TYPE_UINT64: "UINT64",
@@ -68,51 +63,6 @@ _CORRID_TYPES = {
     mc.TYPE_INT32: "INT32",
     mc.TYPE_STRING: "BYTES",
 }
-
-
-@dataclass(frozen=True)
-class SequenceId:
-    """A request's place in its sequence, from its parameters."""
-
-    value: int | str
-    start: bool
-    end: bool
-
-    @property
-    def flags(self) -> int:
-        return (FLAG_START if self.start else 0) | (FLAG_END if self.end else 0)
-
-
-def sequence_of(request: pb.ModelInferRequest) -> SequenceId | None:
-    """The sequence a request belongs to (its `sequence_id`, `sequence_start` and `sequence_end` parameters);
-    None where it names none (or 0, or ""). Raises `InvalidInput` for parameters of the wrong type."""
-    parameters = request.parameters
-    if SEQUENCE_ID not in parameters:
-        return None
-    param = parameters[SEQUENCE_ID]
-    kind = param.WhichOneof("parameter_choice")
-    value: int | str
-    if kind == "string_param":
-        value = param.string_param
-    elif kind in ("int64_param", "uint64_param"):
-        number: int = getattr(param, kind)
-        value = number
-        if number < 0:
-            raise InvalidInput(f"parameter '{SEQUENCE_ID}' is {value}; a sequence id is an unsigned integer")
-    else:
-        raise InvalidInput(f"parameter '{SEQUENCE_ID}' must be an integer or a string, not a {kind}")
-    flags = []
-    for key in (SEQUENCE_START, SEQUENCE_END):
-        if key not in parameters:
-            flags.append(False)
-            continue
-        flag = parameters[key]
-        if flag.WhichOneof("parameter_choice") != "bool_param":
-            raise InvalidInput(f"parameter '{key}' must be a boolean")
-        flags.append(flag.bool_param)
-    if not value:
-        return None
-    return SequenceId(value, flags[0], flags[1])
 
 
 # ---- settings ----------------------------------------------------------------------------------------------------

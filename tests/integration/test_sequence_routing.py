@@ -1,0 +1,128 @@
+"""The router keeps a sequence with its state: every request of a sequence reaches the replica of the stage that
+holds it, directly and through an ensemble, and a replica that goes away takes only its own sequences with it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.ensemble.catalog import load_catalog
+from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.tools.testing import serving_router, serving_stages
+from tests.conftest import inference_stub, request_for, wait_serving
+from tests.integration.test_sequences import ACCUMULATOR, CONFIG, OLDEST
+from tests.stages import write_model
+
+ENSEMBLE = """
+name: "running_total"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "VALUE" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "TOTAL" data_type: TYPE_INT32 dims: [ 1 ] } ]
+ensemble_scheduling { step [ {
+  model_name: "accumulate" model_version: -1
+  input_map { key: "INPUT" value: "VALUE" }
+  output_map { key: "OUTPUT" value: "TOTAL" }
+} ] }
+"""
+
+
+def repository(root: Path) -> Path:
+    write_model(
+        root,
+        "accumulate",
+        ACCUMULATOR,
+        CONFIG.format(strategy=OLDEST, idle=30_000_000, initial="zero_data: true"),
+    )
+    (root / "running_total" / "1").mkdir(parents=True)
+    (root / "running_total" / "config.pbtxt").write_text(ENSEMBLE)
+    return root
+
+
+def sequence_request(model: str, value: int, sequence: int, start: bool, end: bool) -> pb.ModelInferRequest:
+    tensor = "VALUE" if model == "running_total" else "INPUT"
+    request = request_for(model, **{tensor: np.array([[value]], np.int32)})
+    request.parameters["sequence_id"].int64_param = sequence
+    request.parameters["sequence_start"].bool_param = start
+    request.parameters["sequence_end"].bool_param = end
+    return request
+
+
+async def inferences(address: str) -> int:
+    async with inference_stub(address) as stub:
+        reply = await stub.ModelStatistics(pb.ModelStatisticsRequest(name="accumulate"))
+    return reply.model_stats[0].inference_count
+
+
+async def test_each_sequence_stays_on_one_replica_directly_and_through_an_ensemble(tmp_path: Path) -> None:
+    root = repository(tmp_path / "models")
+    backends = [PythonBackend()]
+    async with (
+        serving_stages([], repository=ModelRepository(root), backends=backends) as first,
+        serving_stages([], repository=ModelRepository(root), backends=backends) as second,
+    ):
+        await wait_serving(first.address, timeout=60)
+        await wait_serving(second.address, timeout=60)
+        catalog = load_catalog(repository=root, stages={"python": f"ipv4:{first.address},{second.address}"})
+        async with serving_router(catalog) as router, inference_stub(router.address) as stub:
+            await wait_serving(router.address)
+
+            async def run(sequence: int) -> list[int]:
+                model = "running_total" if sequence % 2 else "accumulate"
+                output = "TOTAL" if sequence % 2 else "OUTPUT"
+                totals = []
+                for step in range(6):
+                    request = sequence_request(model, sequence + step, sequence, step == 0, step == 5)
+                    reply = await stub.ModelInfer(request, timeout=30)
+                    totals.append(int(response_tensors(reply)[output].to_array()[0, 0]))
+                return totals
+
+            results = await asyncio.gather(*(run(n) for n in range(1, 17)))
+        for sequence, totals in enumerate(results, start=1):
+            assert totals == [sum(sequence + k for k in range(step + 1)) for step in range(6)], sequence
+        # Both replicas took sequences; a split sequence would have been refused by the replica it strayed to.
+        a, b = await inferences(first.address), await inferences(second.address)
+        assert a + b == 16 * 6 and a >= 12 and b >= 12, (a, b)
+
+
+async def test_a_replica_that_goes_takes_only_its_own_sequences_with_it(tmp_path: Path) -> None:
+    root = repository(tmp_path / "models")
+    backends = [PythonBackend()]
+    async with (
+        serving_stages([], repository=ModelRepository(root), backends=backends) as first,
+        serving_stages([], repository=ModelRepository(root), backends=backends) as second,
+    ):
+        await wait_serving(first.address, timeout=60)
+        await wait_serving(second.address, timeout=60)
+        catalog = load_catalog(repository=root, stages={"python": f"ipv4:{first.address},{second.address}"})
+        async with serving_router(catalog) as router, inference_stub(router.address) as stub:
+            await wait_serving(router.address)
+            for sequence in range(1, 13):
+                await stub.ModelInfer(sequence_request("accumulate", 1, sequence, True, False), timeout=30)
+            on_first = await inferences(first.address)
+            assert 0 < on_first < 12
+            await first.stop()
+            lost, kept = [], []
+            for sequence in range(1, 13):
+                try:
+                    reply = await stub.ModelInfer(
+                        sequence_request("accumulate", 1, sequence, False, True), timeout=30
+                    )
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE
+                    assert f"sequence {sequence} of model 'accumulate' is lost" in err.details()
+                    assert first.address in err.details() and "sequence_start" in err.details()
+                    lost.append(sequence)
+                    continue
+                assert int(response_tensors(reply)["OUTPUT"].to_array()[0, 0]) == 2
+                kept.append(sequence)
+            assert len(lost) == on_first and len(kept) == 12 - on_first
+            # A lost sequence starts again, on the replica that is left.
+            reply = await stub.ModelInfer(sequence_request("accumulate", 5, lost[0], True, True), timeout=30)
+            assert int(response_tensors(reply)["OUTPUT"].to_array()[0, 0]) == 5
