@@ -1,4 +1,4 @@
-"""A server's frame port (`pipeline.protocol.frames`): inference requests in frames on a plain stream.
+"""A server's frame port (`pipeline.protocol.frames`): inference requests in frames on a stream of their own.
 
 Each request goes through the servicer's own inference path (`InferenceServicer.infer`: its span, metrics
 and statistics), as a `ModelStreamInfer` request would. A connection holds at most `INFLIGHT` requests at
