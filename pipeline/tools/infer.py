@@ -142,20 +142,29 @@ def _print_stream(responses: Iterable[StreamResponse], as_json: bool) -> int:
 
 
 def _print_outputs(outputs: Mapping[str, np.ndarray], files: Sequence[str], as_json: bool) -> None:
+    """A line per item (per file), or one line with every output whole where the outputs are not one row
+    per file (a model that does not batch: a page's digits); BYTES elements as text."""
     if as_json:
         print(json.dumps({name: array.tolist() for name, array in outputs.items()}))
         return
     count = next(iter(outputs.values())).shape[0] if outputs else 0
+    if files and any(array.shape[:1] != (len(files),) for array in outputs.values()):
+        fields = [f"{name}={_format(array.reshape(-1))}" for name, array in outputs.items()]
+        print(f"{', '.join(files)}: {'  '.join(fields)}")
+        return
     names = list(files) or [f"item {i}" for i in range(count)]
     for i, label in enumerate(names[:count]):
         fields = []
         for name, array in outputs.items():
             row = array[i].reshape(-1)
-            fields.append(f"{name}={row[0]}" if row.size == 1 else f"{name}={_format(row)}")
+            fields.append(f"{name}={_format(row)}")
         print(f"{label}: {'  '.join(fields)}")
 
 
 def _format(row: np.ndarray) -> str:
+    if row.dtype == np.object_:
+        texts = [bytes(v).decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in row]
+        return texts[0] if len(texts) == 1 else repr(texts)
     if row.size == 1:
         return str(row[0])
     return np.array2string(row, precision=3, suppress_small=True, separator=" ", max_line_width=10**6)

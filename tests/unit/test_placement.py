@@ -42,6 +42,8 @@ def test_the_example_ensembles_place_each_python_model_where_their_steps_name_it
     assert python_models_of("preprocess", repository, plans) == [
         "digits_preprocess",
         "embeddings_tokenize",
+        "pagenumber_bls",  # no ensemble calls it: the preprocess service's
+        "pagenumber_segment",
         "refcnn_preprocess",
         "textgen_tokenize",
     ]
@@ -52,6 +54,7 @@ def test_the_example_ensembles_place_each_python_model_where_their_steps_name_it
         "digits_blank",
         "digits_postprocess",
         "embeddings_pool",
+        "pagenumber_join",
         "refcnn_postprocess",
         # After textgen's decoupled generator: it handles each of the generator's responses.
         "textgen_detokenize",
