@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -31,6 +32,7 @@ from pipeline.protocol.errors import (
     Unimplemented,
 )
 from pipeline.protocol.frames import extension as frames_extension
+from pipeline.protocol.sequences import SEQUENCE_ID
 from pipeline.protocol.streams import (
     STREAM_STATUS_EXTENSION,
     error_response,
@@ -512,6 +514,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 response = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
             hold.put(response, size)
 
+        #: Per sequence on this stream, its latest request: the next waits for it.
+        sequences: dict[str, asyncio.Task[None]] = {}
+
+        async def after(previous: asyncio.Task[None], request: pb.ModelInferRequest, size: int) -> None:
+            await asyncio.wait((previous,))
+            await one(request, size)
+
         async def read() -> None:
             try:
                 while True:
@@ -522,6 +531,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     await hold.take(size)
                     if decoupled and request.model_name in decoupled:
                         task = asyncio.create_task(self._many(request, size, call, slots, hold))
+                    elif SEQUENCE_ID in request.parameters:
+                        # A sequence's requests run one after the other, in the order they came (as Triton's
+                        # sequence batcher takes them); other requests run concurrently.
+                        key = f"{request.model_name}\0{request.parameters[SEQUENCE_ID]}"
+                        previous = sequences.get(key)
+                        work = one(request, size) if previous is None else after(previous, request, size)
+                        task = sequences[key] = asyncio.create_task(work)
+                        task.add_done_callback(functools.partial(_forget, sequences, key))
                     else:
                         task = asyncio.create_task(one(request, size))
                     tasks.add(task)
@@ -558,3 +575,9 @@ def _response_span(telemetry: Telemetry, request_id: str, index: int, final: boo
     attributes = {REQUEST_ID: request_id, RESPONSE_INDEX: index, RESPONSE_FINAL: final}
     telemetry.record_span(f"response {index}", since, now, attributes)
     return now
+
+
+def _forget(sequences: dict[str, asyncio.Task[None]], key: str, done: asyncio.Task[None]) -> None:
+    """Drop a sequence's finished request unless a later one of it came since."""
+    if sequences.get(key) is done:
+        del sequences[key]

@@ -4,6 +4,9 @@ holds it, directly and through an ensemble, and a replica that goes away takes o
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
+from asyncio.subprocess import PIPE
 from pathlib import Path
 
 import grpc
@@ -126,3 +129,87 @@ async def test_a_replica_that_goes_takes_only_its_own_sequences_with_it(tmp_path
             # A lost sequence starts again, on the replica that is left.
             reply = await stub.ModelInfer(sequence_request("accumulate", 5, lost[0], True, True), timeout=30)
             assert int(response_tensors(reply)["OUTPUT"].to_array()[0, 0]) == 5
+
+
+#: tritonclient as its users call a stateful model, in a process of its own (it registers Triton's own copy of
+#: the protocol's messages): interleaved sequences over unary calls and over one gRPC stream, a request without
+#: START, and a string sequence id; what it saw as JSON.
+TRITON_CLIENT = r"""
+import json, queue, sys
+import numpy as np
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+url = sys.argv[1]
+client = triton.InferenceServerClient(url)
+
+def value(model, number):
+    tensor = triton.InferInput("VALUE" if model == "running_total" else "INPUT", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[number]], np.int32))
+    return [tensor]
+
+def total(result, model):
+    return int(result.as_numpy("TOTAL" if model == "running_total" else "OUTPUT")[0, 0])
+
+report = {"unary": {}, "stream": {}, "refused": None}
+for step in range(3):
+    for sequence in (1001, 1002):
+        result = client.infer("running_total", value("running_total", sequence % 100 * (step + 1)),
+                              sequence_id=sequence, sequence_start=step == 0, sequence_end=step == 2)
+        report["unary"].setdefault(str(sequence), []).append(total(result, "running_total"))
+try:
+    client.infer("accumulate", value("accumulate", 1), sequence_id=1001)
+except InferenceServerException as exc:
+    report["refused"] = [exc.status(), exc.message()]
+
+done = queue.Queue()
+client.start_stream(callback=lambda result, error: done.put((result, error)))
+for step in range(12):
+    for sequence in (2001, 2002, 2003):
+        client.async_stream_infer("accumulate", value("accumulate", step + 1), request_id=f"{sequence}-{step}",
+                                  sequence_id=sequence, sequence_start=step == 0, sequence_end=step == 11)
+for _ in range(36):
+    result, error = done.get(timeout=30)
+    assert error is None, error
+    sequence = result.get_response().id.split("-")[0]
+    report["stream"].setdefault(sequence, []).append(total(result, "accumulate"))
+client.stop_stream()
+result = client.infer("accumulate", value("accumulate", 9), sequence_id="session-x", sequence_start=True,
+                      sequence_end=True)
+report["string"] = total(result, "accumulate")
+print(json.dumps(report))
+"""
+
+
+async def test_tritonclient_gets_tritons_answers_over_calls_and_streams(tmp_path: Path) -> None:
+    root = repository(tmp_path / "models")
+    config = (root / "accumulate" / "config.pbtxt").read_text()
+    (root / "accumulate" / "config.pbtxt").write_text(config.replace("TYPE_UINT64", "TYPE_STRING"))
+    source = ACCUMULATOR.replace(
+        'get("CORRID").astype(np.int64)', "np.array([[len(get('CORRID')[0, 0])]], np.int64)"
+    )
+    (root / "accumulate" / "1" / "model.py").write_text(source)
+    backends = [PythonBackend()]
+    async with (
+        serving_stages([], repository=ModelRepository(root), backends=backends) as first,
+        serving_stages([], repository=ModelRepository(root), backends=backends) as second,
+    ):
+        await wait_serving(first.address, timeout=60)
+        await wait_serving(second.address, timeout=60)
+        catalog = load_catalog(repository=root, stages={"python": f"ipv4:{first.address},{second.address}"})
+        async with serving_router(catalog) as router:
+            await wait_serving(router.address)
+            client = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", TRITON_CLIENT, router.address, stdout=PIPE, stderr=PIPE
+            )
+            out, err = await asyncio.wait_for(client.communicate(), 120)
+            assert client.returncode == 0, err.decode()
+    report = json.loads(out)
+    assert report["unary"] == {"1001": [1, 3, 6], "1002": [2, 6, 12]}
+    status, message = report["refused"]
+    assert status == "StatusCode.INVALID_ARGUMENT"
+    assert "inference request for sequence 1001 to model 'accumulate' must specify the START flag" in message
+    # A sequence's requests on a stream run in the order they were sent, one after the other.
+    running = [sum(range(1, step + 2)) for step in range(12)]
+    assert report["stream"] == {"2001": running, "2002": running, "2003": running}
+    assert report["string"] == 9
