@@ -72,7 +72,9 @@ def commands() -> tuple[list[Command], list[Command]]:
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    """Help text as a table cell: on one line, its `<placeholders>` and pipes shown as written."""
+    text = " ".join(text.split()).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return text.replace("|", "\\|").replace("*", "\\*")
 
 
 def _help(action: argparse.Action, prog: str) -> str:
@@ -129,7 +131,7 @@ def command_section(command: Command, level: str = "##") -> str:
     lines = [f"{level} `{command.name}`", ""]
     description = parser.description or ""
     if description:
-        lines += [" ".join(description.split()), ""]
+        lines += [_cell(description), ""]
     lines += ["```text", parser.format_usage().strip(), "```", ""]
     subcommands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     for subparsers in subcommands:
