@@ -80,7 +80,9 @@ _BATCHING = BatchingConfig()
 
 class DynamicBatchingConfig(_Schema):
     """Triton's `dynamic_batching` for a stage model, as written in YAML (see `pipeline.router.batching`);
-    each knob's meaning and default are `BatchingConfig`'s."""
+    each knob's meaning and default are `BatchingConfig`'s. A model's batching is the model's: its
+    `config.pbtxt` declares it, and an ensemble may state it only for a model whose config sets none (every
+    ensemble that calls the model then shares it; two that state it differently disagree)."""
 
     max_batch_size: PositiveInt = _BATCHING.max_batch_size
     max_queue_delay_microseconds: NonNegativeInt = _BATCHING.max_queue_delay_microseconds
@@ -107,7 +109,8 @@ class DynamicBatchingConfig(_Schema):
 class StageConfig(_Schema):
     """A stage endpoint as written in YAML; `address` may use `${VAR}` and `${VAR:-default}`.
 
-    `dynamic_batching` applies to every step of this file that calls the stage, unless the step sets its own.
+    `dynamic_batching` applies to every step of this file that calls the stage, unless the step sets its own
+    (see `DynamicBatchingConfig`: only for models whose config sets none).
     """
 
     address: Name
@@ -236,7 +239,8 @@ class StepConfig(_Schema):
     stage: Name | None = None
     input_map: dict[Name, Name]
     output_map: dict[Name, Name]
-    #: Overrides the stage's `dynamic_batching` for this step's model; `false` turns batching off.
+    #: Overrides the stage's `dynamic_batching` for this step's model; `false` turns batching off. Only for
+    #: a model whose config sets none, as every ensemble that calls the model shares one batcher.
     dynamic_batching: DynamicBatchingConfig | Literal[False] | None = None
     #: The step runs only for the requests that meet this condition (and have all its inputs).
     when: WhenConfig | None = None

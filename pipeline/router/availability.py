@@ -118,6 +118,8 @@ class EnsembleAvailability:
         await self.complete(at_start=exit_on_error)
         self.started = True
         self._looked.set()
+        for name, reason in sorted(self.failed.items()):
+            log.error("ensemble '%s' is not available: %s", name, reason)
         for name, reason in sorted(self.unavailable.items()):
             log.warning("ensemble '%s' is not available: %s", name, reason)
 
@@ -188,6 +190,8 @@ class EnsembleAvailability:
         await self.stages.refresh_index()
         errors = []
         for name in sorted(self.unavailable):
+            if name not in self.unavailable:  # made available, or gone, by a reload meanwhile
+                continue
             try:
                 plan = await self._checked(self.catalog.ensembles[name])
             except NotServed as err:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 ENSEMBLE = """
 name: top1
 stages:
-  post: {{address: "{address}", dynamic_batching: {{max_batch_size: 16}}}}
+  post: {{address: "{address}"}}
 inputs: [{{name: LOGITS, datatype: FP32, shape: [-1, 10]}}]
 outputs: [{{name: LABEL, datatype: INT64, shape: [-1, 1]}}]
 steps:

@@ -49,7 +49,7 @@ ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode
 ENSEMBLES = """
 name: img
 stages:
-  pre: {{address: "{pre}", dynamic_batching: {{max_batch_size: 8}}}}
+  pre: {{address: "{pre}"}}
 inputs: [{{name: IMAGE, datatype: BYTES, shape: [-1, 1]}}]
 outputs: [{{name: PIXELS, datatype: FP32, shape: [-1, 1, 8, 8]}}]
 steps:
@@ -57,7 +57,7 @@ steps:
 ---
 name: txt
 stages:
-  pre: {{address: "{pre}", dynamic_batching: {{max_batch_size: 8}}}}
+  pre: {{address: "{pre}"}}
 inputs: [{{name: TEXT, datatype: BYTES, shape: [-1, 1]}}]
 outputs: [{{name: IDS, datatype: INT64, shape: [-1, -1]}}]
 steps:
