@@ -237,8 +237,9 @@ class ModelBackend:
             self._instance(entry.name, artifact, kind, device, options, config, bindings, signature)
             for device in devices
         ]
-        del config.input[declared[0] :]
-        del config.output[declared[1] :]
+        if config.HasField("sequence_batching"):
+            del config.input[declared[0] :]
+            del config.output[declared[1] :]
         del config.instance_group[:]
         config.instance_group.extend(placed_groups(entry.name, devices))
         config.parameters[REASON_KEY].string_value = "; ".join(dict.fromkeys(i.reason for i in instances))
