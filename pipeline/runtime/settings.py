@@ -168,6 +168,7 @@ DEVICE = Setting("PIPELINE_DEVICE", "auto", str)
 TORCH_THREADS = Setting("PIPELINE_TORCH_THREADS", 1, int)
 DISABLE_AUTO_COMPLETE_CONFIG = Setting("PIPELINE_DISABLE_AUTO_COMPLETE_CONFIG", False, flag)
 DEFAULT_MAX_BATCH_SIZE = Setting("PIPELINE_DEFAULT_MAX_BATCH_SIZE", 4, int)
+STRICT_RUNNER = Setting("PIPELINE_STRICT_RUNNER", False, flag)
 
 # The clients (`pipeline infer`, `pipeline bench`).
 URL = Setting("PIPELINE_URL", "127.0.0.1:8001", str)

@@ -7,6 +7,7 @@ version loaded; `RepositoryIndex` and the gauges are read from them.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -114,7 +115,7 @@ def index_entries(
 
 
 def export_gauges(metrics: Metrics, models: Mapping[str, ServedModel]) -> None:
-    """The queue depth and running executions of every model that serves, read when scraped."""
+    """The queue depth, running executions and instances of every model that serves, read when scraped."""
     metrics.gauge(
         "pipeline_queue_depth",
         "Requests waiting now",
@@ -127,3 +128,21 @@ def export_gauges(metrics: Metrics, models: Mapping[str, ServedModel]) -> None:
         "model",
         lambda: [(n, m.running) for n, m in models.items() if m.versions],
     )
+    metrics.gauge(
+        "pipeline_model_instances",
+        "Instances loaded, by the runner that runs them (a model service's runner after any fallback, else "
+        "the platform) and their device",
+        ("model", "version", "runner", "device"),
+        lambda: instance_counts(models),
+    )
+
+
+def instance_counts(models: Mapping[str, ServedModel]) -> list[tuple[tuple[str, str, str, str], float]]:
+    """How many instances of each served version run on each (runner, device)."""
+    counts: Counter[tuple[str, str, str, str]] = Counter()
+    for name, model in list(models.items()):
+        for version, served in list(model.versions.items()):
+            for slot in served.pool.slots:
+                runner = getattr(slot.instance, "runner", served.platform)
+                counts[(name, version, runner, slot.instance.device)] += 1
+    return [(labels, float(count)) for labels, count in counts.items()]

@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="max_batch_size that auto-complete gives a model that batches, as Triton's "
         "default-max-batch-size (env PIPELINE_DEFAULT_MAX_BATCH_SIZE; default %(default)s)",
     )
+    parser.add_argument(
+        "--strict-runner",
+        action="store_true",
+        default=settings.STRICT_RUNNER.get(),
+        help="fail a model whose first runner cannot build or load it, instead of falling back to the next "
+        "(TensorRT, ONNX Runtime CUDA, torch CUDA, CPU); a config's strict_runner parameter says otherwise for "
+        "its model (env PIPELINE_STRICT_RUNNER)",
+    )
     return parser
 
 
@@ -88,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             engine_cache=Path(args.engine_cache) if args.engine_cache else None,
             auto_complete=not args.disable_auto_complete_config,
             default_max_batch_size=args.default_max_batch_size,
+            strict_runner=args.strict_runner,
         )
     except ValueError as exc:
         parser.error(str(exc))

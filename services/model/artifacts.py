@@ -446,3 +446,32 @@ def _check_shape(
             f"{where}: {role} '{name}': the config's {what} give shape {list(declared)} (batch dimension first "
             f"as -1 where max_batch_size > 0), the model's is {list(own)}"
         )
+
+
+def export_onnx(
+    artifact: Path, kind: str, inputs: list[Binding], outputs: list[Binding], path: Path, *, batching: bool
+) -> Path:
+    """Export a TorchScript module or `torch.export` program to ONNX (for TensorRT, ONNX Runtime and
+    `pipeline quantize`): inputs named as the model's arguments, outputs as the config's, the batch dimension
+    (and a program's other variable dimensions) dynamic."""
+    import torch
+
+    ordered = sorted(inputs, key=lambda b: b.index)
+    input_names = [b.model_name for b in ordered]
+    output_names = [b.model_name or b.name for b in sorted(outputs, key=lambda b: b.index)]
+    if kind == TORCH_EXPORT:
+        program = load_program(artifact)
+        torch.onnx.export(
+            program, f=str(path), input_names=input_names, output_names=output_names, dynamo=True,
+            external_data=False, verbose=False,
+        )  # fmt: skip
+        return path
+    module = load_torchscript(artifact)
+    # Batch 2: a size of 1 may be specialised away.
+    example = tuple(torch.zeros(tuple(2 if d == -1 else d for d in b.model_shape)) for b in ordered)
+    axes = {name: {0: "batch"} for name in (*input_names, *output_names)} if batching else None
+    torch.onnx.export(
+        module, example, str(path), input_names=input_names, output_names=output_names, dynamic_axes=axes,
+        dynamo=False, verbose=False,
+    )  # fmt: skip
+    return path

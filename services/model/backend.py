@@ -12,13 +12,20 @@ where the config is silent (auto-complete) and refuses a config that disagrees, 
 | `model.pt2` (`torch.export`) | TensorRT through an ONNX export (cached) | PyTorch on CUDA | PyTorch |
 | `model.plan` | TensorRT | refused | refused |
 
-`auto` takes the first that works and logs why; a config may pin a runner. Settings live where Triton keeps
-them (see `ModelOptions`).
+`auto` orders the runners that could run an instance (TensorRT, ONNX Runtime with the CUDA provider, PyTorch
+on CUDA, then the CPU), and the first that loads the model runs it (`services.model.fallback`): a runner that
+fails to build or load the model hands it to the next with a warning naming why. A config may pin a runner
+(`runner`), which then comes first, and may make the choice strict (`strict_runner`, or the service's
+`--strict-runner`): the model fails to load instead of falling back. The runner in use and why are shown in
+the config (`parameters` `runner_in_use` and `runner_reason`) and in the metrics. Settings live where Triton
+keeps them (see `ModelOptions`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +34,7 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import PAD_VALUE_PARAMETER, datatype_of_config, log_ignored
 from pipeline.runtime.repository import RepositoryEntry
-from pipeline.stage.backend import RUNTIME_FIELDS, PreparedVersion
+from pipeline.stage.backend import RUNTIME_FIELDS, Instance, PreparedVersion
 from pipeline.stage.sequences import sequence_tensors
 from services.model import tensorrt
 from services.model.artifacts import (
@@ -45,7 +52,8 @@ from services.model.artifacts import (
     reconcile,
     torchscript_signature,
 )
-from services.model.instances import OnnxRuntimeInstance, TorchInstance
+from services.model.fallback import Choice, FallbackInstance
+from services.model.instances import ArtifactInstance, OnnxRuntimeInstance, TorchInstance
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +64,16 @@ DEVICES = ("auto", "cpu", "cuda")
 ACTED_ON = RUNTIME_FIELDS | {"optimization"}
 #: `parameters` keys this backend reads (besides the router's `pad_value.<TENSOR>`). Triton's own spellings of
 #: the thread count are accepted: the ONNX Runtime backend's and the PyTorch backend's.
-PARAMETER_KEYS = ("runner", "intra_op_thread_count", "INTRA_OP_THREAD_COUNT", "torch_compile")
-#: The `parameters` key under which `ModelConfig` reports which runner runs each instance, and why.
-REASON_KEY = "runner_reason"
+PARAMETER_KEYS = (
+    "runner",
+    "strict_runner",
+    "intra_op_thread_count",
+    "INTRA_OP_THREAD_COUNT",
+    "torch_compile",
+)
+#: The `parameters` keys under which `ModelConfig` reports which runners run the instances ("onnxruntime on
+#: cpu", ...), and why.
+RUNNER_KEY, REASON_KEY = "runner_in_use", "runner_reason"
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -77,6 +92,9 @@ class ServiceSettings:
     auto_complete: bool = True
     #: `max_batch_size` auto-complete gives a model that batches (Triton's `--backend-config=default-max-batch-size`).
     default_max_batch_size: int = 4
+    #: Fail a model whose first runner cannot load it instead of falling back (a config's `strict_runner`
+    #: says otherwise for its model).
+    strict_runner: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
@@ -93,7 +111,10 @@ class ServiceSettings:
 class ModelOptions:
     """A model's settings, read from where Triton keeps such settings in `config.pbtxt`.
 
-    - `parameters { key: "runner" value: { string_value: "auto" } }`: auto | onnxruntime | torch | tensorrt.
+    - `parameters { key: "runner" value: { string_value: "auto" } }`: auto | onnxruntime | torch | tensorrt,
+      the runner tried first (onnxruntime runs a PyTorch file as its ONNX export).
+    - `parameters { key: "strict_runner" value: { string_value: "true" } }`: fail to load instead of falling
+      back to the next runner (unset: the service's `--strict-runner`).
     - `parameters { key: "intra_op_thread_count" ... }` (or `INTRA_OP_THREAD_COUNT`): threads per instance.
     - `parameters { key: "torch_compile" value: { string_value: "true" } }`: `torch.compile` the module.
     - `optimization { execution_accelerators { gpu_execution_accelerator: [ { name: "tensorrt"
@@ -106,6 +127,8 @@ class ModelOptions:
     runner: str = "auto"
     threads: int | None = None
     torch_compile: bool = False
+    #: `strict_runner`, where the config sets it.
+    strict: bool | None = None
     #: A `tensorrt` GPU accelerator is named.
     tensorrt: bool = False
     #: "fp32" or "fp16" (TensorRT's precision_mode, or auto_mixed_precision for torch).
@@ -116,7 +139,7 @@ class ModelOptions:
     def of(cls, config: mc.ModelConfig, source: str) -> ModelOptions:
         """Read and check the settings; `RepositoryError` naming the config and the key for a bad value."""
         params = {key: value.string_value for key, value in config.parameters.items()}
-        known = (*PARAMETER_KEYS, REASON_KEY)
+        known = (*PARAMETER_KEYS, RUNNER_KEY, REASON_KEY)
         unknown = sorted(k for k in params if k not in known and not k.startswith(PAD_VALUE_PARAMETER))
         if unknown:
             log.warning(
@@ -140,6 +163,11 @@ class ModelOptions:
         if compile_flag not in TRUE + FALSE:
             raise RepositoryError(
                 f"{source}: parameter torch_compile is {compile_flag!r}; expected true or false"
+            )
+        strict_flag = params.get("strict_runner", "").strip().lower()
+        if strict_flag and strict_flag not in TRUE + FALSE:
+            raise RepositoryError(
+                f"{source}: parameter strict_runner is {strict_flag!r}; expected true or false"
             )
         tensorrt, precision, workspace = False, "fp32", None
         accelerators = config.optimization.execution_accelerators
@@ -172,7 +200,8 @@ class ModelOptions:
         others = [f.name for f, _ in config.optimization.ListFields() if f.name != "execution_accelerators"]
         if others:
             log.warning("%s: ignoring optimization field(s): %s", source, ", ".join(sorted(others)))
-        return cls(runner, threads, compile_flag in TRUE, tensorrt, precision, workspace)
+        strict = strict_flag in TRUE if strict_flag else None
+        return cls(runner, threads, compile_flag in TRUE, strict, tensorrt, precision, workspace)
 
 
 class ModelBackend:
@@ -233,16 +262,35 @@ class ModelBackend:
         config.platform = KIND_PLATFORMS[kind]
         config.backend = KIND_BACKENDS[kind]
         devices = place_instances(config, self.settings.device, gpu_count(), source)
-        instances = [
-            self._instance(entry.name, artifact, kind, device, options, config, bindings, signature)
+        strict = self.settings.strict_runner if options.strict is None else options.strict
+        unbounded = unbounded_dimension(bindings, signature)
+        chains = [
+            choose_runner(kind, device, options, str(artifact), unbounded=unbounded, strict=strict)
             for device in devices
         ]
+        report = RunnerReport(entry.name, config, [chain[0] for chain in chains])
+        # Instances are made as they load, from the config as it is now (its sequence tensors included).
+        complete = mc.ModelConfig()
+        complete.CopyFrom(config)
+
+        def build(choice: Choice) -> ArtifactInstance:
+            return self._instance(entry.name, artifact, kind, choice, options, complete, bindings, signature)
+
+        instances: list[Instance] = []
+        for index, chain in enumerate(chains):
+            log.info("%s: %s", entry.name, chain[0].reason)
+            instances.append(
+                FallbackInstance(
+                    chain,
+                    build,
+                    on_loaded=functools.partial(report.loaded, index),
+                    source=str(artifact),
+                )
+            )
         if config.HasField("sequence_batching"):
             del config.input[declared[0] :]
             del config.output[declared[1] :]
-        del config.instance_group[:]
-        config.instance_group.extend(placed_groups(entry.name, devices))
-        config.parameters[REASON_KEY].string_value = "; ".join(dict.fromkeys(i.reason for i in instances))
+        report.show()
         log_ignored(config, ACTED_ON, source)
         return PreparedVersion(config=config, instances=instances)
 
@@ -251,22 +299,20 @@ class ModelBackend:
         model: str,
         artifact: Path,
         kind: str,
-        device: str,
+        choice: Choice,
         options: ModelOptions,
         config: mc.ModelConfig,
         bindings: Bindings,
         signature: Signature,
-    ):
-        runner, device, reason = choose_runner(
-            kind, device, options, str(artifact), unbounded=unbounded_dimension(bindings, signature)
-        )
-        log.info("%s: %s", model, reason)
+    ) -> ArtifactInstance:
+        """The (unloaded) instance of one runner choice."""
+        runner, device, reason = choice.runner, choice.device, choice.reason
         datatypes = {t.name: datatype_of_config(t.data_type) for t in config.input}
         datatypes.update({t.name: datatype_of_config(t.data_type) for t in config.output})
         common = dict(batching=config.max_batch_size > 0, device=device, reason=reason)
         threads = options.threads or self.settings.threads
         if runner == "onnxruntime":
-            return OnnxRuntimeInstance(artifact, bindings, datatypes, threads=threads, **common)
+            return OnnxRuntimeInstance(artifact, bindings, datatypes, threads=threads, kind=kind, **common)
         if runner == "torch":
             return TorchInstance(
                 artifact,
@@ -318,53 +364,112 @@ def unbounded_dimension(bindings: Bindings, signature: Signature) -> str:
 
 
 def choose_runner(
-    kind: str, device: str, options: ModelOptions, artifact: str, *, unbounded: str = ""
-) -> tuple[str, str, str]:
-    """The runner ("onnxruntime", "torch" or "tensorrt") for one instance of a model file on `device`, the
-    device it ends up on, and why; `RepositoryError` when what the config pins cannot run there. `unbounded`
-    names an input dimension that varies without a bound: TensorRT cannot build an engine for it."""
+    kind: str, device: str, options: ModelOptions, artifact: str, *, unbounded: str = "", strict: bool = False
+) -> list[Choice]:
+    """The runners that may run one instance of a model file placed on `device`, in the order they are tried,
+    each with the device it runs on and why it is there: TensorRT, ONNX Runtime (the CUDA provider on a GPU),
+    PyTorch on the GPU, then the CPU (ONNX Runtime or PyTorch, whichever runs the file). A pinned `runner`
+    comes first. `strict` keeps the first alone (a failure to load it fails the model) and refuses a pinned
+    runner that cannot run here; `RepositoryError` also for a pinned runner that cannot run the file.
+    `unbounded` names an input dimension that varies without a bound: TensorRT cannot build an engine for it.
+    """
     on_gpu = device.startswith("cuda")
     # An engine file runs at the precision it was built with; an engine built here, at the config's.
     at = "" if kind == TENSORRT_PLAN else f" at {options.precision}"
     own = "onnxruntime" if kind == ONNX else "torch" if kind in (TORCHSCRIPT, TORCH_EXPORT) else "tensorrt"
+    # A PyTorch file runs on ONNX Runtime as its ONNX export when asked to.
+    runs = (
+        [own]
+        if own != "torch"
+        else ["onnxruntime", "torch"]
+        if options.runner == "onnxruntime"
+        else ["torch"]
+    )
     pinned = options.runner
     if pinned == "auto" and options.tensorrt and on_gpu:
         pinned = "tensorrt"
-    if pinned not in ("auto", own, "tensorrt"):
+    if pinned not in ("auto", own, "tensorrt") and not (pinned == "onnxruntime" and own == "torch"):
         raise RepositoryError(
-            f"{artifact}: runner {pinned} cannot run a {KIND_PLATFORMS[kind]} file (it runs on {own} or tensorrt)"
+            f"{artifact}: runner {pinned} cannot run a {KIND_PLATFORMS[kind]} file (it runs on {own}"
+            f"{', onnxruntime' if own == 'torch' else ''} or tensorrt)"
         )
-    if kind == TENSORRT_PLAN or pinned == "tensorrt":
+    choices: list[Choice] = []
+    passed: list[str] = []  # why the runners ahead were passed over
+    if kind == TENSORRT_PLAN or pinned == "tensorrt" or (on_gpu and pinned == "auto"):
         usable, why = tensorrt.tensorrt_status()
         if not on_gpu:
-            raise RepositoryError(
-                f"{artifact}: TensorRT runs on a GPU, and this instance is on {device} "
-                f"({'a TensorRT engine' if kind == TENSORRT_PLAN else 'runner tensorrt'}); use instance_group "
-                f"kind KIND_GPU{'' if kind == TENSORRT_PLAN else ', or runner auto'}"
-            )
-        if not usable:
-            raise RepositoryError(f"{artifact}: TensorRT was asked for but cannot run: {why}")
-        because = "a TensorRT engine file" if kind == TENSORRT_PLAN else "asked for"
-        return "tensorrt", device, f"tensorrt on {device}{at}: {because}; {why}"
-    if on_gpu and pinned == "auto":
-        usable, why = tensorrt.tensorrt_status()
-        if usable and unbounded:
+            usable, why = False, f"TensorRT runs on a GPU, and this instance is on {device}"
+        elif usable and unbounded and kind != TENSORRT_PLAN:
             usable, why = False, f"{why}, but {unbounded} varies without a bound an engine profile needs"
         if usable:
-            return "tensorrt", device, f"tensorrt on {device}{at}: auto: {why}"
-        fallback = f"auto: TensorRT is not usable ({why})"
-    else:
-        fallback = f"{pinned}: " + ("the instance is on the CPU" if not on_gpu else "asked for")
-    if own == "onnxruntime" and on_gpu:
-        import onnxruntime as ort
-
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            return (
-                "onnxruntime",
-                "cpu",
-                f"onnxruntime on cpu: {fallback}, and this ONNX Runtime has no CUDA provider",
+            because = (
+                "a TensorRT engine file"
+                if kind == TENSORRT_PLAN
+                else "asked for"
+                if pinned != "auto"
+                else "auto"
             )
-    return own, device, f"{own} on {device}: {fallback}"
+            choices.append(Choice("tensorrt", device, f"tensorrt on {device}{at}: {because}; {why}"))
+        elif kind == TENSORRT_PLAN or strict:
+            what = "a TensorRT engine" if kind == TENSORRT_PLAN else "runner tensorrt"
+            if not on_gpu:
+                raise RepositoryError(
+                    f"{artifact}: {why} ({what}); use instance_group kind KIND_GPU"
+                    f"{'' if kind == TENSORRT_PLAN else ', or runner auto'}"
+                )
+            if kind == TENSORRT_PLAN or pinned == "tensorrt":
+                raise RepositoryError(f"{artifact}: TensorRT was asked for but cannot run: {why}")
+            passed.append(f"TensorRT is not usable ({why})")
+        else:
+            passed.append(f"TensorRT is not usable ({why})")
+    if kind == TENSORRT_PLAN:
+        return choices
+    start = pinned if pinned != "tensorrt" else "auto"
+    for place in (device, "cpu") if on_gpu else (device,):
+        for runner in runs:
+            if runner == "onnxruntime" and place != "cpu" and not _onnxruntime_has_cuda():
+                passed.append("this ONNX Runtime has no CUDA provider")
+                continue
+            if choices:
+                because = f"the fallback after {choices[-1].label}"
+            elif passed:
+                because = f"{start}: {', '.join(passed)}"
+            else:
+                because = f"{start}: " + ("the instance is on the CPU" if place == "cpu" else "asked for")
+            choices.append(Choice(runner, place, f"{runner} on {place}: {because}"))
+    return choices[:1] if strict else choices
+
+
+def _onnxruntime_has_cuda() -> bool:
+    import onnxruntime as ort
+
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+class RunnerReport:
+    """What runs each instance of one version, shown in its config: `instance_group` as the instances are
+    placed, and the parameters `runner_in_use` and `runner_reason`. Rewritten as each instance loads (a
+    fallback may have moved it), before the version serves; instances load on threads of their own."""
+
+    def __init__(self, model: str, config: mc.ModelConfig, choices: list[Choice]) -> None:
+        self.model = model
+        self.config = config
+        self.choices = list(choices)
+        self._lock = threading.Lock()
+
+    def loaded(self, index: int, choice: Choice) -> None:
+        """Instance `index` loaded with `choice`."""
+        with self._lock:
+            self.choices[index] = choice
+            self.show()
+
+    def show(self) -> None:
+        """Write the choices into the config."""
+        del self.config.instance_group[:]
+        self.config.instance_group.extend(placed_groups(self.model, [c.device for c in self.choices]))
+        parameters = self.config.parameters
+        parameters[RUNNER_KEY].string_value = ", ".join(dict.fromkeys(c.label for c in self.choices))
+        parameters[REASON_KEY].string_value = "; ".join(dict.fromkeys(c.reason for c in self.choices))
 
 
 def gpu_count() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,11 +22,13 @@ from pipeline.protocol.datatypes import DATATYPES, datatype_of
 from pipeline.protocol.errors import InvalidInput, RepositoryError
 from pipeline.stage.api import NO_DEADLINE, Deadline
 from services.model.artifacts import (
+    ONNX,
     TORCH_EXPORT,
     TORCHSCRIPT,
     Binding,
     Bindings,
     Signature,
+    export_onnx,
     first_line,
     load_program,
     load_torchscript,
@@ -147,16 +150,18 @@ class ArtifactInstance(abc.ABC):
 
 
 class OnnxRuntimeInstance(ArtifactInstance):
-    """An ONNX file in an ONNX Runtime session: the CPU provider, or CUDA's on a GPU.
+    """An ONNX file in an ONNX Runtime session: the CPU provider, or CUDA's on a GPU. A PyTorch file (`kind`
+    TorchScript or `torch.export`) runs as its ONNX export, made when it loads (`runner: onnxruntime`).
 
     Args:
         threads: intra-op threads of the session (1 unless measured otherwise, as for torch); inter-op
             parallelism is off (sequential execution), as the service runs one batch per instance at a time.
     """
 
-    def __init__(self, *args: Any, threads: int = 1, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, threads: int = 1, kind: str = ONNX, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.threads = threads
+        self.kind = kind
         self._session: Any = None
         self._output_names: list[str] = []
 
@@ -175,13 +180,15 @@ class OnnxRuntimeInstance(ArtifactInstance):
             providers: list[Any] = [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]
-        try:
-            self._session = ort.InferenceSession(str(self.artifact), options, providers=providers)
-        except Exception as exc:  # ONNX Runtime raises its own Fail/InvalidGraph/NotImplemented types
-            raise RepositoryError(
-                f"{self.artifact}: ONNX Runtime cannot load it: {first_line(exc)}"
-            ) from None
-        self._output_names = [b.model_name for b in self.bindings.outputs]
+        with tempfile.TemporaryDirectory(prefix="pipeline-onnx-") as tmp:
+            path = self.artifact if self.kind == ONNX else self._exported(Path(tmp) / "model.onnx")
+            try:
+                self._session = ort.InferenceSession(str(path), options, providers=providers)
+            except Exception as exc:  # ONNX Runtime raises its own Fail/InvalidGraph/NotImplemented types
+                raise RepositoryError(
+                    f"{self.artifact}: ONNX Runtime cannot load it: {first_line(exc)}"
+                ) from None
+        self._output_names = [b.model_name or b.name for b in self.bindings.outputs]
         log.info(
             "loaded %s with ONNX Runtime %s on %s (%s), %d intra-op thread%s",
             self.artifact,
@@ -191,6 +198,20 @@ class OnnxRuntimeInstance(ArtifactInstance):
             self.threads,
             "" if self.threads == 1 else "s",
         )
+
+    def _exported(self, path: Path) -> Path:
+        """A PyTorch file's ONNX export (`services.model.artifacts.export_onnx`)."""
+        try:
+            return export_onnx(
+                self.artifact,
+                self.kind,
+                list(self.bindings.inputs),
+                list(self.bindings.outputs),
+                path,
+                batching=self.batching,
+            )
+        except Exception as exc:  # torch.onnx raises its own UnsupportedOperatorError and friends
+            raise RepositoryError(f"{self.artifact}: cannot export it to ONNX: {first_line(exc)}") from None
 
     def _run(self, feeds: Mapping[Binding, np.ndarray]) -> dict[str, np.ndarray]:
         session = self._session

@@ -20,12 +20,13 @@ from services.model.artifacts import (
     TORCH_EXPORT,
     TORCHSCRIPT,
     Binding,
+    export_onnx,
     export_signature,
     onnx_signature,
     torchscript_signature,
 )
 from services.model.backend import ModelBackend, ModelOptions, ServiceSettings, choose_runner, place_instances
-from services.model.tensorrt import EngineCache, EngineKey, export_onnx, optimization_profile
+from services.model.tensorrt import EngineCache, EngineKey, optimization_profile
 from tests.model_files import add_model, reference, write_export, write_onnx, write_torchscript
 
 GPU = mc.ModelInstanceGroup.KIND_GPU
@@ -78,46 +79,87 @@ def no_tensorrt(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(tensorrt, "tensorrt_status", lambda: (False, "the tensorrt package is not installed"))
 
 
+def first(chain) -> tuple[str, str, str]:
+    return chain[0].runner, chain[0].device, chain[0].reason
+
+
 def test_the_cpu_runs_each_file_in_its_own_runtime(no_tensorrt) -> None:
     auto = ModelOptions()
-    assert choose_runner(ONNX, "cpu", auto, "m.onnx")[:2] == ("onnxruntime", "cpu")
-    assert choose_runner(TORCHSCRIPT, "cpu", auto, "m.pt")[:2] == ("torch", "cpu")
-    runner, device, reason = choose_runner(TORCH_EXPORT, "cpu", auto, "m.pt2")
-    assert (runner, device) == ("torch", "cpu") and "the instance is on the CPU" in reason
+    assert first(choose_runner(ONNX, "cpu", auto, "m.onnx"))[:2] == ("onnxruntime", "cpu")
+    assert first(choose_runner(TORCHSCRIPT, "cpu", auto, "m.pt"))[:2] == ("torch", "cpu")
+    chain = choose_runner(TORCH_EXPORT, "cpu", auto, "m.pt2")
+    assert [c.label for c in chain] == ["torch on cpu"] and "the instance is on the CPU" in chain[0].reason
 
 
 def test_auto_takes_tensorrt_on_a_gpu_where_it_runs(tensorrt_here) -> None:
     for kind in (ONNX, TORCHSCRIPT, TORCH_EXPORT, TENSORRT_PLAN):
-        runner, device, reason = choose_runner(kind, "cuda:0", ModelOptions(), "f")
+        runner, device, reason = first(choose_runner(kind, "cuda:0", ModelOptions(), "f"))
         assert (runner, device) == ("tensorrt", "cuda:0") and "TensorRT 10.9" in reason
 
 
+def test_a_gpu_instance_falls_back_in_order_down_to_the_cpu(tensorrt_here, monkeypatch) -> None:
+    import onnxruntime
+
+    monkeypatch.setattr(
+        onnxruntime, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
+    labels = lambda chain: [c.label for c in chain]  # noqa: E731
+    assert labels(choose_runner(ONNX, "cuda:0", ModelOptions(), "m.onnx")) == [
+        "tensorrt on cuda:0",
+        "onnxruntime on cuda:0",
+        "onnxruntime on cpu",
+    ]
+    assert labels(choose_runner(TORCHSCRIPT, "cuda:1", ModelOptions(), "m.pt")) == [
+        "tensorrt on cuda:1",
+        "torch on cuda:1",
+        "torch on cpu",
+    ]
+    assert labels(choose_runner(TORCH_EXPORT, "cuda:0", ModelOptions(runner="onnxruntime"), "m.pt2")) == [
+        "onnxruntime on cuda:0",
+        "torch on cuda:0",
+        "onnxruntime on cpu",
+        "torch on cpu",
+    ]
+    chain = choose_runner(ONNX, "cuda:0", ModelOptions(), "m.onnx", strict=True)
+    assert labels(chain) == ["tensorrt on cuda:0"]
+    assert (
+        "the fallback after tensorrt on cuda:0"
+        in choose_runner(ONNX, "cuda:0", ModelOptions(), "m")[1].reason
+    )
+
+
 def test_auto_leaves_tensorrt_out_for_dimensions_without_bounds(tensorrt_here) -> None:
-    runner, _, reason = choose_runner(
-        ONNX, "cuda:0", ModelOptions(), "m.onnx", unbounded="input 'IDS' dimension 1"
+    runner, _, reason = first(
+        choose_runner(ONNX, "cuda:0", ModelOptions(), "m.onnx", unbounded="input 'IDS' dimension 1")
     )
     assert runner == "onnxruntime" and "input 'IDS' dimension 1 varies without a bound" in reason
 
 
-def test_auto_falls_back_and_says_why(no_tensorrt, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner, device, reason = choose_runner(TORCH_EXPORT, "cuda:1", ModelOptions(), "m.pt2")
+def test_auto_passes_over_what_cannot_run_and_says_why(no_tensorrt, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner, device, reason = first(choose_runner(TORCH_EXPORT, "cuda:1", ModelOptions(), "m.pt2"))
     assert (runner, device) == ("torch", "cuda:1")
     assert "TensorRT is not usable (the tensorrt package is not installed)" in reason
     import onnxruntime
 
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
-    runner, device, reason = choose_runner(ONNX, "cuda:0", ModelOptions(), "m.onnx")
+    runner, device, reason = first(choose_runner(ONNX, "cuda:0", ModelOptions(), "m.onnx"))
     assert (runner, device) == ("onnxruntime", "cpu") and "no CUDA provider" in reason
 
 
-def test_pinned_runners_that_cannot_run_are_refused(no_tensorrt, tensorrt_here) -> None:
+def test_pinned_runners_that_cannot_run_are_refused_or_passed_over(no_tensorrt) -> None:
     with pytest.raises(RepositoryError, match="runner torch cannot run a onnxruntime_onnx file"):
         choose_runner(ONNX, "cpu", ModelOptions(runner="torch"), "m.onnx")
+    # TensorRT asked for on the CPU: the next runner takes the model, unless strict.
+    runner, device, reason = first(choose_runner(ONNX, "cpu", ModelOptions(runner="tensorrt"), "m.onnx"))
+    assert (runner, device) == ("onnxruntime", "cpu") and "TensorRT runs on a GPU" in reason
     with pytest.raises(RepositoryError, match="TensorRT runs on a GPU"):
-        choose_runner(ONNX, "cpu", ModelOptions(runner="tensorrt"), "m.onnx")
+        choose_runner(ONNX, "cpu", ModelOptions(runner="tensorrt"), "m.onnx", strict=True)
     with pytest.raises(RepositoryError, match=r"TensorRT runs on a GPU.*a TensorRT engine"):
         choose_runner(TENSORRT_PLAN, "cpu", ModelOptions(), "m.plan")
-    assert choose_runner(ONNX, "cuda:0", ModelOptions(runner="onnxruntime"), "m")[0] == "onnxruntime"
+    assert first(choose_runner(ONNX, "cuda:0", ModelOptions(runner="onnxruntime"), "m"))[0] == "onnxruntime"
+    # A PyTorch file runs on ONNX Runtime (as its export) when asked to, with torch as the fallback.
+    chain = choose_runner(TORCHSCRIPT, "cpu", ModelOptions(runner="onnxruntime"), "m.pt")
+    assert [c.label for c in chain] == ["onnxruntime on cpu", "torch on cpu"]
 
 
 def test_a_tensorrt_accelerator_pins_tensorrt_on_gpus_only(no_tensorrt) -> None:
@@ -129,9 +171,20 @@ def test_a_tensorrt_accelerator_pins_tensorrt_on_gpus_only(no_tensorrt) -> None:
         "config.pbtxt",
     )
     assert options.tensorrt and options.precision == "fp16"
-    assert choose_runner(ONNX, "cpu", options, "m.onnx")[0] == "onnxruntime"
+    assert first(choose_runner(ONNX, "cpu", options, "m.onnx"))[0] == "onnxruntime"
+    runner, _, reason = first(choose_runner(ONNX, "cuda:0", options, "m.onnx"))
+    assert runner == "onnxruntime" and "TensorRT is not usable (the tensorrt package" in reason
     with pytest.raises(RepositoryError, match=r"TensorRT was asked for but cannot run: the tensorrt package"):
-        choose_runner(ONNX, "cuda:0", options, "m.onnx")
+        choose_runner(ONNX, "cuda:0", options, "m.onnx", strict=True)
+
+
+def test_strict_runner_is_read_from_the_config() -> None:
+    strict = 'parameters [ { key: "strict_runner", value: { string_value: "%s" } } ]'
+    assert ModelOptions.of(config_of(strict % "true"), "c").strict is True
+    assert ModelOptions.of(config_of(strict % "no"), "c").strict is False
+    assert ModelOptions.of(config_of(""), "c").strict is None
+    with pytest.raises(RepositoryError, match="parameter strict_runner is 'maybe'; expected true or false"):
+        ModelOptions.of(config_of(strict % "maybe"), "c")
 
 
 def test_real_tensorrt_status_here_says_what_is_missing() -> None:
