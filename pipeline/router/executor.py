@@ -278,24 +278,41 @@ class Executor:
                 f"{step.label}: its for_each tensors differ in length ({lengths}); each element is one call"
             )
         count = next(iter(counts.values()))
-        batcher = awaited.pop(step.index, None)
+        # The request's announcement to the model's batcher (`expect`) becomes one per element, all made
+        # before any element is queued: an idle stage then waits for the whole request's elements (as far
+        # as `batch_upcoming` waits) instead of sending the first alone.
+        announced = awaited.pop(step.index, None)  # the model's batcher, where the request was announced
+        batched = self.registry.batchers.get(step.model_name)
+        batcher = batched[0] if batched is not None else None
         if batcher is not None:
-            batcher.unexpect()  # its elements come instead, unannounced
+            for _ in range(count - (announced is not None)):
+                batcher.expect()
+        unsent = count if batcher is not None else 0
         results: list[dict[str, Tensor]] = [{} for _ in range(count)]
         element_step = replace(step, for_each=())
 
         async def element(i: int) -> None:
+            nonlocal unsent
             own = {**values, **{name: parts[i] for name, parts in elements.items()}}
-            results[i] = await self.call_step(element_step, own, request, deadline, metadata, {})
+            announcement = {}
+            if batcher is not None:
+                unsent -= 1  # NOTE: its call is queued without an await in between, taking its announcement
+                announcement = {step.index: batcher}
+            results[i] = await self.call_step(element_step, own, request, deadline, metadata, announcement)
 
-        if count:
-            try:
+        try:
+            if count:
                 # NOTE: one element failing cancels the others: no call outlives the request.
                 async with asyncio.TaskGroup() as group:
                     for i in range(count):
                         group.create_task(element(i))
-            except BaseExceptionGroup as failure:
-                raise _first_error(failure) from None
+            elif announced is not None:
+                announced.unexpect()
+        except BaseExceptionGroup as failure:
+            raise _first_error(failure) from None
+        finally:
+            for _ in range(unsent):  # elements cancelled before they were queued
+                batcher.unexpect()  # type: ignore[union-attr]
         signature = self.registry.signatures.get(step.model_name)
         specs = {spec.name: spec for spec in signature.outputs} if signature is not None else {}
         return {

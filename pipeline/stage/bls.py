@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import itertools
 import json
 import logging
 import queue
-import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +39,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.protocol.call_chain import CALL_CHAIN_HEADER, MAX_DEPTH, ROOT, CallChain
 from pipeline.protocol.codec import Tensor, response_tensors
-from pipeline.protocol.streams import EMPTY_FINAL_PARAMETER, is_final, status_of
+from pipeline.protocol.streams import EMPTY_FINAL_PARAMETER, add_hop_parameters, is_final, status_of
 from pipeline.runtime.server import server_options
 from pipeline.runtime.telemetry import PROPAGATOR
 from pipeline.stage.api import Deadline
@@ -140,6 +140,7 @@ class RouterCalls:
         self._auth = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.GRPCInferenceServiceStub | None = None
+        self._shared: _SharedStream | None = None
 
     @property
     def configured(self) -> bool:
@@ -167,9 +168,15 @@ class RouterCalls:
         return self._stub
 
     async def infer(
-        self, request: pb.ModelInferRequest, timeout: float | None, metadata: Sequence[tuple[str, str]]
-    ) -> pb.ModelInferResponse:
-        return await self._connect().ModelInfer(request, timeout=timeout, metadata=(*metadata, *self._auth))
+        self, request: pb.ModelInferRequest, timeout: float | None, context: Mapping[str, str]
+    ) -> pb.ModelStreamInferResponse:
+        """One call, on the stream that carries the service's calls (one stream for them all: a message on
+        it costs the router and the service less than a call of its own); `context` is the call's trace
+        context and chain. The response carries the error of a call that failed."""
+        stream = self._shared
+        if stream is None or stream.broken:
+            stream = self._shared = _SharedStream(self._connect(), self._auth)
+        return await stream.infer(request, timeout, context)
 
     async def stream(
         self, request: pb.ModelInferRequest, timeout: float | None, metadata: Sequence[tuple[str, str]]
@@ -188,9 +195,94 @@ class RouterCalls:
             call.cancel()
 
     async def close(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None
+
+
+class _SharedStream:
+    """One `ModelStreamInfer` call to the router that carries many requests at once, each answered by its
+    id. Its deadline, trace context and chain travel in each request's parameters, as the router's own
+    streams to its stages carry them (`pipeline.protocol.streams`). A call whose caller stops waiting
+    (cancelled, or past its deadline) is forgotten here; the router finishes it. Once the stream ends, every
+    call on it is answered UNAVAILABLE, and the next call opens a new one. A stream without calls for
+    `IDLE_S` is closed, so that a stopping router is not kept waiting for it."""
+
+    #: Seconds without calls after which the stream is closed (the next call opens another).
+    IDLE_S = 0.5
+
+    def __init__(self, stub: pb_grpc.GRPCInferenceServiceStub, auth: Sequence[tuple[str, str]]) -> None:
+        self._call = stub.ModelStreamInfer(metadata=tuple(auth))
+        self._waiting: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
+        self._writing = asyncio.Lock()
+        self._ids = itertools.count()
+        self.broken = False
+        self._idle: asyncio.TimerHandle | None = None
+        self._reader = asyncio.create_task(self._read())
+
+    async def infer(
+        self, request: pb.ModelInferRequest, timeout: float | None, context: Mapping[str, str]
+    ) -> pb.ModelStreamInferResponse:
+        key = f"{next(self._ids)}"
+        request.id = f"{request.id}#{key}" if request.id else key
+        add_hop_parameters(request, timeout, context)
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[pb.ModelStreamInferResponse] = loop.create_future()
+        self._waiting[request.id] = answer
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._writing:  # NOTE: one write at a time on a stream
+                    await self._call.write(request)
+                return await answer
+        except TimeoutError:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "Deadline Exceeded",
+            ) from None
+        finally:
+            self._waiting.pop(request.id, None)
+            if not self._waiting and not self.broken:
+                self._idle = loop.call_later(self.IDLE_S, self._retire)
+
+    def _retire(self) -> None:
+        """Close an idle stream: no new call goes on it, and the router ends it once it has answered."""
+        if self._waiting or self.broken:
+            return
+        self.broken = True
+        self._done = asyncio.ensure_future(self._call.done_writing())
+
+    async def _read(self) -> None:
+        status, details = grpc.StatusCode.UNAVAILABLE, "the stream to the router ended"
+        try:
+            async for reply in self._call:
+                answer = self._waiting.get(reply.infer_response.id)
+                if answer is not None and not answer.done():
+                    answer.set_result(reply)
+        except grpc.aio.AioRpcError as err:
+            status, details = err.code(), err.details() or details
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self.broken = True
+            for answer in self._waiting.values():
+                if not answer.done():
+                    answer.set_exception(
+                        grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+                    )
+
+    def close(self) -> None:
+        self.broken = True
+        if self._idle is not None:
+            self._idle.cancel()
+        self._call.cancel()
+        self._reader.cancel()
 
 
 class Responses:
@@ -341,15 +433,18 @@ class CallScope:
 
     async def _infer(self, call: Call) -> Reply:
         assert self.router is not None
-        started = time.monotonic()
+        context = call.trace if call.trace is not None else self.trace_headers()
+        context = {**context, CALL_CHAIN_HEADER: self.chain.header()}
         try:
-            response = await self.router.infer(call.request(), self._timeout(call), self._metadata(call))
+            reply = await self.router.infer(call.request(), self._timeout(call), context)
         except grpc.aio.AioRpcError as err:
             return Reply.failed(err.code(), err.details() or err.code().name)
         except ConnectionError as err:
             return Reply.failed(grpc.StatusCode.UNAVAILABLE, f"call to model '{call.model}': {err}")
-        log.debug("call to model '%s' answered in %.1f ms", call.model, (time.monotonic() - started) * 1e3)
-        return Reply.of(response)
+        if reply.error_message:
+            status = status_of(reply)
+            return Reply.failed(_status_code(status.code), status.message)
+        return Reply.of(reply.infer_response)
 
     async def _stream(self, call: Call, responses: Responses) -> Reply:
         assert self.router is not None

@@ -6,7 +6,6 @@ number."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import importlib.util
@@ -20,6 +19,7 @@ from PIL import Image
 
 from examples.pagenumber import draw_page, held_out_pages
 from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.cli import build_parser
 from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
@@ -119,19 +119,8 @@ async def test_pipeline_infer_prints_a_pages_number(
     path = tmp_path / "page.png"
     path.write_bytes(page)
     async with pipeline(repository, tmp_path) as router:
-        args = argparse.Namespace(
-            files=[str(path)],
-            model="pagenumber",
-            url=router.address,
-            input=[],
-            value=[],
-            stream=False,
-            timeout=60.0,
-            json=False,
-            tls_ca=None,
-            tls_cert=None,
-            tls_key=None,
-            token=None,
+        args = build_parser().parse_args(
+            ["infer", "--model", "pagenumber", "--url", router.address, "--timeout", "60", str(path)]
         )
         assert await asyncio.to_thread(run_infer_command, args) == 0
     assert f"NUMBER={number}" in capsys.readouterr().out
