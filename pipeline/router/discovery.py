@@ -170,12 +170,14 @@ class StageDiscovery:
         problem = ""
         await client.replicas.settle()
         replicas = list(client.replicas.by_address.values())
+        # Every replica's whole index, so that each model's state says how many replicas serve it.
         answers = await asyncio.gather(
-            *(client.replica_index(r, ready_only=ready_only) for r in replicas), return_exceptions=True
+            *(client.replica_index(r, ready_only=False) for r in replicas), return_exceptions=True
         )
-        indexes = [a for a in answers if isinstance(a, list)]
+        indexes = [(r.address, a) for r, a in zip(replicas, answers, strict=True) if isinstance(a, list)]
         if indexes:
-            return _merged(indexes)
+            merged = _merged(indexes)
+            return [m for m in merged if m.state == "READY"] if ready_only else merged
         for answer in answers:
             if isinstance(answer, StageError):
                 raise answer
@@ -261,7 +263,7 @@ async def _index_of(client: StageClient) -> Mapping[str, frozenset[str]] | Pipel
         elif isinstance(answer, BaseException):
             raise answer
         else:
-            replica.index = None if answer is None else _ready(answer)
+            replica.index = None if answer is None else ready_of(answer)
             answered = True
             counted.append(replica)
     if not answered:
@@ -275,7 +277,7 @@ async def _index_of(client: StageClient) -> Mapping[str, frozenset[str]] | Pipel
     return {name: frozenset(versions) for name, versions in ready.items()}
 
 
-def _ready(models: Iterable[pb.RepositoryIndexResponse.ModelIndex]) -> dict[str, frozenset[str]]:
+def ready_of(models: Iterable[pb.RepositoryIndexResponse.ModelIndex]) -> dict[str, frozenset[str]]:
     """The READY models of a `RepositoryIndex`, with their READY versions."""
     ready: dict[str, set[str]] = {}
     for model in models:
@@ -285,17 +287,36 @@ def _ready(models: Iterable[pb.RepositoryIndexResponse.ModelIndex]) -> dict[str,
 
 
 def _merged(
-    indexes: Iterable[list[pb.RepositoryIndexResponse.ModelIndex]],
+    indexes: Iterable[tuple[str, list[pb.RepositoryIndexResponse.ModelIndex]]],
 ) -> list[pb.RepositoryIndexResponse.ModelIndex]:
-    """The replicas' `RepositoryIndex` entries as one stage's: a model version READY where any replica serves
-    it, else as the first replica that lists it says."""
-    merged: dict[tuple[str, str], pb.RepositoryIndexResponse.ModelIndex] = {}
-    for models in indexes:
+    """The replicas' `RepositoryIndex` entries (each with its replica's address) folded into one stage's: a
+    model version is READY where any replica serves it, else in the state the first replica that lists it
+    says; where the replicas disagree, the reason names each replica that is not READY, and how many are."""
+    listed: dict[tuple[str, str], list[tuple[str, pb.RepositoryIndexResponse.ModelIndex]]] = {}
+    answered = 0
+    for address, models in indexes:
+        answered += 1
         for model in models:
-            key = (model.name, model.version)
-            if key not in merged or (model.state == "READY" and merged[key].state != "READY"):
-                merged[key] = model
-    return sorted(merged.values(), key=lambda m: (m.name, m.version))
+            listed.setdefault((model.name, model.version), []).append((address, model))
+    merged = []
+    for key in sorted(listed):
+        entries = listed[key]
+        ready = [address for address, m in entries if m.state == "READY"]
+        first = next((m for _, m in entries if m.state == "READY"), entries[0][1])
+        folded = pb.RepositoryIndexResponse.ModelIndex()
+        folded.CopyFrom(first)
+        if ready and len(ready) < answered:
+            others = [
+                f"{address}: {m.state}{f' ({m.reason})' if m.reason else ''}"
+                for address, m in entries
+                if m.state != "READY"
+            ]
+            missing = answered - len(entries)
+            if missing:
+                others.append(f"{missing} not listing it")
+            folded.reason = f"READY on {len(ready)} of {answered} replicas; " + "; ".join(others)
+        merged.append(folded)
+    return merged
 
 
 def _serving(client: StageClient) -> list[tuple[str, int]]:

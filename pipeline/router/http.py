@@ -256,14 +256,14 @@ class RestFrontDoor:
     async def repository_load(self, request: web.Request) -> web.Response:
         doc = await self._json_body(request)
         await self.plane.repository_load(
-            request.match_info["model"], json_field(doc, "parameters", dict, "request", {})
+            request.match_info["model"], json_field(doc, "parameters", dict, "request", {}), _repository_call(request)
         )
         return web.Response(status=200)
 
     async def repository_unload(self, request: web.Request) -> web.Response:
         doc = await self._json_body(request)
         await self.plane.repository_unload(
-            request.match_info["model"], json_field(doc, "parameters", dict, "request", {})
+            request.match_info["model"], json_field(doc, "parameters", dict, "request", {}), _repository_call(request)
         )
         return web.Response(status=200)
 
@@ -391,6 +391,13 @@ def _model_of(request: web.Request) -> tuple[str, str]:
 def _call_of(request: web.Request) -> CallContext:
     headers = request.headers
     return CallContext(None, tuple((key, headers[key]) for key in _FORWARDED_HEADERS if key in headers))
+
+
+def _repository_call(request: web.Request) -> CallContext:
+    """A repository change's call: the caller's credentials go on to the stages, which check them too."""
+    call = _call_of(request)
+    header = request.headers.get("Authorization")
+    return call if header is None else CallContext(None, (*call.metadata, ("authorization", header)))
 
 
 # --- serving -------------------------------------------------------------------------------------------

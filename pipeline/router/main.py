@@ -28,6 +28,7 @@ from pipeline.router.workers import WorkerPeers, run_workers
 from pipeline.runtime import settings
 from pipeline.runtime.arguments import add_server_arguments, inflight_bytes_of, positive_int
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.model_control import add_model_control_mode_argument, explicit_mode
 from pipeline.runtime.security import (
     AccessPolicy,
     SecurityConfigError,
@@ -188,6 +189,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "that fails keeps its last good plan; 0 never looks (env PIPELINE_REPOSITORY_POLL_SECS; default "
         "%(default)s)",
     )
+    add_model_control_mode_argument(parser)
     add_http_arguments(parser)
     add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
 
@@ -199,8 +201,10 @@ def router_plane(
     telemetry: Telemetry,
     metrics: Metrics,
     resolve: Resolve | None = None,
+    admin_configured: bool = False,
 ) -> RouterPlane:
-    """The router's data plane as its flags say (`resolve` looks the stages' DNS names up)."""
+    """The router's data plane as its flags say (`resolve` looks the stages' DNS names up;
+    `admin_configured`: its access policy has an admin credential, which allows repository changes)."""
     return RouterPlane(
         catalog,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
@@ -219,6 +223,8 @@ def router_plane(
         resolve=resolve,
         strict_readiness=getattr(args, "strict_readiness", True),
         exit_on_error=getattr(args, "exit_on_error", True),
+        model_control=explicit_mode(args),
+        admin_configured=admin_configured,
     )
 
 
@@ -316,7 +322,14 @@ async def serve_router(
     telemetry = Telemetry.from_env("router") if telemetry is None else telemetry
     metrics = Metrics() if metrics is None else metrics
     policy = access_policy_of(args)
-    plane = router_plane(args, catalog, telemetry=telemetry, metrics=metrics, resolve=resolve)
+    plane = router_plane(
+        args,
+        catalog,
+        telemetry=telemetry,
+        metrics=metrics,
+        resolve=resolve,
+        admin_configured=policy.admin_configured,
+    )
     plane.peers = peers = WorkerPeers.from_env()
     # A worker of `--workers N` shares its ports with the others.
     args.reuse_port = peers is not None

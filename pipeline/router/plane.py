@@ -14,9 +14,10 @@ process around it is `pipeline.router.main`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
@@ -31,6 +32,7 @@ from pipeline.router.caching import ResponseCaching
 from pipeline.router.calls import StageCalls
 from pipeline.router.discovery import StageDiscovery
 from pipeline.router.executor import Executor
+from pipeline.router.fleet import FleetControl
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.stage_client import StageClient
 from pipeline.router.streaming import EnsembleStreams
@@ -64,6 +66,8 @@ class RouterPlane(DataPlane):
         resolve: Resolve | None = None,
         strict_readiness: bool = True,
         exit_on_error: bool = True,
+        model_control: bool = False,
+        admin_configured: bool = False,
     ) -> None:
         """`stage_tls`: TLS for the stage calls (gRPC and frames); `stage_token`: the bearer token they carry (for
         stages that ask for one). `max_inflight_requests`: inference requests the
@@ -74,7 +78,9 @@ class RouterPlane(DataPlane):
         tests give their own). `strict_readiness`: ready only while every ensemble is available and every
         stage healthy (Triton's `--strict-readiness`, its default), else once started. `exit_on_error`: an
         ensemble that fails its checks at start-up raises `ConfigError` (Triton's `--exit-on-error`, its
-        default), else it is UNAVAILABLE with the reason and the others serve."""
+        default), else it is UNAVAILABLE with the reason and the others serve. `model_control` (explicit
+        model-control mode) or `admin_configured` allow `RepositoryModelLoad`/`Unload` across the stages'
+        replicas (`pipeline.router.fleet`)."""
         self.telemetry = telemetry = telemetry or Telemetry()
         self.metrics = metrics = metrics or Metrics()
         self.max_inflight_requests = max_inflight_requests
@@ -98,6 +104,13 @@ class RouterPlane(DataPlane):
         self.stages = StageDiscovery(catalog, clients, self.registry, self.caching, metrics)
         self.ensembles = EnsembleAvailability(
             catalog, self.stages, self.registry, strict_readiness=strict_readiness
+        )
+        self.fleet = FleetControl(
+            self.stages,
+            self.ensembles,
+            explicit=model_control,
+            admin_configured=admin_configured,
+            metrics=metrics,
         )
         self.calls = StageCalls(self.registry, self.caching, telemetry=telemetry, metrics=metrics)
         self.executor = Executor(self.registry, clients, self.calls, telemetry=telemetry, metrics=metrics)
@@ -139,8 +152,9 @@ class RouterPlane(DataPlane):
         self, interval: float = 1.0, on_ready: Callable[[bool], Awaitable[None]] | None = None
     ) -> None:
         """Keep each stage's health and each ensemble's availability current (see
-        `EnsembleAvailability.monitor`)."""
-        await self.ensembles.monitor(interval, on_ready)
+        `EnsembleAvailability.monitor`), and each replica serving what the fleet serves
+        (`FleetControl.run`)."""
+        await asyncio.gather(self.ensembles.monitor(interval, on_ready), self.fleet.run(interval))
 
     def ready(self) -> bool:
         return self.ensembles.ready()
@@ -323,3 +337,11 @@ class RouterPlane(DataPlane):
     async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
         """The ensembles, then every stage's models (see `EnsembleAvailability.repository_index`)."""
         return await self.ensembles.repository_index(ready_only)
+
+    async def repository_load(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+        """Load a stage model on every replica of its stage, or on none (`pipeline.router.fleet`)."""
+        await self.fleet.load(name, parameters, call)
+
+    async def repository_unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+        """Unload a stage model from every replica of its stage, or from none (`pipeline.router.fleet`)."""
+        await self.fleet.unload(name, parameters, call)

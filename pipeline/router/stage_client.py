@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import replace
 
 import grpc
@@ -132,6 +132,14 @@ class StageClient:
         #: The replica (address) each sequence of late went to, most recent last: a request of a sequence
         #: whose replica has gone is answered at once (`_call_sequence`).
         self._placed: OrderedDict[str, str] = OrderedDict()
+        #: Model -> the version its calls that name none are routed by (`pipeline.router.fleet`: the version
+        #: the whole fleet serves, while a load is under way or a replica not yet in line serves another).
+        self.fleet_versions: Mapping[str, str] = {}
+
+    @property
+    def auth(self) -> tuple[tuple[str, str], ...]:
+        """The router's own credentials for this stage (its token's metadata)."""
+        return self._auth
 
     # --- replicas ------------------------------------------------------------------------------------
 
@@ -191,6 +199,7 @@ class StageClient:
                 if sequence is not None:
                     return await self._call_sequence(request, sequence, deadline, metadata, what)
         model, version = model_of(request)
+        version = version or self.fleet_versions.get(model, "")
         replica = replicas.pick(method, tried, model, version)
         if replica is None:
             # Every replica (that may serve the model) is down or draining: answer at once instead of waiting
@@ -266,7 +275,8 @@ class StageClient:
         (`Replicas.rank`), never another. Where that replica has gone, the sequence is lost: its request is
         answered UNAVAILABLE naming it, while a sequence that starts may go to the next replica."""
         replicas, name = self.replicas, self.endpoint.name
-        model, version = request.model_name, request.model_version
+        model = request.model_name
+        version = request.model_version or self.fleet_versions.get(model, "")
         key = sequence_key(sequence)
         tried: set[Replica] = set()
         while True:
@@ -362,7 +372,9 @@ class StageClient:
             await self._acquire(self._slots, deadline, what)
         try:
             await self.replicas.settle()
-            replica = self.replicas.pick("ModelInfer", set(), request.model_name, request.model_version)
+            model = request.model_name
+            version = request.model_version or self.fleet_versions.get(model, "")
+            replica = self.replicas.pick("ModelInfer", set(), model, version)
             name, address = self.endpoint.name, self.endpoint.address
             if replica is None:
                 raise Unavailable(

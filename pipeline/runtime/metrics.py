@@ -22,6 +22,7 @@ health) are read from their owners only when Prometheus scrapes, so they cost no
 | `pipeline_stage_healthy` | stage | 1 when the stage's health check says SERVING (router) |
 | `pipeline_branch_requests_total` | ensemble, step, taken | requests that ran (`true`) or skipped (`false`) each step of an ensemble with conditions (router) |
 | `pipeline_cache_requests_total` | model, result | lookups in the response cache: `hit` or `miss` (router) |
+| `pipeline_repository_changes_total` | model, action, outcome | `load`/`unload` through the router across a stage's replicas (`ok`, `rolled_back`, `not_found`) and replicas brought in line with the fleet (`reconcile`: `ok`, `failed`) (router) |
 | `pipeline_cache_evictions_total` | | entries the response cache dropped to stay within its size (router) |
 | `pipeline_cache_bytes`, `pipeline_cache_entries` | cache | what the response cache holds now (router) |
 | `pipeline_cache_waiting` | cache | requests waiting now for an identical request's response (router) |
@@ -350,6 +351,14 @@ class Metrics:
             "pipeline_stage_retries",
             "Stage calls the router sent again, within the stage's retry budget",
             "stage",
+        )
+        self.repository_changes = counter(
+            "pipeline_repository_changes",
+            "Loads and unloads through the router across a stage's replicas, and the replicas brought in line "
+            "with what the fleet serves, by model, action and outcome",
+            "model",
+            "action",
+            "outcome",
         )
         self._gauges = _Gauges()
         r.register(self._gauges)

@@ -142,11 +142,11 @@ class DataPlane(abc.ABC):
         """Triton's `RepositoryIndex`: every model (version) in the repository and its state."""
         raise Unimplemented("this server has no model repository")
 
-    async def repository_load(self, name: str, parameters: Mapping[str, object]) -> None:
-        """Triton's `RepositoryModelLoad`: load or reload a model."""
+    async def repository_load(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+        """Triton's `RepositoryModelLoad`: load or reload a model (`call`: the caller's time and metadata)."""
         raise Unimplemented("this server has no model repository")
 
-    async def repository_unload(self, name: str, parameters: Mapping[str, object]) -> None:
+    async def repository_unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
         """Triton's `RepositoryModelUnload`: stop serving a model."""
         raise Unimplemented("this server has no model repository")
 
@@ -423,7 +423,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
             for k, v in request.parameters.items()
         }
-        await _guarded(context, self.plane.repository_load(request.model_name, params))
+        await _guarded(context, self.plane.repository_load(request.model_name, params, CallContext.of(context)))
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
@@ -433,7 +433,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
             for k, v in request.parameters.items()
         }
-        await _guarded(context, self.plane.repository_unload(request.model_name, params))
+        await _guarded(context, self.plane.repository_unload(request.model_name, params, CallContext.of(context)))
         return pb.RepositoryModelUnloadResponse()
 
     async def SystemSharedMemoryStatus(

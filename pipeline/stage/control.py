@@ -1,12 +1,8 @@
 """Repository control: who may load and unload models on a stage service, and how many instances a model
 may ask for.
 
-As in Triton, `RepositoryModelLoad` and `RepositoryModelUnload` are refused unless the service was started
-in explicit model-control mode (`--model-control-mode explicit`, env `PIPELINE_MODEL_CONTROL_MODE`; `none`
-is the default, Triton's too). Configuring an admin credential (an admin token, or client certificates
-listed in `--tls-admin-identities`) enables them as well: the admin scope is then what a caller needs
-(`pipeline.runtime.security`). Without either, anyone who reaches a stage port could unload a model, or
-reload one with a `config` that lifts its limits.
+`RepositoryModelLoad` and `RepositoryModelUnload` are refused unless the service runs in explicit
+model-control mode or has an admin credential configured (`pipeline.runtime.model_control`).
 
 Unlike Triton's explicit mode, the mode does not change what loads at start-up: every service still loads
 the models placed on it (or those `--load-model` names), so that `make run` serves the same models in
@@ -24,26 +20,21 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import grpc
 from google.protobuf import json_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import InvalidInput, PipelineError, RepositoryError
+from pipeline.protocol.errors import InvalidInput, RepositoryError
 from pipeline.runtime.arguments import positive_int
+from pipeline.runtime.model_control import (
+    add_model_control_mode_argument,
+    check_control_enabled,
+    explicit_mode,
+)
 from pipeline.runtime.security import AccessPolicy
 
-#: Triton's model-control modes that this server has: no control (the default), or explicit control.
-MODEL_CONTROL_MODES = ("none", "explicit")
 #: Instances one model version may have unless `--max-instances` says otherwise: more than enough threads
 #: for any CPU model here, and a GPU model's count is per GPU.
 DEFAULT_MAX_INSTANCES = 16
-
-
-class ModelControlDisabled(PipelineError):
-    """A repository-control RPC on a service that does not allow it: not a matter of credentials (the
-    caller cannot fix it), but of how the service was started."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 @dataclass(frozen=True)
@@ -64,12 +55,7 @@ class ModelControl:
 
     def check_enabled(self, rpc: str) -> None:
         """Raise `ModelControlDisabled`, naming the flags that enable `rpc`, unless control is enabled."""
-        if not self.enabled:
-            raise ModelControlDisabled(
-                f"{rpc} is not allowed: this service runs with model control mode 'none' (the default, as in "
-                "Triton); start it with --model-control-mode explicit (env PIPELINE_MODEL_CONTROL_MODE) or "
-                "with an admin token (--admin-tokens-file) to load and unload models"
-            )
+        check_control_enabled(rpc, explicit=self.explicit, admin_configured=self.admin_configured)
 
     def check_instances(self, config: mc.ModelConfig, source: str) -> None:
         """`RepositoryError` when the config's `instance_group` asks for more instances than allowed."""
@@ -90,15 +76,7 @@ def requested_instances(config: mc.ModelConfig) -> int:
 
 def add_model_control_arguments(parser: argparse.ArgumentParser) -> None:
     """`--model-control-mode` and `--max-instances`, for the services that run repository models."""
-    parser.add_argument(
-        "--model-control-mode",
-        type=model_control_mode,
-        metavar="{" + ",".join(MODEL_CONTROL_MODES) + "}",
-        default=os.environ.get("PIPELINE_MODEL_CONTROL_MODE", "none"),
-        help="'explicit' allows RepositoryModelLoad/Unload (with an admin token configured, they need it); "
-        "'none' refuses them unless an admin token is configured (env PIPELINE_MODEL_CONTROL_MODE; default "
-        "%(default)s, as Triton's)",
-    )
+    add_model_control_mode_argument(parser)
     parser.add_argument(
         "--max-instances",
         type=positive_int,
@@ -108,20 +86,10 @@ def add_model_control_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def model_control_mode(value: str) -> str:
-    """An argparse type: one of `MODEL_CONTROL_MODES` (Triton's `poll` is not one: nothing here polls)."""
-    mode = value.strip().lower() or "none"
-    if mode not in MODEL_CONTROL_MODES:
-        raise argparse.ArgumentTypeError(
-            f"model control mode must be one of {', '.join(MODEL_CONTROL_MODES)}, got {value!r}"
-        )
-    return mode
-
-
 def model_control_of(args: argparse.Namespace, policy: AccessPolicy) -> ModelControl:
     """The repository control a service's flags and access policy give."""
     return ModelControl(
-        explicit=getattr(args, "model_control_mode", "none") == "explicit",
+        explicit=explicit_mode(args),
         admin_configured=policy.admin_configured,
         max_instances=getattr(args, "max_instances", DEFAULT_MAX_INSTANCES),
     )

@@ -347,7 +347,7 @@ class StagePlane(DataPlane):
         index_entries(reply, on_disk, problems, self._models, ready_only)
         return reply
 
-    async def repository_load(self, name: str, parameters: Mapping[str, object]) -> None:
+    async def repository_load(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
         """Load or reload a model. Parameter `config`: a `ModelConfig` as JSON (Triton's field names) that
         replaces the model's `config.pbtxt` for this load. Refused unless repository control is enabled
         (`pipeline.stage.control`)."""
@@ -357,7 +357,7 @@ class StagePlane(DataPlane):
         async with self._lifecycle:
             await self._load_model(name, override)
 
-    async def repository_unload(self, name: str, parameters: Mapping[str, object]) -> None:
+    async def repository_unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
         """Stop serving a model: new requests are refused, in-flight ones finish, then it unloads. Refused
         unless repository control is enabled (`pipeline.stage.control`)."""
         self._require_repository()

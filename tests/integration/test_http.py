@@ -192,15 +192,16 @@ async def test_config_and_statistics_as_triton_writes_them(served, http):
 
 
 async def test_repository_endpoints_answer_as_grpc_does(served, http):
-    # The router lists its ensembles and its stages' models; it loads nothing itself (gRPC: UNIMPLEMENTED).
+    # The router lists its ensembles and its stages' models; loads and unloads are closed by default (gRPC:
+    # FAILED_PRECONDITION).
     async with http.post(served.url("/v2/repository/index"), json={}) as reply:
         assert reply.status == 200
         names = {m["name"] for m in await reply.json()}
     assert {"scaled", "shouted"} <= names
     for path in ("/v2/repository/models/scaled/load", "/v2/repository/models/scaled/unload"):
         async with http.post(served.url(path), json={}) as reply:
-            assert reply.status == 501
-            assert "no model repository" in (await reply.json())["error"]
+            assert reply.status == 400
+            assert "is not allowed" in (await reply.json())["error"]
 
 
 # --- inference -----------------------------------------------------------------------------------------

@@ -215,9 +215,9 @@ async def test_bearer_tokens_at_the_router(tmp_path, monkeypatch):
                     stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(), metadata=())
                 )
                 assert err.code() == grpc.StatusCode.UNAUTHENTICATED
-                # An admin passes; the router itself has no repository to load into.
+                # An admin passes, and learns that an ensemble is not loaded through the repository API.
                 err = await rpc_error(stub.RepositoryModelLoad(load, metadata=admin))
-                assert err.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "is an ensemble" in err.details()
 
             with InferenceClient(router.address, token="reader-token") as client:
                 out = await asyncio.to_thread(client.infer, "e", {"X": X}, timeout=5)

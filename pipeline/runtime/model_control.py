@@ -1,0 +1,68 @@
+"""Whether a server lets `RepositoryModelLoad` and `RepositoryModelUnload` run: Triton's model-control mode.
+
+As in Triton, they are refused unless the server was started in explicit model-control mode
+(`--model-control-mode explicit`, env `PIPELINE_MODEL_CONTROL_MODE`; `none` is the default, Triton's too).
+Configuring an admin credential (an admin token, or client certificates listed in `--tls-admin-identities`)
+enables them as well: the admin scope is then what a caller needs (`pipeline.runtime.security`). Without
+either, anyone who reaches a port could unload a model, or reload one with a `config` that lifts its limits.
+The stage services and the router (which loads and unloads across every replica of a stage) read the same
+flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import grpc
+
+from pipeline.protocol.errors import PipelineError
+
+#: Triton's model-control modes that this server has: no control (the default), or explicit control.
+MODEL_CONTROL_MODES = ("none", "explicit")
+
+
+class ModelControlDisabled(PipelineError):
+    """A repository-control RPC on a server that does not allow it: not a matter of credentials (the caller
+    cannot fix it), but of how the server was started."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def check_control_enabled(rpc: str, *, explicit: bool, admin_configured: bool) -> None:
+    """Raise `ModelControlDisabled`, naming the flags that enable `rpc`, unless the server runs in explicit
+    mode or has an admin credential configured."""
+    if not (explicit or admin_configured):
+        raise ModelControlDisabled(
+            f"{rpc} is not allowed: this service runs with model control mode 'none' (the default, as in "
+            "Triton); start it with --model-control-mode explicit (env PIPELINE_MODEL_CONTROL_MODE) or "
+            "with an admin token (--admin-tokens-file) to load and unload models"
+        )
+
+
+def add_model_control_mode_argument(parser: argparse.ArgumentParser) -> None:
+    """`--model-control-mode`."""
+    parser.add_argument(
+        "--model-control-mode",
+        type=model_control_mode,
+        metavar="{" + ",".join(MODEL_CONTROL_MODES) + "}",
+        default=os.environ.get("PIPELINE_MODEL_CONTROL_MODE", "none"),
+        help="'explicit' allows RepositoryModelLoad/Unload (with an admin token configured, they need it); "
+        "'none' refuses them unless an admin token is configured (env PIPELINE_MODEL_CONTROL_MODE; default "
+        "%(default)s, as Triton's)",
+    )
+
+
+def model_control_mode(value: str) -> str:
+    """An argparse type: one of `MODEL_CONTROL_MODES` (Triton's `poll` is not one: nothing here polls)."""
+    mode = value.strip().lower() or "none"
+    if mode not in MODEL_CONTROL_MODES:
+        raise argparse.ArgumentTypeError(
+            f"model control mode must be one of {', '.join(MODEL_CONTROL_MODES)}, got {value!r}"
+        )
+    return mode
+
+
+def explicit_mode(args: argparse.Namespace) -> bool:
+    """Whether a server's flags ask for explicit model control."""
+    return getattr(args, "model_control_mode", "none") == "explicit"

@@ -1,0 +1,348 @@
+"""Triton's repository API at the router, across a stage's replicas: a load reaches every replica or none (a
+failure on one rolls the others back), a rollout under load answers every request with the old version until
+every replica has the new one, the ensembles follow their models, control is closed by default, and a replica
+that comes back later is brought in line with what the fleet serves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import grpc
+import numpy as np
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.ensemble.catalog import load_ensembles
+from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.tools.testing import serving_router, serving_stages
+from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
+
+#: A Triton Python model that answers with its own version number.
+VERSIONED_MODEL = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.version = float(args["model_version"])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            out = np.full_like(x, self.version)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("VERSION", out)]))
+        return responses
+"""
+#: A version that fails to load.
+BROKEN_MODEL = """\
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("this version cannot load")
+
+    def execute(self, requests):
+        return []
+"""
+VERSIONED_CONFIG = """\
+name: "versioned"
+backend: "python"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "VERSION" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU } ]
+"""
+ENSEMBLE = """
+name: follows
+max_batch_size: 0
+stages:
+  s: {{address: "ipv4:{a},{b}"}}
+inputs: [{{name: X, datatype: FP32, shape: [1]}}]
+outputs: [{{name: VERSION, datatype: FP32, shape: [1]}}]
+steps:
+  - {{model_name: versioned, stage: s, input_map: {{X: X}}, output_map: {{VERSION: VERSION}}}}
+"""
+EXPLICIT = {"model_control_mode": "explicit"}
+X = np.zeros(1, np.float32)
+
+
+def _repository(root: Path, *versions: tuple[str, str]) -> ModelRepository:
+    folder = root / "versioned"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.pbtxt").write_text(VERSIONED_CONFIG)
+    for version, source in versions:
+        _add_version(root, version, source)
+    return ModelRepository(root)
+
+
+def _add_version(root: Path, version: str, source: str) -> None:
+    (root / "versioned" / version).mkdir(parents=True, exist_ok=True)
+    (root / "versioned" / version / "model.py").write_text(source)
+
+
+def _replica(repository: ModelRepository, port: int = 0):
+    return serving_stages([], repository=repository, backends=[PythonBackend()], options=EXPLICIT, port=port)
+
+
+async def _version(stub, model: str = "versioned") -> float:
+    reply = await stub.ModelInfer(request_for(model, X=X), timeout=10)
+    return float(response_tensors(reply)["VERSION"].to_array()[0])
+
+
+async def _ready_versions(address: str) -> set[str]:
+    async with inference_stub(address) as stub:
+        index = await stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True))
+    return {m.version for m in index.models if m.name == "versioned"}
+
+
+async def _until(check, timeout: float = 15.0) -> None:
+    """Wait until `check()` is true (each look costs a real round trip), or fail."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_rollout_under_load_answers_every_request_old_then_new(tmp_path):
+    """Two replicas serve version 1; version 2 loaded through the router reaches both, while 8 clients call
+    without stopping: no request fails, every answer before the load is 1, every answer after it is 2, and
+    the two versions overlap only in a short window. The ensemble that uses the model keeps serving."""
+    first_repo, second_repo = tmp_path / "a", tmp_path / "b"
+    metrics = Metrics()
+    async with (
+        _replica(_repository(first_repo, ("1", VERSIONED_MODEL))) as first,
+        _replica(_repository(second_repo, ("1", VERSIONED_MODEL))) as second,
+    ):
+        await wait_serving(first.address)
+        await wait_serving(second.address)
+        (tmp_path / "follows.yaml").write_text(ENSEMBLE.format(a=first.address, b=second.address))
+        async with (
+            serving_router(
+                load_ensembles([tmp_path / "follows.yaml"]), options=EXPLICIT, metrics=metrics
+            ) as router,
+            inference_stub(router.address) as stub,
+        ):
+            await wait_serving(router.address)
+            assert await _version(stub) == 1.0
+            answers: list[tuple[float, float]] = []
+            failures: list[BaseException] = []
+            stop = asyncio.Event()
+
+            async def client(model: str) -> None:
+                while not stop.is_set():
+                    try:
+                        answers.append((time.monotonic(), await _version(stub, model)))
+                    except grpc.aio.AioRpcError as err:
+                        failures.append(err)
+
+            clients = [asyncio.create_task(client("versioned" if i % 2 else "follows")) for i in range(8)]
+            await _until(lambda: _true(len(answers) > 50))
+            for repo in (first_repo, second_repo):
+                _add_version(repo, "2", VERSIONED_MODEL)
+            asked = time.monotonic()
+            await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="versioned"), timeout=60)
+            loaded = time.monotonic()
+            count = len(answers)
+            await _until(lambda: _true(len(answers) > count + 50))
+            stop.set()
+            await asyncio.gather(*clients)
+
+            assert not failures, failures[:3]
+            assert all(v == 1.0 for t, v in answers if t < asked)
+            assert all(v == 2.0 for t, v in answers if t > loaded + 0.5)
+            twos = [t for t, v in answers if v == 2.0]
+            ones_after = [t for t, v in answers if v == 1.0 and t >= twos[0]]
+            # Once a 2 was answered, a 1 may still come only from a call that was already on its way.
+            assert not ones_after or ones_after[-1] - twos[0] < 0.5, (twos[0], ones_after[-1])
+            assert await _ready_versions(first.address) == {"2"}
+            assert await _ready_versions(second.address) == {"2"}
+            assert await _version(stub) == 2.0
+            assert (await stub.ModelReady(pb.ModelReadyRequest(name="follows"))).ready
+            assert metrics.registry.get_sample_value(
+                "pipeline_repository_changes_total", {"model": "versioned", "action": "load", "outcome": "ok"}
+            )
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_load_that_fails_on_one_replica_rolls_the_other_back(tmp_path):
+    """Version 2 loads on the first replica and fails on the second: the load fails naming the second
+    replica and why, the first is put back on version 1, and both answer 1."""
+    first_repo, second_repo = tmp_path / "a", tmp_path / "b"
+    async with (
+        _replica(_repository(first_repo, ("1", VERSIONED_MODEL))) as first,
+        _replica(_repository(second_repo, ("1", VERSIONED_MODEL))) as second,
+    ):
+        await wait_serving(first.address)
+        await wait_serving(second.address)
+        (tmp_path / "follows.yaml").write_text(ENSEMBLE.format(a=first.address, b=second.address))
+        async with (
+            serving_router(load_ensembles([tmp_path / "follows.yaml"]), options=EXPLICIT) as router,
+            inference_stub(router.address) as stub,
+        ):
+            await wait_serving(router.address)
+            _add_version(first_repo, "2", VERSIONED_MODEL)
+            _add_version(second_repo, "2", BROKEN_MODEL)
+            error = await rpc_error(
+                stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="versioned"), timeout=60)
+            )
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+            assert second.address in error.details() and "this version cannot load" in error.details()
+            assert f"{first.address} rolled back (serving 1 again)" in error.details()
+            assert await _ready_versions(first.address) == {"1"}
+            assert await _ready_versions(second.address) == {"1"}
+            assert {await _version(stub) for _ in range(10)} == {1.0}
+            assert (await stub.ModelReady(pb.ModelReadyRequest(name="follows"))).ready
+
+
+async def test_control_is_closed_by_default_and_unknown_models_and_parameters_are_refused(tmp_path):
+    async with _replica(_repository(tmp_path / "a", ("1", VERSIONED_MODEL))) as first:
+        await wait_serving(first.address)
+        (tmp_path / "follows.yaml").write_text(ENSEMBLE.format(a=first.address, b=first.address))
+        catalog = load_ensembles([tmp_path / "follows.yaml"])
+        async with serving_router(catalog) as router, inference_stub(router.address) as stub:
+            await wait_serving(router.address)
+            error = await rpc_error(
+                stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="versioned"))
+            )
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "RepositoryModelLoad is not allowed" in error.details()
+            error = await rpc_error(
+                stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="versioned"))
+            )
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        async with (
+            serving_router(catalog, options=EXPLICIT) as router,
+            inference_stub(router.address) as stub,
+        ):
+            await wait_serving(router.address)
+            error = await rpc_error(
+                stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="nothing"))
+            )
+            assert error.code() == grpc.StatusCode.NOT_FOUND and "'nothing'" in error.details()
+            odd = {"shape": pb.ModelRepositoryParameter(string_param="x")}
+            error = await rpc_error(
+                stub.RepositoryModelLoad(
+                    pb.RepositoryModelLoadRequest(model_name="versioned", parameters=odd)
+                )
+            )
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "'shape'" in error.details()
+            error = await rpc_error(
+                stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="follows"))
+            )
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "is an ensemble" in error.details()
+            assert await _version(stub) == 1.0
+
+
+async def test_over_http_an_unload_takes_the_ensemble_with_it_and_a_load_brings_both_back(tmp_path):
+    async with (
+        _replica(_repository(tmp_path / "a", ("1", VERSIONED_MODEL))) as first,
+        _replica(_repository(tmp_path / "b", ("1", VERSIONED_MODEL))) as second,
+    ):
+        await wait_serving(first.address)
+        await wait_serving(second.address)
+        (tmp_path / "follows.yaml").write_text(ENSEMBLE.format(a=first.address, b=second.address))
+        async with (
+            serving_router(load_ensembles([tmp_path / "follows.yaml"]), options=EXPLICIT) as router,
+            inference_stub(router.address) as stub,
+            aiohttp.ClientSession(f"http://{router.http_address}") as http,
+        ):
+            await wait_serving(router.address)
+            body = {"parameters": {"unload_dependents": True}}
+            async with http.post("/v2/repository/models/versioned/unload", json=body) as reply:
+                assert reply.status == 200, await reply.text()
+            assert await _ready_versions(first.address) == set()
+            assert await _ready_versions(second.address) == set()
+            assert not (await stub.ModelReady(pb.ModelReadyRequest(name="follows"))).ready
+            async with http.post("/v2/repository/index", json={}) as reply:
+                index = {m["name"]: m for m in await reply.json()}
+            assert index["follows"]["state"] == "UNAVAILABLE" and "versioned" in index["follows"]["reason"]
+            assert index["versioned"]["state"] == "UNAVAILABLE", index
+
+            # Back, pinned to version 1 by a config override (Triton's `config` parameter).
+            _add_version(tmp_path / "a", "2", VERSIONED_MODEL)
+            _add_version(tmp_path / "b", "2", VERSIONED_MODEL)
+            config = {
+                "name": "versioned",
+                "backend": "python",
+                "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [1]}],
+                "output": [{"name": "VERSION", "data_type": "TYPE_FP32", "dims": [1]}],
+                "version_policy": {"specific": {"versions": [1]}},
+            }
+            body = {"parameters": {"config": json.dumps(config)}}
+            async with http.post("/v2/repository/models/versioned/load", json=body) as reply:
+                assert reply.status == 200, await reply.text()
+            assert (await stub.ModelReady(pb.ModelReadyRequest(name="follows"))).ready
+            assert await _version(stub, "follows") == 1.0
+            async with http.post("/v2/repository/index", json={"ready": True}) as reply:
+                index = {(m["name"], m.get("version", "")): m for m in await reply.json()}
+            assert index[("versioned", "1")]["state"] == "READY" and not index[("versioned", "1")].get(
+                "reason"
+            )
+
+            body = {"parameters": {"unload_dependents": "yes"}}
+            async with http.post("/v2/repository/models/versioned/unload", json=body) as reply:
+                assert reply.status == 400 and "unload_dependents" in (await reply.json())["error"]
+
+
+async def test_a_replica_that_comes_back_serves_what_the_fleet_serves_not_its_disk(tmp_path):
+    """The fleet is pinned to version 1 through the router while the disks hold version 2 as the latest: the
+    second replica, restarted, loads version 2 from its disk, and the router brings it back to version 1;
+    meanwhile every request is answered by version 1."""
+    first_repo, second_repo = tmp_path / "a", tmp_path / "b"
+    versions = (("1", VERSIONED_MODEL), ("2", VERSIONED_MODEL))
+    config = {
+        "name": "versioned",
+        "backend": "python",
+        "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [1]}],
+        "output": [{"name": "VERSION", "data_type": "TYPE_FP32", "dims": [1]}],
+        "version_policy": {"specific": {"versions": [1]}},
+    }
+    pinned = {"config": pb.ModelRepositoryParameter(string_param=json.dumps(config))}
+    metrics = Metrics()
+    async with _replica(_repository(first_repo, *versions)) as first:
+        await wait_serving(first.address)
+        second_cm = _replica(_repository(second_repo, *versions))
+        second = await second_cm.__aenter__()
+        try:
+            await wait_serving(second.address)
+            port = int(second.address.rpartition(":")[2])
+            (tmp_path / "follows.yaml").write_text(ENSEMBLE.format(a=first.address, b=second.address))
+            async with (
+                serving_router(
+                    load_ensembles([tmp_path / "follows.yaml"]), options=EXPLICIT, metrics=metrics
+                ) as router,
+                inference_stub(router.address) as stub,
+            ):
+                await wait_serving(router.address)
+                assert await _version(stub) == 2.0
+                await stub.RepositoryModelLoad(
+                    pb.RepositoryModelLoadRequest(model_name="versioned", parameters=pinned), timeout=60
+                )
+                assert {await _version(stub) for _ in range(10)} == {1.0}
+
+                await second_cm.__aexit__(None, None, None)
+                second_cm = _replica(ModelRepository(second_repo), port=port)
+                second = await second_cm.__aenter__()
+                await wait_serving(second.address)
+                answered = {await _version(stub) for _ in range(20)}
+                await _until(lambda: _is(_ready_versions(second.address), {"1"}))
+                answered |= {await _version(stub) for _ in range(20)}
+                assert answered == {1.0}
+                assert metrics.registry.get_sample_value(
+                    "pipeline_repository_changes_total",
+                    {"model": "versioned", "action": "reconcile", "outcome": "ok"},
+                )
+        finally:
+            await second_cm.__aexit__(None, None, None)
+
+
+async def _is(value, expected) -> bool:
+    return await value == expected
