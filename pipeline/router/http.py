@@ -256,14 +256,18 @@ class RestFrontDoor:
     async def repository_load(self, request: web.Request) -> web.Response:
         doc = await self._json_body(request)
         await self.plane.repository_load(
-            request.match_info["model"], json_field(doc, "parameters", dict, "request", {}), _repository_call(request)
+            request.match_info["model"],
+            json_field(doc, "parameters", dict, "request", {}),
+            _repository_call(request),
         )
         return web.Response(status=200)
 
     async def repository_unload(self, request: web.Request) -> web.Response:
         doc = await self._json_body(request)
         await self.plane.repository_unload(
-            request.match_info["model"], json_field(doc, "parameters", dict, "request", {}), _repository_call(request)
+            request.match_info["model"],
+            json_field(doc, "parameters", dict, "request", {}),
+            _repository_call(request),
         )
         return web.Response(status=200)
 

@@ -423,7 +423,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
             for k, v in request.parameters.items()
         }
-        await _guarded(context, self.plane.repository_load(request.model_name, params, CallContext.of(context)))
+        await _guarded(
+            context, self.plane.repository_load(request.model_name, params, CallContext.of(context))
+        )
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
@@ -433,7 +435,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
             for k, v in request.parameters.items()
         }
-        await _guarded(context, self.plane.repository_unload(request.model_name, params, CallContext.of(context)))
+        await _guarded(
+            context, self.plane.repository_unload(request.model_name, params, CallContext.of(context))
+        )
         return pb.RepositoryModelUnloadResponse()
 
     async def SystemSharedMemoryStatus(
