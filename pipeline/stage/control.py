@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 
 from google.protobuf import json_format
 
@@ -95,17 +96,45 @@ def model_control_of(args: argparse.Namespace, policy: AccessPolicy) -> ModelCon
     )
 
 
-def config_override(parameters: Mapping[str, object]) -> mc.ModelConfig | None:
-    """The `ModelConfig` that `RepositoryModelLoad`'s parameter `config` (JSON) gives, if any; the only
-    parameter taken."""
-    for key in parameters:
-        if key != "config":
-            raise InvalidInput(f"RepositoryModelLoad: parameter '{key}' is not supported (only 'config')")
+#: The prefix of Triton's file-override parameters of `RepositoryModelLoad`: `file:<version>/<file name>`.
+FILE_PARAMETER = "file:"
+
+
+@dataclass(frozen=True)
+class LoadOverride:
+    """What `RepositoryModelLoad`'s parameters replace of a model's folder: its `config.pbtxt` (`config`, a
+    `ModelConfig` in JSON) and, with file overrides, every file (path within the folder -> its bytes)."""
+
+    config: mc.ModelConfig | None = None
+    files: Mapping[str, bytes] = field(default_factory=dict)
+
+
+def load_override(parameters: Mapping[str, object]) -> LoadOverride:
+    """The override that `RepositoryModelLoad`'s parameters give: `config` and `file:<version>/<name>` (as in
+    Triton, files need `config`, and the model is then loaded from them alone); anything else is refused."""
+    files: dict[str, bytes] = {}
+    for key, value in parameters.items():
+        if key.startswith(FILE_PARAMETER):
+            path = PurePosixPath(key.removeprefix(FILE_PARAMETER))
+            if path.is_absolute() or ".." in path.parts or not path.parts:
+                raise InvalidInput(
+                    f"RepositoryModelLoad: parameter '{key}' must name a file inside the model"
+                )
+            if not isinstance(value, bytes):
+                raise InvalidInput(f"RepositoryModelLoad: parameter '{key}' must carry the file's bytes")
+            files[str(path)] = value
+        elif key != "config":
+            raise InvalidInput(
+                f"RepositoryModelLoad: parameter '{key}' is not supported (only 'config' and 'file:...')"
+            )
     if "config" not in parameters:
-        return None
+        if files:
+            raise InvalidInput("RepositoryModelLoad: file overrides need the parameter 'config' too")
+        return LoadOverride()
     try:
-        return json_format.Parse(str(parameters["config"]), mc.ModelConfig())
+        config = json_format.Parse(str(parameters["config"]), mc.ModelConfig())
     except json_format.ParseError as exc:
         raise InvalidInput(
             f"RepositoryModelLoad: parameter 'config' is not a ModelConfig in JSON: {exc}"
         ) from None
+    return LoadOverride(config, files)

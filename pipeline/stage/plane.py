@@ -27,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import tempfile
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,7 +66,7 @@ from pipeline.runtime.telemetry import BATCH_SIZE, Telemetry
 from pipeline.stage.api import Deadline, Stage
 from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
 from pipeline.stage.bls import CallScope, RouterCalls
-from pipeline.stage.control import ModelControl, config_override
+from pipeline.stage.control import LoadOverride, ModelControl, load_override
 from pipeline.stage.decoupled import count_stream, stream_replies
 from pipeline.stage.encode import stage_response
 from pipeline.stage.pool import NOT_STARTED_MESSAGE, InstancePool, Slot
@@ -106,6 +108,8 @@ class StagePlane(DataPlane):
         self.clock = clock
         self._stages = list(stages)
         self._models: dict[str, ServedModel] = {name: ServedModel(name, fixed=True) for name in names}
+        #: Model -> the folder its file overrides were written to, kept while they serve.
+        self._override_folders: dict[str, tempfile.TemporaryDirectory[str]] = {}
         self._lifecycle = asyncio.Lock()
         self._started = False
         if repository is not None:
@@ -164,12 +168,19 @@ class StagePlane(DataPlane):
         log.info("loaded model '%s' (platform %s)", stage.name, stage.platform)
 
     async def _load_model(
-        self, name: str, override: mc.ModelConfig | None, *, at_startup: bool = False
+        self,
+        name: str,
+        override: mc.ModelConfig | None,
+        *,
+        at_startup: bool = False,
+        repository: ModelRepository | None = None,
     ) -> None:
-        """Load (or reload) a repository model; the caller holds `_lifecycle`."""
-        assert self.repository is not None
+        """Load (or reload) a repository model (from `repository` instead of the service's, for file
+        overrides); the caller holds `_lifecycle`."""
+        repository = repository or self.repository
+        assert repository is not None
         try:
-            entry = self.repository.read(name, override)
+            entry = repository.read(name, override)
         except RepositoryError as exc:
             if at_startup:
                 # Unreadable: whose it is cannot be told; report it, but only if it claims to be ours.
@@ -349,13 +360,30 @@ class StagePlane(DataPlane):
 
     async def repository_load(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
         """Load or reload a model. Parameter `config`: a `ModelConfig` as JSON (Triton's field names) that
-        replaces the model's `config.pbtxt` for this load. Refused unless repository control is enabled
+        replaces the model's `config.pbtxt` for this load; `file:<version>/<name>`: the model's files, which
+        it is then loaded from alone, as in Triton. Refused unless repository control is enabled
         (`pipeline.stage.control`)."""
         self._require_repository()
         self.control.check_enabled("RepositoryModelLoad")
-        override = config_override(parameters)
+        override = load_override(parameters)
         async with self._lifecycle:
-            await self._load_model(name, override)
+            if not override.files:
+                await self._load_model(name, override.config)
+                self._drop_override_folder(name)
+                return
+            folder = _override_folder(name, override)
+            try:
+                await self._load_model(name, override.config, repository=ModelRepository(folder.name))
+            except BaseException:
+                folder.cleanup()
+                raise
+            self._drop_override_folder(name)
+            self._override_folders[name] = folder
+
+    def _drop_override_folder(self, name: str) -> None:
+        folder = self._override_folders.pop(name, None)
+        if folder is not None:
+            folder.cleanup()
 
     async def repository_unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
         """Stop serving a model: new requests are refused, in-flight ones finish, then it unloads. Refused
@@ -377,6 +405,7 @@ class StagePlane(DataPlane):
             model.reason = "unloaded"
             for served in versions:
                 await self._retire(served)
+            self._drop_override_folder(name)
 
     # ---- serving ---------------------------------------------------------------------------------------------
 
@@ -543,8 +572,14 @@ class StagePlane(DataPlane):
             yield set_final(pb.ModelStreamInferResponse(infer_response=await self.infer(request, call)), True)
             return
         deadline = Deadline.after(call.timeout, self.clock)
+        chain = CallChain.of(call.metadata) if call.metadata else None
+        router, traced = self.router, self.telemetry.enabled
+
+        def scope_of(slot: Slot) -> CallScope:
+            return CallScope(router, deadline, chain, slot.key, traced)
+
         async with contextlib.aclosing(
-            _stream(served, self._models[served.name], request, deadline)
+            _stream(served, self._models[served.name], request, deadline, scope_of)
         ) as replies:
             async for reply in replies:
                 yield reply
@@ -581,7 +616,11 @@ def _check_waits(served: ServedVersion, chain: CallChain) -> None:
 
 
 async def _stream(
-    served: ServedVersion, model: ServedModel, request: pb.ModelInferRequest, deadline: Deadline
+    served: ServedVersion,
+    model: ServedModel,
+    request: pb.ModelInferRequest,
+    deadline: Deadline,
+    scope_of: Callable[[Slot], CallScope],
 ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
     """One request's responses from a decoupled version, counted in flight and in its statistics."""
     started = time.perf_counter_ns()
@@ -603,6 +642,7 @@ async def _stream(
             deadline,
             lambda outputs: stage_response(name, version, request.id, wanted, outputs, specs, batch),
             model.stats,
+            scope_of,
         ):
             failed = failed or bool(reply.error_message)
             yield reply
@@ -612,3 +652,16 @@ async def _stream(
         if served.inflight == 0:
             served.quiet.set()
         count_stream(model.stats, batch or 1, time.perf_counter_ns() - started, failed)
+
+
+def _override_folder(name: str, override: LoadOverride) -> tempfile.TemporaryDirectory[str]:
+    """A repository of one model, `name`, made of `RepositoryModelLoad`'s file overrides (as Triton does,
+    the model is loaded from these files alone, with the `config` parameter as its config)."""
+    folder = tempfile.TemporaryDirectory(prefix="pipeline-override-")
+    root = Path(folder.name) / name
+    for relative, content in override.files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    root.mkdir(exist_ok=True)
+    return folder

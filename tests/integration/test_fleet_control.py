@@ -6,6 +6,7 @@ that comes back later is brought in line with what the fleet serves."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from pathlib import Path
@@ -286,6 +287,20 @@ async def test_over_http_an_unload_takes_the_ensemble_with_it_and_a_load_brings_
             assert index[("versioned", "1")]["state"] == "READY" and not index[("versioned", "1")].get(
                 "reason"
             )
+
+            # Triton's file overrides: the model's files in the request (base64 over HTTP), with its config.
+            answer_7 = VERSIONED_MODEL.replace('float(args["model_version"])', "7.0")
+            config["version_policy"] = {"specific": {"versions": [3]}}
+            body = {
+                "parameters": {
+                    "config": json.dumps(config),
+                    "file:3/model.py": base64.b64encode(answer_7.encode()).decode(),
+                }
+            }
+            async with http.post("/v2/repository/models/versioned/load", json=body) as reply:
+                assert reply.status == 200, await reply.text()
+            assert {await _version(stub, "follows") for _ in range(10)} == {7.0}
+            assert await _ready_versions(first.address) == await _ready_versions(second.address) == {"3"}
 
             body = {"parameters": {"unload_dependents": "yes"}}
             async with http.post("/v2/repository/models/versioned/unload", json=body) as reply:
