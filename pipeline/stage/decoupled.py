@@ -31,7 +31,8 @@ from pipeline.protocol.streams import error_response, set_final
 from pipeline.runtime.servicer import internal_error, rpc_status_of
 from pipeline.runtime.statistics import ModelStats
 from pipeline.stage.api import Deadline
-from pipeline.stage.pool import InstancePool
+from pipeline.stage.bls import CallScope
+from pipeline.stage.pool import InstancePool, Slot
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,15 @@ class ResponseChannel:
 
 
 async def replies(
-    pool: InstancePool, arrays: dict[str, np.ndarray], deadline: Deadline
+    pool: InstancePool,
+    arrays: dict[str, np.ndarray],
+    deadline: Deadline,
+    scope_of: Callable[[Slot], CallScope] | None = None,
 ) -> AsyncIterator[Reply]:
     """Run one request on an idle instance of a decoupled version and yield its responses as they come,
-    up to the final one. Closing the iterator early (the client has gone) closes the channel; the instance
-    goes back to the pool when the model's call returns."""
+    up to the final one. Closing the iterator early (the client has gone) closes the channel, and cancels
+    the calls its model made to other models (`scope_of` gives where they go, for the instance that runs
+    it); the instance goes back to the pool when the model's call returns."""
     loop = asyncio.get_running_loop()
     channel = ResponseChannel(loop, deadline)
     timer = None
@@ -115,9 +120,10 @@ async def replies(
     if remaining is not None:
         timer = loop.call_later(remaining, _expire, channel)
     slot = await pool.idle.get()
+    scope = None if scope_of is None else scope_of(slot)
     try:
         assert slot.executor is not None, "a decoupled instance runs on a thread of its own"
-        running = loop.run_in_executor(slot.executor, slot.run_decoupled, arrays, deadline, channel)
+        running = loop.run_in_executor(slot.executor, slot.run_decoupled, arrays, deadline, channel, scope)
     except BaseException:
         pool.idle.put_nowait(slot)
         raise
@@ -144,6 +150,8 @@ async def replies(
         if timer is not None:
             timer.cancel()
         channel.close()
+        if scope is not None:
+            scope.cancel()
 
 
 async def stream_replies(
@@ -153,12 +161,13 @@ async def stream_replies(
     deadline: Deadline,
     encode: Callable[[Mapping[str, np.ndarray]], pb.ModelInferResponse],
     stats: ModelStats | None = None,
+    scope_of: Callable[[Slot], CallScope] | None = None,
 ) -> AsyncIterator[pb.ModelStreamInferResponse]:
     """`replies` as the stream's responses: `encode` makes each response of outputs; an error is a response
     of its own (its status as `pipeline.protocol.streams` carries it), a final flag alone an empty one. Each
     is counted in `stats` by its index (`ModelStats.response_done`)."""
     index, since = 0, time.perf_counter_ns()
-    async for outputs, error, final in replies(pool, arrays, deadline):
+    async for outputs, error, final in replies(pool, arrays, deadline, scope_of):
         made = time.perf_counter_ns()
         if error is not None:
             reply = error_response(request, error.code, error.message, rpc_status_of(error))

@@ -158,6 +158,26 @@ class TritonPythonModel:
         return responses
 """
 
+#: Decoupled, and calls `double` for each of its two responses: X * 2, then X * 2 * 2.
+DECOUPLED_CALLER = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            x = pb_utils.get_input_tensor_by_name(request, "X")
+            for _ in range(2):
+                reply = pb_utils.InferenceRequest(model_name="double", inputs=[x], requested_output_names=["Y"]).exec()
+                if reply.has_error():
+                    sender.send(pb_utils.InferenceResponse(error=reply.error()))
+                    break
+                x = pb_utils.Tensor("X", pb_utils.get_output_tensor_by_name(reply, "Y").as_numpy())
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x.as_numpy())]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
 #: Calls itself with X - 1 until X[0] reaches 0 (then answers X): a recursion as deep as X[0] says.
 RECURSE = """
 import numpy as np
@@ -246,6 +266,7 @@ def write_repository(root: Path) -> Path:
         "failing": (FAILING, 8, 1, ""),
         "counter": (COUNTER, 0, 1, "model_transaction_policy { decoupled: true }"),
         "stream_sum": (STREAM_SUM, 0, 1, ""),
+        "decoupled_caller": (DECOUPLED_CALLER, 8, 1, "model_transaction_policy { decoupled: true }"),
         "recurse": (RECURSE, 0, MAX_DEPTH + 2, ""),
         "recurse_alone": (RECURSE.replace('"recurse"', '"recurse_alone"'), 0, 1, ""),
         "slow": (HOLD_UNTIL_RELEASED, 0, 1, ""),
@@ -298,6 +319,19 @@ async def test_models_call_a_stage_model_an_ensemble_and_a_decoupled_model(tmp_p
         reply = await stub.ModelInfer(request_for("stream_sum", X=x), timeout=30)
         # 1x + 2x + 3x + 4x of the decoupled counter's four responses.
         assert response_tensors(reply)["Y"].to_array().tolist() == (x * 10).tolist()
+
+        # A decoupled model calls models too, while it sends its responses.
+        request = request_for("decoupled_caller", X=xs(1))
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+        ys = []
+        async for response in stub.ModelStreamInfer(iter([request]), timeout=30):
+            assert not response.error_message, response.error_message
+            outputs = response_tensors(response.infer_response)
+            if "Y" in outputs:
+                ys.append(outputs["Y"].to_array().tolist())
+            if response.infer_response.parameters["triton_final_response"].bool_param:
+                break
+        assert ys == [xs(2).tolist(), xs(4).tolist()]
 
 
 async def test_a_callees_error_reaches_the_caller_with_its_message(tmp_path: Path) -> None:
