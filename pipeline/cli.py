@@ -46,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_trace_arguments(trace)
     trace.set_defaults(func=run_trace_command)
+
+    from services.model.quantize import add_quantize_arguments, run_quantize_command
+
+    quantize = commands.add_parser(
+        "quantize",
+        help="write an INT8 version of an ONNX or PyTorch model beside it, and report its accuracy and speed "
+        "against FP32",
+    )
+    add_quantize_arguments(quantize)
+    quantize.set_defaults(func=run_quantize_command)
     return parser
 
 

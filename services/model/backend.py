@@ -33,7 +33,7 @@ from pathlib import Path
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import PAD_VALUE_PARAMETER, datatype_of_config, log_ignored
-from pipeline.runtime.repository import RepositoryEntry
+from pipeline.runtime.repository import DEFAULT_FILENAMES, RepositoryEntry
 from pipeline.stage.backend import RUNTIME_FIELDS, Instance, PreparedVersion
 from pipeline.stage.sequences import sequence_tensors
 from services.model import tensorrt
@@ -74,6 +74,8 @@ PARAMETER_KEYS = (
 #: The `parameters` keys under which `ModelConfig` reports which runners run the instances ("onnxruntime on
 #: cpu", ...), and why.
 RUNNER_KEY, REASON_KEY = "runner_in_use", "runner_reason"
+#: The file of a PyTorch model's version that runs as ONNX (`pipeline quantize` writes it).
+ONNX_FILENAME = "model.onnx"
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -204,6 +206,21 @@ class ModelOptions:
         return cls(runner, threads, compile_flag in TRUE, strict, tensorrt, precision, workspace)
 
 
+@dataclass(frozen=True)
+class ModelFile:
+    """One version's model file as read, and its config completed from it and checked."""
+
+    #: The completed config, with the sequence batcher's tensors (`declared`: how many of each are the
+    #: config's own).
+    config: mc.ModelConfig
+    artifact: Path
+    kind: str
+    signature: Signature
+    bindings: Bindings
+    options: ModelOptions
+    declared: tuple[int, int]
+
+
 class ModelBackend:
     """Prepares versions of the repository entries whose backend is onnxruntime, pytorch or tensorrt."""
 
@@ -217,15 +234,23 @@ class ModelBackend:
             (repository_root / ".engines") if repository_root is not None else None
         )
 
-    def prepare(self, entry: RepositoryEntry, version: str) -> PreparedVersion:
-        """Find and read the version's model file, complete and check the config, place the instances."""
+    def read(self, entry: RepositoryEntry, version: str) -> ModelFile:
+        """Find and read the version's model file, complete the config from it and check them together.
+
+        A PyTorch model's version folder may hold a `model.onnx` instead of its PyTorch file: the ONNX file
+        `pipeline quantize` writes beside a PyTorch version (the version runs on ONNX Runtime).
+        """
         config = mc.ModelConfig()
         config.CopyFrom(entry.config)
         source = entry.source
-        candidates = ("model.pt2", "model.pt") if config.platform == "pytorch_torch_export" else ()
+        candidates: tuple[str, ...] = ()
+        if config.platform == "pytorch_torch_export":
+            candidates = ("model.pt2", "model.pt")
+        if entry.backend == "pytorch":
+            candidates = (*(candidates or DEFAULT_FILENAMES["pytorch"]), ONNX_FILENAME)
         artifact = entry.artifact(version, candidates)
         kind = artifact_kind(artifact, entry.backend, config.platform)
-        if KIND_BACKENDS[kind] != entry.backend:
+        if KIND_BACKENDS[kind] != entry.backend and not (kind == ONNX and entry.backend == "pytorch"):
             raise RepositoryError(
                 f"{source}: {artifact.name} is a {KIND_PLATFORMS[kind]} file, but the model's backend is "
                 f"{entry.backend}"
@@ -261,6 +286,13 @@ class ModelBackend:
         )
         config.platform = KIND_PLATFORMS[kind]
         config.backend = KIND_BACKENDS[kind]
+        return ModelFile(config, artifact, kind, signature, bindings, options, declared)
+
+    def prepare(self, entry: RepositoryEntry, version: str) -> PreparedVersion:
+        """Read the version's model file (`read`), place the instances and order the runners of each."""
+        model = self.read(entry, version)
+        config, artifact, kind, options = model.config, model.artifact, model.kind, model.options
+        bindings, signature, declared, source = model.bindings, model.signature, model.declared, entry.source
         devices = place_instances(config, self.settings.device, gpu_count(), source)
         strict = self.settings.strict_runner if options.strict is None else options.strict
         unbounded = unbounded_dimension(bindings, signature)

@@ -1,0 +1,143 @@
+"""`pipeline quantize` on real models, and the INT8 version it writes served by the model service.
+
+The digits CNN (TorchScript, trained by the examples' build) is quantized statically, calibrated on training
+images, compared on the held-out ones, then served: version 2 is an ONNX file that ONNX Runtime runs, and its
+accuracy on the held-out images is within half a point of the FP32 model's. A small ONNX model is quantized
+from its `model_warmup` data and without any (dynamic). Bad samples and models quantize cannot take are
+refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.cli import main as pipeline_main
+from services.model.quantize import QuantizeSettings, quantize
+from tests.integration.test_model_service import infer, model_config, serving
+from tests.model_files import ONNX_CONFIG, add_model, reference
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository with the digits CNN built, and its training and held-out images as .npy files."""
+    from examples.models.build import build
+    from examples.models.digits import load_split
+
+    root = tmp_path_factory.mktemp("built")
+    build(root, ["digits_cnn"], progress=False, report=lambda _: None)
+    x_train, _, x_test, y_test = load_split()
+    np.save(root / "train.npy", x_train[:256])
+    np.save(root / "test.npy", x_test)
+    np.save(root / "labels.npy", y_test)
+    return root
+
+
+def fresh(digits: Path, tmp_path: Path) -> Path:
+    shutil.copytree(digits / "digits_cnn", tmp_path / "digits_cnn")
+    return tmp_path
+
+
+async def test_the_digits_cnn_quantized_serves_as_version_2_with_its_accuracy(
+    digits: Path, tmp_path: Path, capsys
+) -> None:
+    root = fresh(digits, tmp_path)
+    code = pipeline_main(
+        ["quantize", "--model-dir", str(root), "digits_cnn", "--calibration", str(digits / "train.npy"),
+         "--evaluation", str(digits / "test.npy")]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "version 1 -> version 2 (INT8)" in printed and "static quantization, QDQ" in printed
+    report = json.loads((root / "digits_cnn" / "2" / "quantization.json").read_text())
+    assert report["method"] == "static" and report["evaluated_on"].endswith("(360 samples)")
+    assert report["top1_agreement"]["LOGITS"] >= 0.99
+    assert report["fp32"]["cpu_ms_per_batch"] > 0 and report["int8"]["cpu_ms_per_batch"] > 0
+
+    import torch
+
+    x_test, y_test = np.load(digits / "test.npy"), np.load(digits / "labels.npy")
+    with torch.inference_mode():
+        fp32 = torch.jit.load(str(root / "digits_cnn" / "1" / "model.pt"))(torch.from_numpy(x_test)).numpy()
+    async with serving(root) as stub:
+        await stub.RepositoryModelLoad(pb_load("digits_cnn"), timeout=120)
+        config = await model_config(stub, "digits_cnn")
+        assert config.platform == "onnxruntime_onnx"
+        assert config.parameters["runner_in_use"].string_value == "onnxruntime on cpu"
+        logits = []
+        for start in range(0, len(x_test), 128):
+            version, outputs = await infer(stub, "digits_cnn", INPUT=x_test[start : start + 128])
+            assert version == "2"
+            logits.append(outputs["LOGITS"])
+    int8_accuracy = float(np.mean(np.concatenate(logits).argmax(1) == y_test))
+    fp32_accuracy = float(np.mean(fp32.argmax(1) == y_test))
+    assert abs(int8_accuracy - fp32_accuracy) <= 0.005, (int8_accuracy, fp32_accuracy)
+
+
+def pb_load(name: str):
+    from pipeline._gen.inference import grpc_service_pb2 as pb
+
+    return pb.RepositoryModelLoadRequest(model_name=name)
+
+
+NOISE = (
+    '{ name: "%s", batch_size: 8, inputs { key: "X" value: { data_type: TYPE_FP32, dims: [ 4 ], '
+    "random_data: true } } }"
+)
+#: Two samples with data, and one of zeros (which calibrates nothing and is left out).
+WARMUP = (
+    ONNX_CONFIG.format(name="tiny")
+    + "model_warmup [ "
+    + ", ".join([NOISE % "noise", NOISE.replace("random_data", "zero_data") % "zeros", NOISE % "more"])
+    + " ]\n"
+)
+
+
+@pytest.mark.parametrize("warmup", [True, False], ids=["model_warmup", "none"])
+async def test_an_onnx_model_quantizes_from_its_warmup_data_or_dynamically(
+    tmp_path: Path, warmup: bool
+) -> None:
+    folder = add_model(tmp_path, "onnx", "tiny", {"1": 1}, config=WARMUP if warmup else None)
+    report = quantize(tmp_path, "tiny")
+    assert report.method == ("static" if warmup else "dynamic") and report.version == "2"
+    assert report.calibration == ("model_warmup noise, more (16 samples)" if warmup else "")
+    assert report.evaluated_on.startswith("the calibration samples" if warmup else "64 random inputs")
+    x = np.random.default_rng(1).standard_normal((6, 4)).astype(np.float32)
+    async with serving(tmp_path) as stub:
+        await stub.RepositoryModelLoad(pb_load("tiny"), timeout=120)
+        version, outputs = await infer(stub, "tiny", X=x)
+    assert version == "2"
+    np.testing.assert_allclose(outputs["Y"], reference(folder / "2" / "model.onnx", {"X": x})["Y"], atol=1e-6)
+    assert report.max_abs_diff["Y"] < 0.1
+    if not warmup:  # dynamic quantization follows each batch's range: close on any input
+        expected = reference(folder / "1" / "model.onnx", {"X": x})["Y"]
+        assert np.max(np.abs(outputs["Y"] - expected)) < 0.05 * np.max(np.abs(expected))
+
+
+def test_samples_that_do_not_fit_and_models_it_cannot_take_are_refused(tmp_path: Path, capsys) -> None:
+    add_model(tmp_path, "onnx", "tiny", {"1": 1})
+    np.save(tmp_path / "wrong.npy", np.zeros((8, 5), np.float32))
+    np.savez(tmp_path / "named.npz", Z=np.zeros((8, 4), np.float32))
+    cases = [
+        (
+            ["tiny", "--calibration", str(tmp_path / "wrong.npy")],
+            "'X' has shape [8, 5]; expected [samples, 4]",
+        ),
+        (["tiny", "--calibration", str(tmp_path / "named.npz")], "unknown: Z; missing: X"),
+        (["tiny", "--method", "static"], "static quantization needs calibration samples"),
+        (["absent"], "absent"),
+    ]
+    for args, words in cases:
+        assert pipeline_main(["quantize", "--model-dir", str(tmp_path), *args]) == 1
+        assert words in capsys.readouterr().out
+    assert not (tmp_path / "tiny" / "2").exists()
+    (tmp_path / "py" / "1").mkdir(parents=True)
+    (tmp_path / "py" / "config.pbtxt").write_text('backend: "python"')
+    with pytest.raises(Exception, match="quantize takes ONNX and PyTorch models"):
+        quantize(tmp_path, "py", QuantizeSettings())
