@@ -21,13 +21,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
-import itertools
 import json
 import logging
 import queue
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+import threading
+from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -36,13 +35,12 @@ from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.protocol.call_chain import CALL_CHAIN_HEADER, MAX_DEPTH, ROOT, CallChain
 from pipeline.protocol.codec import Tensor, response_tensors
-from pipeline.protocol.streams import EMPTY_FINAL_PARAMETER, add_hop_parameters, is_final, status_of
-from pipeline.runtime.server import server_options
+from pipeline.protocol.streams import status_of
 from pipeline.runtime.telemetry import PROPAGATOR
 from pipeline.stage.api import Deadline
+from pipeline.stage.router_link import RouterCalls
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +69,19 @@ class Reply:
     def failed(cls, code: grpc.StatusCode, message: str) -> Reply:
         return cls(code=code, message=message)
 
+    def split(self, sizes: Sequence[int]) -> list[Reply] | None:
+        """The replies of the merged calls of `sizes` items each, or None when an output is not one row per
+        item (the callee does not answer item by item)."""
+        total, parts = sum(sizes), []
+        if any(array.shape[:1] != (total,) for array in self.outputs.values()):
+            return None
+        start = 0
+        for size in sizes:
+            outputs = {name: array[start : start + size] for name, array in self.outputs.items()}
+            parts.append(Reply(outputs, parameters=self.parameters))
+            start += size
+        return parts
+
     @classmethod
     def of(cls, response: pb.ModelInferResponse) -> Reply:
         outputs = {name: tensor.to_array() for name, tensor in response_tensors(response).items()}
@@ -97,6 +108,37 @@ class Call:
     #: The trace context to continue (None: the calling request's).
     trace: Mapping[str, str] | None = None
 
+    @property
+    def size(self) -> int | None:
+        """Its items: the first dimension of its inputs, where they all have the same (else None)."""
+        sizes = {np.shape(array)[0] if np.ndim(array) else None for array in self.inputs.values()}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def merge_key(self) -> Hashable:
+        """Calls with equal keys may go as one request of all their items (`merged`)."""
+        if self.size is None:
+            return id(self)
+        return (
+            self.model,
+            self.version,
+            tuple(self.outputs),
+            self.request_id,
+            self.timeout_us,
+            json.dumps(dict(self.parameters), sort_keys=True, default=str),
+            None if self.trace is None else tuple(sorted(self.trace.items())),
+            tuple(
+                (name, np.asarray(a).dtype.str, np.shape(a)[1:]) for name, a in sorted(self.inputs.items())
+            ),
+        )
+
+    @staticmethod
+    def merged(calls: Sequence[Call]) -> Call:
+        """Calls of one `merge_key` as one: their inputs concatenated along the first dimension."""
+        inputs = {
+            name: np.concatenate([np.asarray(c.inputs[name]) for c in calls]) for name in calls[0].inputs
+        }
+        return replace(calls[0], inputs=inputs)
+
     def request(self) -> pb.ModelInferRequest:
         request = pb.ModelInferRequest(model_name=self.model, model_version=self.version, id=self.request_id)
         for name, array in self.inputs.items():
@@ -114,175 +156,6 @@ class Call:
             else:
                 parameter.string_param = str(value)
         return request
-
-
-class RouterCalls:
-    """The service's channel to the router, on which its models' calls go. The router's address is
-    `address`, or read from `port_file` (with `host`) at the first call, for a router started after the
-    service on a port the OS picked. `credentials` (None: plaintext) and `token` (the router's clients'
-    bearer token) go with every call."""
-
-    def __init__(
-        self,
-        address: str | None,
-        *,
-        port_file: Path | None = None,
-        host: str = "127.0.0.1",
-        max_message_bytes: int = 64 * 1024 * 1024,
-        credentials: grpc.ChannelCredentials | None = None,
-        token: str | None = None,
-    ) -> None:
-        self._credentials = credentials
-        self._address = address
-        self._port_file = port_file
-        self._host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
-        self._max_message_bytes = max_message_bytes
-        self._auth = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.GRPCInferenceServiceStub | None = None
-        self._shared: _SharedStream | None = None
-
-    @property
-    def configured(self) -> bool:
-        return self._address is not None or self._port_file is not None
-
-    def _connect(self) -> pb_grpc.GRPCInferenceServiceStub:
-        if self._stub is not None:
-            return self._stub
-        address = self._address
-        if address is None and self._port_file is not None:
-            try:
-                address = f"{self._host}:{int(self._port_file.read_text().strip())}"
-            except (OSError, ValueError) as exc:
-                raise ConnectionError(
-                    f"cannot read the router's port from {self._port_file}: {exc}"
-                ) from None
-        if address is None:
-            raise ConnectionError("no router address")
-        options = server_options(self._max_message_bytes)
-        if self._credentials is None:
-            self._channel = grpc.aio.insecure_channel(address, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(address, self._credentials, options=options)
-        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
-        return self._stub
-
-    async def infer(
-        self, request: pb.ModelInferRequest, timeout: float | None, context: Mapping[str, str]
-    ) -> pb.ModelStreamInferResponse:
-        """One call, on the stream that carries the service's calls (one stream for them all: a message on
-        it costs the router and the service less than a call of its own); `context` is the call's trace
-        context and chain. The response carries the error of a call that failed."""
-        stream = self._shared
-        if stream is None or stream.broken:
-            stream = self._shared = _SharedStream(self._connect(), self._auth)
-        return await stream.infer(request, timeout, context)
-
-    async def stream(
-        self, request: pb.ModelInferRequest, timeout: float | None, metadata: Sequence[tuple[str, str]]
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """A decoupled model's responses, up to the final one (asked for even when empty)."""
-        request.parameters[EMPTY_FINAL_PARAMETER].bool_param = True
-        call = self._connect().ModelStreamInfer(timeout=timeout, metadata=(*metadata, *self._auth))
-        try:
-            await call.write(request)
-            await call.done_writing()
-            async for reply in call:
-                yield reply
-                if is_final(reply):
-                    return
-        finally:
-            call.cancel()
-
-    async def close(self) -> None:
-        if self._shared is not None:
-            self._shared.close()
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = self._stub = None
-
-
-class _SharedStream:
-    """One `ModelStreamInfer` call to the router that carries many requests at once, each answered by its
-    id. Its deadline, trace context and chain travel in each request's parameters, as the router's own
-    streams to its stages carry them (`pipeline.protocol.streams`). A call whose caller stops waiting
-    (cancelled, or past its deadline) is forgotten here; the router finishes it. Once the stream ends, every
-    call on it is answered UNAVAILABLE, and the next call opens a new one. A stream without calls for
-    `IDLE_S` is closed, so that a stopping router is not kept waiting for it."""
-
-    #: Seconds without calls after which the stream is closed (the next call opens another).
-    IDLE_S = 0.5
-
-    def __init__(self, stub: pb_grpc.GRPCInferenceServiceStub, auth: Sequence[tuple[str, str]]) -> None:
-        self._call = stub.ModelStreamInfer(metadata=tuple(auth))
-        self._waiting: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
-        self._writing = asyncio.Lock()
-        self._ids = itertools.count()
-        self.broken = False
-        self._idle: asyncio.TimerHandle | None = None
-        self._reader = asyncio.create_task(self._read())
-
-    async def infer(
-        self, request: pb.ModelInferRequest, timeout: float | None, context: Mapping[str, str]
-    ) -> pb.ModelStreamInferResponse:
-        key = f"{next(self._ids)}"
-        request.id = f"{request.id}#{key}" if request.id else key
-        add_hop_parameters(request, timeout, context)
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future[pb.ModelStreamInferResponse] = loop.create_future()
-        self._waiting[request.id] = answer
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
-        try:
-            async with asyncio.timeout(timeout):
-                async with self._writing:  # NOTE: one write at a time on a stream
-                    await self._call.write(request)
-                return await answer
-        except TimeoutError:
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                "Deadline Exceeded",
-            ) from None
-        finally:
-            self._waiting.pop(request.id, None)
-            if not self._waiting and not self.broken:
-                self._idle = loop.call_later(self.IDLE_S, self._retire)
-
-    def _retire(self) -> None:
-        """Close an idle stream: no new call goes on it, and the router ends it once it has answered."""
-        if self._waiting or self.broken:
-            return
-        self.broken = True
-        self._done = asyncio.ensure_future(self._call.done_writing())
-
-    async def _read(self) -> None:
-        status, details = grpc.StatusCode.UNAVAILABLE, "the stream to the router ended"
-        try:
-            async for reply in self._call:
-                answer = self._waiting.get(reply.infer_response.id)
-                if answer is not None and not answer.done():
-                    answer.set_result(reply)
-        except grpc.aio.AioRpcError as err:
-            status, details = err.code(), err.details() or details
-        except asyncio.CancelledError:
-            pass
-        finally:
-            self.broken = True
-            for answer in self._waiting.values():
-                if not answer.done():
-                    answer.set_exception(
-                        grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-                    )
-
-    def close(self) -> None:
-        self.broken = True
-        if self._idle is not None:
-            self._idle.cancel()
-        self._call.cancel()
-        self._reader.cancel()
 
 
 class Responses:
@@ -305,7 +178,18 @@ class CallScope:
     docstring). Made on the event loop for every batch, so it costs nothing until a call is made; its calls
     may be made from any thread."""
 
-    __slots__ = ("_cancelled", "_chain", "_instance", "_tasks", "deadline", "loop", "router", "trace")
+    __slots__ = (
+        "_cancelled",
+        "_chain",
+        "_instance",
+        "_lock",
+        "_outbox",
+        "_tasks",
+        "deadline",
+        "loop",
+        "router",
+        "trace",
+    )
 
     def __init__(
         self,
@@ -325,6 +209,9 @@ class CallScope:
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cancelled = False
+        #: Calls made on the model's thread and not yet taken up by the loop.
+        self._outbox: list[tuple[Call, concurrent.futures.Future[Reply]]] = []
+        self._lock = threading.Lock()
 
     @property
     def chain(self) -> CallChain:
@@ -349,13 +236,24 @@ class CallScope:
     # --- calls ---------------------------------------------------------------------------------------
 
     def submit(self, call: Call) -> concurrent.futures.Future[Reply]:
-        """Send `call`; its `Reply` comes in the future (an error reply, never an exception)."""
+        """Send `call`; its `Reply` comes in the future (an error reply, never an exception).
+
+        The calls a model makes without waiting in between (`async_exec` in a loop) are taken up by the
+        service's loop together, with one wake-up, and those to one batching model with the same tensors
+        go as one request of all their items (at most the callee's `max_batch_size`): the router's batcher
+        then sees them together rather than the first alone, and every hop carries one message instead of
+        many. A merged request that fails is sent again call by call, so that each gets its own answer."""
         refused = self._refusal(call)
+        future: concurrent.futures.Future[Reply] = concurrent.futures.Future()
         if refused is not None:
-            done: concurrent.futures.Future[Reply] = concurrent.futures.Future()
-            done.set_result(refused)
-            return done
-        return self._run(self._infer(call))
+            future.set_result(refused)
+            return future
+        with self._lock:
+            self._outbox.append((call, future))
+            first = len(self._outbox) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._flush)
+        return future
 
     def stream(self, call: Call) -> Responses:
         """Send `call` to a decoupled model; its replies come through the `Responses`."""
@@ -419,6 +317,55 @@ class CallScope:
                 self._tasks.discard(task)
 
         return asyncio.run_coroutine_threadsafe(tracked(), self.loop)
+
+    def _flush(self) -> None:
+        """Take up the calls made since the last time, grouped by `Call.merge_key` (on the loop)."""
+        with self._lock:
+            pending, self._outbox = self._outbox, []
+        groups: dict[Hashable, list[tuple[Call, concurrent.futures.Future[Reply]]]] = {}
+        for call, future in pending:
+            if future.set_running_or_notify_cancel():  # False: its caller stopped waiting
+                groups.setdefault(call.merge_key(), []).append((call, future))
+        for group in groups.values():
+            task = self.loop.create_task(self._answer(group))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, group: list[tuple[Call, concurrent.futures.Future[Reply]]]) -> None:
+        calls = [call for call, _ in group]
+        try:
+            replies = await self._send(calls)
+        except asyncio.CancelledError:
+            replies = [Reply.failed(grpc.StatusCode.CANCELLED, "the calling request was cancelled")] * len(
+                calls
+            )
+        for (_, future), reply in zip(group, replies, strict=True):
+            future.set_result(reply)
+
+    async def _send(self, calls: list[Call]) -> list[Reply]:
+        """The replies to `calls`, merged where the callee batches."""
+        assert self.router is not None
+        if len(calls) > 1 and (limit := await self.router.max_batch_size(calls[0].model)) > 0:
+            replies: list[Reply] = []
+            chunk: list[Call] = []
+            for call in [*calls, None]:
+                size = 0 if call is None else call.size or 0
+                if chunk and (call is None or sum(c.size or 0 for c in chunk) + size > limit):
+                    replies += await self._send_merged(chunk)
+                    chunk = []
+                if call is not None:
+                    chunk.append(call)
+            return replies
+        return list(await asyncio.gather(*(self._infer(call) for call in calls)))
+
+    async def _send_merged(self, calls: list[Call]) -> list[Reply]:
+        if len(calls) == 1:
+            return [await self._infer(calls[0])]
+        reply = await self._infer(Call.merged(calls))
+        parts = None if reply.code is not None else reply.split([call.size or 0 for call in calls])
+        if parts is None:
+            return list(await asyncio.gather(*(self._infer(call) for call in calls)))
+        return parts
 
     def _timeout(self, call: Call) -> float | None:
         remaining = self.deadline.remaining()

@@ -65,11 +65,12 @@ from pipeline.runtime.servicer import CallContext, DataPlane
 from pipeline.runtime.telemetry import BATCH_SIZE, Telemetry
 from pipeline.stage.api import Deadline, Stage
 from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
-from pipeline.stage.bls import CallScope, RouterCalls
+from pipeline.stage.bls import CallScope
 from pipeline.stage.control import LoadOverride, ModelControl, load_override
 from pipeline.stage.decoupled import count_stream, stream_replies
 from pipeline.stage.encode import stage_response
 from pipeline.stage.pool import NOT_STARTED_MESSAGE, InstancePool, Slot
+from pipeline.stage.router_link import RouterCalls
 from pipeline.stage.sequences import Row, SequenceBatcher, SequenceSettings, split_rows
 from pipeline.stage.served import ServedModel, ServedVersion, export_gauges, index_entries
 from pipeline.stage.warmup import warm_up, warmup_samples

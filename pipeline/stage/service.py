@@ -39,11 +39,11 @@ from pipeline.runtime.server import (
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.telemetry import Telemetry
 from pipeline.stage.api import Stage
-from pipeline.stage.bls import RouterCalls
 from pipeline.stage.control import add_model_control_arguments, model_control_of
 from pipeline.stage.placement import python_models_of, unplaced_python_models
 from pipeline.stage.plane import StagePlane
 from pipeline.stage.python_backend import PythonBackend
+from pipeline.stage.router_link import RouterCalls
 
 if TYPE_CHECKING:
     from pipeline.stage.backend import Backend

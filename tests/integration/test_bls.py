@@ -82,30 +82,52 @@ class TritonPythonModel:
         return responses
 """
 
-#: One `async_exec` call to `double` per item of its batch, all in flight at once.
+#: One `async_exec` call to its `callee` per item of its batch, all in flight at once; an item whose call
+#: failed answers -1.
 FAN_OUT = """
 import asyncio
+import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
+    def initialize(self, args):
+        self.callee = json.loads(args["model_config"])["parameters"]["callee"]["string_value"]
+
     async def execute(self, requests):
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
             calls = [
                 pb_utils.InferenceRequest(
-                    model_name="double", inputs=[pb_utils.Tensor("X", x[i : i + 1])], requested_output_names=["Y"]
+                    model_name=self.callee, inputs=[pb_utils.Tensor("X", x[i : i + 1])], requested_output_names=["Y"]
                 ).async_exec()
                 for i in range(len(x))
             ]
-            replies = await asyncio.gather(*calls)
-            for reply in replies:
+            rows = []
+            for reply in await asyncio.gather(*calls):
                 if reply.has_error():
-                    raise pb_utils.TritonModelException(reply.error().message())
-            y = np.concatenate([pb_utils.get_output_tensor_by_name(r, "Y").as_numpy() for r in replies])
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+                    rows.append(np.full((1, 4), -1, np.float32))
+                else:
+                    rows.append(pb_utils.get_output_tensor_by_name(reply, "Y").as_numpy())
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.concatenate(rows))]))
         return responses
+"""
+
+#: Doubles X, but refuses a batch holding a negative X.
+PICKY = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            if (x < 0).any():
+                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("negative X", pb_utils.TritonError.INVALID_ARG)))
+            else:
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)]))
+        return out
 """
 
 #: Always fails, saying so.
@@ -262,7 +284,9 @@ def write_repository(root: Path) -> Path:
         "call_quadruple": (CALLER, 8, 1, _callee("quadruple")),
         "call_failing": (CALLER, 8, 1, _callee("failing")),
         "call_missing": (CALLER, 8, 1, _callee("no_such_model")),
-        "fan_out": (FAN_OUT, 64, 1, ""),
+        "fan_out": (FAN_OUT, 64, 1, _callee("double")),
+        "fan_out_picky": (FAN_OUT, 64, 1, _callee("picky")),
+        "picky": (PICKY, 64, 1, ""),
         "failing": (FAILING, 8, 1, ""),
         "counter": (COUNTER, 0, 1, "model_transaction_policy { decoupled: true }"),
         "stream_sum": (STREAM_SUM, 0, 1, ""),
@@ -362,6 +386,13 @@ async def test_async_exec_fan_out_feeds_the_callees_batches(tmp_path: Path) -> N
         assert stats.inference_count == 36
         assert stats.execution_count < 36
         assert stats.inference_count / stats.execution_count > 1
+
+        # Calls made together go as one request of their items; one that fails goes again call by call, so
+        # each call gets its own answer.
+        reply = await stub.ModelInfer(request_for("fan_out_picky", X=xs(1, -2, 3)), timeout=30)
+        assert response_tensors(reply)["Y"].to_array().tolist() == xs(2, -1, 6).tolist()
+        stats = (await stub.ModelStatistics(pb.ModelStatisticsRequest(name="picky"))).model_stats[0]
+        assert (stats.inference_stats.success.count, stats.inference_stats.fail.count) == (2, 2)
 
 
 async def test_recursion_is_bounded_by_depth_and_by_free_instances(tmp_path: Path) -> None:
