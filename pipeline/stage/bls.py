@@ -9,11 +9,14 @@ out into many calls fills the callee's batches. Each call carries what its calle
 - the caller's trace context, so the call's spans sit under the caller's;
 - the chain of calls it belongs to (`pipeline.protocol.call_chain`): nested too deep, it is refused; and the
   stage refuses at once a call that only an instance waiting on it could run, instead of hanging;
-- cancellation: when the caller's request is cancelled (its client went away), its calls are cancelled.
+- cancellation: when the caller's request is cancelled (its client went away), its calls are cancelled
+  (they answer CANCELLED at once; the router, which got them on a shared stream, finishes them).
 
-The calls run on the service's event loop, whatever thread the model runs on: `exec` waits for the answer
-on the model's thread, `async_exec` in the model's own event loop. What a model sees of them is in
-`pipeline.stage.triton_python_backend_utils`; here they are tensors in and a `Reply` out.
+The calls run on the service's event loop, whatever thread the model runs on (`pipeline.stage.router_link`
+carries them): `exec` waits for the answer on the model's thread, `async_exec` in the model's own event
+loop. Calls made together to one batching model go as one request of all their items (`CallScope.submit`).
+What a model sees of them is in `pipeline.stage.triton_python_backend_utils`; here they are tensors in and
+a `Reply` out.
 """
 
 from __future__ import annotations
