@@ -36,8 +36,9 @@ Name = Annotated[str, StringConstraints(strict=True, min_length=1)]
 _ENV_REFERENCE = re.compile(r"\$\{([^}]*)\}?")
 _ENV_BODY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?", re.DOTALL)
 _HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+(?:%[\w.-]+)?\]|[A-Za-z0-9_.-]+):(\d{1,5})")
-# gRPC target schemes that have no `host:port` form, passed through as they are.
-_GRPC_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+# gRPC target schemes that have no `host:port` form, passed through as they are; and `file:`, a file of
+# replica addresses the router reads again and again (`pipeline.router.targets`).
+_GRPC_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:", "file:")
 
 
 class _Schema(BaseModel):

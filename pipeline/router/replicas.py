@@ -28,7 +28,7 @@ from pipeline.protocol.streams import STREAM_STATUS_EXTENSION
 from pipeline.router.frame_client import FrameConnection
 from pipeline.router.retry import StageRetry
 from pipeline.router.stage_stream import StageStream
-from pipeline.router.targets import Resolve, Target, resolve_dns, tls_name
+from pipeline.router.targets import Resolve, Target, read_addresses, resolve_dns, tls_name
 from pipeline.runtime import settings
 from pipeline.runtime.security import ClientTls
 from pipeline.runtime.server import keepalive_options, server_options
@@ -223,7 +223,7 @@ class Replicas:
         self.stage = stage
         self.retry = retry
         self.target = Target.parse(address)
-        self._resolve = resolve or resolve_dns
+        self._resolve = resolve or (read_addresses if self.target.file else resolve_dns)
         self.resolve_interval = (
             settings.RESOLVE_INTERVAL_S.get() if resolve_interval is None else resolve_interval
         )

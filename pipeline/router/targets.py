@@ -1,7 +1,9 @@
 """Where a stage is: gRPC's target syntax taken apart, and the DNS look-up of a stage's name.
 
-A stage address names fixed replicas (`ipv4:`/`ipv6:` lists, `unix:` paths) or a DNS name that the router
-looks up again and again (`dns:///host:port`, plain `host:port`), so that replicas may come and go.
+A stage address names fixed replicas (`ipv4:`/`ipv6:` lists, `unix:` paths), a DNS name that the router
+looks up again and again (`dns:///host:port`, plain `host:port`), or a file of addresses it reads again and
+again (`file:PATH`, one `host:port` a line: what `pipeline run --autoscale` writes as it adds and removes
+replicas), so that replicas may come and go.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 #: How a stage target's addresses are found: `(host, port) -> ["ip:port", ...]`. Tests inject their own.
 Resolve = Callable[[str, int], Awaitable[list[str]]]
@@ -26,6 +29,14 @@ async def resolve_dns(host: str, port: int) -> list[str]:
     return [f"[{ip}]:{port}" for ip in dict.fromkeys(v6)]
 
 
+async def read_addresses(path: str, port: int = 0) -> list[str]:
+    """The addresses a file lists, one `host:port` a line (blank lines and `#` comments skipped); `OSError`
+    where it cannot be read (the replicas known are kept)."""
+    text = await asyncio.to_thread(Path(path).read_text)
+    lines = (line.partition("#")[0].strip() for line in text.splitlines())
+    return [line for line in lines if line]
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """A stage address taken apart: fixed replica addresses, or a DNS name to look up again and again."""
@@ -34,6 +45,8 @@ class Target:
     fixed: tuple[str, ...] = ()
     host: str = ""
     port: int = 0
+    #: A file of addresses, read again and again (its `host`: the path, to look it up as a name is).
+    file: bool = False
 
     @classmethod
     def parse(cls, address: str) -> Target:
@@ -44,6 +57,8 @@ class Target:
             return cls(fixed=tuple(f"{scheme}:{a.strip()}" for a in rest.split(",") if a.strip()))
         if sep and scheme in ("unix", "unix-abstract"):
             return cls(fixed=(address,))
+        if sep and scheme == "file":
+            return cls(host=rest, file=True)
         name = address
         if sep and scheme == "dns":
             name = rest[2:].partition("/")[2] if rest.startswith("//") else rest
@@ -66,6 +81,8 @@ def tls_name(address: str) -> str | None:
     """The name a stage's certificate must carry: the host of its target (for an `ipv4:a,b` list, the
     first host stands for every replica), since each replica's own channel dials an IP address."""
     target = Target.parse(address)
+    if target.file:
+        return None  # each replica's own address is verified
     if target.fixed:
         first = target.fixed[0].partition(":")[2]
         if address.startswith("unix"):

@@ -17,7 +17,7 @@ import secrets
 import shutil
 import signal
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +27,13 @@ from pipeline.ensemble.catalog import ensemble_plans
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
 from pipeline.runtime.security import channel_credentials
+from pipeline.tools.autoscaler import (
+    RESOLVE_INTERVAL_S,
+    LocalAutoscaler,
+    add_autoscale_arguments,
+    scaled_stage,
+    write_addresses,
+)
 from pipeline.tools.supervisor import (
     RestartPolicy,
     Service,
@@ -123,6 +130,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain on shutdown")
     add_restart_arguments(parser)
+    add_autoscale_arguments(parser)
     parser.add_argument(
         "--tls-dir",
         type=Path,
@@ -179,18 +187,27 @@ def run(args: argparse.Namespace) -> int:
     ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
     # The models' calls to other models (BLS) go to the router, whose port the stages read where it writes it.
     router_port = ["--router-port-file", str(ports / "router")]
-    stages = _stage_services(args, ["--model-dir", str(args.model_dir), *grace, *tls.stage, *router_port])
+    stage_flags = ["--model-dir", str(args.model_dir), *grace, *tls.stage, *router_port]
+    stages = _stage_services(args, stage_flags)
     http_port_file = ports / "router.http"
     router = _router_service(args, grace, tls.router, http_port_file)
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
     for service in everything:
         service.env.update(stage_token)
+    autoscale: dict[str, tuple[int, int]] = getattr(args, "autoscale", {})
+    if autoscale and args.metrics_port is None:
+        log.error("--autoscale reads the router's metrics: it needs --metrics-port (not 'off')")
+        return 2
+    if unknown := sorted(set(autoscale) - set(STAGES)):
+        log.error("--autoscale: unknown stage(s) %s (stages: %s)", ", ".join(unknown), ", ".join(STAGES))
+        return 2
     signals = _StopOnSignal()
+    supervisor: Supervisor | None = None
+    autoscaler: LocalAutoscaler | None = None
     try:
         signals.install()
-        _start(stages, router, args.host, ports, args.startup_timeout, tls.credentials)
+        _start(stages, router, args.host, ports, args.startup_timeout, tls.credentials, autoscale)
         _pin_ports(everything, ports, http_port_file)
-        _announce(args, router, stages, ports, http_port_file, secure=tls_dir is not None)
         supervisor = Supervisor(
             everything,
             RestartPolicy(limit=args.restart_limit, window=args.restart_window),
@@ -200,7 +217,12 @@ def run(args: argparse.Namespace) -> int:
             startup_timeout=args.startup_timeout,
             credentials=tls.credentials,
         )
-        return supervisor.run(lambda: signals.stopping)
+        if autoscale:
+            autoscaler = _autoscaler(args, autoscale, stages, router, supervisor, stage_flags, stage_token)
+        _announce(
+            args, router, stages, ports, http_port_file, secure=tls_dir is not None, autoscaler=autoscaler
+        )
+        return supervisor.run(lambda: signals.stopping, tick=autoscaler.step if autoscaler else None)
     except _Stop:
         return 0
     except RuntimeError as err:
@@ -208,8 +230,54 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         log.info("stopping: router first, then the stages")
-        stop(everything, args.grace_period)
+        if autoscaler is not None:
+            autoscaler.close()
+        running = supervisor.services if supervisor is not None else everything
+        stop([router, *(s for s in running if s is not router)], args.grace_period)
         shutil.rmtree(ports, ignore_errors=True)
+
+
+def _autoscaler(
+    args: argparse.Namespace,
+    autoscale: dict[str, tuple[int, int]],
+    stages: list[Service],
+    router: Service,
+    supervisor: Supervisor,
+    flags: list[str],
+    env: dict[str, str],
+) -> LocalAutoscaler:
+    """The autoscaler of `pipeline run --autoscale`, its stages' first replicas those started."""
+    ports = supervisor.ports
+    scaled = [
+        scaled_stage(
+            kind,
+            bounds,
+            args,
+            addresses_file(ports, kind),
+            [s for s in stages if s.name.split("-")[0] == kind],
+        )
+        for kind, bounds in autoscale.items()
+    ]
+
+    def new_replica(kind: str, number: int) -> Service:
+        service = _stage_service(kind, number, 0, flags)
+        service.env.update(env)
+        return service
+
+    def metrics_url() -> str | None:
+        port = router.metrics_port(ports / router.name)
+        return None if port is None else f"http://{supervisor.connect}:{port}/metrics"
+
+    return LocalAutoscaler(
+        scaled,
+        new_replica=new_replica,
+        supervisor=supervisor,
+        metrics_url=metrics_url,
+        interval=args.autoscale_interval,
+        grace=args.grace_period,
+        metrics_port=args.autoscale_metrics_port,
+        host=args.host,
+    )
 
 
 def _pin_ports(services: list[Service], ports: Path, http_port_file: Path) -> None:
@@ -250,27 +318,35 @@ def _tls(tls_dir: Path, mtls: bool) -> _Tls:
 
 
 def _stage_services(args: argparse.Namespace, flags: list[str]) -> list[Service]:
-    """Every stage service, `--replicas` processes of each, all with `flags`."""
+    """Every stage service, `--replicas` processes of each (at least an autoscaled stage's minimum), all with
+    `flags`."""
     ports = {
         "preprocess": args.preprocess_port,
         "model": args.model_port,
         "postprocess": args.postprocess_port,
     }
+    autoscale = getattr(args, "autoscale", {})
     stages: list[Service] = []
     for kind in STAGES:
         count = args.replicas.get(kind, 1)
+        if kind in autoscale:
+            count = min(max(count, autoscale[kind][0]), autoscale[kind][1])
+        numbered = count > 1 or kind in autoscale
         for i in range(count):
-            # Further replicas take ports the OS picks: the default ports of the stages are adjacent.
-            name = kind if count == 1 else f"{kind}-{i + 1}"
-            # Metrics: where the environment says for the first replica, else a port the OS picks, so
-            # that stages (and further replicas) never collide.
-            stage_metrics = settings.metrics_port(kind)
-            wanted = stage_metrics.get() if i == 0 and stage_metrics.given() else 0
-            metrics = ["--metrics-port", "off" if wanted is None else str(wanted)]
-            stages.append(
-                Service(name, ["-m", f"services.{kind}"], ports[kind] if i == 0 else 0, [*flags, *metrics])
-            )
+            stages.append(_stage_service(kind, i + 1 if numbered else 0, ports[kind] if i == 0 else 0, flags))
     return stages
+
+
+def _stage_service(kind: str, number: int, port: int, flags: list[str]) -> Service:
+    """One stage process: `kind-number` (just `kind` for number 0), on `port` (0: one the OS picks)."""
+    # Further replicas take ports the OS picks: the default ports of the stages are adjacent.
+    name = f"{kind}-{number}" if number else kind
+    # Metrics: where the environment says for the first replica, else a port the OS picks, so that stages
+    # (and further replicas) never collide.
+    stage_metrics = settings.metrics_port(kind)
+    wanted = stage_metrics.get() if number <= 1 and stage_metrics.given() else 0
+    metrics = ["--metrics-port", "off" if wanted is None else str(wanted)]
+    return Service(name, ["-m", f"services.{kind}"], port, [*flags, *metrics])
 
 
 def _router_service(
@@ -291,6 +367,11 @@ def _router_service(
     return router
 
 
+def addresses_file(ports: Path, kind: str) -> Path:
+    """Where the router reads the replicas of an autoscaled stage."""
+    return ports / f"{kind}.addresses"
+
+
 def _connect_address(host: str) -> str:
     """Where the launcher reaches a service that binds `host` (a wildcard address is reached on loopback)."""
     return "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
@@ -303,9 +384,11 @@ def _start(
     ports: Path,
     timeout: float,
     credentials: grpc.ChannelCredentials | None,
+    autoscaled: Collection[str] = (),
 ) -> None:
     """Start the stages, then the router on their addresses, and wait until every one is healthy; each
-    writes the port it binds to its file in `ports`."""
+    writes the port it binds to its file in `ports`. The router reads the replicas of the `autoscaled` stages
+    from a file of addresses, which the autoscaler rewrites as it adds and removes them."""
     connect = _connect_address(host)
     for service in stages:
         service.start(host, ports / service.name)
@@ -314,9 +397,15 @@ def _start(
     # The ensembles name their stages' addresses through these variables; several replicas of a stage
     # become one target that the router spreads calls over.
     for kind in STAGES:
-        ports_of = [f"{connect}:{s.port}" for s in stages if s.name.split("-")[0] == kind]
+        replicas = [s for s in stages if s.name.split("-")[0] == kind]
+        ports_of = [f"{connect}:{s.port}" for s in replicas]
         address = ports_of[0] if len(ports_of) == 1 else "ipv4:" + ",".join(ports_of)
+        if kind in autoscaled:
+            write_addresses(addresses_file(ports, kind), replicas, connect)
+            address = f"file:{addresses_file(ports, kind)}"
         router.env[f"{kind.upper()}_ADDRESS"] = address
+    if autoscaled and not settings.RESOLVE_INTERVAL_S.given():
+        router.env[settings.RESOLVE_INTERVAL_S.variable] = str(RESOLVE_INTERVAL_S)
     router.start(host, ports / router.name)
     router.wait_port(ports / router.name, timeout)
     for service in [*stages, router]:
@@ -332,6 +421,7 @@ def _announce(
     http_port_file: Path,
     *,
     secure: bool,
+    autoscaler: LocalAutoscaler | None = None,
 ) -> None:
     """Print what the pipeline serves and where, and where each process's Prometheus metrics are."""
     connect = _connect_address(args.host)
@@ -350,6 +440,16 @@ def _announce(
         + ". Ctrl-C stops it.",
         flush=True,
     )
+    if autoscaler is not None:
+        print(
+            "pipeline: autoscaling "
+            + ", ".join(
+                f"{kind} {s.autoscaler.targets.minimum}..{s.autoscaler.targets.maximum}"
+                for kind, s in autoscaler.stages.items()
+            )
+            + f"; its decisions: http://{connect}:{autoscaler.metrics_server_port}/metrics",
+            flush=True,
+        )
     scraped = [(s.name, s.metrics_port(ports / s.name)) for s in [router, *stages]]
     if any(port is not None for _, port in scraped):
         print(

@@ -9,7 +9,9 @@ The signals, read from the routers' Prometheus endpoints and summed over every r
 - the routers' calls in flight to the stage's replicas (`pipeline_stage_inflight_calls`, target 0.9 per
   replica: the routers keep one batch in flight per ready replica, so 0.9 means every replica busy).
 
-Each signal asks for replicas as an HPA computes it: the queue time `ceil(replicas * value / target)`, the
+A closed loop of clients keeps a replica busy whatever its queue, so the in-flight signal adds replicas
+before requests wait (its target 0 leaves it out: scaling on the queue alone). Each signal asks for replicas
+as an HPA computes it: the queue time `ceil(replicas * value / target)`, the
 other two `ceil(total / per-replica target)`; the largest ask wins, within `[minimum, maximum]`. Up at once
 (an HPA's scale-up stabilization of 0); down by one replica at a time, only once every ask of the last
 `cooldown` seconds was lower and `cooldown` seconds after the last change (the HPA's scale-down
@@ -76,10 +78,9 @@ class Decision:
 
 def asks(targets: ScalingTargets, signals: Signals, replicas: int) -> dict[str, int]:
     """The replicas each signal asks for, as an HPA computes them."""
-    wanted = {
-        "queue_depth": math.ceil(signals.queue_depth / targets.queue_depth_per_replica),
-        "inflight": math.ceil(signals.inflight / targets.inflight_per_replica),
-    }
+    wanted = {"queue_depth": math.ceil(signals.queue_depth / targets.queue_depth_per_replica)}
+    if targets.inflight_per_replica > 0:  # 0: scale on the queue alone
+        wanted["inflight"] = math.ceil(signals.inflight / targets.inflight_per_replica)
     if signals.queue_seconds is not None:
         wanted["queue_time"] = math.ceil(replicas * signals.queue_seconds / targets.queue_seconds)
     return wanted

@@ -270,11 +270,26 @@ class Supervisor:
         self.credentials = credentials
         self.records = {service.name: RestartRecord(policy) for service in self.services}
 
-    def run(self, stopping: Callable[[], bool], interval: float = 0.1) -> int:
-        """Supervise until `stopping()` says so (0), or until a process keeps dying (1)."""
+    def add(self, service: Service) -> None:
+        """Supervise a process started later (a replica the autoscaler added)."""
+        self.services.append(service)
+        self.records[service.name] = RestartRecord(self.policy)
+
+    def remove(self, service: Service) -> None:
+        """Stop supervising a process about to be stopped on purpose (a replica the autoscaler removes)."""
+        self.services.remove(service)
+        self.records.pop(service.name, None)
+
+    def run(
+        self, stopping: Callable[[], bool], interval: float = 0.1, tick: Callable[[float], None] | None = None
+    ) -> int:
+        """Supervise until `stopping()` says so (0), or until a process keeps dying (1); `tick(now)` is called
+        at each turn (the autoscaler's)."""
         while not stopping():
             now = time.monotonic()
-            for service in self.services:
+            if tick is not None:
+                tick(now)
+            for service in list(self.services):
                 record = self.records[service.name]
                 if record.restart_at is not None:
                     if now >= record.restart_at:

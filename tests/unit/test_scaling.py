@@ -27,6 +27,8 @@ def test_each_signal_asks_as_an_hpa_computes_it():
     # 2 * 120/50 -> 5; 40/16 -> 3; 1.0/0.9 -> 2
     assert wanted == {"queue_time": 5, "queue_depth": 3, "inflight": 2}
     assert "queue_time" not in asks(TARGETS, Signals(None, 0, 0), replicas=1)
+    queue_only = ScalingTargets(inflight_per_replica=0)
+    assert asks(queue_only, Signals(0.01, 0, 1.0), replicas=1) == {"queue_time": 1, "queue_depth": 0}
 
 
 def test_up_at_once_to_what_the_largest_ask_says_within_the_maximum():
