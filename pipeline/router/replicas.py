@@ -16,7 +16,7 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -181,8 +181,14 @@ class Replica:
         self.sampled = now
 
 
+def rendezvous(addresses: Iterable[str], key: str) -> list[str]:
+    """`addresses` in the order of rendezvous (highest random weight) hashing for `key`: each address weighs
+    a hash of itself and the key, the same in every process (unlike `hash`, which is salted), so every router
+    ranks alike, and an address that comes or goes moves only the keys it ranks first for."""
+    return sorted(addresses, key=lambda address: _weight(address, key), reverse=True)
+
+
 def _weight(address: str, key: str) -> int:
-    """A replica's rendezvous weight for a key: the same in every process (unlike `hash`, which is salted)."""
     digest = hashlib.blake2b(f"{address}\0{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
@@ -438,10 +444,9 @@ class Replicas:
         return None
 
     def rank(self, key: str, model: str = "", version: str = "") -> list[Replica]:
-        """The replicas that may serve `model` (their `RepositoryIndex` lists it, or they cannot say), in the
-        order of rendezvous hashing for `key`, whatever their health: every router, and every worker of one,
-        ranks the same addresses alike, so the requests of one sequence meet on one replica, and a replica
-        that comes or goes moves only the sequences it ranks first for."""
+        """The replicas that may serve `model` (their `RepositoryIndex` lists it, or they cannot say) in the
+        `rendezvous` order of their addresses for `key`, whatever their health: every router, and every
+        worker of one, ranks alike, so the requests of one sequence meet on one replica."""
         candidates = [
             r for r in self.by_address.values() if not model or r.serves(model, version) is not False
         ]

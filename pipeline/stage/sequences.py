@@ -462,12 +462,14 @@ class SequenceBatcher:
 
     async def _schedule(self) -> None:
         """Form batches for idle instances as requests come and batches end; release idle sequences."""
-        while True:
-            wait = self._dispatch()
-            wait = min(wait, self._reap())
+        while not self._closed:
+            wait = min(self._dispatch(), self._reap())
             self._wake.clear()
+            # NOTE: `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` drops a cancellation that comes
+            # as the event is set, and `close` would wait for this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), None if wait == float("inf") else max(wait, 0.0005))
+                async with asyncio.timeout(None if wait == float("inf") else max(wait, 0.0005)):
+                    await self._wake.wait()
 
     def _reap(self) -> float:
         """Release sequences idle longer than `max_sequence_idle_microseconds`; seconds until the next may be."""
@@ -544,11 +546,13 @@ class SequenceBatcher:
         rows = settings.max_batch_size
         if settings.strategy == "oldest":
             fitting.sort(key=lambda s: s.queue[0].enqueued)
-            fitting = fitting[:rows]
-            full = len(fitting) >= rows or len(fitting) in settings.preferred
-            if not full and left > 0:
-                return None, left
-            return list(fitting), 0.0
+            # As Triton's dynamic batcher: a preferred size reached goes at once (past the largest, that size).
+            largest = max(settings.preferred, default=rows)
+            if len(fitting) >= largest:
+                return fitting[:largest], 0.0
+            if len(fitting) in settings.preferred or left <= 0:
+                return fitting[:rows], 0.0
+            return None, left
         # direct: each sequence in its own slot's row.
         used = len(fitting) / len(instance.slots)
         if left > 0 and used < settings.minimum_slot_utilization:

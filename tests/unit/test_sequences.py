@@ -1,0 +1,94 @@
+"""The sequence batcher's slots, rows and backlog, with a runner that records what the model would get, and
+the rendezvous ranking the router keeps sequences with."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from google.protobuf import text_format
+
+from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.sequences import SequenceId
+from pipeline.router.replicas import rendezvous
+from pipeline.stage.api import NO_DEADLINE
+from pipeline.stage.sequences import Row, SequenceBatcher, SequenceSettings, split_rows
+
+CONFIG = """
+max_batch_size: 4
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+sequence_batching {
+  %s
+  control_input [
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY bool_false_true: [ false, true ] } ] },
+    { name: "ID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_INT64 } ] }
+  ]
+}
+"""
+
+
+def batcher(strategy: str, batches: list[dict[str, np.ndarray]], instances: int = 1) -> SequenceBatcher:
+    config = text_format.Parse(CONFIG % strategy, mc.ModelConfig())
+    settings = SequenceSettings.of(config, "config.pbtxt")
+
+    async def run(index, merged, rows: list[Row], deadline):
+        batches.append({name: array.copy() for name, array in merged.items()})
+        return split_rows({"Y": merged["X"] * 10}, len(rows), True), 1
+
+    return SequenceBatcher("m", settings, instances, run)
+
+
+def x(value: int) -> dict[str, np.ndarray]:
+    return {"X": np.array([[value]], np.int32)}
+
+
+async def test_direct_keeps_each_sequence_in_its_slot_and_pads_the_free_ones() -> None:
+    batches: list[dict[str, np.ndarray]] = []
+    sequences = batcher(
+        "direct { max_queue_delay_microseconds: 100000 minimum_slot_utilization: 1.0 }", batches
+    )
+    first = [
+        asyncio.create_task(sequences.infer(SequenceId(n, True, False), x(n), NO_DEADLINE)) for n in (7, 8, 9)
+    ]
+    await asyncio.gather(*first)
+    # Slots 0, 1, 2 taken by 7, 8, 9; now only 7 and 9 send: the batch holds slot 1 as padding.
+    await asyncio.gather(
+        sequences.infer(SequenceId(7, False, True), x(70), NO_DEADLINE),
+        sequences.infer(SequenceId(9, False, True), x(90), NO_DEADLINE),
+    )
+    await sequences.close()
+    last = batches[-1]
+    assert last["X"].reshape(-1).tolist() == [70, 0, 90]
+    assert last["READY"].reshape(-1).tolist() == [True, False, True]
+    assert last["ID"].reshape(-1).tolist() == [7, 0, 9]
+
+
+async def test_a_sequence_without_a_free_slot_waits_in_the_backlog_until_one_ends() -> None:
+    config = CONFIG % "oldest { max_candidate_sequences: 1 }"
+    settings = SequenceSettings.of(text_format.Parse(config, mc.ModelConfig()), "config.pbtxt")
+    order: list[int] = []
+
+    async def run(index, merged, rows, deadline):
+        order.extend(int(v) for v in merged["ID"].reshape(-1))
+        return split_rows({"Y": merged["X"]}, len(rows), True), 1
+
+    sequences = SequenceBatcher("m", settings, 1, run)
+    held = await sequences.infer(SequenceId(1, True, False), x(1), NO_DEADLINE)
+    # Sequence 2 starts while sequence 1 holds the only slot: it runs once sequence 1 has ended.
+    waiting = asyncio.create_task(sequences.infer(SequenceId(2, True, True), x(2), NO_DEADLINE))
+    await sequences.infer(SequenceId(1, False, True), x(3), NO_DEADLINE)
+    await waiting
+    await sequences.close()
+    assert held[0]["Y"].tolist() == [[1]] and order == [1, 1, 2]
+
+
+def test_rendezvous_ranks_alike_everywhere_spreads_keys_and_moves_only_a_gone_addresses() -> None:
+    addresses = ["ipv4:10.0.0.1:8001", "ipv4:10.0.0.2:8001", "ipv4:10.0.0.3:8001"]
+    keys = [f"n:{i}" for i in range(3000)]
+    first = {key: rendezvous(addresses, key)[0] for key in keys}
+    assert first == {key: rendezvous(list(reversed(addresses)), key)[0] for key in keys}
+    shares = [sum(1 for a in first.values() if a == address) for address in addresses]
+    assert all(800 < share < 1200 for share in shares), shares
+    left = {key: rendezvous(addresses[1:], key)[0] for key in keys}
+    moved = [key for key in keys if left[key] != first[key]]
+    assert all(first[key] == addresses[0] for key in moved)
