@@ -549,9 +549,9 @@ class SequenceBatcher:
             # As Triton's dynamic batcher: a preferred size reached goes at once (past the largest, that size).
             largest = max(settings.preferred, default=rows)
             if len(fitting) >= largest:
-                return fitting[:largest], 0.0
+                return list[_Sequence | None](fitting[:largest]), 0.0
             if len(fitting) in settings.preferred or left <= 0:
-                return fitting[:rows], 0.0
+                return list[_Sequence | None](fitting[:rows]), 0.0
             return None, left
         # direct: each sequence in its own slot's row.
         used = len(fitting) / len(instance.slots)
