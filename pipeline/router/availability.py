@@ -219,8 +219,9 @@ class EnsembleAvailability:
     async def reload(self, catalog: Catalog) -> None:
         """Serve the ensembles of `catalog`, the files read again: a new or changed plan replaces the one
         before once it checks (an available ensemble meanwhile serves its last good plan; one that does not
-        check keeps it, with the reason in `reload_errors`), a failed file keeps the last good plan where
-        there is one, and an ensemble whose file is gone is no longer served. The stages are the router's
+        check keeps it, with the reason in `reload_errors`), a file that fails keeps an available
+        ensemble's last good plan (else the ensemble is failed with the reason), and an ensemble whose file
+        is gone is no longer served. The stages are the router's
         own from its start: a plan that declares another stage or address fails."""
         before = dict(self.catalog.ensembles)
         plans = dict(catalog.ensembles)
@@ -234,10 +235,13 @@ class EnsembleAvailability:
             for known in (self.plans, self.unavailable, self.failed, self.reload_errors):
                 known.pop(name, None)
         for name, reason in failed.items():
-            if name in before:  # it keeps its last good plan
+            if name in before and name not in self.unavailable:  # it keeps its last good plan
                 plans[name] = before[name]
                 self._reload_failed(name, reason)
-            elif self.failed.get(name) != reason:
+                continue
+            self.plans.pop(name, None)  # a plan that never served gives way to the file's failure
+            self.unavailable.pop(name, None)
+            if self.failed.get(name) != reason:
                 log.error("ensemble '%s' is not available: %s", name, reason)
                 self.failed[name] = reason
         self._set_plans(plans)

@@ -114,6 +114,7 @@ async def test_a_changed_file_is_served_and_a_failing_one_keeps_the_last_good_pl
         good, broken = tmp_path / "good.yaml", tmp_path / "broken.yaml"
         good.write_text(ensemble(stage.address))
         broken.write_text("inputs: [")
+        (tmp_path / "mismatch.yaml").write_text(ensemble(stage.address, stage_input="NOPE"))
         catalog = load_ensembles([tmp_path], exit_on_error=False)
         options = {"exit_on_error": False, "ensembles": [tmp_path], "repository_poll_secs": 0.05}
         async with serving_router(catalog, options=options) as router, inference_stub(router.address) as stub:
@@ -145,6 +146,11 @@ async def test_a_changed_file_is_served_and_a_failing_one_keeps_the_last_good_pl
             await until(lambda: reason("good", "has no input 'NOPE'"), "good's refused plan listed")
             assert (await index_of(stub))["good"][0] == "READY"
             np.testing.assert_array_equal(await out_of(stub, "good"), 4 * X)
+
+            # An ensemble that never served has no plan to keep: its file's failure is its reason.
+            (tmp_path / "mismatch.yaml").write_text("steps: 3")
+            XX
+            assert (await index_of(stub))["mismatch"][0] == "UNAVAILABLE"
 
             # The ensemble that failed at start, fixed: it is served.
             broken.write_text(ensemble(stage.address))
