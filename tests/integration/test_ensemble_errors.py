@@ -149,7 +149,9 @@ async def test_a_changed_file_is_served_and_a_failing_one_keeps_the_last_good_pl
 
             # An ensemble that never served has no plan to keep: its file's failure is its reason.
             (tmp_path / "mismatch.yaml").write_text("steps: 3")
-            XX
+            await until(
+                lambda: reason("mismatch", "missing required key 'inputs'"), "mismatch's failure listed"
+            )
             assert (await index_of(stub))["mismatch"][0] == "UNAVAILABLE"
 
             # The ensemble that failed at start, fixed: it is served.
