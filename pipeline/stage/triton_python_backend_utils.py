@@ -21,8 +21,9 @@ pb_utils` works unchanged. What is here behaves as Triton's documented API does:
 
 - calls from a model to other models (Business Logic Scripting): `InferenceRequest(model_name=...,
   inputs=..., requested_output_names=...).exec()` from `execute`, `await request.async_exec()` from an
-  `async def execute`, `exec(decoupled=True)` / `async_exec(decoupled=True)` for a decoupled callee (an
-  iterator of its responses, with `cancel()`); the callee's errors come back as `has_error()` responses.
+  `async def execute`, `request.exec(decoupled=True)` / `request.async_exec(decoupled=True)` for a
+  decoupled callee (an iterator of its responses, with `cancel()`); the callee's errors come back as
+  `has_error()` responses.
   The calls go through the router (`pipeline.stage.bls` says what they carry and how they are bounded).
 
 Refused with a message saying so: the model loading API (`load_model`, ...), which belongs to the service
