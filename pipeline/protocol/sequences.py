@@ -73,3 +73,13 @@ def sequence_key(sequence: SequenceId) -> str:
     """A sequence's id as text that tells the number 7 from the string "7" (they are two sequences)."""
     kind = "s" if isinstance(sequence.value, str) else "n"
     return f"{kind}:{sequence.value}"
+
+
+def set_sequence(request: pb.ModelInferRequest, sequence: SequenceId) -> None:
+    """Write a sequence's parameters into a request, as Triton's clients do."""
+    if isinstance(sequence.value, str):
+        request.parameters[SEQUENCE_ID].string_param = sequence.value
+    else:
+        request.parameters[SEQUENCE_ID].int64_param = sequence.value
+    request.parameters[SEQUENCE_START].bool_param = sequence.start
+    request.parameters[SEQUENCE_END].bool_param = sequence.end

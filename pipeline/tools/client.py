@@ -13,6 +13,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.protocol.codec import Tensor, response_tensors
 from pipeline.protocol.datatypes import DATATYPES
+from pipeline.protocol.sequences import SequenceId, set_sequence
 from pipeline.runtime.security import bearer_metadata, channel_credentials
 from pipeline.runtime.server import server_options
 
@@ -88,9 +89,13 @@ class InferenceClient:
         timeout: float | None = None,
         request_id: str = "",
         metadata: Sequence[tuple[str, str]] = (),
+        sequence: SequenceId | None = None,
     ) -> dict[str, np.ndarray]:
-        """Run one request; returns every output (or those named) as arrays."""
+        """Run one request (of `sequence`, for a stateful model); returns every output (or those named) as
+        arrays."""
         request = _request(model, inputs, request_id)
+        if sequence is not None:
+            set_sequence(request, sequence)
         for name in outputs:
             request.outputs.add(name=name)
         response = self.stub.ModelInfer(request, timeout=timeout, metadata=(*self.auth, *metadata))
@@ -103,12 +108,15 @@ class InferenceClient:
         *,
         timeout: float | None = None,
         request_id: str = "",
+        sequence: SequenceId | None = None,
     ) -> Iterator[StreamResponse]:
         """Send one request over `ModelStreamInfer` and yield its responses as they arrive, up to the one
         flagged `triton_final_response` (a decoupled model's many), or the one a server answers when it does
         not flag them (any other model). A failed request raises `StreamError`; `timeout` bounds the whole
         stream."""
         request = _request(model, inputs, request_id)
+        if sequence is not None:
+            set_sequence(request, sequence)
         request.parameters[EMPTY_FINAL_RESPONSE].bool_param = True
         # One request, then the client's side of the stream is closed: the server answers it and ends.
         call = self.stub.ModelStreamInfer(iter([request]), timeout=timeout, metadata=self.auth)

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.protocol.sequences import SequenceId
 from pipeline.runtime import settings
 from pipeline.runtime.security import add_client_tls_arguments
 from pipeline.tools.client import InferenceClient, StreamError, StreamResponse, bytes_batch, value_array
@@ -49,6 +50,18 @@ def add_infer_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=30.0, help="deadline in seconds (of the whole stream)"
     )
     parser.add_argument("--json", action="store_true", help="print the outputs as JSON (a line per response)")
+    parser.add_argument(
+        "--sequence-id",
+        metavar="ID",
+        help="send the request as one of a sequence, for a stateful model (sequence_batching): an unsigned "
+        "integer, or any other text as a string id",
+    )
+    parser.add_argument(
+        "--start", action="store_true", help="the request starts its sequence (with --sequence-id)"
+    )
+    parser.add_argument(
+        "--end", action="store_true", help="the request ends its sequence (with --sequence-id)"
+    )
     add_client_tls_arguments(parser, prefix="", env_prefix="PIPELINE_CLIENT_")
     parser.add_argument(
         "--token",
@@ -64,10 +77,12 @@ def run_infer_command(args: argparse.Namespace) -> int:
     )
     with client:
         try:
+            sequence = sequence_of_arguments(args)
             inputs = build_inputs(client.model_metadata(args.model, timeout=args.timeout), args)
             if args.stream:
-                return _print_stream(client.stream(args.model, inputs, timeout=args.timeout), args.json)
-            outputs = client.infer(args.model, inputs, timeout=args.timeout)
+                responses = client.stream(args.model, inputs, timeout=args.timeout, sequence=sequence)
+                return _print_stream(responses, args.json)
+            outputs = client.infer(args.model, inputs, timeout=args.timeout, sequence=sequence)
         except InputError as err:
             print(err, file=sys.stderr)
             return 2
@@ -76,6 +91,19 @@ def run_infer_command(args: argparse.Namespace) -> int:
             return 1
     _print_outputs(outputs, args.files, args.json)
     return 0
+
+
+def sequence_of_arguments(args: argparse.Namespace) -> SequenceId | None:
+    """The sequence `--sequence-id`, `--start` and `--end` name (None without `--sequence-id`)."""
+    if args.sequence_id is None:
+        if args.start or args.end:
+            raise InputError("--start and --end need --sequence-id")
+        return None
+    text = args.sequence_id
+    value: int | str = int(text) if text.isascii() and text.isdigit() else text
+    if not value:
+        raise InputError("--sequence-id must not be 0 or empty: that names no sequence")
+    return SequenceId(value, args.start, args.end)
 
 
 def build_inputs(meta: pb.ModelMetadataResponse, args: argparse.Namespace) -> dict[str, np.ndarray]:

@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.cli import build_parser
 from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
@@ -213,3 +214,27 @@ async def test_tritonclient_gets_tritons_answers_over_calls_and_streams(tmp_path
     running = [sum(range(1, step + 2)) for step in range(12)]
     assert report["stream"] == {"2001": running, "2002": running, "2003": running}
     assert report["string"] == 9
+
+
+async def test_pipeline_infer_sends_a_sequence(tmp_path: Path, capsys) -> None:
+    root = repository(tmp_path / "models")
+    async with serving_stages([], repository=ModelRepository(root), backends=[PythonBackend()]) as stage:
+        await wait_serving(stage.address, timeout=60)
+        catalog = load_catalog(repository=root, stages={"python": stage.address})
+        async with serving_router(catalog) as router:
+            await wait_serving(router.address)
+
+            async def infer(*flags: str) -> int:
+                argv = ["infer", "-m", "accumulate", "-u", router.address, "--json", "--value", *flags]
+                args = build_parser().parse_args(argv)
+                return await asyncio.to_thread(args.func, args)
+
+            assert await infer("INPUT=4", "--sequence-id", "77", "--start") == 0
+            assert await infer("INPUT=5", "--sequence-id", "77", "--end") == 0
+            assert await infer("INPUT=6", "--sequence-id", "77") == 1
+            assert await infer("INPUT=6", "--start") == 2
+    out, err = capsys.readouterr()
+    totals = [json.loads(line)["OUTPUT"] for line in out.splitlines()]
+    assert totals == [[[4]], [[9]]]
+    assert "INVALID_ARGUMENT: " in err and "sequence 77" in err and "START flag" in err
+    assert "--start and --end need --sequence-id" in err
