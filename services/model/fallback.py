@@ -92,7 +92,7 @@ class FallbackInstance:
                 why = exc.message if isinstance(exc, RepositoryError) else first_line(exc)
                 failures.append(f"{choice.label} failed: {why}")
                 if index + 1 == len(self.choices):
-                    if len(self.choices) == 1:
+                    if len(self.choices) == 1 and isinstance(exc, RepositoryError):
                         raise
                     raise RepositoryError(
                         f"{self.source}: no runner could load it: {'; '.join(failures)}"
