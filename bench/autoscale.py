@@ -186,6 +186,9 @@ async def scale(folder: Path, cooldown: float, low: int, high: int, before: floa
         "second_replica_serving_s_after_step": None if listed is None else round(listed - step, 1),
         "scaled_down_s_after_fall": None if down is None else round(down - fall, 1),
         "second_replica_stopped_s_after_fall": None if stopped is None else round(stopped - fall, 1),
+        "decisions_s_after_step": {
+            name: [round(t - step, 1) for t in times] for name, times in events.seen.items()
+        },
         "requests": dict(load.outcomes),
         "failed": sum(n for outcome, n in load.outcomes.items() if outcome != "OK"),
     }

@@ -14,8 +14,9 @@ before requests wait (its target 0 leaves it out: scaling on the queue alone). E
 as an HPA computes it: the queue time `ceil(replicas * value / target)`, the
 other two `ceil(total / per-replica target)`; the largest ask wins, within `[minimum, maximum]`. Up at once
 (an HPA's scale-up stabilization of 0); down by one replica at a time, only once every ask of the last
-`cooldown` seconds was lower and `cooldown` seconds after the last change (the HPA's scale-down
-stabilization window and its one-pod policy). A stage's models are the ones the routers list for it
+`cooldown` seconds, at half the targets (`DOWN_SHARE`), was lower, and `cooldown` seconds after the last
+change (the HPA's scale-down stabilization window and its one-pod policy; the half is a wider tolerance
+than the HPA's 10%, so that a stage whose load sits near a target does not flap between two counts). A stage's models are the ones the routers list for it
 (`pipeline_stage_model_replicas_ready`).
 """
 
@@ -35,6 +36,8 @@ INFLIGHT_PER_REPLICA = 0.9
 #: The HPAs' scale-down stabilization window, seconds.
 COOLDOWN_S = 300.0
 
+#: A replica is removed only where the signals would ask for fewer replicas at this share of their targets.
+DOWN_SHARE = 0.5
 #: A decision's direction.
 UP, DOWN, HOLD = "up", "down", "hold"
 
@@ -76,13 +79,15 @@ class Decision:
     detail: str
 
 
-def asks(targets: ScalingTargets, signals: Signals, replicas: int) -> dict[str, int]:
-    """The replicas each signal asks for, as an HPA computes them."""
-    wanted = {"queue_depth": math.ceil(signals.queue_depth / targets.queue_depth_per_replica)}
+def asks(targets: ScalingTargets, signals: Signals, replicas: int, share: float = 1.0) -> dict[str, int]:
+    """The replicas each signal asks for, as an HPA computes them, at `share` of each target."""
+    wanted = {
+        "queue_depth": math.ceil(signals.queue_depth / (targets.queue_depth_per_replica * share)),
+    }
     if targets.inflight_per_replica > 0:  # 0: scale on the queue alone
-        wanted["inflight"] = math.ceil(signals.inflight / targets.inflight_per_replica)
+        wanted["inflight"] = math.ceil(signals.inflight / (targets.inflight_per_replica * share))
     if signals.queue_seconds is not None:
-        wanted["queue_time"] = math.ceil(replicas * signals.queue_seconds / targets.queue_seconds)
+        wanted["queue_time"] = math.ceil(replicas * signals.queue_seconds / (targets.queue_seconds * share))
     return wanted
 
 
@@ -102,8 +107,14 @@ class Autoscaler:
         targets = self.targets
         wanted = asks(targets, signals, replicas)
         reason, ask = max(wanted.items(), key=lambda item: (item[1], item[0]))
-        bounded = min(max(ask, targets.minimum), targets.maximum)
-        self._asked.append((now, bounded))
+        bounded = self._bounded(ask)
+        # What the signals ask at DOWN_SHARE of the targets: less than the replicas now throughout the
+        # window, and one replica fewer still leaves room (a stage does not flap between two counts).
+        low_reason, low = max(
+            asks(targets, signals, replicas, DOWN_SHARE).items(), key=lambda i: (i[1], i[0])
+        )
+        keep = max(bounded, self._bounded(low))
+        self._asked.append((now, keep))
         while self._asked and self._asked[0][0] < now - targets.cooldown:
             self._asked.popleft()
         detail = _detail(signals, targets, wanted, replicas)
@@ -113,15 +124,16 @@ class Autoscaler:
         if replicas > targets.maximum:
             self._changed_at = now
             return Decision(targets.maximum, DOWN, "bounds", detail)
-        if bounded == replicas:
-            return Decision(replicas, HOLD, reason, detail)
-        # Less is asked for: down by one, once the whole window asked less and the last change is old enough.
         recent = max(asked for _, asked in self._asked)
-        settled = self._changed_at is None or now - self._changed_at >= targets.cooldown
-        if recent >= replicas or not settled:
+        if recent >= replicas:  # needed now, or within the window: the latter waits out the cool-down
+            return Decision(replicas, HOLD, reason if keep >= replicas else "cooldown", detail)
+        if self._changed_at is not None and now - self._changed_at < targets.cooldown:
             return Decision(replicas, HOLD, "cooldown", detail)
         self._changed_at = now
-        return Decision(replicas - 1, DOWN, reason, detail)
+        return Decision(replicas - 1, DOWN, low_reason, detail)
+
+    def _bounded(self, ask: int) -> int:
+        return min(max(ask, self.targets.minimum), self.targets.maximum)
 
 
 def _detail(signals: Signals, targets: ScalingTargets, wanted: Mapping[str, int], replicas: int) -> str:

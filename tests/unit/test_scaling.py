@@ -105,3 +105,16 @@ def test_the_routers_metrics_summed_per_stage_and_their_mean_queue_time_between_
     assert signals_between(first, first).queue_seconds is None  # nothing queued since
     restarted = RouterSample(queue_sum=0.2, queue_count=4, queue_depth=0, inflight=0)
     assert signals_between(first, restarted).queue_seconds == pytest.approx(0.05)
+
+
+def test_a_load_near_a_target_keeps_its_replicas_instead_of_flapping():
+    """At 2 replicas, a queue of 10 asks for 1 at the target (16) but for 2 at half of it: no removal, however
+    long it lasts; a queue of 6 would fit one replica at half the target, and one goes after the cool-down."""
+    scaler = Autoscaler(TARGETS)
+    scaler.decide(Signals(0.2, 20, 0.0), replicas=1, now=0.0)  # up to 4 (queue time)
+    steady = Signals(0.010, 10, 0.0)
+    for now in range(1, 300, 10):
+        assert scaler.decide(steady, replicas=2, now=float(now)).replicas == 2
+    decision = scaler.decide(Signals(0.010, 6, 0.0), replicas=2, now=300.0)
+    assert (decision.replicas, decision.direction) == (2, HOLD)  # the window still holds the asks for 2
+    assert scaler.decide(Signals(0.010, 6, 0.0), replicas=2, now=352.0).replicas == 1
