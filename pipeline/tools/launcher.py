@@ -23,8 +23,8 @@ from pathlib import Path
 
 import grpc
 
-from pipeline.ensemble.catalog import ensemble_plans
-from pipeline.protocol.errors import ConfigError
+from pipeline.ensemble.catalog import load_sources
+from pipeline.ensemble.plan import EnsemblePlan
 from pipeline.runtime import settings
 from pipeline.runtime.security import channel_credentials
 from pipeline.tools.autoscaler import (
@@ -76,11 +76,12 @@ def stage_token_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def _ensembles(folder: Path, model_dir: Path) -> list[str]:
-    """The ensembles the router serves: the repository's and those of the YAML files of `folder`."""
-    try:
-        return sorted(plan.name for plan in ensemble_plans([folder], repository=model_dir))
-    except ConfigError:
-        return []  # the router says why (and stops)
+    """The ensembles the router serves: the repository's and those of the YAML files of `folder` (one that
+    does not load is named so; the router says why, and stops unless PIPELINE_EXIT_ON_ERROR is false)."""
+    return sorted(
+        item.name if isinstance(item, EnsemblePlan) else f"{item.name} (does not load)"
+        for item in load_sources([folder], repository=model_dir)
+    )
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
