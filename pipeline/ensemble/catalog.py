@@ -14,7 +14,7 @@ import logging
 import os
 import types
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -227,7 +227,8 @@ def load_catalog(
         raise ConfigError(
             "nothing to serve: no ensemble files, no ensemble in the model repository, and no stages"
         )
-    return build_catalog(loaded, endpoints, exit_on_error=exit_on_error)
+    catalog = build_catalog(loaded, endpoints, exit_on_error=exit_on_error)
+    return catalog if repository is None else replace(catalog, repository=os.fspath(repository))
 
 
 #: Stage key -> (its endpoint, the file that declares it, or `--stage`).

@@ -215,6 +215,8 @@ class Catalog:
     #: The ensembles that failed to load (a file that cannot be read or compiled, or that disagrees with
     #: another), each with the reason: served as UNAVAILABLE where the router does not exit on errors.
     failed: Mapping[str, str] = field(default_factory=dict)
+    #: The model repository whose ensembles these are ("" for none): where messages find a model's config.
+    repository: str = ""
 
     def stage_models(self) -> dict[str, str]:
         """Stage model name -> key of the stage that serves it, across all ensembles, for the steps that name

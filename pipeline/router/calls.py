@@ -16,6 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
@@ -40,6 +41,7 @@ from pipeline.router.merge import StageCall, TensorBatching
 from pipeline.router.registry import ModelRegistry, batch_items
 from pipeline.router.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.repository import CONFIG_FILE
 from pipeline.runtime.servicer import CallContext
 from pipeline.runtime.telemetry import MODEL, PEER, STAGE, Telemetry
 
@@ -128,12 +130,14 @@ class StageCalls:
         plan: EnsemblePlan,
         clients: Mapping[str, StageClient],
         declared: Mapping[str, tuple[BatchingConfig | None, str]],
+        repository: str = "",
     ) -> None:
         """Give the model of every batched step its one batcher (`clients`: each step's stage's), shared by
         every ensemble that calls it: as the model's own config says (`dynamic_batching` in its ModelConfig),
         else as an ensemble states it (`declared`: model -> the setting, None for off, and where it is
         stated), else none. Raises `ConfigError` for the ensemble where it states a setting that the model's
-        own, or its batcher already running, disagrees with."""
+        own, or its batcher already running, disagrees with (`repository`: the router's model repository,
+        where the message finds the model's config.pbtxt)."""
         errors: list[str] = []
         chosen: dict[str, BatchingConfig | None] = {}
         for step in sorted(plan.steps, key=lambda s: s.index):
@@ -142,10 +146,12 @@ class StageCalls:
             states, stated = stated_batching(step)
             where = f"{plan.source} ({step.label})"
             if states and own is not None and stated != own:
+                config = Path(repository, model, CONFIG_FILE)
+                file = str(config) if repository and config.is_file() else "its own config.pbtxt"
                 errors.append(
                     f"{where}: model '{model}' has dynamic_batching {describe_batching(stated)} here but "
-                    f"{describe_batching(own)} in its own config.pbtxt (its ModelConfig on stage "
-                    f"'{step.stage}'); a model has one batcher, so one setting: drop the ensemble's"
+                    f"{describe_batching(own)} in {file} (its ModelConfig on stage '{step.stage}'); a model "
+                    "has one batcher, so one setting: drop the ensemble's"
                 )
                 continue
             batching = own if own is not None else declared.get(model, (None, ""))[0]

@@ -141,8 +141,9 @@ class RouterPlane(DataPlane):
         """An ensemble whose models are known: its response cache checked, its steps batched, and whether it
         (or a stage model it calls) is decoupled, so answers on streams only."""
         self.caching.check([plan], {step.model_name: step.stage for step in plan.steps})
-        declared = declared_batching(self.ensembles.catalog.ensembles.values())
-        self.calls.batch_steps(plan, self.stages.clients, declared)
+        catalog = self.ensembles.catalog
+        declared = declared_batching(catalog.ensembles.values())
+        self.calls.batch_steps(plan, self.stages.clients, declared, catalog.repository)
         signatures = self.registry.signatures
         self.decoupled.update(name for name, signature in signatures.items() if signature.decoupled)
         if self.streams.source(plan) is not None:

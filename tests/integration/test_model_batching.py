@@ -159,7 +159,8 @@ async def test_an_ensemble_restating_a_models_batching_differently_fails_alone(r
             "(BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=100"
         )
         assert str(info.value).startswith(expected)
-        assert "in its own config.pbtxt (its ModelConfig on stage 'model')" in str(info.value)
+        config = repository / "refcnn_cnn" / "config.pbtxt"
+        assert f"in {config} (its ModelConfig on stage 'model')" in str(info.value)
 
         served = catalog(repository, tmp_path, stage, exit_on_error=False)
         options = {"exit_on_error": False}
