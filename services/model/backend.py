@@ -181,6 +181,11 @@ class ModelOptions:
                 if mode not in ("FP32", "FP16"):
                     raise RepositoryError(
                         f"{source}: tensorrt precision_mode is {mode!r}; expected FP32 or FP16"
+                        + (
+                            " (for INT8, `pipeline quantize` the model: TensorRT runs its QDQ version in INT8)"
+                            if mode == "INT8"
+                            else ""
+                        )
                     )
                 precision = mode.lower()
                 raw = accelerator.parameters.get("max_workspace_size_bytes")

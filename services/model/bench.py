@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.runtime.repository import ModelRepository
+from services.model.quantize import QuantizeSettings, quantize
 
 FP16_TENSORRT = (
     'optimization { execution_accelerators { gpu_execution_accelerator: [ { name: "tensorrt" '
@@ -40,12 +41,16 @@ RUNNERS = {
     "torch (pt2)": ("model.pt2", "torch", ""),
     "torch (pt)": ("model.pt", "torch", ""),
 }
-#: Added on a GPU where TensorRT runs: engines built from the ONNX file, at FP32 and FP16, and torch in FP16.
+#: Added on a GPU where TensorRT runs: engines built from the ONNX file, at FP32 and FP16, from its INT8
+#: version (`pipeline quantize`, static QDQ), and torch in FP16.
 GPU_RUNNERS = {
     "tensorrt": ("model.onnx", "tensorrt", ""),
     "tensorrt fp16": ("model.onnx", "tensorrt", FP16_TENSORRT),
+    "tensorrt int8": ("model.onnx", "tensorrt", ""),
     "torch fp16 (pt)": ("model.pt", "torch", FP16_TORCH),
 }
+#: The runners that run the model's INT8 version (2), calibrated on random images.
+INT8 = ("tensorrt int8",)
 CONFIG = """
 name: "{name}"
 max_batch_size: {max_batch}
@@ -126,7 +131,12 @@ def run(
         repository = ModelRepository(root)
         instances = {}
         for label, name in names.items():
-            instance = backend.prepare(repository.read(name), "1").instances[0]
+            version = "1"
+            if label in INT8:
+                samples = root / "calibration.npy"
+                np.save(samples, np.random.default_rng(0).standard_normal((64, 3, 64, 64)).astype(np.float32))
+                version = quantize(root, name, QuantizeSettings(calibration=samples, runs=3)).version
+            instance = backend.prepare(repository.read(name), version).instances[0]
             instance.load()
             instances[label] = instance
             print(f"{label:12} {instance.reason}", flush=True)

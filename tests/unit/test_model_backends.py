@@ -178,6 +178,17 @@ def test_a_tensorrt_accelerator_pins_tensorrt_on_gpus_only(no_tensorrt) -> None:
         choose_runner(ONNX, "cuda:0", options, "m.onnx", strict=True)
 
 
+def test_tensorrt_int8_points_to_pipeline_quantize() -> None:
+    int8 = (
+        'optimization { execution_accelerators { gpu_execution_accelerator: [ { name: "tensorrt" '
+        'parameters { key: "precision_mode" value: "INT8" } } ] } }'
+    )
+    with pytest.raises(
+        RepositoryError, match="expected FP32 or FP16 \\(for INT8, `pipeline quantize` the model"
+    ):
+        ModelOptions.of(config_of(int8), "c")
+
+
 def test_strict_runner_is_read_from_the_config() -> None:
     strict = 'parameters [ { key: "strict_runner", value: { string_value: "%s" } } ]'
     assert ModelOptions.of(config_of(strict % "true"), "c").strict is True
