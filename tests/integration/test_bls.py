@@ -24,10 +24,11 @@ from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.call_chain import MAX_DEPTH
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
-from pipeline.runtime.telemetry import Telemetry
+from pipeline.runtime.telemetry import Telemetry, span_record
 from pipeline.stage import triton_python_backend_utils as pb_utils
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import Running, serving_router, serving_stages
+from pipeline.tools.trace_view import waterfall
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.stages import write_model
 
@@ -481,3 +482,12 @@ async def test_a_call_is_traced_under_its_caller(tmp_path: Path) -> None:
     assert {caller.context.trace_id, call.context.trace_id, callee.context.trace_id} == {
         caller.context.trace_id
     }
+
+    # `pipeline trace` draws the call under its caller.
+    records = [
+        span_record(s) for s in (*stage_spans.get_finished_spans(), *router_spans.get_finished_spans())
+    ]
+    rows = waterfall(records, f"{caller.context.trace_id:032x}")
+    ids = [row.span["span_id"] for row in rows]
+    at, below = ids.index(f"{caller.context.span_id:016x}"), ids.index(f"{call.context.span_id:016x}")
+    assert below > at and all(row.depth > rows[at].depth for row in rows[at + 1 : below + 1])
