@@ -70,8 +70,11 @@ def _refcnn_pixels(digits: np.ndarray, preprocess: Any) -> np.ndarray:
     )
 
 
-def _instance(root: Path, name: str, version: str) -> Any:
-    entry = ModelRepository(root).read(name)
+def _instance(root: Path, name: str, version: str, runner: str = "auto") -> Any:
+    repository = ModelRepository(root)
+    config = repository.read(name).config
+    config.parameters["runner"].string_value = runner
+    entry = repository.read(name, config)
     (instance,) = ModelBackend(ServiceSettings(device="cpu", threads=1)).prepare(entry, version).instances
     instance.load()
     return instance
@@ -123,7 +126,7 @@ def _vnni() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.quantize", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--runs", type=int, default=200, help="runs of a batch per timed round")
+    parser.add_argument("--runs", type=int, default=100, help="runs of a batch per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating timed rounds")
     args = parser.parse_args()
 
@@ -173,17 +176,21 @@ def main() -> None:
                 )
 
         print("\nThe model step as the service runs it (static QDQ, per channel), CPU per image:")
-        print("| model | FP32 (its runner) | INT8 (ONNX Runtime) | FP32 / INT8 |")
-        print("|---|---|---|---|")
+        print(
+            "| model | FP32 (its runner) | FP32 (ONNX Runtime) | INT8 (ONNX Runtime) | FP32 / INT8 | ORT FP32 / INT8 |"
+        )
+        print("|---|---|---|---|---|---|")
         digits_root = Path(tmp) / "digits_cnn-static_QDQ_per_channel"
         for name, (_, evaluation) in samples.items():
             root = Path(tmp) / f"{name}-static_QDQ_per_channel"
             fp32, int8 = _instance(root, name, "1"), _instance(root, name, "2")
+            # A PyTorch file runs on ONNX Runtime as its export: FP32 and INT8 in the same runtime.
+            ort_fp32 = _instance(root, name, "1", runner="onnxruntime")
             feeds = {"INPUT": np.ascontiguousarray(evaluation[: args.batch_size])}
-            cpu = _cpu_per_image({"fp32": fp32, "int8": int8}, feeds, args.runs, args.rounds)
+            cpu = _cpu_per_image({"fp32": fp32, "ort": ort_fp32, "int8": int8}, feeds, args.runs, args.rounds)
             print(
-                f"| {name} | {cpu['fp32']:.1f} µs ({fp32.runner}) | {cpu['int8']:.1f} µs ({int8.runner}) | "
-                f"{cpu['fp32'] / cpu['int8']:.2f}x |"
+                f"| {name} | {cpu['fp32']:.1f} µs ({fp32.runner}) | {cpu['ort']:.1f} µs | {cpu['int8']:.1f} µs | "
+                f"{cpu['fp32'] / cpu['int8']:.2f}x | {cpu['ort'] / cpu['int8']:.2f}x |"
             )
             print(
                 f"\n  {name} INT8 graph as ONNX Runtime runs it: {_int8_operators(root / name / '2' / 'model.onnx')}\n"
