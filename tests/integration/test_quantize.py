@@ -9,17 +9,30 @@ refused with the reason.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
+from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.cli import main as pipeline_main
+from pipeline.ensemble.catalog import load_catalog
+from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.repository import ModelRepository
+from pipeline.stage.python_backend import PythonBackend
+from pipeline.tools.testing import Running, serving_router, serving_stages
+from services.model.backend import ModelBackend, ServiceSettings
 from services.model.quantize import QuantizeSettings, quantize
+from tests.conftest import inference_stub, request_for, wait_serving
 from tests.integration.test_model_service import infer, model_config, serving
 from tests.model_files import ONNX_CONFIG, add_model, reference
+from tests.stages import example_repository
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -80,9 +93,66 @@ async def test_the_digits_cnn_quantized_serves_as_version_2_with_its_accuracy(
     assert abs(int8_accuracy - fp32_accuracy) <= 0.005, (int8_accuracy, fp32_accuracy)
 
 
-def pb_load(name: str):
-    from pipeline._gen.inference import grpc_service_pb2 as pb
+@contextlib.asynccontextmanager
+async def pipeline(root: Path) -> AsyncIterator[tuple[Running, Running]]:
+    """Every model of `root` on one stage service (as each of the ensemble's stages), and the router."""
+    backends = [PythonBackend(), ModelBackend(ServiceSettings(device="cpu"))]
+    async with serving_stages(
+        [],
+        repository=ModelRepository(root),
+        backends=backends,
+        options={"model_control_mode": "explicit"},
+        models=["digits_preprocess", "digits_cnn", "digits_postprocess"],
+    ) as stage:
+        await wait_serving(stage.address, timeout=120)
+        environ = {f"{name}_ADDRESS": stage.address for name in ("PREPROCESS", "MODEL", "POSTPROCESS")}
+        async with serving_router(load_catalog(repository=root, environ=environ)) as router:
+            await wait_serving(router.address, timeout=60)
+            yield stage, router
 
+
+def png(digit: np.ndarray) -> bytes:
+    grey = np.rint(digit * (255.0 / 16.0)).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(255 - grey, "L").resize((32, 32), Image.Resampling.NEAREST).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+async def test_the_digits_ensemble_takes_the_int8_version_on_load_and_back_on_rollback(
+    digits: Path, tmp_path: Path
+) -> None:
+    root = example_repository(tmp_path / "repository", ["digits", "digits_preprocess", "digits_postprocess"])
+    shutil.copytree(digits / "digits_cnn", root / "digits_cnn")
+    x_test, y_test = np.load(digits / "test.npy"), np.load(digits / "labels.npy")
+    images = np.empty((len(x_test), 1), dtype=object)
+    images[:, 0] = [png(d) for d in x_test[:, 0]]
+
+    async def accuracy(stub) -> float:
+        labels = []
+        for start in range(0, len(images), 64):
+            reply = await stub.ModelInfer(request_for("digits", IMAGE=images[start : start + 64]), timeout=60)
+            labels.append(response_tensors(reply)["LABEL"].to_array()[:, 0])
+        return float(np.mean(np.concatenate(labels) == y_test))
+
+    async with pipeline(root) as (model_stage, router), inference_stub(router.address) as stub:
+        fp32 = await accuracy(stub)
+        quantize(root, "digits_cnn", QuantizeSettings(calibration=digits / "train.npy", runs=2))
+        # One stage serves every model of the pipeline; loading digits_cnn there swaps in version 2.
+        async with inference_stub(model_stage.address) as stage:
+            await stage.RepositoryModelLoad(pb_load("digits_cnn"), timeout=120)
+            int8 = await accuracy(stub)
+            config = (await stage.ModelConfig(pb.ModelConfigRequest(name="digits_cnn"))).config
+            assert config.platform == "onnxruntime_onnx"
+            assert abs(int8 - fp32) <= 0.005, (int8, fp32)
+            # Rollback: the version folder goes, and a load serves version 1 again.
+            shutil.rmtree(root / "digits_cnn" / "2")
+            await stage.RepositoryModelLoad(pb_load("digits_cnn"), timeout=120)
+            assert await accuracy(stub) == fp32
+            config = (await stage.ModelConfig(pb.ModelConfigRequest(name="digits_cnn"))).config
+            assert config.platform == "pytorch_libtorch"
+
+
+def pb_load(name: str) -> pb.RepositoryModelLoadRequest:
     return pb.RepositoryModelLoadRequest(model_name=name)
 
 
