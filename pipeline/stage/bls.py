@@ -25,7 +25,6 @@ import asyncio
 import concurrent.futures
 import contextvars
 import json
-import logging
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
@@ -44,8 +43,6 @@ from pipeline.protocol.streams import status_of
 from pipeline.runtime.telemetry import PROPAGATOR
 from pipeline.stage.api import Deadline
 from pipeline.stage.router_link import RouterCalls
-
-log = logging.getLogger(__name__)
 
 #: The request being run on this thread (or task), whose model may call other models.
 _CURRENT: contextvars.ContextVar[CallScope | None] = contextvars.ContextVar(
