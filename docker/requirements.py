@@ -24,13 +24,17 @@ def main() -> None:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--only", nargs="+", default=None, help="print just these packages")
     group.add_argument("--exclude", nargs="+", default=None, help="print all but these packages")
-    group.add_argument("--extra", help="print this optional dependency group ([project.optional-dependencies])")
+    group.add_argument(
+        "--extra", help="print this optional dependency group ([project.optional-dependencies])"
+    )
     args = parser.parse_args()
     project = tomllib.loads(args.pyproject.read_text())["project"]
     if args.extra is not None:
         extras = project.get("optional-dependencies", {})
         if args.extra not in extras:
-            raise SystemExit(f"requirements.py: pyproject.toml has no optional dependency group {args.extra!r}")
+            raise SystemExit(
+                f"requirements.py: pyproject.toml has no optional dependency group {args.extra!r}"
+            )
         print("\n".join(extras[args.extra]))
         return
     dependencies = project["dependencies"]
