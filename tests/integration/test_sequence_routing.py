@@ -20,8 +20,11 @@ from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
-from tests.integration.test_sequences import ACCUMULATOR, CONFIG, OLDEST
+from tests.integration.test_sequences import ACCUMULATOR, CONFIG
 from tests.stages import write_model
+
+#: Room on one replica for every sequence of a test (a sequence past its slots waits for one to end).
+CANDIDATES = "oldest { max_candidate_sequences: 16 max_queue_delay_microseconds: 2000 }"
 
 ENSEMBLE = """
 name: "running_total"
@@ -42,7 +45,7 @@ def repository(root: Path) -> Path:
         root,
         "accumulate",
         ACCUMULATOR,
-        CONFIG.format(strategy=OLDEST, idle=30_000_000, initial="zero_data: true"),
+        CONFIG.format(strategy=CANDIDATES, idle=600_000_000, initial="zero_data: true"),
     )
     (root / "running_total" / "1").mkdir(parents=True)
     (root / "running_total" / "config.pbtxt").write_text(ENSEMBLE)

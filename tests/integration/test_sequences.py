@@ -82,7 +82,7 @@ DIRECT = "direct { }"
 
 
 def accumulator(
-    root: Path, strategy: str = OLDEST, idle: int = 5_000_000, initial: str = "zero_data: true"
+    root: Path, strategy: str = OLDEST, idle: int = 600_000_000, initial: str = "zero_data: true"
 ) -> None:
     write_model(root, "accumulate", ACCUMULATOR, CONFIG.format(strategy=strategy, idle=idle, initial=initial))
 
@@ -170,7 +170,7 @@ async def test_concurrent_sequences_share_batches_with_the_oldest_strategy(tmp_p
 async def test_a_string_sequence_id_reaches_a_string_corrid_and_the_direct_strategy_pads_free_slots(
     tmp_path: Path,
 ) -> None:
-    config = CONFIG.format(strategy=DIRECT, idle=5_000_000, initial="zero_data: true").replace(
+    config = CONFIG.format(strategy=DIRECT, idle=600_000_000, initial="zero_data: true").replace(
         "data_type: TYPE_UINT64", "data_type: TYPE_STRING"
     )
     source = ACCUMULATOR.replace(
@@ -241,6 +241,7 @@ input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] } ]
 sequence_batching {
   oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 100000 preferred_batch_size: [ 3 ] }
+  max_sequence_idle_microseconds: 600000000
   control_input [ { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] } ] } ]
   state [ {
     input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 2 ]
