@@ -35,7 +35,7 @@ from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import PAD_VALUE_PARAMETER, datatype_of_config, log_ignored
 from pipeline.runtime.repository import DEFAULT_FILENAMES, RepositoryEntry
 from pipeline.stage.backend import RUNTIME_FIELDS, Instance, PreparedVersion
-from pipeline.stage.sequences import sequence_tensors
+from pipeline.stage.sequence_config import sequence_tensors
 from services.model import tensorrt
 from services.model.artifacts import (
     KIND_BACKENDS,

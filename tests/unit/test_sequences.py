@@ -12,7 +12,8 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.sequences import SequenceId
 from pipeline.router.replicas import rendezvous
 from pipeline.stage.api import NO_DEADLINE
-from pipeline.stage.sequences import Row, SequenceBatcher, SequenceSettings, split_rows
+from pipeline.stage.sequence_config import SequenceSettings
+from pipeline.stage.sequences import Row, SequenceBatcher, split_rows
 
 CONFIG = """
 max_batch_size: 4
