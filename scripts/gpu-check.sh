@@ -5,8 +5,8 @@
 # engines built and cached; a .plan served as it is; TensorRT failing on an operator and torch on the GPU
 # taking the model, or the load failing when strict), the runner fallback and quantization tests, then
 # benchmark the runners on the GPU and on the CPU (python -m services.model.bench at batch 1, 8, 16, 32, 128:
-# TensorRT FP32 and FP16, torch FP32 and FP16, ONNX Runtime) and INT8 against FP32 on the CPU
-# (python -m bench.quantize).
+# TensorRT FP32, FP16 and INT8, torch FP32 and FP16, ONNX Runtime; and ResNet-18 at batch 16) and INT8 against
+# FP32 on the CPU (python -m bench.quantize).
 #
 #   bash scripts/gpu-check.sh               # from the repository root
 #
@@ -36,7 +36,9 @@ if [[ "$INSTALL" == 1 ]]; then
   if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     version=$("$PYTHON" -c "import torch; print(torch.__version__.split('+')[0])")
     echo "torch $version cannot see a GPU; installing its CUDA build (PyPI's Linux wheel is one)"
-    "$PYTHON" -m pip install --quiet --force-reinstall --no-deps "torch==$version" \
+    # PyPI's own index (a local CPU wheel must not win), with the CUDA libraries the wheel depends on.
+    { "$PYTHON" -m pip install --quiet --force-reinstall --no-deps --index-url https://pypi.org/simple "torch==$version" \
+      && "$PYTHON" -m pip install --quiet --index-url https://pypi.org/simple "torch==$version"; } \
       || echo "no CUDA build of torch could be installed: GPU figures will be missing"
   fi
   # TensorRT's libraries are wheels on NVIDIA's index (PyPI has the packages that fetch them).
@@ -62,6 +64,10 @@ for device in cuda:0 cpu; do
   "$PYTHON" -m services.model.bench --device "$device" --batches 1 8 16 32 128 --seconds "$SECONDS_PER_FIGURE" \
     --json "$OUT/bench-${device/:/}.json" 2>&1 | tee "$OUT/bench-${device/:/}.log" || status=$?
 done
+
+echo "== benchmark: ResNet-18 at batch 16 on the GPU (TensorRT FP16 against torch eager, INT8 against FP16)"
+"$PYTHON" -m services.model.bench --device cuda:0 --network resnet18 --batches 16 --seconds "$SECONDS_PER_FIGURE" \
+  --json "$OUT/bench-resnet18-cuda0.json" 2>&1 | tee "$OUT/bench-resnet18-cuda0.log" || status=$?
 
 echo "== benchmark: INT8 against FP32 on the CPU (pipeline quantize)"
 "$PYTHON" -m bench.quantize 2>&1 | tee "$OUT/bench-quantize.log" || status=$?

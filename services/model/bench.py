@@ -2,9 +2,11 @@
 
 No gRPC, no router: each runner is the instance the model service would run (`ModelBackend.prepare`, then
 `load`), driven directly as its thread drives it, so the figures are the runner's own. The network is the
-throughput workload's `refcnn_cnn` (fixed seed), written three ways into a temporary repository: ONNX
-(`model.onnx`, run by ONNX Runtime), a `torch.export` program (`model.pt2`) and TorchScript (`model.pt`),
-both run by PyTorch. Every runner gets the same intra-op thread count (the service's default, 1).
+throughput workload's `refcnn_cnn` (fixed seed), or ResNet-18 (`--network resnet18`), written three ways into
+a temporary repository: ONNX (`model.onnx`, run by ONNX Runtime), a `torch.export` program (`model.pt2`) and
+TorchScript (`model.pt`), both run by PyTorch. Every runner gets the same intra-op thread count (the
+service's default, 1). On a GPU where TensorRT runs, TensorRT at FP32, FP16 and INT8 (the ONNX file's
+`pipeline quantize` version, calibrated on random images) and torch in FP16 join them.
 
 The machine is shared and noisy, so each figure is measured `--rounds` times, the runners interleaved, and
 the median is printed beside every round's figure.
@@ -12,6 +14,7 @@ the median is printed beside every round's figure.
     python -m services.model.bench                          # CPU, batch 1, 8, 32
     python -m services.model.bench --batches 1 8 32 128 --rounds 5 --seconds 2
     python -m services.model.bench --device cuda:0          # the GPU runners, where there is one
+    python -m services.model.bench --device cuda:0 --network resnet18 --batches 16
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,49 +58,76 @@ INT8 = ("tensorrt int8",)
 CONFIG = """
 name: "{name}"
 max_batch_size: {max_batch}
-input [ {{ name: "INPUT", data_type: TYPE_FP32, dims: [ 3, 64, 64 ] }} ]
-output [ {{ name: "LOGITS", data_type: TYPE_FP32, dims: [ 10 ] }} ]
+input [ {{ name: "INPUT", data_type: TYPE_FP32, dims: [ {dims} ] }} ]
+output [ {{ name: "LOGITS", data_type: TYPE_FP32, dims: [ {classes} ] }} ]
 parameters [ {{ key: "runner", value: {{ string_value: "{runner}" }} }} ]
 {extra}
 """
 
 
-def write_models(root: Path, max_batch: int, runners: dict[str, tuple[str, str, str]]) -> dict[str, str]:
-    """refcnn as ONNX, `torch.export` and TorchScript, a repository entry per runner; returns runner → model
-    name."""
+#: The networks the runners are compared on: `refcnn` (the throughput workload's CNN, fixed seed) and
+#: `resnet18` (examples/resnet18, random weights from a fixed seed), each with its input shape and classes.
+NETWORKS = ("refcnn", "resnet18")
+
+
+def network(name: str) -> tuple[Any, tuple[int, ...], int]:
+    """The module (in eval mode), its input shape without the batch, and its number of classes."""
     import torch
 
-    from examples.models.build import build_refcnn as write_onnx
-    from examples.models.refcnn import INPUT_SHAPE, build_refcnn
+    if name == "refcnn":
+        from examples.models.refcnn import INPUT_SHAPE, NUM_CLASSES, build_refcnn
 
+        return build_refcnn(), INPUT_SHAPE, NUM_CLASSES
+    from examples.resnet18.export import ResNet18
+
+    torch.manual_seed(0)
+    return ResNet18().eval(), (3, 224, 224), 1000
+
+
+def write_models(
+    root: Path, max_batch: int, runners: dict[str, tuple[str, str, str]], net: str = "refcnn"
+) -> dict[str, str]:
+    """The network as ONNX, `torch.export` and TorchScript, a repository entry per runner; returns runner →
+    model name."""
+    import torch
+
+    module, shape, classes = network(net)
     names = {}
     for label, (file_name, runner, extra) in runners.items():
-        name = "refcnn_" + "".join(c if c.isalnum() else "_" for c in label)
+        name = f"{net}_" + "".join(c if c.isalnum() else "_" for c in label)
         folder = root / name
         (folder / "1").mkdir(parents=True)
         (folder / "config.pbtxt").write_text(
-            CONFIG.format(name=name, max_batch=max_batch, runner=runner, extra=extra)
+            CONFIG.format(
+                name=name,
+                max_batch=max_batch,
+                runner=runner,
+                extra=extra,
+                dims=", ".join(map(str, shape)),
+                classes=classes,
+            )
         )
         path = folder / "1" / file_name
-        example = torch.zeros((2, *INPUT_SHAPE))
-        if file_name == "model.onnx":
-            write_onnx(path)
-        elif file_name == "model.pt2":
-            batch = torch.export.Dim("batch", min=1, max=max_batch)
-            with torch.no_grad():
-                torch.export.save(
-                    torch.export.export(build_refcnn(), (example,), dynamic_shapes=({0: batch},)), str(path)
-                )
-        else:
-            with torch.no_grad():
-                torch.jit.trace(build_refcnn(), example).save(str(path))
+        example = torch.zeros((2, *shape))
+        with torch.no_grad():
+            if file_name == "model.onnx":
+                torch.onnx.export(
+                    module, (example,), str(path), input_names=["INPUT"], output_names=["LOGITS"],
+                    dynamic_axes={"INPUT": {0: "batch"}, "LOGITS": {0: "batch"}}, dynamo=False,
+                )  # fmt: skip
+            elif file_name == "model.pt2":
+                batch = torch.export.Dim("batch", min=1, max=max_batch)
+                program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
+                torch.export.save(program, str(path))
+            else:
+                torch.jit.trace(module, example).save(str(path))
         names[label] = name
     return names
 
 
-def measure(instance, batch: int, seconds: float) -> float:
+def measure(instance, batch: int, seconds: float, shape: tuple[int, ...]) -> float:
     """Items per second of `instance` on batches of `batch` random images, after a warm-up."""
-    inputs = {"INPUT": np.random.default_rng(batch).standard_normal((batch, 3, 64, 64)).astype(np.float32)}
+    inputs = {"INPUT": np.random.default_rng(batch).standard_normal((batch, *shape)).astype(np.float32)}
     for _ in range(3):
         instance.run(inputs)
     count, started = 0, time.perf_counter()
@@ -109,7 +140,7 @@ def measure(instance, batch: int, seconds: float) -> float:
 
 
 def run(
-    *, batches: Sequence[int], rounds: int, seconds: float, threads: int, device: str
+    *, batches: Sequence[int], rounds: int, seconds: float, threads: int, device: str, net: str = "refcnn"
 ) -> dict[str, dict[int, list[float]]]:
     """Every runner's items/s at every batch, `rounds` times (runners interleaved within each round)."""
     from services.model.backend import ModelBackend, ServiceSettings
@@ -121,7 +152,8 @@ def run(
     figures: dict[str, dict[int, list[float]]] = {label: {b: [] for b in batches} for label in runners}
     with tempfile.TemporaryDirectory(prefix="model-bench-") as tmp:
         root = Path(tmp)
-        names = write_models(root, max(batches), runners)
+        names = write_models(root, max(batches), runners, net)
+        shape = network(net)[1]
         # Strict: a runner that cannot load fails the benchmark rather than have another's figures.
         backend = ModelBackend(
             ServiceSettings(
@@ -134,7 +166,7 @@ def run(
             version = "1"
             if label in INT8:
                 samples = root / "calibration.npy"
-                np.save(samples, np.random.default_rng(0).standard_normal((64, 3, 64, 64)).astype(np.float32))
+                np.save(samples, np.random.default_rng(0).standard_normal((64, *shape)).astype(np.float32))
                 version = quantize(root, name, QuantizeSettings(calibration=samples, runs=3)).version
             instance = backend.prepare(repository.read(name), version).instances[0]
             instance.load()
@@ -143,7 +175,7 @@ def run(
         for round_ in range(rounds):
             for batch in batches:
                 for label, instance in instances.items():
-                    figures[label][batch].append(measure(instance, batch, seconds))
+                    figures[label][batch].append(measure(instance, batch, seconds, shape))
             print(f"round {round_ + 1}/{rounds} done", flush=True)
         for instance in instances.values():
             instance.unload()
@@ -187,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--threads", type=int, default=1, help="intra-op threads per runner; default %(default)s"
     )
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
+    parser.add_argument("--network", choices=NETWORKS, default="refcnn", help="default %(default)s")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     if min(args.batches) < 1 or args.rounds < 1 or args.threads < 1:
@@ -196,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import torch
 
     print(
-        f"refcnn_cnn on {args.device}: torch {torch.__version__}, ONNX Runtime {onnxruntime.__version__}, "
+        f"{args.network} on {args.device}: torch {torch.__version__}, ONNX Runtime {onnxruntime.__version__}, "
         f"{args.threads} intra-op thread(s), {args.rounds} round(s) of {args.seconds:g} s per figure",
         flush=True,
     )
@@ -206,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         seconds=args.seconds,
         threads=args.threads,
         device=args.device,
+        net=args.network,
     )
     for line in report(figures, args.batches):
         print(line)
