@@ -302,12 +302,19 @@ class StagePlane(DataPlane):
         ) -> tuple[list[dict[str, np.ndarray] | PipelineError], int]:
             slot = served.pool.slots[index]
             instance = slot.instance
+            # The calls its model makes go where a stateless model's go (`pipeline.stage.bls`).
+            scope = CallScope(self.router, deadline, None, slot.key, self.telemetry.enabled)
             each = getattr(instance, "run_requests", None)
-            if each is not None:  # a Triton Python model: one request per row, as Triton hands them
-                results, begun, ended = await slot.call(_timed, slot, each, rows, deadline)
-            else:
-                outputs, begun, ended = await slot.call(_timed, slot, instance.run, merged, deadline)
-                results = split_rows(outputs, len(rows), settings.batching)
+            try:
+                if each is not None:  # a Triton Python model: one request per row, as Triton hands them
+                    results, begun, ended = await slot.call(_timed, slot, scope, each, rows, deadline)
+                else:
+                    run_batch = instance.run
+                    outputs, begun, ended = await slot.call(_timed, slot, scope, run_batch, merged, deadline)
+                    results = split_rows(outputs, len(rows), settings.batching)
+            except asyncio.CancelledError:
+                scope.cancel()
+                raise
             return results, ended - begun
 
         return SequenceBatcher(name, settings, len(served.pool.slots), run, observe=observe)
@@ -595,14 +602,17 @@ class StagePlane(DataPlane):
         return reply
 
 
-def _timed(slot: Slot, work: Callable[..., Any], *args: Any) -> tuple[Any, int, int]:
-    """Run `work` on an instance's thread as one of its batches: counted busy, and timed (perf-counter ns)."""
+def _timed(slot: Slot, scope: CallScope, work: Callable[..., Any], *args: Any) -> tuple[Any, int, int]:
+    """Run `work` on an instance's thread as one of its batches, in `scope`: counted busy, and timed
+    (perf-counter ns)."""
     slot.started += 1
+    entered = scope.enter()
     begun = time.perf_counter_ns()
     try:
         return work(*args), begun, time.perf_counter_ns()
     finally:
         slot.finished += 1
+        CallScope.leave(entered)
 
 
 def _check_waits(served: ServedVersion, chain: CallChain) -> None:

@@ -19,7 +19,7 @@ from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
-from tests.conftest import inference_stub, request_for, wait_serving
+from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.integration.test_sequences import ACCUMULATOR, CONFIG
 from tests.stages import write_model
 
@@ -241,3 +241,74 @@ async def test_pipeline_infer_sends_a_sequence(tmp_path: Path, capsys) -> None:
     assert totals == [[[4]], [[9]]]
     assert "INVALID_ARGUMENT: " in err and "sequence 77" in err and "START flag" in err
     assert "--start and --end need --sequence-id" in err
+
+
+#: A stateful model that hands each request on to `accumulate` (also stateful) with its own sequence's
+#: correlation id and flags, through the router (Triton's BLS): ten times what `accumulate` answers.
+RELAY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            call = pb_utils.InferenceRequest(
+                model_name="accumulate",
+                inputs=[pb_utils.Tensor("INPUT", value)],
+                requested_output_names=["OUTPUT"],
+                correlation_id=request.correlation_id(),
+                flags=request.flags(),
+            )
+            reply = call.exec()
+            if reply.has_error():
+                responses.append(pb_utils.InferenceResponse(error=reply.error()))
+                continue
+            total = pb_utils.get_output_tensor_by_name(reply, "OUTPUT").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", total * 10)]))
+        return responses
+"""
+
+RELAY_CONFIG = """
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+sequence_batching { oldest { max_candidate_sequences: 8 } }
+"""
+
+
+async def test_a_stateful_model_calls_another_with_its_sequence(tmp_path: Path) -> None:
+    root = repository(tmp_path / "models")
+    write_model(root, "relay", RELAY, RELAY_CONFIG)
+    port_file = tmp_path / "router.port"
+    async with serving_stages(
+        [],
+        repository=ModelRepository(root),
+        backends=[PythonBackend()],
+        options={"router_port_file": port_file},
+    ) as stage:
+        await wait_serving(stage.address, timeout=60)
+        catalog = load_catalog(repository=root, stages={"python": stage.address})
+        async with serving_router(catalog) as router, inference_stub(router.address) as stub:
+            port_file.write_text(router.address.rsplit(":", 1)[1])
+            await wait_serving(router.address)
+
+            async def run(sequence: int) -> list[int]:
+                totals = []
+                for step in range(4):
+                    request = sequence_request("relay", step + sequence, sequence, step == 0, step == 3)
+                    reply = await stub.ModelInfer(request, timeout=30)
+                    totals.append(int(response_tensors(reply)["OUTPUT"].to_array()[0, 0]))
+                return totals
+
+            results = await asyncio.gather(*(run(n) for n in (1, 2, 3)))
+            # Sequence 1 has ended: its next request without START is refused.
+            error = await rpc_error(
+                stub.ModelInfer(sequence_request("relay", 1, 1, False, False), timeout=30)
+            )
+    for sequence, totals in zip((1, 2, 3), results, strict=True):
+        assert totals == [10 * sum(sequence + k for k in range(step + 1)) for step in range(4)]
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sequence 1 to model 'relay' must specify the START flag" in error.details()
