@@ -9,6 +9,7 @@ import sys
 from asyncio.subprocess import PIPE
 from pathlib import Path
 
+import aiohttp
 import grpc
 import numpy as np
 
@@ -312,3 +313,37 @@ async def test_a_stateful_model_calls_another_with_its_sequence(tmp_path: Path) 
         assert totals == [10 * sum(sequence + k for k in range(step + 1)) for step in range(4)]
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sequence 1 to model 'relay' must specify the START flag" in error.details()
+
+
+async def test_a_sequence_over_http_json(tmp_path: Path) -> None:
+    """The KServe v2 HTTP/REST protocol carries a sequence in the request's parameters, as Triton's HTTP
+    clients send it: a number or a string id."""
+    root = repository(tmp_path / "models")
+    config = (root / "accumulate" / "config.pbtxt").read_text()
+    (root / "accumulate" / "config.pbtxt").write_text(config.replace("TYPE_UINT64", "TYPE_STRING"))
+    source = ACCUMULATOR.replace(
+        'get("CORRID").astype(np.int64)', "np.array([[len(get('CORRID')[0, 0])]], np.int64)"
+    )
+    (root / "accumulate" / "1" / "model.py").write_text(source)
+    async with serving_stages([], repository=ModelRepository(root), backends=[PythonBackend()]) as stage:
+        await wait_serving(stage.address, timeout=60)
+        catalog = load_catalog(repository=root, stages={"python": stage.address})
+        async with serving_router(catalog) as router, aiohttp.ClientSession() as http:
+            await wait_serving(router.address)
+            url = f"http://{router.http_address}/v2/models/accumulate/infer"
+
+            async def send(value: int, parameters: dict) -> tuple[int, dict]:
+                body = {
+                    "inputs": [{"name": "INPUT", "datatype": "INT32", "shape": [1, 1], "data": [value]}],
+                    "parameters": parameters,
+                }
+                async with http.post(url, json=body) as reply:
+                    return reply.status, await reply.json()
+
+            status, first = await send(3, {"sequence_id": "s-1", "sequence_start": True})
+            assert status == 200, first
+            status, second = await send(4, {"sequence_id": "s-1", "sequence_end": True})
+            outputs = {o["name"]: o["data"] for o in second["outputs"]}
+            assert status == 200 and outputs["OUTPUT"] == [7] and outputs["CORRID_OUT"] == [len("s-1")]
+            status, refused = await send(5, {"sequence_id": "s-1"})
+    assert status == 400 and "must specify the START flag on the first request" in refused["error"]
