@@ -314,8 +314,12 @@ class ModelBackend:
             return self._instance(entry.name, artifact, kind, choice, options, complete, bindings, signature)
 
         instances: list[Instance] = []
-        for index, chain in enumerate(chains):
-            log.info("%s: %s", entry.name, chain[0].reason)
+        for index, (device, chain) in enumerate(zip(devices, chains, strict=True)):
+            asked = asked_for(options, device)
+            if asked not in ("auto", chain[0].runner):  # what the config asks for cannot run here
+                log.warning("%s: runner %s asked for; %s", entry.name, asked, chain[0].reason)
+            else:
+                log.info("%s: %s", entry.name, chain[0].reason)
             instances.append(
                 FallbackInstance(
                     chain,
@@ -422,9 +426,7 @@ def choose_runner(
         if options.runner == "onnxruntime"
         else ["torch"]
     )
-    pinned = options.runner
-    if pinned == "auto" and options.tensorrt and on_gpu:
-        pinned = "tensorrt"
+    pinned = asked_for(options, device)
     if pinned not in ("auto", own, "tensorrt") and not (pinned == "onnxruntime" and own == "torch"):
         raise RepositoryError(
             f"{artifact}: runner {pinned} cannot run a {KIND_PLATFORMS[kind]} file (it runs on {own}"
@@ -461,7 +463,7 @@ def choose_runner(
             passed.append(f"TensorRT is not usable ({why})")
     if kind == TENSORRT_PLAN:
         return choices
-    start = pinned if pinned != "tensorrt" else "auto"
+    start = pinned
     for place in (device, "cpu") if on_gpu else (device,):
         for runner in runs:
             if runner == "onnxruntime" and place != "cpu" and not _onnxruntime_has_cuda():
@@ -475,6 +477,14 @@ def choose_runner(
                 because = f"{start}: " + ("the instance is on the CPU" if place == "cpu" else "asked for")
             choices.append(Choice(runner, place, f"{runner} on {place}: {because}"))
     return choices[:1] if strict else choices
+
+
+def asked_for(options: ModelOptions, device: str) -> str:
+    """The runner a config asks for on `device`: its `runner`, or tensorrt where it names a TensorRT
+    accelerator and the instance is on a GPU; "auto" when it asks for none."""
+    if options.runner == "auto" and options.tensorrt and device.startswith("cuda"):
+        return "tensorrt"
+    return options.runner
 
 
 def _onnxruntime_has_cuda() -> bool:

@@ -178,6 +178,24 @@ def test_a_tensorrt_accelerator_pins_tensorrt_on_gpus_only(no_tensorrt) -> None:
         choose_runner(ONNX, "cuda:0", options, "m.onnx", strict=True)
 
 
+def test_a_pinned_runner_passed_over_is_warned_about_and_strict_refuses(tmp_path: Path, caplog) -> None:
+    pinned = 'parameters [ { key: "runner", value: { string_value: "tensorrt" } } ]'
+    add_model(tmp_path, "onnx", "m", {"1": 1}, config=pinned)
+    entry = ModelRepository(tmp_path).read("m")
+    prepared = ModelBackend(ServiceSettings(device="cpu")).prepare(entry, "1")
+    assert prepared.config.parameters["runner_in_use"].string_value == "onnxruntime on cpu"
+    assert prepared.config.parameters["runner_reason"].string_value == (
+        "onnxruntime on cpu: tensorrt: TensorRT is not usable (TensorRT runs on a GPU, and this instance is on cpu)"
+    )
+    assert [r.levelname for r in caplog.records if "runner tensorrt asked for" in r.getMessage()] == [
+        "WARNING"
+    ]
+    with pytest.raises(
+        RepositoryError, match=r"TensorRT runs on a GPU, and this instance is on cpu \(runner tensorrt\)"
+    ):
+        ModelBackend(ServiceSettings(device="cpu", strict_runner=True)).prepare(entry, "1")
+
+
 def test_tensorrt_int8_points_to_pipeline_quantize() -> None:
     int8 = (
         'optimization { execution_accelerators { gpu_execution_accelerator: [ { name: "tensorrt" '
