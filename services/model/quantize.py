@@ -55,6 +55,11 @@ FORMATS = ("qdq", "qoperator")
 REPORT_FILE = "quantization.json"
 #: Inputs compared when no file gives them (random, from a fixed seed).
 RANDOM_SAMPLES = 64
+#: Operators that say a file is quantized already.
+QUANTIZED_OPERATORS = {
+    "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
+    "MatMulInteger", "ConvInteger", "QGemm",
+}  # fmt: skip
 #: Timed rounds of each file (the best counts).
 ROUNDS = 5
 #: The operators dynamic quantization quantizes.
@@ -205,6 +210,12 @@ def quantize(root: str | os.PathLike[str], name: str, settings: QuantizeSettings
     version = str(max(int(v) for v in entry.versions) + 1)
     with tempfile.TemporaryDirectory(prefix="pipeline-quantize-") as tmp:
         fp32 = _fp32_onnx(model, Path(tmp))
+        quantized = sorted(set(_operators(fp32)) & QUANTIZED_OPERATORS)
+        if quantized:
+            raise RepositoryError(
+                f"{model.artifact}: version {source_version} is quantized already ({', '.join(quantized)}); "
+                "give --version of an FP32 version"
+            )
         int8 = Path(tmp) / "int8.onnx"
         _quantize_file(fp32, int8, method, calibration, settings, Path(tmp))
         fp32_session, int8_session = _session(fp32), _session(int8)

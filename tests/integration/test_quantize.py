@@ -207,6 +207,12 @@ def test_samples_that_do_not_fit_and_models_it_cannot_take_are_refused(tmp_path:
         assert pipeline_main(["quantize", "--model-dir", str(tmp_path), *args]) == 1
         assert words in capsys.readouterr().out
     assert not (tmp_path / "tiny" / "2").exists()
+    # The newest version quantized already: refused, pointing to --version.
+    assert pipeline_main(["quantize", "--model-dir", str(tmp_path), "tiny"]) == 0
+    assert pipeline_main(["quantize", "--model-dir", str(tmp_path), "tiny"]) == 1
+    assert "version 2 is quantized already (DynamicQuantizeLinear, MatMulInteger)" in capsys.readouterr().out
+    assert pipeline_main(["quantize", "--model-dir", str(tmp_path), "tiny", "--version", "1"]) == 0
+    assert (tmp_path / "tiny" / "3" / "model.onnx").is_file()
     (tmp_path / "py" / "1").mkdir(parents=True)
     (tmp_path / "py" / "config.pbtxt").write_text('backend: "python"')
     with pytest.raises(Exception, match="quantize takes ONNX and PyTorch models"):
