@@ -82,11 +82,14 @@ class CallContext:
     metadata: tuple[tuple[str, str | bytes], ...]
 
     @classmethod
-    def of(cls, context: grpc.aio.ServicerContext) -> CallContext:
+    def of(cls, context: grpc.aio.ServicerContext, *, credentials: bool = False) -> CallContext:
+        """The call's time left and metadata; its `authorization` too with `credentials` (a repository change
+        at the router, which the stages check as well), else never passed on."""
         metadata = tuple(
             (key, value)
             for key, value in (context.invocation_metadata() or ())
-            if not key.startswith(":") and key not in _HOP_HEADERS
+            if not key.startswith(":")
+            and (key not in _HOP_HEADERS or (credentials and key == "authorization"))
         )
         return cls(context.time_remaining(), metadata)
 
@@ -424,7 +427,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             for k, v in request.parameters.items()
         }
         await _guarded(
-            context, self.plane.repository_load(request.model_name, params, CallContext.of(context))
+            context,
+            self.plane.repository_load(request.model_name, params, CallContext.of(context, credentials=True)),
         )
         return pb.RepositoryModelLoadResponse()
 
@@ -436,7 +440,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             for k, v in request.parameters.items()
         }
         await _guarded(
-            context, self.plane.repository_unload(request.model_name, params, CallContext.of(context))
+            context,
+            self.plane.repository_unload(
+                request.model_name, params, CallContext.of(context, credentials=True)
+            ),
         )
         return pb.RepositoryModelUnloadResponse()
 

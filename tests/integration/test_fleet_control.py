@@ -361,3 +361,43 @@ async def test_a_replica_that_comes_back_serves_what_the_fleet_serves_not_its_di
 
 async def _is(value, expected) -> bool:
     return await value == expected
+
+
+async def test_with_admin_tokens_the_callers_token_is_what_the_replicas_check(tmp_path):
+    """Router and stages with tokens, no explicit mode: an admin token enables control and passes on to the
+    replicas, which check it themselves; a user token is refused at the router."""
+    (tmp_path / "users").write_text("user-token\n")
+    (tmp_path / "admins").write_text("admin-token\n")
+    tokens = {
+        "auth_tokens_file": str(tmp_path / "users"),
+        "admin_tokens_file": str(tmp_path / "admins"),
+        "stage_token": "router-secret",
+    }
+    repository = _repository(tmp_path / "a", ("1", VERSIONED_MODEL))
+    stage = serving_stages([], repository=repository, backends=[PythonBackend()], options=tokens)
+    async with stage as first:
+        await wait_serving(first.address)
+        (tmp_path / "follows.yaml").write_text(ENSEMBLE.format(a=first.address, b=first.address))
+        async with (
+            serving_router(load_ensembles([tmp_path / "follows.yaml"]), options=tokens) as router,
+            inference_stub(router.address) as stub,
+        ):
+            await wait_serving(router.address)
+            load = pb.RepositoryModelLoadRequest(model_name="versioned")
+            error = await rpc_error(
+                stub.RepositoryModelLoad(load, metadata=(("authorization", "Bearer user-token"),))
+            )
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+            _add_version(tmp_path / "a", "2", VERSIONED_MODEL)
+            await stub.RepositoryModelLoad(
+                load, metadata=(("authorization", "Bearer admin-token"),), timeout=60
+            )
+            assert await _ready_versions_with(first.address, "admin-token") == {"2"}
+
+
+async def _ready_versions_with(address: str, token: str) -> set[str]:
+    async with inference_stub(address) as stub:
+        index = await stub.RepositoryIndex(
+            pb.RepositoryIndexRequest(ready=True), metadata=(("authorization", f"Bearer {token}"),)
+        )
+    return {m.version for m in index.models if m.name == "versioned"}
