@@ -87,7 +87,7 @@ finish() {
         if ((code != 0)); then
             say "logs of the failed run (last 40 lines per service):"
             docker stack ps --no-trunc "$STACK" || true
-            for service in router preprocess model postprocess; do
+            for service in router preprocess model postprocess autoscaler; do
                 docker service logs --no-task-ids --tail 40 "${STACK}_$service" 2>&1 || true
             done
         fi
@@ -528,7 +528,9 @@ fi
 [[ -d /proc/sys/net/ipv4/vs ]] || export PIPELINE_ROUTER_PUBLISH_MODE=${PIPELINE_ROUTER_PUBLISH_MODE:-host}
 stack_up=1
 docker run --rm -v "${STACK}_model-repository:/models" "pipeline-model-repository:${PIPELINE_IMAGE_TAG:-latest}"
-docker stack deploy --resolve-image never -c compose.swarm.yaml "$STACK" >/dev/null
+# The autoscaler waits (0 replicas) until its own step: the steps before scale by hand.
+AUTOSCALER_REPLICAS=0 PIPELINE_STACK="$STACK" PIPELINE_AUTOSCALE_INTERVAL=2 PIPELINE_AUTOSCALE_COOLDOWN=20 \
+    MODEL_MAX_REPLICAS=2 docker stack deploy --resolve-image never -c compose.swarm.yaml "$STACK" >/dev/null
 wait_stack
 docker service ls --filter "label=com.docker.stack.namespace=$STACK" --format '  {{.Name}} {{.Replicas}} {{.Image}} {{.Ports}}'
 classify "$ROUTER"
@@ -559,6 +561,34 @@ step "swarm: rollback of the model service under load"
 under_load "rollback" docker service rollback --detach=false --quiet "${STACK}_model"
 say "model tasks running: $(running_images)"
 [[ $(running_images) == "2 pipeline-model:${PIPELINE_IMAGE_TAG:-latest}" ]] || die "the rollback did not restore both tasks"
+
+step "swarm: the autoscaler service scales the model service up under load and back after its cool-down"
+docker service scale --detach=false "${STACK}_model=1" >/dev/null
+wait_stack
+docker service scale --detach=false "${STACK}_autoscaler=1" >/dev/null
+model_replicas() { docker service inspect -f '{{.Spec.Mode.Replicated.Replicas}}' "${STACK}_model"; }
+rm -f "$work/stop-load"
+load 120 32 "$work/stop-load" >"$work/load.json" &
+loader=$!
+scaled=""
+for _ in $(seq 50); do
+    (($(model_replicas) >= 2)) && { scaled=1; break; }
+    sleep 2
+done
+if [[ -n "$scaled" ]]; then sleep 10; fi  # calls on both replicas before the load stops
+touch "$work/stop-load"
+wait "$loader" || true
+say "load while the autoscaler worked: $(cat "$work/load.json")"
+docker service logs --no-task-ids --tail 10 "${STACK}_autoscaler" 2>&1 || true
+[[ -n "$scaled" ]] || die "the autoscaler did not scale the model service up within 100s of load"
+"$PYTHON" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["failed"] != 0)' "$work/load.json" \
+    || die "requests failed while the autoscaler scaled the model service"
+for _ in $(seq 60); do
+    (($(model_replicas) == 1)) && break
+    sleep 2
+done
+(($(model_replicas) == 1)) || die "the autoscaler did not scale the model service back to 1 within 120s of idleness"
+say "the autoscaler scaled the model service 1 -> 2 under load and back to 1"
 
 step "swarm: docker stack rm; leave the swarm"
 remove_stack

@@ -99,12 +99,15 @@ class Autoscaler:
     targets: ScalingTargets
     #: (time, replicas asked) of the looks within the cool-down.
     _asked: deque[tuple[float, int]] = field(default_factory=deque)
-    #: When the replica count last changed (None: never).
+    #: When the replica count last changed, or when the first look was (a replica is removed only after a
+    #: whole cool-down of looks).
     _changed_at: float | None = None
 
     def decide(self, signals: Signals, replicas: int, now: float) -> Decision:
         """The replicas the stage should have now, given `replicas` now (see the module docstring)."""
         targets = self.targets
+        if self._changed_at is None:
+            self._changed_at = now
         wanted = asks(targets, signals, replicas)
         reason, ask = max(wanted.items(), key=lambda item: (item[1], item[0]))
         bounded = self._bounded(ask)
@@ -127,7 +130,7 @@ class Autoscaler:
         recent = max(asked for _, asked in self._asked)
         if recent >= replicas:  # needed now, or within the window: the latter waits out the cool-down
             return Decision(replicas, HOLD, reason if keep >= replicas else "cooldown", detail)
-        if self._changed_at is not None and now - self._changed_at < targets.cooldown:
+        if now - self._changed_at < targets.cooldown:
             return Decision(replicas, HOLD, "cooldown", detail)
         self._changed_at = now
         return Decision(replicas - 1, DOWN, low_reason, detail)

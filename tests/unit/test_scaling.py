@@ -118,3 +118,12 @@ def test_a_load_near_a_target_keeps_its_replicas_instead_of_flapping():
     decision = scaler.decide(Signals(0.010, 6, 0.0), replicas=2, now=300.0)
     assert (decision.replicas, decision.direction) == (2, HOLD)  # the window still holds the asks for 2
     assert scaler.decide(Signals(0.010, 6, 0.0), replicas=2, now=352.0).replicas == 1
+
+
+def test_nothing_is_removed_before_a_whole_cooldown_of_looks():
+    """A controller started beside a stage that has more replicas than it needs waits a whole cool-down of
+    looks before removing one (it knows nothing of what was asked before it started)."""
+    scaler = Autoscaler(TARGETS)
+    for now in (0.0, 20.0, 59.0):
+        assert scaler.decide(IDLE, replicas=3, now=now).direction == HOLD
+    assert scaler.decide(IDLE, replicas=3, now=61.0).replicas == 2
