@@ -11,6 +11,7 @@ import numpy as np
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.types import TensorSpec
+from pipeline.router.targets import Target, tls_name
 from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
@@ -92,3 +93,9 @@ async def test_replicas_come_and_go_as_the_file_lists_them(tmp_path):
             before = await _executions(first.address)
             await calls(20)
             assert await _executions(first.address) == before
+
+
+def test_a_file_target_is_read_not_looked_up():
+    target = Target.parse("file:/run/pipeline/model.addresses")
+    assert (target.file, target.host, target.fixed) == (True, "/run/pipeline/model.addresses", ())
+    assert tls_name("file:/run/pipeline/model.addresses") is None  # each replica's own address is verified

@@ -401,3 +401,30 @@ async def _ready_versions_with(address: str, token: str) -> set[str]:
             pb.RepositoryIndexRequest(ready=True), metadata=(("authorization", f"Bearer {token}"),)
         )
     return {m.version for m in index.models if m.name == "versioned"}
+
+
+async def test_the_index_folds_each_replicas_state_into_one(tmp_path):
+    """One replica serves the model, the other was started without it: the router's index lists it READY
+    (it is served), saying on how many replicas and naming the other; loaded through the router, it is READY
+    on both and the reason is gone."""
+    repository = _repository(tmp_path / "a", ("1", VERSIONED_MODEL))
+    without = serving_stages(
+        [], repository=repository, backends=[PythonBackend()], options=EXPLICIT, models=[]
+    )
+    async with _replica(repository) as first, without as second:
+        await wait_serving(first.address)
+        await wait_serving(second.address)
+        (tmp_path / "follows.yaml").write_text(ENSEMBLE.format(a=first.address, b=second.address))
+        async with (
+            serving_router(load_ensembles([tmp_path / "follows.yaml"]), options=EXPLICIT) as router,
+            inference_stub(router.address) as stub,
+        ):
+            await wait_serving(router.address)
+            index = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
+            (entry,) = [m for m in index.models if m.name == "versioned"]
+            assert entry.state == "READY" and entry.reason == "READY on 1 of 2 replicas; 1 not listing it"
+            await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="versioned"), timeout=60)
+            index = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
+            (entry,) = [m for m in index.models if m.name == "versioned"]
+            assert (entry.state, entry.reason) == ("READY", "")
+            assert await _ready_versions(second.address) == {"1"}
