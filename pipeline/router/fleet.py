@@ -248,7 +248,10 @@ class FleetControl:
         """Bring the replicas in line with what the fleet serves, every `interval` seconds."""
         while True:
             await asyncio.sleep(interval)
-            await self.reconcile()
+            try:
+                await self.reconcile()
+            except Exception:  # a look that fails must not end the router's monitoring: the next one tries
+                log.exception("bringing the replicas in line with the fleet failed; trying again")
 
     async def reconcile(self) -> None:
         """Load (or unload) each model that the fleet serves through the router on each SERVING replica whose
