@@ -16,6 +16,7 @@ The network is the textgen ensemble's, `model.pt` beside this file (TorchScript:
 → `(logits, state)`), written by `make model`.
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,10 @@ class TritonPythonModel:
     """TEXT [1] (BYTES), state HIDDEN [1, 128] → NEXT [1] (BYTES), PROBS [128], state HIDDEN_OUT [1, 128]."""
 
     def initialize(self, args):
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        # Intra-op threads of the process's torch (parameter `threads`): one, unless measured otherwise; two
+        # threads per batch this small spin against each other and the server's threads on a small machine.
+        torch.set_num_threads(int(parameters.get("threads", {}).get("string_value", "1")))
         self.device = _device(args)
         path = Path(args["model_repository"]) / args["model_version"] / NETWORK_FILE
         self.network = torch.jit.load(str(path), map_location=self.device).eval()
