@@ -161,7 +161,8 @@ class FleetControl:
                 self._count(name, "load", "rolled_back")
                 await self._settle()
                 raise _failure("RepositoryModelLoad", name, key, failed, rolled)
-            versions = frozenset.intersection(*(r.index.get(name, frozenset()) for r in replicas if r.index))
+            listed = [r.index.get(name, frozenset()) for r in replicas if r.index is not None]
+            versions = frozenset.intersection(*listed) if listed else frozenset()
             if versions:
                 self.fleet_versions[name] = _latest(versions)
             self.wanted[name] = Wanted(True, sent, versions)
@@ -208,6 +209,10 @@ class FleetControl:
         auth = _auth(call, client)
         async with self._lock(name):
             replicas = _up(client)
+            if not replicas:
+                raise Unavailable(
+                    f"stage '{key}' ({client.endpoint.address}) has no replica up to unload model '{name}'"
+                )
             before = await asyncio.gather(*(_served(client, r, name, auth) for r in replicas))
             results = await asyncio.gather(
                 *(_unload_on(client, r, name, auth, call.timeout) for r in replicas), return_exceptions=True
