@@ -452,18 +452,6 @@ class Replicas:
         ]
         return sorted(candidates, key=lambda r: _weight(r.address, key), reverse=True)
 
-    def pick_sequence(
-        self, key: str, tried: set[Replica], model: str = "", version: str = ""
-    ) -> Replica | None:
-        """The replica for a request of the sequence `key`: the first in its `rank` that is SERVING (else not
-        heard from yet) and not tried."""
-        ranked = [r for r in self.rank(key, model, version) if r not in tried]
-        for state in (SERVING, UNKNOWN):
-            for replica in ranked:
-                if replica.state == state:
-                    return replica
-        return None
-
     def serving(self, model: str) -> int:
         """The SERVING replicas that serve `model` (their `RepositoryIndex` lists it, or they cannot say)."""
         return sum(1 for r in self.by_address.values() if r.state == SERVING and r.serves(model) is not False)

@@ -35,7 +35,7 @@ from pipeline.protocol.errors import (
 from pipeline.protocol.model_config import batching_of_config, is_deterministic, pad_values
 from pipeline.protocol.sequences import SEQUENCE_ID, SequenceId, sequence_key, sequence_of
 from pipeline.protocol.streams import EMPTY_FINAL_PARAMETER, TRACE_PARAMETERS, is_final
-from pipeline.router.replicas import DOWN, Replica, Replicas
+from pipeline.router.replicas import DOWN, SERVING, UNKNOWN, Replica, Replicas
 from pipeline.router.retry import RetryBudget, StageRetry
 from pipeline.router.stage_stream import StreamBroken
 from pipeline.router.targets import Resolve
@@ -271,23 +271,27 @@ class StageClient:
         metadata: tuple[tuple[str, str | bytes], ...],
         what: str,
     ) -> pb.ModelInferResponse:
-        """A request of a sequence goes where its state is: the replica its id ranks first among those up
-        (`Replicas.rank`), never another. Where that replica has gone, the sequence is lost: its request is
-        answered UNAVAILABLE naming it, while a sequence that starts may go to the next replica."""
+        """A request of a sequence goes where its state is, never elsewhere: the replica this client sent
+        the sequence to, else the first that is up in the order its id ranks the replicas
+        (`Replicas.rank`), which every router computes alike. A replica that does not know the sequence
+        refuses the request without running it, so the next one up is asked: the sequence may have started
+        before a replica that now ranks above it came (a scale-up). Where its replica has gone, the sequence
+        is lost: its request is answered UNAVAILABLE naming it, while a sequence that starts may go to the
+        next replica."""
         replicas, name = self.replicas, self.endpoint.name
         model = request.model_name
         version = request.model_version or self.fleet_versions.get(model, "")
         key = sequence_key(sequence)
-        tried: set[Replica] = set()
-        while True:
-            replica = replicas.pick_sequence(key, tried, model, version)
-            if replica is None:
-                raise Unavailable(
-                    f"stage '{name}' ({self.endpoint.address}) is unavailable for {what}: {_none_serving(model)}"
-                )
-            placed = self._placed.get(key)
-            if not sequence.start and placed is not None and placed != replica.address:
+        ranked = replicas.rank(key, model, version)
+        up = [r for r in ranked if r.state == SERVING] or [r for r in ranked if r.state == UNKNOWN]
+        placed = self._placed.get(key)
+        if placed is not None and not sequence.start:
+            held = [r for r in up if r.address == placed]
+            if not held:
                 raise Unavailable(_lost(sequence, model, name, placed, "is no longer serving"))
+            up = held
+        refused: StageError | None = None
+        for replica in up:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'")
@@ -301,16 +305,13 @@ class StageClient:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    home = replicas.rank(key, model, version)[:1]
-                    if _no_start(code, details, sequence) and home and home[0] is not replica:
-                        # Refused as unknown where it went because the replica it ranks first is down.
-                        raise Unavailable(_lost(sequence, model, name, home[0].address, "is down")) from None
-                    raise StageError(
-                        f"{what} on stage '{name}': {details}", code, items=item_errors(err)
-                    ) from None
+                    error = StageError(f"{what} on stage '{name}': {details}", code, items=item_errors(err))
+                    if _no_start(code, details, sequence):
+                        refused = refused or error
+                        continue
+                    raise error from None
                 if not not_started(err) and not isinstance(err, StreamBroken):
                     replicas.set_state(replica, DOWN)
-                tried.add(replica)
                 if sequence.start and self.budget.try_retry():
                     continue  # nothing of a sequence that starts is lost: the next replica takes it
                 raise Unavailable(
@@ -326,6 +327,15 @@ class StageClient:
                 if len(self._placed) > _PLACED_LIMIT:
                     self._placed.popitem(last=False)
             return reply
+        if refused is not None:
+            # No replica that is up knows the sequence: it was on one that is not, else it never started.
+            gone = [r for r in ranked if r.state != SERVING]
+            if gone:
+                raise Unavailable(_lost(sequence, model, name, gone[0].address, "is down"))
+            raise refused
+        raise Unavailable(
+            f"stage '{name}' ({self.endpoint.address}) is unavailable for {what}: {_none_serving(model)}"
+        )
 
     async def _send(
         self,

@@ -17,6 +17,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.cli import build_parser
 from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
+from pipeline.router.replicas import rendezvous
 from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
@@ -347,3 +348,59 @@ async def test_a_sequence_over_http_json(tmp_path: Path) -> None:
             assert status == 200 and outputs["OUTPUT"] == [7] and outputs["CORRID_OUT"] == [len("s-1")]
             status, refused = await send(5, {"sequence_id": "s-1"})
     assert status == 400 and "must specify the START flag on the first request" in refused["error"]
+
+
+async def test_sequences_carry_on_when_a_replica_joins(tmp_path: Path) -> None:
+    """A replica that joins (a scale-up) ranks first for some sequences that started before it: their requests
+    still reach the replica that holds them, through the router that started them (it remembers) and through
+    one that never saw them (the replica that joined refuses them unrun, and the next one up is asked), while
+    new sequences spread over both."""
+    root = repository(tmp_path / "models")
+    backends = [PythonBackend()]
+    names: list[str] = []
+
+    async def resolve(host: str, port: int) -> list[str]:
+        return list(names)
+
+    catalog = load_catalog(repository=root, stages={"python": "dns:///accumulate.test:8101"})
+    options = {"resolve_interval": 0.1}
+    async with (
+        serving_stages([], repository=ModelRepository(root), backends=backends) as first,
+        serving_stages([], repository=ModelRepository(root), backends=backends) as second,
+    ):
+        await wait_serving(first.address, timeout=60)
+        await wait_serving(second.address, timeout=60)
+        names.append(first.address)
+        async with serving_router(catalog, resolve=resolve, options=options) as router:
+            await wait_serving(router.address)
+            async with inference_stub(router.address) as stub:
+                for sequence in range(1, 9):
+                    await stub.ModelInfer(
+                        sequence_request("accumulate", sequence, sequence, True, False), timeout=30
+                    )
+                assert await inferences(first.address) == 8
+                names.append(second.address)
+                # New sequences reach the replica that joined once the router has looked the name up again.
+                sequence = 100
+                while await inferences(second.address) == 0:
+                    sequence += 1
+                    await stub.ModelInfer(sequence_request("accumulate", 1, sequence, True, True), timeout=30)
+                for sequence in range(1, 9):
+                    reply = await stub.ModelInfer(
+                        sequence_request("accumulate", 1, sequence, False, False), timeout=30
+                    )
+                    assert int(response_tensors(reply)["OUTPUT"].to_array()[0, 0]) == sequence + 1
+        # Another router (a worker that took none of their requests) finds them too.
+        async with serving_router(catalog, resolve=resolve, options=options) as other:
+            await wait_serving(other.address)
+            async with inference_stub(other.address) as stub:
+                for sequence in range(1, 9):
+                    reply = await stub.ModelInfer(
+                        sequence_request("accumulate", 1, sequence, False, True), timeout=30
+                    )
+                    assert int(response_tensors(reply)["OUTPUT"].to_array()[0, 0]) == sequence + 2
+    # The router ranks the addresses its look-up gives (host:port).
+    joined = [
+        s for s in range(1, 9) if rendezvous([first.address, second.address], f"n:{s}")[0] == second.address
+    ]
+    assert joined, "no sequence ranks the replica that joined first: the test proves nothing"
