@@ -117,6 +117,8 @@ class ScaledStage:
     #: (service, when it was unlisted).
     leaving: list[tuple[Service, float]] = field(default_factory=list)
     sample: RouterSample | None = None
+    #: The reason of the last hold in a row ("" after a change).
+    held: str = ""
     #: The number of the next replica started (its name's suffix).
     next_number: int = 1
 
@@ -198,7 +200,10 @@ class LocalAutoscaler:
             decision = stage.autoscaler.decide(signals, stage.replicas, now)
             self.decisions.labels(kind, decision.direction, decision.reason).inc()
             if decision.direction == HOLD:
-                log.debug(
+                # Every hold is counted; logged where its reason changes (a cool-down begins, say).
+                changed = stage.held != decision.reason
+                stage.held = decision.reason
+                (log.info if changed else log.debug)(
                     "autoscaler: %s holds at %d (%s): %s",
                     kind,
                     stage.replicas,
@@ -206,6 +211,7 @@ class LocalAutoscaler:
                     decision.detail,
                 )
                 continue
+            stage.held = ""
             log.info(
                 "autoscaler: %s %s from %d to %d replica(s), reason %s: %s",
                 kind,

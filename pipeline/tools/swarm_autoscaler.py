@@ -108,6 +108,8 @@ class ScaledService:
     service: str
     autoscaler: Autoscaler
     sample: RouterSample | None = field(default=None)
+    #: The reason of the last hold in a row ("" after a change).
+    held: str = ""
 
 
 def router_texts(routers: str, fetch: Callable[[str], str] | None = None) -> list[str]:
@@ -181,7 +183,10 @@ class SwarmAutoscaler:
             self.decisions.labels(scaled.stage, decision.direction, decision.reason).inc()
             self.replicas.labels(scaled.stage).set(current[scaled.service])
             if decision.direction == HOLD:
-                log.debug(
+                # Every hold is counted; logged where its reason changes (a cool-down begins, say).
+                changed = scaled.held != decision.reason
+                scaled.held = decision.reason
+                (log.info if changed else log.debug)(
                     "%s holds at %d (%s): %s",
                     scaled.service,
                     decision.replicas,
@@ -189,6 +194,7 @@ class SwarmAutoscaler:
                     decision.detail,
                 )
                 continue
+            scaled.held = ""
             log.info(
                 "%s: scale %s from %d to %d, reason %s: %s",
                 scaled.service,
