@@ -185,7 +185,8 @@ def _state(
             f"{where}: {name} has {len(state.initial_state)} initial_state entries; one is supported"
         )
     if not state.initial_state:
-        dims = [0 if d < 0 else d for d in state.dims]
+        # As Triton: a variable dimension is 1 on a sequence's first request (whose state the model makes).
+        dims = [1 if d < 0 else d for d in state.dims]
         return StateSpec(state.input_name, state.output_name, datatype, _zeros(datatype, dims))
     initial = state.initial_state[0]
     if initial.data_type not in (mc.TYPE_INVALID, state.data_type):

@@ -93,3 +93,12 @@ def test_rendezvous_ranks_alike_everywhere_spreads_keys_and_moves_only_a_gone_ad
     left = {key: rendezvous(addresses[1:], key)[0] for key in keys}
     moved = [key for key in keys if left[key] != first[key]]
     assert all(first[key] == addresses[0] for key in moved)
+
+
+def test_a_state_without_initial_state_starts_as_triton_starts_it() -> None:
+    """Zeros, with every variable dimension 1 (Triton leaves the data undefined: the model makes the state on
+    the START request)."""
+    state = 'state [ { input_name: "S" output_name: "S_OUT" data_type: TYPE_FP32 dims: [ -1, 3 ] } ]'
+    config = text_format.Parse(CONFIG % f"direct {{ }} {state}", mc.ModelConfig())
+    (state,) = SequenceSettings.of(config, "config.pbtxt").states
+    assert state.initial.shape == (1, 3) and not state.initial.any()
