@@ -253,6 +253,8 @@ class ModelSignature:
     deterministic: bool = True
     #: Its `model_transaction_policy { decoupled: true }`: it answers a request with any number of responses.
     decoupled: bool = False
+    #: Its `sequence_batching`: a stateful model, whose requests the stage that keeps their state batches.
+    sequence: bool = False
 
     @property
     def declared(self) -> bool:

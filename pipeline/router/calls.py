@@ -155,6 +155,13 @@ class StageCalls:
                 )
                 continue
             batching = own if own is not None else declared.get(model, (None, ""))[0]
+            if batching is not None and self.registry.signatures[model].sequence:
+                errors.append(
+                    f"{where}: model '{model}' has sequence_batching (its ModelConfig on stage '{step.stage}'): "
+                    "the stage that keeps each sequence's state batches its requests, so it takes no "
+                    "dynamic_batching; drop the ensemble's"
+                )
+                continue
             running = self.registry.batchers.get(model)
             if running is not None and running[0].config != batching:
                 errors.append(

@@ -462,11 +462,12 @@ class StageClient:
         what = f"model '{model}'"
         meta = await self.call("ModelMetadata", pb.ModelMetadataRequest(name=model), timeout=2.0, what=what)
         inputs, outputs = specs_from_metadata(meta.inputs), specs_from_metadata(meta.outputs)
-        cache, deterministic, decoupled = False, True, False
+        cache, deterministic, decoupled, sequence = False, True, False, False
         try:
             reply = await self.call("ModelConfig", pb.ModelConfigRequest(name=model), timeout=2.0, what=what)
             cache, deterministic = reply.config.response_cache.enable, is_deterministic(reply.config)
             decoupled = reply.config.model_transaction_policy.decoupled
+            sequence = reply.config.HasField("sequence_batching")
             max_batch_size = reply.config.max_batch_size
             padding = pad_values(reply.config)
             inputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in inputs)
@@ -498,6 +499,7 @@ class StageClient:
             cache,
             deterministic,
             decoupled,
+            sequence,
         )
 
     def start(self) -> None:

@@ -1,7 +1,7 @@
 """Triton's `sequence_batching` settings, read from a model's config and checked: the strategy and its
 delays, the control inputs and their values, the implicit state and where it starts. `SequenceSettings.of`
 refuses, naming the field, what this server does not serve (`iterative_sequence`, a decoupled model, a
-control input without its values or one that is also a declared input)."""
+response cache, a control input without its values or one that is also a declared input)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,11 @@ class SequenceSettings:
             raise RepositoryError(
                 f"{where}: iterative_sequence is not supported by this server (a decoupled model's requests "
                 "rescheduled as a sequence); remove it"
+            )
+        if config.response_cache.enable:
+            raise RepositoryError(
+                f"{where}: response_cache is enabled, but a sequence's answers depend on its state, not on the "
+                "request alone: a cached response would replay another sequence's; disable response_cache"
             )
         if config.model_transaction_policy.decoupled:
             raise RepositoryError(

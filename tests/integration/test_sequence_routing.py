@@ -15,7 +15,7 @@ import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.cli import build_parser
-from pipeline.ensemble.catalog import load_catalog
+from pipeline.ensemble.catalog import load_catalog, load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.router.replicas import rendezvous
 from pipeline.runtime.repository import ModelRepository
@@ -404,3 +404,33 @@ async def test_sequences_carry_on_when_a_replica_joins(tmp_path: Path) -> None:
         s for s in range(1, 9) if rendezvous([first.address, second.address], f"n:{s}")[0] == second.address
     ]
     assert joined, "no sequence ranks the replica that joined first: the test proves nothing"
+
+
+BATCHED_ENSEMBLE = """
+name: batched_totals
+stages:
+  s: {{address: "{address}", dynamic_batching: {{max_batch_size: 8}}}}
+inputs: [{{name: VALUE, datatype: INT32, shape: [-1, 1]}}]
+outputs: [{{name: TOTAL, datatype: INT32, shape: [-1, 1]}}]
+steps:
+  - {{model_name: accumulate, stage: s, input_map: {{INPUT: VALUE}}, output_map: {{OUTPUT: TOTAL}}}}
+"""
+
+
+async def test_an_ensemble_that_gives_a_sequence_model_dynamic_batching_is_refused(tmp_path: Path) -> None:
+    """The router's batches would merge the requests of many sequences into one with none of their ids: the
+    ensemble is refused, naming the model, and the model itself serves."""
+    root = repository(tmp_path / "models")
+    async with serving_stages([], repository=ModelRepository(root), backends=[PythonBackend()]) as stage:
+        await wait_serving(stage.address, timeout=60)
+        (tmp_path / "batched.yaml").write_text(BATCHED_ENSEMBLE.format(address=stage.address))
+        catalog = load_ensembles([tmp_path / "batched.yaml"], exit_on_error=False)
+        options = {"exit_on_error": False}
+        async with serving_router(catalog, options=options) as router, inference_stub(router.address) as stub:
+            await wait_serving(router.address)
+            index = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
+            states = {m.name: (m.state, m.reason) for m in index.models}
+            state, reason = states["batched_totals"]
+            assert state == "UNAVAILABLE" and "model 'accumulate' has sequence_batching" in reason, reason
+            reply = await stub.ModelInfer(sequence_request("accumulate", 3, 5, True, True), timeout=30)
+            assert int(response_tensors(reply)["OUTPUT"].to_array()[0, 0]) == 3

@@ -4,11 +4,14 @@ the rendezvous ranking the router keeps sequences with."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
+import pytest
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.sequences import SequenceId
 from pipeline.router.replicas import rendezvous
 from pipeline.stage.api import NO_DEADLINE
@@ -102,3 +105,20 @@ def test_a_state_without_initial_state_starts_as_triton_starts_it() -> None:
     config = text_format.Parse(CONFIG % f"direct {{ }} {state}", mc.ModelConfig())
     (state,) = SequenceSettings.of(config, "config.pbtxt").states
     assert state.initial.shape == (1, 3) and not state.initial.any()
+
+
+def test_what_sequence_batching_cannot_serve_is_refused_naming_the_field() -> None:
+    refusals = {
+        "response_cache { enable: true }": "response_cache is enabled",
+        "model_transaction_policy { decoupled: true }": "a decoupled model",
+    }
+    for extra, words in refusals.items():
+        config = text_format.Parse(CONFIG % "direct { }" + extra, mc.ModelConfig())
+        with pytest.raises(RepositoryError, match=words):
+            SequenceSettings.of(config, "config.pbtxt")
+    config = text_format.Parse((CONFIG % "iterative_sequence: true"), mc.ModelConfig())
+    with pytest.raises(
+        RepositoryError,
+        match=re.escape("config.pbtxt: sequence_batching: iterative_sequence is not supported"),
+    ):
+        SequenceSettings.of(config, "config.pbtxt")
