@@ -12,6 +12,11 @@ on it, directly or through the calls in between. Two rules follow from it:
 
 A batch that merges calls of several chains waits for every instance any of them waits for, and is as deep
 as the deepest (`CallChain.merged`).
+
+A chain may also name its `origin`: the router's id of the request whose model makes the calls, which the
+router puts on every request it forwards to a stage model. The router then knows which of the requests it
+holds a call comes from, so that a batched model that such requests call may wait for the calls on their
+way (`pipeline.router.callees`).
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ MAX_DEPTH = 16
 
 @dataclass(frozen=True, slots=True)
 class CallChain:
-    """How deep a call is nested (1: called from a model that a client called) and the instances that wait
-    for it (their `instance` ids, unique across processes)."""
+    """How deep a call is nested (1: called from a model that a client called), the instances that wait
+    for it (their `instance` ids, unique across processes) and its `origin` ("" where none is known)."""
 
     depth: int
     waiting: frozenset[str]
+    origin: str = ""
 
     @classmethod
     def of(cls, metadata: Sequence[tuple[str, str | bytes]]) -> CallChain | None:
@@ -44,18 +50,19 @@ class CallChain:
     @classmethod
     def parse(cls, text: str) -> CallChain | None:
         """The chain `header()` wrote; None for text it did not write."""
-        depth, _, waiting = text.partition(";")
+        depth, _, rest = text.partition(";")
         if not depth.isdigit():
             return None
-        return cls(int(depth), frozenset(name for name in waiting.split(",") if name))
+        waiting, _, origin = rest.partition(";")
+        return cls(int(depth), frozenset(name for name in waiting.split(",") if name), origin)
 
     def header(self) -> str:
-        """The chain as its metadata value: `depth;instance,instance,...`."""
-        return f"{self.depth};{','.join(sorted(self.waiting))}"
+        """The chain as its metadata value: `depth;instance,instance,...;origin`."""
+        return f"{self.depth};{','.join(sorted(self.waiting))};{self.origin}"
 
     def nested(self, instance: str) -> CallChain:
         """The chain of a call made by `instance` while it runs a request of this chain."""
-        return CallChain(self.depth + 1, self.waiting | {instance})
+        return CallChain(self.depth + 1, self.waiting | {instance}, self.origin)
 
     @staticmethod
     def merged(chains: Iterable[CallChain | None]) -> CallChain | None:
@@ -66,7 +73,12 @@ class CallChain:
             return None
         if len(found) == 1:
             return found[0]
-        return CallChain(max(c.depth for c in found), frozenset().union(*(c.waiting for c in found)))
+        origins = {c.origin for c in found}
+        return CallChain(
+            max(c.depth for c in found),
+            frozenset().union(*(c.waiting for c in found)),
+            origins.pop() if len(origins) == 1 else "",
+        )
 
 
 #: The chain of a call a client made (no model waits on it).

@@ -16,6 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -24,7 +25,7 @@ from opentelemetry.trace import Span, SpanKind
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.catalog import describe_batching, stated_batching
 from pipeline.ensemble.plan import EnsemblePlan
-from pipeline.protocol.call_chain import CALL_CHAIN_HEADER, CallChain
+from pipeline.protocol.call_chain import CALL_CHAIN_HEADER, ROOT, CallChain
 from pipeline.protocol.codec import (
     Tensor,
     infer_response,
@@ -37,6 +38,7 @@ from pipeline.protocol.errors import ConfigError, DeadlineExceeded, InvalidInput
 from pipeline.protocol.types import BatchingConfig
 from pipeline.router.batching import DynamicBatcher
 from pipeline.router.caching import ResponseCaching
+from pipeline.router.callees import Callees
 from pipeline.router.merge import StageCall, TensorBatching
 from pipeline.router.registry import ModelRegistry, batch_items
 from pipeline.router.stage_client import StageClient
@@ -61,6 +63,7 @@ class StageCalls:
         self.caching = caching
         self.telemetry = telemetry
         self.metrics = metrics
+        self.callees = Callees(registry.batchers)
 
     # --- one request, one stage call -----------------------------------------------------------------
 
@@ -79,6 +82,13 @@ class StageCalls:
         stats = self.registry.stats.get(model)
         first = request.inputs[0].shape if request.inputs else ()
         items = batch_items(self.registry.signatures.get(model), first)
+        # The calls the model makes come back with the request's origin (`pipeline.router.callees`).
+        origin = self.callees.begin(model)
+        chain = CallChain.of(metadata) or ROOT
+        metadata = [
+            *(item for item in metadata if item[0] != CALL_CHAIN_HEADER),
+            (CALL_CHAIN_HEADER, replace(chain, origin=origin).header()),
+        ]
         started = time.perf_counter_ns()
         try:
             if self.telemetry.enabled:
@@ -98,6 +108,8 @@ class StageCalls:
             if stats is not None:
                 stats.request_failed(time.perf_counter_ns() - started)
             raise
+        finally:
+            self.callees.end(origin)
         elapsed = time.perf_counter_ns() - started
         if stats is not None:
             # NOTE: an unbatched call executes once per request, taking it whole.
@@ -217,11 +229,15 @@ class StageCalls:
         )
         wanted = requested_outputs(request, signature.outputs, name)
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
-        stage_call = StageCall(
-            inputs, tuple(wanted), request.model_version, deadline, CallChain.of(call.metadata)
-        )
+        chain = CallChain.of(call.metadata)
+        stage_call = StageCall(inputs, tuple(wanted), request.model_version, deadline, chain)
         outputs = await self.submit(
-            name, stage_call, deadline, request.parameters, self.telemetry.current_span()
+            name,
+            stage_call,
+            deadline,
+            request.parameters,
+            self.telemetry.current_span(),
+            expected=self.callees.take(chain, name),
         )
         # The version that answered: the one asked, else the default one the stage answered the batch with.
         version = request.model_version or self.caching.default_versions.get(name, "")

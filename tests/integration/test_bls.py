@@ -256,6 +256,22 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse(error=pb_utils.TritonError("done"))]
 """
 
+#: The requests of `call_paired` that wait for each other before their calls (those whose X starts with 1).
+PAIR = threading.Barrier(2)
+
+#: Calls `double_late` with its X, once both its instances hold a request, when X starts with 1.
+PAIRED = """
+import triton_python_backend_utils as pb_utils
+from tests.integration.test_bls import PAIR
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X")
+        if x.as_numpy().flat[0] == 1:
+            PAIR.wait(20)
+        reply = pb_utils.InferenceRequest(model_name="double_late", inputs=[x], requested_output_names=["Y"]).exec()
+        return [pb_utils.InferenceResponse(reply.output_tensors())]
+"""
 
 #: `double` twice, as Triton's ensemble.
 QUADRUPLE = """
@@ -296,6 +312,8 @@ def write_repository(root: Path) -> Path:
         "recurse_alone": (RECURSE.replace('"recurse"', '"recurse_alone"'), 0, 1, ""),
         "slow": (HOLD_UNTIL_RELEASED, 0, 1, ""),
         "call_slow": (CALL_AND_RECORD, 0, 1, ""),
+        "double_late": (DOUBLE, 64, 1, "dynamic_batching { max_queue_delay_microseconds: 5000000 }"),
+        "call_paired": (PAIRED, 8, 2, ""),
     }
     for name, (source, batch, count, extra) in models.items():
         write_model(root, name, source, XY.format(name=name, batch=batch, count=count, extra=extra))
@@ -394,6 +412,26 @@ async def test_async_exec_fan_out_feeds_the_callees_batches(tmp_path: Path) -> N
         assert response_tensors(reply)["Y"].to_array().tolist() == xs(2, -1, 6).tolist()
         stats = (await stub.ModelStatistics(pb.ModelStatisticsRequest(name="picky"))).model_stats[0]
         assert (stats.inference_stats.success.count, stats.inference_stats.fail.count) == (2, 2)
+
+
+async def test_a_batched_callee_waits_for_the_calls_of_requests_on_their_way(tmp_path: Path) -> None:
+    async with pipeline(tmp_path) as router, inference_stub(router.address) as stub:
+        # A first request teaches the router that call_paired calls double_late; alone, its call goes at once
+        # (the callee's delay is 5 s).
+        reply = await stub.ModelInfer(request_for("call_paired", X=xs(0)), timeout=30)
+        assert response_tensors(reply)["Y"].to_array().tolist() == xs(0).tolist()
+
+        # Two requests held by the stage at once: each is announced to double_late's batcher while it runs,
+        # so the first call waits for the second (batch_upcoming) and the two go as one batch. Unannounced,
+        # the first would go alone at once, the idle stage taking what is queued.
+        PAIR.reset()
+        replies = await asyncio.gather(
+            *(stub.ModelInfer(request_for("call_paired", X=xs(1)), timeout=30) for _ in range(2))
+        )
+        for reply in replies:
+            assert response_tensors(reply)["Y"].to_array().tolist() == xs(2).tolist()
+        stats = (await stub.ModelStatistics(pb.ModelStatisticsRequest(name="double_late"))).model_stats[0]
+        assert (stats.inference_count, stats.execution_count) == (3, 2)
 
 
 async def test_recursion_is_bounded_by_depth_and_by_free_instances(tmp_path: Path) -> None:
