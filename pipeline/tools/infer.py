@@ -173,7 +173,7 @@ def _print_outputs(outputs: Mapping[str, np.ndarray], files: Sequence[str], as_j
     """A line per item (per file), or one line with every output whole where the outputs are not one row
     per file (a model that does not batch: a page's digits); BYTES elements as text."""
     if as_json:
-        print(json.dumps({name: array.tolist() for name, array in outputs.items()}))
+        print(json.dumps(_jsonable(outputs)))
         return
     count = next(iter(outputs.values())).shape[0] if outputs else 0
     if files and any(array.shape[:1] != (len(files),) for array in outputs.values()):

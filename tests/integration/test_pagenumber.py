@@ -2,7 +2,7 @@
 ensemble with its fan-out step and by the BLS model, over real stage services (the python models and the
 trained digits CNN) and the router; both answer what the same segmentation and CNN give in-process, the
 CNN's calls of concurrent pages share batches, and `pipeline infer --model pagenumber page.png` prints the
-number."""
+number (as text with `--json`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import importlib.util
 import io
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -123,7 +124,13 @@ async def test_pipeline_infer_prints_a_pages_number(
             ["infer", "--model", "pagenumber", "--url", router.address, "--timeout", "60", str(path)]
         )
         assert await asyncio.to_thread(run_infer_command, args) == 0
-    assert f"NUMBER={number}" in capsys.readouterr().out
+        assert f"NUMBER={number}" in capsys.readouterr().out
+        # --json: the BYTES output as text
+        args = build_parser().parse_args(
+            ["infer", "--model", "pagenumber", "--url", router.address, "--json", str(path)]
+        )
+        assert await asyncio.to_thread(run_infer_command, args) == 0
+    assert json.loads(capsys.readouterr().out)["NUMBER"] == [number]
 
 
 def test_the_example_is_in_the_tree() -> None:

@@ -24,6 +24,7 @@ def test_every_subcommand_flag_and_variable_is_in_the_reference(monkeypatch):
         "pipeline infer",
         "pipeline bench",
         "pipeline trace",
+        "pipeline quantize",
     ]
     for page, group in (("cli.md", cli), ("services.md", services)):
         for command in group:
