@@ -133,7 +133,7 @@ class FleetControl:
         )
         sent = load_parameters(parameters)
         self._refuse_ensemble(name, "RepositoryModelLoad")
-        key, client = await self._stage_of(name)
+        key, client = await self._stage_of(name, "load")
         auth = _auth(call, client)
         async with self._lock(name):
             replicas = _up(client)
@@ -205,7 +205,7 @@ class FleetControl:
         )
         unload_parameters(parameters)
         self._refuse_ensemble(name, "RepositoryModelUnload")
-        key, client = await self._stage_of(name)
+        key, client = await self._stage_of(name, "unload")
         auth = _auth(call, client)
         async with self._lock(name):
             replicas = _up(client)
@@ -325,8 +325,9 @@ class FleetControl:
                 "models its steps call (the ensemble follows them), or change its file (--repository-poll-secs)"
             )
 
-    async def _stage_of(self, name: str) -> tuple[str, StageClient]:
-        """The stage that serves `name`, else the first declared whose replicas' repositories hold it."""
+    async def _stage_of(self, name: str, action: str) -> tuple[str, StageClient]:
+        """The stage that serves `name`, else the first declared whose replicas' repositories hold it
+        (`action`, load or unload, names what failed where none does)."""
         stages = self.stages
         key = stages.stage_of_model.get(name) or stages.repository_models.get(name)
         if key is None:
@@ -340,7 +341,7 @@ class FleetControl:
                     break
         if key is None:
             raise RepositoryNotFound(
-                f"failed to load '{echo(name)}': no stage's model repository has it (stages: "
+                f"failed to {action} '{echo(name)}': no stage's model repository has it (stages: "
                 f"{', '.join(stages.clients)})"
             )
         return key, stages.clients[key]

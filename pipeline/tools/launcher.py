@@ -75,6 +75,19 @@ def stage_token_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {settings.STAGE_TOKEN.variable: secrets.token_urlsafe(32)}
 
 
+def stage_admin_env(environ: Mapping[str, str], token_env: Mapping[str, str]) -> dict[str, str]:
+    """With admin tokens configured, the stages take the router's stage token (`token_env`'s, else the
+    environment's) as an admin token too: the router loads what the fleet serves on every replica, one that
+    starts later (a restart, a scale-up) included, with its own token."""
+    if not (settings.ADMIN_TOKENS.given(environ) or settings.ADMIN_TOKENS_FILE.given(environ)):
+        return {}
+    token = token_env.get(settings.STAGE_TOKEN.variable) or settings.STAGE_TOKEN.get(environ)
+    if not token:
+        return {}
+    listed = settings.ADMIN_TOKENS.get(environ)
+    return {settings.ADMIN_TOKENS.variable: f"{listed},{token}" if listed else token}
+
+
 def _ensembles(folder: Path, model_dir: Path) -> list[str]:
     """The ensembles the router serves: the repository's and those of the YAML files of `folder` (one that
     does not load is named so; the router says why, and stops unless PIPELINE_EXIT_ON_ERROR is false)."""
@@ -195,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
     for service in everything:
         service.env.update(stage_token)
+    stage_env = {**stage_token, **stage_admin_env(os.environ, stage_token)}
+    for service in stages:
+        service.env.update(stage_env)
     autoscale: dict[str, tuple[int, int]] = getattr(args, "autoscale", {})
     if autoscale and args.metrics_port is None:
         log.error("--autoscale reads the router's metrics: it needs --metrics-port (not 'off')")
@@ -219,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
             credentials=tls.credentials,
         )
         if autoscale:
-            autoscaler = _autoscaler(args, autoscale, stages, router, supervisor, stage_flags, stage_token)
+            autoscaler = _autoscaler(args, autoscale, stages, router, supervisor, stage_flags, stage_env)
         _announce(
             args, router, stages, ports, http_port_file, secure=tls_dir is not None, autoscaler=autoscaler
         )

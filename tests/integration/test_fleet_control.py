@@ -227,7 +227,13 @@ async def test_control_is_closed_by_default_and_unknown_models_and_parameters_ar
             error = await rpc_error(
                 stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="nothing"))
             )
-            assert error.code() == grpc.StatusCode.NOT_FOUND and "'nothing'" in error.details()
+            assert error.code() == grpc.StatusCode.NOT_FOUND
+            assert "failed to load 'nothing'" in error.details()
+            error = await rpc_error(
+                stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="nothing"))
+            )
+            assert error.code() == grpc.StatusCode.NOT_FOUND
+            assert "failed to unload 'nothing'" in error.details()
             odd = {"shape": pb.ModelRepositoryParameter(string_param="x")}
             error = await rpc_error(
                 stub.RepositoryModelLoad(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.tools.launcher import stage_token_env
+from pipeline.tools.launcher import stage_admin_env, stage_token_env
 from pipeline.tools.supervisor import RestartPolicy, RestartRecord, Service, describe_exit
 
 
@@ -17,6 +17,22 @@ def test_a_stage_token_is_made_only_when_tokens_are_configured():
     # One given is used as it is (the services inherit it).
     assert stage_token_env({"PIPELINE_AUTH_TOKENS": "a", "PIPELINE_STAGE_TOKEN": "mine"}) == {}
     assert stage_token_env({"PIPELINE_AUTH_TOKENS": "a", "PIPELINE_STAGE_TOKEN_FILE": "f"}) == {}
+
+
+def test_with_admin_tokens_the_stages_take_the_routers_token_as_an_admin_token():
+    made = {"PIPELINE_STAGE_TOKEN": "router-secret"}
+    assert stage_admin_env({"PIPELINE_AUTH_TOKENS": "a"}, made) == {}  # no admin scope anywhere
+    assert stage_admin_env({"PIPELINE_ADMIN_TOKENS": "op"}, made) == {
+        "PIPELINE_ADMIN_TOKENS": "op,router-secret"
+    }
+    assert stage_admin_env({"PIPELINE_ADMIN_TOKENS_FILE": "admins"}, made) == {
+        "PIPELINE_ADMIN_TOKENS": "router-secret"  # beside the file's tokens
+    }
+    given = {"PIPELINE_ADMIN_TOKENS": "op", "PIPELINE_STAGE_TOKEN": "mine"}
+    assert stage_admin_env(given, {}) == {"PIPELINE_ADMIN_TOKENS": "op,mine"}
+    assert (
+        stage_admin_env({"PIPELINE_ADMIN_TOKENS_FILE": "admins", "PIPELINE_STAGE_TOKEN_FILE": "f"}, {}) == {}
+    )
 
 
 def test_the_wait_before_a_restart_doubles_with_each_death_in_a_row_up_to_its_cap():
