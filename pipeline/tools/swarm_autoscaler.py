@@ -217,13 +217,25 @@ class SwarmAutoscaler:
             time.sleep(interval)
 
 
-def service_argument(text: str) -> tuple[str, str, int, int]:
-    """`STAGE=SERVICE:MIN:MAX` -> (stage, service, min, max)."""
+def service_argument(text: str) -> tuple[str, str, int, int, float | None]:
+    """`STAGE=SERVICE:MIN:MAX[:QUEUE_MS]` -> (stage, service, min, max, queue-time target in ms or None)."""
     stage, _, rest = text.partition("=")
     parts = rest.split(":")
-    if not stage or len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-        raise argparse.ArgumentTypeError(f"expected STAGE=SERVICE:MIN:MAX, got {text!r}")
-    return stage, parts[0], int(parts[1]), int(parts[2])
+    queue_ms: float | None = None
+    if len(parts) == 4:
+        try:
+            queue_ms = float(parts.pop())
+        except ValueError:
+            queue_ms = -1.0
+    if (
+        not stage
+        or len(parts) != 3
+        or not parts[1].isdigit()
+        or not parts[2].isdigit()
+        or (queue_ms is not None and queue_ms <= 0)
+    ):
+        raise argparse.ArgumentTypeError(f"expected STAGE=SERVICE:MIN:MAX[:QUEUE_MS], got {text!r}")
+    return stage, parts[0], int(parts[1]), int(parts[2]), queue_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         type=service_argument,
         action="append",
         required=True,
-        metavar="STAGE=SERVICE:MIN:MAX",
-        help="a stage (as the routers name it) and its Swarm service, scaled between MIN and MAX (repeatable)",
+        metavar="STAGE=SERVICE:MIN:MAX[:QUEUE_MS]",
+        help="a stage (as the routers name it) and its Swarm service, scaled between MIN and MAX, with its own "
+        "queue-time target in ms where given (else --queue-ms) (repeatable)",
     )
     parser.add_argument(
         "--routers", default="tasks.router:8002", help="every router task's metrics: HOST:PORT"
@@ -242,15 +255,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--interval", type=float, default=15.0, help="seconds between looks (default %(default)s)"
     )
-    parser.add_argument("--cooldown", type=float, default=COOLDOWN_S, help="scale-down cool-down, seconds")
     parser.add_argument(
-        "--queue-ms", type=float, default=QUEUE_SECONDS_TARGET * 1000, help="queue-time target"
+        "--cooldown",
+        type=float,
+        default=COOLDOWN_S,
+        help="scale-down cool-down, seconds (default %(default)s)",
+    )
+    parser.add_argument(
+        "--queue-ms",
+        type=float,
+        default=QUEUE_SECONDS_TARGET * 1000,
+        help="queue-time target of the services that name none, ms (default %(default)s)",
     )
     parser.add_argument(
         "--inflight",
         type=float,
         default=INFLIGHT_PER_REPLICA,
-        help="calls-in-flight target per replica (0: scale on the queue alone)",
+        help="calls-in-flight target per replica (0: scale on the queue alone; default %(default)s)",
     )
     parser.add_argument("--metrics-port", type=int, default=8003, help="Prometheus port of its decisions")
     parser.add_argument("--docker-socket", default=DOCKER_SOCKET)
@@ -264,13 +285,13 @@ def main(argv: list[str] | None = None) -> int:
                 ScalingTargets(
                     low,
                     high,
-                    queue_seconds=args.queue_ms / 1000,
+                    queue_seconds=(args.queue_ms if queue_ms is None else queue_ms) / 1000,
                     inflight_per_replica=args.inflight,
                     cooldown=args.cooldown,
                 )
             ),
         )
-        for stage, service, low, high in args.service
+        for stage, service, low, high, queue_ms in args.service
     ]
     controller = SwarmAutoscaler(services, DockerServices(args.docker_socket), args.routers)
     start_http_server(args.metrics_port, registry=controller.registry)

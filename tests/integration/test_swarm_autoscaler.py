@@ -4,6 +4,7 @@ time is over target, refuses nothing silently, and counts each decision with its
 
 from __future__ import annotations
 
+import argparse
 import json
 import socketserver
 import threading
@@ -13,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from pipeline.tools.scaling import Autoscaler, ScalingTargets
-from pipeline.tools.swarm_autoscaler import DockerError, DockerServices, ScaledService, SwarmAutoscaler
+from pipeline.tools.swarm_autoscaler import (
+    DockerError,
+    DockerServices,
+    ScaledService,
+    SwarmAutoscaler,
+    service_argument,
+)
 
 
 class _Engine(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -111,3 +118,11 @@ def test_a_refusal_of_the_engine_is_an_error_naming_it(engine):
     _, path = engine
     with pytest.raises(DockerError, match=r"404.*service nothing not found"):
         DockerServices(path).replicas("nothing")
+
+
+def test_a_service_may_name_its_own_queue_time_target():
+    assert service_argument("model=stack_model:1:4") == ("model", "stack_model", 1, 4, None)
+    assert service_argument("preprocess=stack_pre:2:4:10") == ("preprocess", "stack_pre", 2, 4, 10.0)
+    for bad in ("model=stack_model:1", "model=stack_model:1:4:fast", "model=stack_model:1:4:0", "=s:1:2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="STAGE=SERVICE:MIN:MAX"):
+            service_argument(bad)
