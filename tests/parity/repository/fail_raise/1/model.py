@@ -1,0 +1,6 @@
+"""Fails by raising from execute."""
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        raise ValueError("fail_raise is broken on purpose")
