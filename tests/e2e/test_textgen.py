@@ -103,7 +103,7 @@ def test_the_generator_runs_in_the_model_service_which_has_the_devices(textgen) 
             )
         return {model.name for model in index.models if model.name.startswith("textgen")}
 
-    assert ready("model") == {"textgen_generate"}
+    assert ready("model") == {"textgen_generate", "textgen_state"}  # both ask for a GPU
     assert ready("preprocess") == {"textgen_tokenize"}
     assert ready("postprocess") == {"textgen_detokenize"}
 

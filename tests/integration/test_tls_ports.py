@@ -246,8 +246,8 @@ async def test_the_routers_http_port_gives_a_client_certificate_the_scope_grpc_g
             assert answers["client", "load"][0] == 401
             assert answers["admin", "infer"][0] == 200
             assert answers["admin", "infer"][1]["outputs"][0]["data"] == [2, 2, 2]
-            # An admin passes; the router itself has no repository to load into.
-            assert answers["admin", "load"][0] == 501, answers
+            # An admin passes the checks: the router then refuses to load an ensemble (it follows its models).
+            assert answers["admin", "load"][0] == 400, answers
             # gRPC says the same of the unlisted certificate.
             async with grpc.aio.secure_channel(
                 router.address, credentials(certs, client_cert=True)

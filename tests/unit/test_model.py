@@ -81,7 +81,13 @@ def test_build_writes_the_file_and_copies_the_config(repository: Path, capsys) -
     assert missing(repository) == []
     with pytest.raises(SystemExit):
         main(["--model-dir", str(repository), "nope"])
-    assert set(EXAMPLES) == {"digits_cnn", "refcnn_cnn", "minilm_encoder", "textgen_generate"}
+    assert set(EXAMPLES) == {
+        "digits_cnn",
+        "refcnn_cnn",
+        "minilm_encoder",
+        "textgen_generate",
+        "textgen_state",
+    }
 
 
 def _png(digit: np.ndarray, *, size: int, dark_ink: bool, mode: str) -> bytes:

@@ -47,8 +47,8 @@ def test_the_example_ensembles_place_each_python_model_where_their_steps_name_it
         "refcnn_preprocess",
         "textgen_tokenize",
     ]
-    # The generator's instance_group asks for a GPU: it runs in the model service, which has the devices.
-    assert python_models_of("model", repository, plans) == ["textgen_generate"]
+    # The generators' instance_group asks for a GPU: they run in the model service, which has the devices.
+    assert python_models_of("model", repository, plans) == ["textgen_generate", "textgen_state"]
     # digits_blank runs on the gated ensemble's blank branch, which names the postprocess stage.
     assert python_models_of("postprocess", repository, plans) == [
         "digits_blank",

@@ -1,4 +1,4 @@
-"""Calls add_one with exec() and answers ten times its Y."""
+"""Calls add_one with InferenceRequest.exec() and answers ten times its Y."""
 
 import triton_python_backend_utils as pb_utils
 

@@ -1,4 +1,4 @@
-"""Calls the sequence model running_sum with exec(), as a request of the sequence ID with the sequence flags
+"""Calls the sequence model running_sum with InferenceRequest.exec(), as a request of the sequence ID with the sequence flags
 FLAGS (1: start, 2: end): its total, or -1 and the call's error message."""
 
 import numpy as np
