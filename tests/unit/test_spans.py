@@ -257,3 +257,42 @@ def test_a_processor_hears_of_each_span_at_its_start(lean):
     assert "stamped" not in finished["before"].attributes
     assert finished["after"].attributes["stamped"] == "after"
     assert stamp.parents == [REMOTE]
+
+
+def test_the_sdk_fields_the_lean_spans_read_are_where_they_were():
+    """The lean tracer reads a few fields of the SDK's tracer and span processors that have no public
+    accessor, and `ReadableSpan`'s properties read a span's own fields: a new SDK release that moves any of
+    them fails here (pyproject.toml pins the SDK to the tested minor release)."""
+    import inspect
+
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    provider = TracerProvider(span_limits=SpanLimits(max_attributes=3, max_events=4, max_links=5))
+    sdk_tracer = provider.get_tracer("pipeline", "1.2")
+    assert sdk_tracer._instrumentation_scope.name == "pipeline"  # type: ignore[attr-defined]
+    assert sdk_tracer._instrumentation_scope.version == "1.2"  # type: ignore[attr-defined]
+    limits = sdk_tracer._span_limits  # type: ignore[attr-defined]
+    assert (limits.max_span_attributes, limits.max_events, limits.max_links) == (3, 4, 5)
+    processor = SimpleSpanProcessor(InMemorySpanExporter())
+    provider.add_span_processor(processor)
+    assert sdk_tracer.span_processor._span_processors == (processor,)  # type: ignore[attr-defined]
+    # ReadableSpan's properties read these fields, which RecordingSpan sets instead of calling its __init__.
+    for field in (
+        "_name",
+        "_context",
+        "_parent",
+        "_kind",
+        "_start_time",
+        "_end_time",
+        "_status",
+        "_resource",
+    ):
+        assert f"self.{field}" in inspect.getsource(ReadableSpan), field
+    # And a lean span reads back through them as the SDK's own span does.
+    lean = Tracer(sdk_tracer)  # type: ignore[arg-type]
+    with lean.start_as_current_span("s", attributes={"a": 1}) as span:
+        span.set_status(Status(StatusCode.ERROR, "no"))
+    assert isinstance(span, RecordingSpan)
+    assert (span.name, span.attributes["a"], span.status.description) == ("s", 1, "no")
+    assert span.instrumentation_scope is not None and span.instrumentation_scope.name == "pipeline"
+    assert span.resource is provider.resource and span.end_time is not None
