@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_infer_arguments(infer)
     infer.set_defaults(func=run_infer_command)
 
-    from pipeline.tools.bench.cli import add_bench_arguments, run_bench_command
+    from pipeline.tools.bench.command import add_bench_arguments, run_bench_command
 
     bench = commands.add_parser("bench", help="load a model or ensemble and report throughput and latency")
     add_bench_arguments(bench)

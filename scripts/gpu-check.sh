@@ -4,7 +4,7 @@
 # (tests/gpu: TensorRT, torch on CUDA and ONNX Runtime's CUDA provider give the CPU's answers at FP32 and FP16;
 # engines built and cached; a .plan served as it is; TensorRT failing on an operator and torch on the GPU
 # taking the model, or the load failing when strict), the runner fallback and quantization tests, then
-# benchmark the runners on the GPU and on the CPU (python -m services.model.bench at batch 1, 8, 16, 32, 128:
+# benchmark the runners on the GPU and on the CPU (python -m bench.runners at batch 1, 8, 16, 32, 128:
 # TensorRT FP32, FP16 and INT8, torch FP32 and FP16, ONNX Runtime; and ResNet-18 at batch 16) and INT8 against
 # FP32 on the CPU (python -m bench.quantize).
 #
@@ -61,12 +61,12 @@ status=0
 
 echo "== benchmark: the runners alone, items/s"
 for device in cuda:0 cpu; do
-  "$PYTHON" -m services.model.bench --device "$device" --batches 1 8 16 32 128 --seconds "$SECONDS_PER_FIGURE" \
+  "$PYTHON" -m bench.runners --device "$device" --batches 1 8 16 32 128 --seconds "$SECONDS_PER_FIGURE" \
     --json "$OUT/bench-${device/:/}.json" 2>&1 | tee "$OUT/bench-${device/:/}.log" || status=$?
 done
 
 echo "== benchmark: ResNet-18 at batch 16 on the GPU (TensorRT FP16 against torch eager, INT8 against FP16)"
-"$PYTHON" -m services.model.bench --device cuda:0 --network resnet18 --batches 16 --seconds "$SECONDS_PER_FIGURE" \
+"$PYTHON" -m bench.runners --device cuda:0 --network resnet18 --batches 16 --seconds "$SECONDS_PER_FIGURE" \
   --json "$OUT/bench-resnet18-cuda0.json" 2>&1 | tee "$OUT/bench-resnet18-cuda0.log" || status=$?
 
 echo "== benchmark: INT8 against FP32 on the CPU (pipeline quantize)"

@@ -37,7 +37,7 @@ from pipeline.router.discovery import StageDiscovery
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.replicas import NOT_SERVING
 from pipeline.router.stage_client import StageClient
-from pipeline.runtime.statistics import ModelStats
+from pipeline.runtime.model_statistics import ModelStats
 
 log = logging.getLogger(__name__)
 

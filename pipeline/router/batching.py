@@ -33,8 +33,8 @@ from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
 from pipeline.protocol.types import BatchingConfig
 from pipeline.router.batch_spans import batch_span
 from pipeline.router.clock import Clock, Timer, Wakeups
+from pipeline.runtime.model_statistics import ModelStats
 from pipeline.runtime.spans import Current
-from pipeline.runtime.statistics import ModelStats
 
 if TYPE_CHECKING:
     from pipeline.runtime.metrics import Metrics

@@ -37,7 +37,7 @@ from pipeline.protocol.codec import (
 from pipeline.protocol.errors import ConfigError, DeadlineExceeded, InvalidInput, ItemError, StageError
 from pipeline.protocol.types import BatchingConfig
 from pipeline.router.batching import DynamicBatcher
-from pipeline.router.caching import ResponseCaching
+from pipeline.router.cache_policy import ResponseCaching
 from pipeline.router.callees import Callees
 from pipeline.router.merge import StageCall, TensorBatching
 from pipeline.router.registry import ModelRegistry, batch_items

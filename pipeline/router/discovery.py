@@ -21,12 +21,12 @@ from collections.abc import Container, Iterable, Mapping
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ModelNotFound, PipelineError, StageError, Unavailable, echo
-from pipeline.router.caching import ResponseCaching
+from pipeline.router.cache_policy import ResponseCaching
 from pipeline.router.registry import ModelRegistry
 from pipeline.router.replicas import DOWN, SERVING
 from pipeline.router.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.statistics import ModelStats
+from pipeline.runtime.model_statistics import ModelStats
 
 log = logging.getLogger(__name__)
 

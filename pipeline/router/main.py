@@ -22,7 +22,7 @@ from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ConfigError
 from pipeline.router.codec_pool import CodecPool
 from pipeline.router.http import RestFrontDoor, RestServer, add_http_arguments
-from pipeline.router.plane import RouterPlane
+from pipeline.router.router_plane import RouterPlane
 from pipeline.router.targets import Resolve
 from pipeline.router.workers import WorkerPeers, run_workers
 from pipeline.runtime import settings

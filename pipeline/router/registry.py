@@ -18,7 +18,7 @@ from pipeline.protocol.errors import ModelNotFound, echo
 from pipeline.router.batching import DynamicBatcher
 from pipeline.router.merge import StageCall, TensorBatching
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.statistics import ModelStats
+from pipeline.runtime.model_statistics import ModelStats
 
 #: The version the router reports for every ensemble.
 ENSEMBLE_VERSION = "1"

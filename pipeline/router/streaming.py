@@ -37,8 +37,8 @@ from pipeline.protocol.errors import DeadlineExceeded, PipelineError
 from pipeline.protocol.streams import error_response, is_final, set_final, status_of
 from pipeline.router.executor import Executor
 from pipeline.router.registry import ENSEMBLE_VERSION
+from pipeline.runtime.model_statistics import ModelStats
 from pipeline.runtime.servicer import CallContext, rpc_status_of
-from pipeline.runtime.statistics import ModelStats
 
 #: Responses of one request held between the decoupled step and the client (running downstream or done).
 STREAM_DEPTH = 16

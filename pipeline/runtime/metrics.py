@@ -32,11 +32,12 @@ Beside them, Triton's per-model metrics with Triton's names, types, help texts a
 `nv_inference_request_failure`, `nv_inference_count`, `nv_inference_exec_count`, the cumulative microsecond
 counters `nv_inference_request_duration_us`, `nv_inference_queue_duration_us` and
 `nv_inference_compute_{input,infer,output}_duration_us`, and the gauge `nv_inference_pending_request_count`.
-They are read at scrape time from the server's own `ModelStatistics` (pipeline/statistics.py), so the two
-views always agree. Triton's counters carry no `_total` suffix, which prometheus_client's exposition adds to
-every counter; these families are therefore written by `_triton_text`, after the registry's, and `/metrics`
-always answers in the Prometheus text format (version 0.0.4), whose counters need no suffix. The registry
-also holds Prometheus' standard process collector (`process_cpu_seconds_total`, memory, open files, ...).
+They are read at scrape time from the server's own `ModelStatistics` (`pipeline.runtime.model_statistics`),
+so the two views always agree. Triton's counters carry no `_total` suffix, which prometheus_client's
+exposition adds to every counter; these families are therefore written by `_triton_text`, after the
+registry's, and `/metrics` always answers in the Prometheus text format (version 0.0.4), whose counters need
+no suffix. The registry also holds Prometheus' standard process collector (`process_cpu_seconds_total`,
+memory, open files, ...).
 
 The counters and histograms updated per request are this module's own (`LoopCounter`, `LoopHistogram`):
 plain numbers that the server's event loop adds to without a lock, exposed through the registry as

@@ -255,7 +255,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.metrics.export_statistics(plane.statistics)
         #: The system shared-memory regions clients registered (Triton's extension).
         self.shared_memory = SharedMemoryRegistry()
-        #: The port this server takes frames on (`pipeline.runtime.frames`), once it listens there.
+        #: The port this server takes frames on (`pipeline.runtime.frame_server`), once it listens there.
         self.frames_port: int | None = None
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:

@@ -3,8 +3,8 @@
 A stage service serves the repository entries whose backend it runs. For each version it serves, its
 `Backend` reads the artifact, completes and checks the config (Triton's auto-complete), and hands back a
 `PreparedVersion`: the config clients will read through `ModelConfig`, and one unloaded `Instance` per
-instance of Triton's `instance_group`. The runtime (`pipeline.stage.plane.StagePlane`) loads the instances
-(each on a thread of its own), routes requests to an idle one, and swaps versions in and out
+instance of Triton's `instance_group`. The runtime (`pipeline.stage.stage_plane.StagePlane`) loads the
+instances (each on a thread of its own), routes requests to an idle one, and swaps versions in and out
 (`RepositoryModelLoad` / `RepositoryModelUnload`).
 
 `StageInstance` adapts a `pipeline.stage.api.Stage` object to an instance, and `stage_config` describes it as a
@@ -37,8 +37,8 @@ from pipeline.runtime.repository import BACKEND_PLATFORMS, RepositoryEntry
 from pipeline.stage.api import NO_DEADLINE, Deadline, Stage
 
 #: Config fields the stage runtime acts on whatever the backend: those every service does, the warm-up
-#: samples (`pipeline.stage.warmup`) and the sequence batcher (`pipeline.stage.sequences`). A backend adds its
-#: own and logs the rest as ignored.
+#: samples (`pipeline.stage.warmup`) and the sequence batcher (`pipeline.stage.sequence_batcher`). A backend
+#: adds its own and logs the rest as ignored.
 RUNTIME_FIELDS = SERVED_FIELDS | {"model_warmup", "sequence_batching"}
 
 

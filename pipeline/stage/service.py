@@ -16,7 +16,7 @@ from pipeline.ensemble.catalog import ensemble_plans
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
 from pipeline.runtime.arguments import add_server_arguments, inflight_bytes_of
-from pipeline.runtime.frames import FrameServer
+from pipeline.runtime.frame_server import FrameServer
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.security import (
@@ -41,9 +41,9 @@ from pipeline.runtime.telemetry import Telemetry
 from pipeline.stage.api import Stage
 from pipeline.stage.control import add_model_control_arguments, model_control_of
 from pipeline.stage.placement import python_models_of, unplaced_python_models
-from pipeline.stage.plane import StagePlane
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.stage.router_link import RouterCalls
+from pipeline.stage.stage_plane import StagePlane
 
 if TYPE_CHECKING:
     from pipeline.stage.backend import Backend
@@ -192,8 +192,8 @@ def _router_calls(args: argparse.Namespace) -> RouterCalls | None:
 def _frame_server(
     servicer: InferenceServicer, args: argparse.Namespace, policy: AccessPolicy
 ) -> FrameServer | None:
-    """The service's frame port (`pipeline.runtime.frames`), unless `--frames-port off`: with the TLS of the
-    service's gRPC port where it has TLS (the same flags), client certificates and all."""
+    """The service's frame port (`pipeline.runtime.frame_server`), unless `--frames-port off`: with the TLS of
+    the service's gRPC port where it has TLS (the same flags), client certificates and all."""
     if getattr(args, "frames_port", None) is None:
         return None
     return FrameServer(

@@ -46,7 +46,7 @@ from pipeline.stage import triton_python_backend_utils as pb_utils
 from pipeline.stage.api import NO_DEADLINE, Deadline
 from pipeline.stage.backend import PreparedVersion, ResponseSink
 from pipeline.stage.model_file import SharedModule, cause, device_of, instance_placements, where
-from pipeline.stage.sequences import Row
+from pipeline.stage.sequence_batcher import Row
 from pipeline.stage.triton_model_config import COMPLETED_FIELDS
 
 _ERROR = pb_utils.TritonError
@@ -239,9 +239,10 @@ class TritonInstance:
     def run_requests(
         self, rows: Sequence[Row], deadline: Deadline = NO_DEADLINE
     ) -> list[dict[str, np.ndarray] | PipelineError]:
-        """A sequence batch (`pipeline.stage.sequences`) as Triton hands it to `execute`: one request per row,
-        each with its sequence's correlation id and flags; each response answers its own row (an error
-        response fails that row alone). Every tensor a response carries comes back, state outputs included."""
+        """A sequence batch (`pipeline.stage.sequence_batcher`) as Triton hands it to `execute`: one request
+        per row, each with its sequence's correlation id and flags; each response answers its own row (an
+        error response fails that row alone). Every tensor a response carries comes back, state outputs
+        included."""
         remaining = deadline.remaining()
         requests = [
             pb_utils.InferenceRequest(

@@ -16,7 +16,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import InvalidInput
 from pipeline.protocol.types import TensorSpec
 from pipeline.stage.api import Stage
-from pipeline.tools.bench.cli import parse_shape
+from pipeline.tools.bench.command import parse_shape
 from pipeline.tools.bench.options import BenchError, BenchOptions
 from pipeline.tools.bench.payloads import build_request, synthesize_inputs
 from pipeline.tools.bench.report import format_report, write_json, write_plot

@@ -18,7 +18,7 @@ from grpc_status import rpc_status
 from pipeline.protocol.errors import DeadlineExceeded
 from pipeline.runtime.servicer import CallContext
 from pipeline.stage import Stage, TensorSpec
-from pipeline.stage.plane import StagePlane
+from pipeline.stage.stage_plane import StagePlane
 from pipeline.tools.testing import serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.stages import example_stage

@@ -21,7 +21,7 @@ from pipeline.ensemble.catalog import load_catalog, load_ensembles
 from pipeline.protocol.codec import Tensor, infer_response, metadata_response, response_tensors
 from pipeline.protocol.errors import ConfigError, ModelNotFound
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.plane import RouterPlane
+from pipeline.router.router_plane import RouterPlane
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.server import create_server, set_serving

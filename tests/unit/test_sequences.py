@@ -15,8 +15,8 @@ from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.sequences import SequenceId
 from pipeline.router.replicas import rendezvous
 from pipeline.stage.api import NO_DEADLINE
+from pipeline.stage.sequence_batcher import Row, SequenceBatcher, split_rows
 from pipeline.stage.sequence_config import SequenceSettings
-from pipeline.stage.sequences import Row, SequenceBatcher, split_rows
 
 CONFIG = """
 max_batch_size: 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.router.workers import merge_statistics
-from pipeline.runtime.statistics import ModelStats
+from pipeline.runtime.model_statistics import ModelStats
 
 
 def reply(*entries: tuple[str, ModelStats]) -> pb.ModelStatisticsResponse:

@@ -1,4 +1,4 @@
-"""`python -m services.model.bench`: the model service's runners side by side on the same network.
+"""`python -m bench.runners`: the model service's runners side by side on the same network.
 
 No gRPC, no router: each runner is the instance the model service would run (`ModelBackend.prepare`, then
 `load`), driven directly as its thread drives it, so the figures are the runner's own. The network is the
@@ -11,10 +11,10 @@ service's default, 1). On a GPU where TensorRT runs, TensorRT at FP32, FP16 and 
 The machine is shared and noisy, so each figure is measured `--rounds` times, the runners interleaved, and
 the median is printed beside every round's figure.
 
-    python -m services.model.bench                          # CPU, batch 1, 8, 32
-    python -m services.model.bench --batches 1 8 32 128 --rounds 5 --seconds 2
-    python -m services.model.bench --device cuda:0          # the GPU runners, where there is one
-    python -m services.model.bench --device cuda:0 --network resnet18 --batches 16
+    python -m bench.runners                         # CPU, batch 1, 8, 32
+    python -m bench.runners --batches 1 8 32 128 --rounds 5 --seconds 2
+    python -m bench.runners --device cuda:0         # the GPU runners, where there is one
+    python -m bench.runners --device cuda:0 --network resnet18 --batches 16
 """
 
 from __future__ import annotations
@@ -209,9 +209,7 @@ def report(figures: dict[str, dict[int, list[float]]], batches: Sequence[int]) -
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the command line, measure, print the table."""
-    parser = argparse.ArgumentParser(
-        prog="python -m services.model.bench", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench.runners", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=3, help="measurements per figure; default %(default)s")
     parser.add_argument("--seconds", type=float, default=1.0, help="per measurement; default %(default)s")

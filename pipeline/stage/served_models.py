@@ -1,7 +1,7 @@
 """What a stage service serves: each model's loaded versions, their instances and what they are doing.
 
-`StagePlane` (`pipeline.stage.plane`) keeps one `ServedModel` per model it knows, and one `ServedVersion` per
-version loaded; `RepositoryIndex` and the gauges are read from them.
+`StagePlane` (`pipeline.stage.stage_plane`) keeps one `ServedModel` per model it knows, and one
+`ServedVersion` per version loaded; `RepositoryIndex` and the gauges are read from them.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.statistics import ModelStats
+from pipeline.runtime.model_statistics import ModelStats
 from pipeline.stage.pool import InstancePool
-from pipeline.stage.sequences import SequenceBatcher
+from pipeline.stage.sequence_batcher import SequenceBatcher
 
 
 @dataclass(eq=False)
@@ -41,8 +41,8 @@ class ServedVersion:
     decoupled: bool = field(init=False)
     #: `outputs` by name.
     output_specs: dict[str, TensorSpec] = field(init=False)
-    #: The sequence batcher of a model with `sequence_batching` (`pipeline.stage.sequences`): every request
-    #: goes through it.
+    #: The sequence batcher of a model with `sequence_batching` (`pipeline.stage.sequence_batcher`): every
+    #: request goes through it.
     sequences: SequenceBatcher | None = None
 
     def __post_init__(self) -> None:

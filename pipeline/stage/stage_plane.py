@@ -71,9 +71,9 @@ from pipeline.stage.decoupled import count_stream, stream_replies
 from pipeline.stage.encode import stage_response
 from pipeline.stage.pool import NOT_STARTED_MESSAGE, InstancePool, Slot
 from pipeline.stage.router_link import RouterCalls
+from pipeline.stage.sequence_batcher import Row, SequenceBatcher, split_rows
 from pipeline.stage.sequence_config import SequenceSettings
-from pipeline.stage.sequences import Row, SequenceBatcher, split_rows
-from pipeline.stage.served import ServedModel, ServedVersion, export_gauges, index_entries
+from pipeline.stage.served_models import ServedModel, ServedVersion, export_gauges, index_entries
 from pipeline.stage.warmup import warm_up, warmup_samples
 
 log = logging.getLogger(__name__)

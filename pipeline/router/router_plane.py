@@ -5,7 +5,7 @@ are `pipeline.router.discovery`'s, which ensembles can be served and the router'
 `pipeline.router.availability`'s; what is known of each model (signatures, batchers,
 statistics) is the `pipeline.router.registry`'s; ensembles run on the DAG executor
 (`pipeline.router.executor`) and stage models are called through `pipeline.router.calls`, batched or
-forwarded; the response cache's policy is `pipeline.router.caching`'s. An ensemble with a decoupled step,
+forwarded; the response cache's policy is `pipeline.router.cache_policy`'s. An ensemble with a decoupled step,
 and a decoupled stage model, answer on streams only, with many responses per request
 (`pipeline.router.streaming`). As Triton does for an ensemble's
 composing models, the stage models named in steps are served here too, by forwarding to their stage. The
@@ -28,7 +28,7 @@ from pipeline.protocol.codec import metadata_response, select_version
 from pipeline.protocol.errors import InvalidInput, ModelNotFound, Unavailable, Unimplemented
 from pipeline.protocol.streams import DECOUPLED_UNARY
 from pipeline.router.availability import EnsembleAvailability
-from pipeline.router.caching import ResponseCaching
+from pipeline.router.cache_policy import ResponseCaching
 from pipeline.router.calls import StageCalls
 from pipeline.router.discovery import StageDiscovery
 from pipeline.router.executor import Executor
@@ -39,9 +39,9 @@ from pipeline.router.streaming import EnsembleStreams
 from pipeline.router.targets import Resolve
 from pipeline.router.workers import WorkerPeers, merge_statistics
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.model_statistics import ModelStats
 from pipeline.runtime.security import ClientTls
 from pipeline.runtime.servicer import CallContext, DataPlane
-from pipeline.runtime.statistics import ModelStats
 from pipeline.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
