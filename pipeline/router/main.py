@@ -27,6 +27,7 @@ from pipeline.router.targets import Resolve
 from pipeline.router.workers import WorkerPeers, run_workers
 from pipeline.runtime import settings
 from pipeline.runtime.arguments import add_server_arguments, inflight_bytes_of, positive_int
+from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_control import add_model_control_mode_argument, explicit_mode
 from pipeline.runtime.security import (
@@ -340,6 +341,8 @@ async def serve_router(
         plane, "pipeline-router", telemetry=telemetry, metrics=metrics, max_inflight_bytes=budget
     )
     rest = RestServer(_front_door(servicer, args, policy), grace=args.grace_period)
+    # The stages' models send their calls (BLS) here; every other call is gRPC's.
+    frames = frame_server_of(servicer, args, policy)
     server, port = await _listen(args, servicer, health_servicer, policy)
     monitor: asyncio.Task[None] | None = None
     poll: asyncio.Task[None] | None = None
@@ -350,6 +353,8 @@ async def serve_router(
             await peers.start(plane.local_statistics)
         start_metrics(metrics, args)
         await rest.start(args, http_bound)
+        if frames is not None:
+            servicer.frames_port = await frames.start(args.host, args.frames_port, reuse_port=args.reuse_port)
         write_port(args.port_file, port)
         if bound is not None:
             bound(port)
@@ -387,6 +392,7 @@ async def serve_router(
         stop=stop,
         stopping=stopping,
         drain_delay=getattr(args, "drain_delay", 0.0),
+        drain=None if frames is None else frames.close,
     )
 
 

@@ -25,13 +25,13 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.protocol.frames import port_of
 from pipeline.protocol.streams import STREAM_STATUS_EXTENSION
-from pipeline.router.frame_client import FrameConnection
 from pipeline.router.retry import StageRetry
 from pipeline.router.stage_stream import StageStream
 from pipeline.router.targets import Resolve, Target, read_addresses, resolve_dns, tls_name
 from pipeline.runtime import settings
 from pipeline.runtime.security import ClientTls
 from pipeline.runtime.server import keepalive_options, server_options
+from pipeline.transport.frame_client import FrameConnection
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Replica:
         self.watch: asyncio.Task[None] | None = None
         #: Its server's `ServerMetadata.extensions` (None: not asked yet).
         self.extensions: frozenset[str] | None = None
-        #: Its frame connection (`pipeline.router.frame_client`), and whether its server takes frames (None:
+        #: Its frame connection (`pipeline.transport.frame_client`), and whether its server takes frames (None:
         #: not asked yet, or to be asked again).
         self._frames: FrameConnection | None = None
         self.takes_frames: bool | None = None

@@ -15,17 +15,15 @@ stream opened afterwards travels on the new connection while the old one finishe
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Sequence
 
 import grpc
-from grpc_status import rpc_status
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.protocol.streams import add_hop_parameters, remove_hop_parameters, status_of
+from pipeline.transport.matched import MatchedRequests, rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +31,6 @@ log = logging.getLogger(__name__)
 MAX_AGE_S = 10.0
 
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 #: How a stream's call ends when its connection does: gRPC's core reports a connection closed under a live
 #: call as any of these.
 _CUT_OFF = frozenset(
@@ -46,13 +43,6 @@ _CUT_OFF = frozenset(
 )
 
 
-def rpc_error(
-    code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, str | bytes]] = ()
-) -> grpc.aio.AioRpcError:
-    """The error a unary call with this outcome would have raised."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
-
-
 class StreamBroken(grpc.aio.AioRpcError):
     """A request cut off by the end of its stream, not refused by the stage: most often the connection
     under the stream was recycled (`max_connection_age`) or the replica went away. The stage may or may not
@@ -60,68 +50,6 @@ class StreamBroken(grpc.aio.AioRpcError):
 
     def __init__(self, details: str) -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-
-
-def raise_streamed_error(response: pb.ModelStreamInferResponse) -> None:
-    """Raise what a unary call would have raised, where a streamed response says its request failed."""
-    if response.error_message:
-        status = status_of(response)
-        code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
-        raise rpc_error(code, status.message, rpc_status.to_status(status).trailing_metadata)
-
-
-class MatchedRequests:
-    """Requests sent on one connection and their responses matched by `id`: what a stage stream and a frame
-    connection share. A subclass sends (`_send`) and reads, handing each response to `_answered`."""
-
-    #: What the ids of this kind of connection begin with (in logs, which hop a request took).
-    PREFIX = ""
-
-    def __init__(self) -> None:
-        self._pending: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
-        self._ids = itertools.count()
-        self.broken: grpc.aio.AioRpcError | None = None
-
-    async def _send(self, request: pb.ModelInferRequest) -> None:
-        raise NotImplementedError
-
-    async def infer(
-        self, request: pb.ModelInferRequest, timeout: float | None, trace: dict[str, str]
-    ) -> pb.ModelInferResponse:
-        """Send `request` and wait for its response (at most `timeout` seconds); raises `AioRpcError` as a
-        unary call would. The request's `id` is the connection's while it travels."""
-        if self.broken is not None:
-            raise self.broken
-        own_id = request.id
-        key = request.id = f"{self.PREFIX}{next(self._ids)}"
-        add_hop_parameters(request, timeout, trace)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[pb.ModelStreamInferResponse] = loop.create_future()
-        self._pending[key] = future
-        timer = loop.call_later(timeout, self._expire, key) if timeout is not None else None
-        try:
-            await self._send(request)
-            response = await future
-        finally:
-            self._pending.pop(key, None)
-            if timer is not None:
-                timer.cancel()
-            request.id = own_id
-            remove_hop_parameters(request)
-        raise_streamed_error(response)
-        reply = response.infer_response
-        reply.id = own_id
-        return reply
-
-    def _expire(self, key: str) -> None:
-        future = self._pending.pop(key, None)
-        if future is not None and not future.done():
-            future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
-
-    def _answered(self, response: pb.ModelStreamInferResponse) -> None:
-        future = self._pending.pop(response.infer_response.id, None)
-        if future is not None and not future.done():
-            future.set_result(response)
 
 
 class StageStream(MatchedRequests):

@@ -68,17 +68,21 @@ def add_server_arguments(
     parser.add_argument(
         "--metrics-port-file", type=Path, default=None, help="write the bound metrics port to this file"
     )
+    frames = settings.frames_port(service)
+    fast_path = (
+        "the stages' fast path for their models' calls to other models (BLS)"
+        if service == "router"
+        else "the router's fast path to this service"
+    )
+    parser.add_argument(
+        "--frames-port",
+        type=settings.port_or_off,
+        default=frames.get(),
+        help=f"port of the frame protocol, {fast_path} (the protocol's messages on a stream of their own, "
+        "with the TLS and client certificates of the gRPC port where it has them; gRPC serves everything "
+        f"else), 0 for one the OS picks, 'off' for none (env {frames.variable}; default %(default)s)",
+    )
     if service != "router":
-        frames = settings.frames_port(service)
-        parser.add_argument(
-            "--frames-port",
-            type=settings.port_or_off,
-            default=frames.get(),
-            help="port of the frame protocol, the router's fast path to this service (the protocol's "
-            "messages on a stream of their own, with the TLS and client certificates of the gRPC port where "
-            "it has them; gRPC serves everything else), 0 for one the OS picks, 'off' for none "
-            f"(env {frames.variable}; default %(default)s)",
-        )
         parser.add_argument(
             "--router",
             default=settings.ROUTER.get(),

@@ -14,6 +14,7 @@ call (`AccessPolicy.scope`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import ssl
@@ -33,7 +34,12 @@ from pipeline.protocol.frames import (
     stream_response,
 )
 from pipeline.protocol.streams import error_response, hop_context
-from pipeline.runtime.security import UNAUTHENTICATED_MESSAGE, AccessPolicy, certificate_names
+from pipeline.runtime.security import (
+    UNAUTHENTICATED_MESSAGE,
+    AccessPolicy,
+    certificate_names,
+    server_ssl_context_of,
+)
 from pipeline.runtime.servicer import CallContext, InferenceServicer, internal_error, rpc_status_of
 
 log = logging.getLogger(__name__)
@@ -65,10 +71,13 @@ class FrameServer:
         self._closing = False
         self.port: int | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on `host:port` (0: a port the OS picks); returns the port."""
+    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
+        """Listen on `host:port` (0: a port the OS picks; `reuse_port`: shared with other processes, the
+        router's workers); returns the port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._connection, host, port, ssl=self.tls)
+        self._server = await loop.create_server(
+            self._connection, host, port, ssl=self.tls, reuse_port=reuse_port or None
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -171,6 +180,21 @@ class FrameServer:
         finally:
             budget.release(size)
             slots.release()
+
+
+def frame_server_of(
+    servicer: InferenceServicer, args: argparse.Namespace, policy: AccessPolicy
+) -> FrameServer | None:
+    """A server's frame port, unless `--frames-port off`: with the TLS of the server's gRPC port where it
+    has TLS (the same flags), client certificates and all, and its access policy."""
+    if getattr(args, "frames_port", None) is None:
+        return None
+    return FrameServer(
+        servicer,
+        max_frame_bytes=args.max_message_mb * 1024 * 1024,
+        policy=policy,
+        tls=server_ssl_context_of(args),
+    )
 
 
 class _Connection(FrameProtocol):

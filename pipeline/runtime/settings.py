@@ -97,9 +97,9 @@ def metrics_port(service: str) -> Setting[int | None]:
 
 
 def frames_port(service: str) -> Setting[int | None]:
-    """`PIPELINE_<SERVICE>_FRAMES_PORT`: a stage's frame port (`pipeline.runtime.frame_server`); by default
-    one the OS picks (its callers learn it from `ServerMetadata`), fixed where a network policy must name
-    it."""
+    """`PIPELINE_<SERVICE>_FRAMES_PORT`: a server's frame port (`pipeline.runtime.frame_server`); by default
+    one the OS picks (its callers learn it from `ServerMetadata`), fixed where a network policy or a load
+    balancer in front of several routers must name it."""
     return Setting(f"PIPELINE_{service.upper()}_FRAMES_PORT", 0, port_or_off)
 
 

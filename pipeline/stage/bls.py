@@ -13,10 +13,10 @@ out into many calls fills the callee's batches. Each call carries what its calle
   (they answer CANCELLED at once; the router, which got them on a shared stream, finishes them).
 
 The calls run on the service's event loop, whatever thread the model runs on (`pipeline.stage.router_link`
-carries them): `exec` waits for the answer on the model's thread, `async_exec` in the model's own event
-loop. Calls made together to one batching model go as one request of all their items (`CallScope.submit`).
-What a model sees of them is in `pipeline.stage.triton_python_backend_utils`; here they are tensors in and
-a `Reply` out.
+carries them, over the router's frame port where it has one): `exec` waits for the answer on the model's
+thread, `async_exec` in the model's own event loop. Calls made together to one batching model go as one
+request of all their items (`CallScope.submit`). What a model sees of them is in
+`pipeline.stage.triton_python_backend_utils`; here they are tensors in and a `Reply` out.
 """
 
 from __future__ import annotations
@@ -388,10 +388,7 @@ class CallScope:
             return Reply.failed(err.code(), err.details() or err.code().name)
         except ConnectionError as err:
             return Reply.failed(grpc.StatusCode.UNAVAILABLE, f"call to model '{call.model}': {err}")
-        if reply.error_message:
-            status = status_of(reply)
-            return Reply.failed(_status_code(status.code), status.message)
-        return Reply.of(reply.infer_response)
+        return Reply.of(reply)
 
     async def _stream(self, call: Call, responses: Responses) -> Reply:
         assert self.router is not None

@@ -1,12 +1,17 @@
 """The stage service's link to the router, on which the calls its models make to other models go
-(`pipeline.stage.bls`): one `ModelStreamInfer` stream carries the calls, a stream of their own those to
-decoupled models, and the callees' `max_batch_size` is asked once per model.
+(`pipeline.stage.bls`). The calls go on one connection to the router's frame port where the router has one
+(`pipeline.transport.frame_client`: the protocol's messages without gRPC's cost per message, with the TLS and
+token of the gRPC channel), else on one `ModelStreamInfer` stream; calls to decoupled models go on a stream of
+their own, and the callees' `max_batch_size` is asked once per model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import ssl
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
@@ -14,15 +19,23 @@ import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
+from pipeline.protocol.frames import port_of
 from pipeline.protocol.streams import EMPTY_FINAL_PARAMETER, add_hop_parameters, is_final
 from pipeline.runtime.server import server_options
+from pipeline.transport.frame_client import FrameConnection
+from pipeline.transport.matched import raise_streamed_error
+
+log = logging.getLogger(__name__)
+
+#: Seconds before a router's frame port that could not be used is tried again (gRPC carries the calls meanwhile).
+FRAMES_RETRY_S = 5.0
 
 
 class RouterCalls:
     """The service's channel to the router, on which its models' calls go. The router's address is
     `address`, or read from `port_file` (with `host`) at the first call, for a router started after the
-    service on a port the OS picked. `credentials` (None: plaintext) and `token` (the router's clients'
-    bearer token) go with every call."""
+    service on a port the OS picked. `credentials` and `tls` (None: plaintext), the gRPC channel's and the
+    frame connection's TLS, and `token` (the router's clients' bearer token) go with every call."""
 
     def __init__(
         self,
@@ -32,9 +45,16 @@ class RouterCalls:
         host: str = "127.0.0.1",
         max_message_bytes: int = 64 * 1024 * 1024,
         credentials: grpc.ChannelCredentials | None = None,
+        tls: ssl.SSLContext | None = None,
         token: str | None = None,
     ) -> None:
         self._credentials = credentials
+        self._tls = tls
+        self._resolved: str | None = None
+        #: The frame connection, once open; when the router's frame port was last found unusable.
+        self._frames: FrameConnection | None = None
+        self._frames_failed_at: float | None = None
+        self._opening: asyncio.Task[FrameConnection | None] | None = None
         self._address = address
         self._port_file = port_file
         self._host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
@@ -62,6 +82,7 @@ class RouterCalls:
                 ) from None
         if address is None:
             raise ConnectionError("no router address")
+        self._resolved = address
         options = server_options(self._max_message_bytes)
         if self._credentials is None:
             self._channel = grpc.aio.insecure_channel(address, options=options)
@@ -72,14 +93,70 @@ class RouterCalls:
 
     async def infer(
         self, request: pb.ModelInferRequest, timeout: float | None, context: Mapping[str, str]
-    ) -> pb.ModelStreamInferResponse:
-        """One call, on the stream that carries the service's calls (one stream for them all: a message on
-        it costs the router and the service less than a call of its own); `context` is the call's trace
-        context and chain. The response carries the error of a call that failed."""
+    ) -> pb.ModelInferResponse:
+        """One call, on the frame connection or else the stream that carries the service's calls (one for
+        them all: a message on it costs the router and the service less than a call of its own); `context`
+        is the call's trace context and chain. A call that fails raises the `grpc.aio.AioRpcError` a unary
+        call would have raised."""
+        frames = self._frames
+        if frames is None or frames.broken is not None:
+            frames = await self._frame_connection()
+        if frames is not None:
+            return await frames.infer(request, timeout, context)
         stream = self._shared
         if stream is None or stream.broken:
             stream = self._shared = _SharedStream(self._connect(), self._auth)
-        return await stream.infer(request, timeout, context)
+        reply = await stream.infer(request, timeout, context)
+        raise_streamed_error(reply)
+        return reply.infer_response
+
+    async def _frame_connection(self) -> FrameConnection | None:
+        """The frame connection to the router, opened where the router names a frame port; None (gRPC then)
+        where it names none, or where it could not be used in the last `FRAMES_RETRY_S` seconds. One
+        opening at a time: the calls made meanwhile wait for it."""
+        failed = self._frames_failed_at
+        if failed is not None and time.monotonic() - failed < FRAMES_RETRY_S:
+            return None
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._open_frames())
+        opening = self._opening
+        try:
+            return await asyncio.shield(opening)
+        finally:
+            if opening.done() and self._opening is opening:
+                self._opening = None
+
+    async def _open_frames(self) -> FrameConnection | None:
+        stub = self._connect()
+        try:
+            metadata = await stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=5.0, metadata=self._auth)
+            port = port_of(tuple(metadata.extensions))
+            if port is None:
+                self._frames_failed_at = time.monotonic()
+                return None
+            assert self._resolved is not None
+            host = self._resolved.rpartition(":")[0].removeprefix("ipv4:").strip("[]")
+            self._frames = await FrameConnection.open(
+                host, port, self._auth, self._max_message_bytes, tls=self._tls
+            )
+        except (grpc.aio.AioRpcError, OSError, TimeoutError) as err:
+            log.warning(
+                "the router's frame port cannot be used (%s): models' calls go over gRPC for %.0f s",
+                err,
+                FRAMES_RETRY_S,
+            )
+            self._frames_failed_at = time.monotonic()
+            return None
+        self._frames_failed_at = None
+        log.info("models' calls to other models go to the router's frame port %s:%d", host, port)
+        return self._frames
+
+    @property
+    def transport(self) -> str | None:
+        """How the calls go now: `frames`, `grpc` (a `ModelStreamInfer` stream), or None before the first."""
+        if self._frames is not None and self._frames.broken is None:
+            return "frames"
+        return "grpc" if self._shared is not None and not self._shared.broken else None
 
     async def stream(
         self, request: pb.ModelInferRequest, timeout: float | None, metadata: Sequence[tuple[str, str]]
@@ -116,6 +193,8 @@ class RouterCalls:
         return int(reply.config.max_batch_size)
 
     async def close(self) -> None:
+        if self._frames is not None:
+            self._frames.close()
         if self._shared is not None:
             self._shared.close()
         if self._channel is not None:

@@ -16,17 +16,15 @@ from pipeline.ensemble.catalog import ensemble_plans
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
 from pipeline.runtime.arguments import add_server_arguments, inflight_bytes_of
-from pipeline.runtime.frame_server import FrameServer
+from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.security import (
-    AccessPolicy,
     SecurityConfigError,
     access_policy_of,
-    channel_credentials,
+    client_tls,
     interceptors_of,
     server_credentials_of,
-    server_ssl_context_of,
 )
 from pipeline.runtime.server import (
     create_server,
@@ -124,7 +122,7 @@ async def serve_stages(
     servicer = InferenceServicer(
         plane, service, telemetry=telemetry, metrics=metrics, max_inflight_bytes=inflight_bytes_of(args)
     )
-    frames = _frame_server(servicer, args, policy)
+    frames = frame_server_of(servicer, args, policy)
     server, port = await create_server(
         f"{args.host}:{args.port}",
         servicer,
@@ -178,29 +176,15 @@ def _router_calls(args: argparse.Namespace) -> RouterCalls | None:
     if address is None and port_file is None:
         return None
     ca = getattr(args, "tls_ca", None)
-    credentials = channel_credentials(ca, args.tls_cert, args.tls_key) if ca else None
+    tls = client_tls(ca, args.tls_cert, args.tls_key) if ca else None
     return RouterCalls(
         address,
         port_file=port_file,
         host=args.host,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
-        credentials=credentials,
+        credentials=None if tls is None else tls.credentials,
+        tls=None if tls is None else tls.ssl_context,
         token=settings.TOKEN.get(),
-    )
-
-
-def _frame_server(
-    servicer: InferenceServicer, args: argparse.Namespace, policy: AccessPolicy
-) -> FrameServer | None:
-    """The service's frame port (`pipeline.runtime.frame_server`), unless `--frames-port off`: with the TLS of
-    the service's gRPC port where it has TLS (the same flags), client certificates and all."""
-    if getattr(args, "frames_port", None) is None:
-        return None
-    return FrameServer(
-        servicer,
-        max_frame_bytes=args.max_message_mb * 1024 * 1024,
-        policy=policy,
-        tls=server_ssl_context_of(args),
     )
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -324,7 +326,11 @@ def write_repository(root: Path) -> Path:
 
 @contextlib.asynccontextmanager
 async def pipeline(
-    tmp_path: Path, *, stage_telemetry: Telemetry | None = None, router_telemetry: Telemetry | None = None
+    tmp_path: Path,
+    *,
+    stage_telemetry: Telemetry | None = None,
+    router_telemetry: Telemetry | None = None,
+    router_options: dict[str, object] | None = None,
 ) -> AsyncIterator[Running]:
     """The repository's Python models on a stage service, and the router; the stage finds the router's
     port in a file written once the router listens, as a launcher does."""
@@ -340,7 +346,9 @@ async def pipeline(
     ) as stage:
         await wait_serving(stage.address)
         catalog = load_catalog(repository=root, stages={"python": stage.address})
-        async with serving_router(catalog, telemetry=router_telemetry or Telemetry()) as router:
+        async with serving_router(
+            catalog, telemetry=router_telemetry or Telemetry(), options=router_options
+        ) as router:
             port_file.write_text(router.address.rsplit(":", 1)[1])
             await wait_serving(router.address)
             yield router
@@ -375,6 +383,28 @@ async def test_models_call_a_stage_model_an_ensemble_and_a_decoupled_model(tmp_p
             if response.infer_response.parameters["triton_final_response"].bool_param:
                 break
         assert ys == [xs(2).tolist(), xs(4).tolist()]
+
+
+@pytest.mark.parametrize("frames_port", [0, None], ids=["frames", "no-frame-port"])
+async def test_calls_go_on_the_routers_frame_port_and_on_grpc_where_it_has_none(
+    tmp_path: Path, frames_port: int | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The router names its frame port in `ServerMetadata`; the stage sends its models' calls there, with
+    the same answers as over gRPC, which carries them where the router takes no frames."""
+    caplog.set_level(logging.INFO, logger="pipeline.stage.router_link")
+    options = {"frames_port": frames_port}
+    async with pipeline(tmp_path, router_options=options) as router, inference_stub(router.address) as stub:
+        metadata = await stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=10)
+        named = any(e.startswith("pipeline_frames:") for e in metadata.extensions)
+        assert named == (frames_port is not None)
+        for _ in range(3):
+            reply = await stub.ModelInfer(request_for("call_double", X=xs(1, 2)), timeout=30)
+            assert response_tensors(reply)["Y"].to_array().tolist() == xs(3, 5).tolist()
+        error = await rpc_error(stub.ModelInfer(request_for("call_failing", X=xs(1)), timeout=30))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "broken on purpose" in (error.details() or "")
+    on_frames = "go to the router's frame port" in caplog.text
+    assert on_frames == (frames_port is not None)
 
 
 async def test_a_callees_error_reaches_the_caller_with_its_message(tmp_path: Path) -> None:

@@ -1,10 +1,11 @@
-"""The router's connection to a stage's frame port (`pipeline.protocol.frames`): many `ModelInfer`
-requests in flight on one stream, matched with their responses by `id`; over TLS where the router's channel
-to the stage has TLS (the same roots, client certificate and server name), never plaintext then.
+"""A connection to a server's frame port (`pipeline.protocol.frames`): many `ModelInfer` requests in flight on
+one stream, matched with their responses by `id`; over TLS where the caller's gRPC channel to that server has
+TLS (the same roots, client certificate and server name), never plaintext then. The router calls its stages
+this way, and the stages send their models' calls (BLS) to the router this way.
 
-It behaves as `pipeline.router.stage_stream.StageStream` does, down to the errors: a failed request
-raises the `grpc.aio.AioRpcError` a unary call would have raised, with the same status details, and a
-connection that breaks fails what it carried as UNAVAILABLE, so retries and error mapping do not know the
+It behaves as a `ModelStreamInfer` stream does (`pipeline.transport.matched`), down to the errors: a failed
+request raises the `grpc.aio.AioRpcError` a unary call would have raised, with the same status details, and
+a connection that breaks fails what it carried as UNAVAILABLE, so retries and error mapping do not know the
 difference.
 """
 
@@ -19,7 +20,7 @@ import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.frames import AUTHORIZATION, HELLO, REQUEST, RESPONSE, FrameProtocol, parse
-from pipeline.router.stage_stream import MatchedRequests, rpc_error
+from pipeline.transport.matched import MatchedRequests, rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ CONNECT_TIMEOUT_S = 2.0
 
 
 class FrameConnection(MatchedRequests):
-    """One connection to a replica's frame port."""
+    """One connection to a server's frame port."""
 
     PREFIX = "f"
 
@@ -49,8 +50,8 @@ class FrameConnection(MatchedRequests):
         tls: ssl.SSLContext | None = None,
         server_name: str | None = None,
     ) -> FrameConnection:
-        """Connect (with `tls`, verifying that the stage's certificate names `server_name`, else `host`) and
-        say hello (with the router's token, where it has one); raises `OSError` (an `ssl.SSLError` where the
+        """Connect (with `tls`, verifying that the server's certificate names `server_name`, else `host`) and
+        say hello (with the caller's token, where it has one); raises `OSError` (an `ssl.SSLError` where the
         TLS handshake fails, a `ConnectionError` where the port refuses the hello) or `TimeoutError` where it
         cannot be used."""
         loop = asyncio.get_running_loop()
@@ -93,12 +94,12 @@ class FrameConnection(MatchedRequests):
             await frames.drain()
         except ConnectionError:
             raise rpc_error(
-                grpc.StatusCode.UNAVAILABLE, self._reason or "the stage's frame connection ended"
+                grpc.StatusCode.UNAVAILABLE, self._reason or "the frame connection ended"
             ) from None
 
     def _response(self, kind: int, payload: bytearray) -> None:
         if kind != RESPONSE:
-            self._ended(ConnectionError(f"the stage sent an unexpected frame (kind {kind})"))
+            self._ended(ConnectionError(f"the server sent an unexpected frame (kind {kind})"))
             self._frames.close()
             return
         self._answered(parse(pb.ModelStreamInferResponse, payload))
@@ -106,7 +107,7 @@ class FrameConnection(MatchedRequests):
     def _ended(self, reason: Exception) -> None:
         if self.broken is not None:
             return
-        ending = "the stage's frame connection ended"
+        ending = "the frame connection ended"
         self._reason = details = f"{ending}: {reason}" if str(reason) else ending
         self.broken = rpc_error(grpc.StatusCode.UNAVAILABLE, details)
         for future in self._pending.values():
