@@ -124,6 +124,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         #: Whether the peer may still read once it has ended its side (TLS closes both sides at once).
         self._half_close = True
+        #: Frames written since the loop last ran its callbacks, sent together (`_flush`): one system call
+        #: for all the frames a loop iteration writes instead of one each.
+        self._outgoing: list[bytes] = []
+        self._outgoing_bytes = 0
+        self._loop = asyncio.get_running_loop()
 
     def deliver_to(
         self, on_frame: Callable[[int, bytearray], None], on_end: Callable[[Exception], None]
@@ -160,12 +165,30 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def write(self, kind: int, *payload: bytes) -> None:
         """Send a frame whose payload is the pieces given, one after the other (raises `ConnectionError` once
-        the connection is closing)."""
+        the connection is closing). The frames written in one iteration of the event loop go out together
+        at its end, or at once past `WRITE_AHEAD` bytes."""
         transport = self.transport
         if transport is None or transport.is_closing():
             raise ConnectionError("the frame connection is closed")
         length = sum(map(len, payload))
-        transport.writelines((HEADER.pack(length, kind), *payload))
+        outgoing = self._outgoing
+        if not outgoing:
+            self._loop.call_soon(self._flush)
+        outgoing.append(HEADER.pack(length, kind))
+        outgoing.extend(payload)
+        self._outgoing_bytes += length
+        if self._outgoing_bytes > WRITE_AHEAD:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand the frames written so far to the transport, in one call."""
+        outgoing = self._outgoing
+        if not outgoing:
+            return
+        self._outgoing, self._outgoing_bytes = [], 0
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.writelines(outgoing)
 
     async def drain(self) -> None:
         """Wait while more than `WRITE_AHEAD` bytes wait to be sent."""
@@ -175,6 +198,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 raise ConnectionError("the frame connection was lost")
 
     def close(self) -> None:
+        self._flush()  # what was written goes before the connection closes
         if self.transport is not None:
             self.transport.close()
 

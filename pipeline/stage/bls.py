@@ -252,7 +252,16 @@ class CallScope:
             self._outbox.append((call, future))
             first = len(self._outbox) == 1
         if first:
-            self.loop.call_soon_threadsafe(self._flush)
+            try:
+                model_loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                model_loop = None
+            if model_loop is not None:
+                # `async_exec` on the model's own loop: the calls this step of its coroutine makes (until it
+                # awaits) are handed over together, whatever the threads' timing.
+                model_loop.call_soon(self.loop.call_soon_threadsafe, self._flush)
+            else:
+                self.loop.call_soon_threadsafe(self._flush)
         return future
 
     def stream(self, call: Call) -> Responses:
