@@ -151,13 +151,17 @@ async def test_replicas_found_by_name_join_and_leave_under_load(tmp_path):
         return list(names)
 
     a, b = Echo(), Echo()
+    metrics = Metrics()
     async with serving_stages([a]) as first:
         await wait_serving(first.address)
         names.append(first.address)
         ensemble(tmp_path, "dns:///echo.test:8102", "{max_batch_size: 4}")
         async with (
             serving_router(
-                load_ensembles([tmp_path]), resolve=resolve, options={"resolve_interval": 0.2}
+                load_ensembles([tmp_path]),
+                resolve=resolve,
+                options={"resolve_interval": 0.2},
+                metrics=metrics,
             ) as router,
             inference_stub(router.address) as stub,
         ):
@@ -167,15 +171,22 @@ async def test_replicas_found_by_name_join_and_leave_under_load(tmp_path):
                 await wait_serving(second.address)
                 names.append(second.address)
                 assert await asyncio.to_thread(b.entered.wait, 10), "the new replica got no call within 10 s"
-                # Scaled in: gone from the name. The next look-up drops it while it still serves, so its
-                # calls stop (20 requests served elsewhere in a row); then it stops.
+                # Scaled in: gone from the name. The next look-up drops it from the router's replicas (its
+                # gauge goes) while it still serves; once the calls sent before have arrived (20 requests
+                # later), it gets no more; then it stops.
+                replica = {"stage": "s", "replica": second.address}
+                assert metrics.registry.get_sample_value("pipeline_stage_inflight_calls", replica) is not None
                 names.remove(second.address)
-                while True:
-                    seen, ok = b.calls, load.ok
-                    while load.ok < ok + 20:
-                        await asyncio.sleep(0.02)
-                    if b.calls == seen:
-                        break
+                deadline = time.monotonic() + 10
+                while metrics.registry.get_sample_value("pipeline_stage_inflight_calls", replica) is not None:
+                    assert time.monotonic() < deadline, "the router kept a replica its name no longer lists"
+                    await asyncio.sleep(0.02)
+                ok = load.ok
+                while load.ok < ok + 20:
+                    await asyncio.sleep(0.02)
+                seen, ok = b.calls, load.ok
+                while load.ok < ok + 20:
+                    await asyncio.sleep(0.02)
             ok = load.ok
             while load.ok < ok + 20:
                 await asyncio.sleep(0.02)
