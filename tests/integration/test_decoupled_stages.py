@@ -202,8 +202,7 @@ async def test_a_client_that_cancels_stops_the_generator_and_leaves_no_task() ->
             assert await asyncio.to_thread(endless.closed.wait, 10)
             # Responses wait for their reader: the generator ran at most what a stream and the channel
             # hold past the last response read (the client's channel reads a few ahead of the loop above,
-            # more on a busy machine), and stopped at its next yield once the client had gone. Without
-            # that backpressure it would run thousands of steps before the cancellation reached it.
+            # more on a busy machine), and stopped at its next yield once the client had gone.
             assert endless.yielded <= 3 + STREAM_INFLIGHT + BUFFERED + 8
             endless.yielded = 0
         for _ in range(200):  # the server's tasks for the stream end once its cancellation reaches them
