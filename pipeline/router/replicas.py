@@ -31,7 +31,7 @@ from pipeline.router.targets import Resolve, Target, read_addresses, resolve_dns
 from pipeline.runtime import settings
 from pipeline.runtime.security import ClientTls
 from pipeline.runtime.server import keepalive_options, server_options
-from pipeline.transport.frame_client import FrameConnection
+from pipeline.transport.frame_client import FrameConnection, host_of
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Replica:
                 return current
             extensions = await self._extensions(auth)
             port = port_of(extensions) if extensions is not None else None
-            host = _host_of(self.address)
+            host = host_of(self.address)
             if port is None or host is None:
                 self.takes_frames = False if extensions is not None else None
                 return None
@@ -191,17 +191,6 @@ def rendezvous(addresses: Iterable[str], key: str) -> list[str]:
 def _weight(address: str, key: str) -> int:
     digest = hashlib.blake2b(f"{address}\0{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
-
-
-def _host_of(address: str) -> str | None:
-    """The host of a replica's `ip:port` or `[ip6]:port` address, with or without its `ipv4:`/`ipv6:` scheme
-    (a fixed target's replicas keep it); None for a Unix socket."""
-    if address.startswith(("unix:", "unix-abstract:")):
-        return None
-    address = address.removeprefix("ipv4:").removeprefix("ipv6:")
-    if address.startswith("["):
-        return address[1:].partition("]")[0]
-    return address.rpartition(":")[0] or None
 
 
 class Replicas:

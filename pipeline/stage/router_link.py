@@ -22,7 +22,7 @@ from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.protocol.frames import port_of
 from pipeline.protocol.streams import EMPTY_FINAL_PARAMETER, add_hop_parameters, is_final
 from pipeline.runtime.server import server_options
-from pipeline.transport.frame_client import FrameConnection
+from pipeline.transport.frame_client import FrameConnection, host_of
 from pipeline.transport.matched import raise_streamed_error
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class RouterCalls:
                 self._frames_failed_at = time.monotonic()
                 return None
             assert self._resolved is not None
-            host = self._resolved.rpartition(":")[0].removeprefix("ipv4:").strip("[]")
+            host = host_of(self._resolved) or self._host
             self._frames = await FrameConnection.open(
                 host, port, self._auth, self._max_message_bytes, tls=self._tls
             )
@@ -150,13 +150,6 @@ class RouterCalls:
         self._frames_failed_at = None
         log.info("models' calls to other models go to the router's frame port %s:%d", host, port)
         return self._frames
-
-    @property
-    def transport(self) -> str | None:
-        """How the calls go now: `frames`, `grpc` (a `ModelStreamInfer` stream), or None before the first."""
-        if self._frames is not None and self._frames.broken is None:
-            return "frames"
-        return "grpc" if self._shared is not None and not self._shared.broken else None
 
     async def stream(
         self, request: pb.ModelInferRequest, timeout: float | None, metadata: Sequence[tuple[str, str]]

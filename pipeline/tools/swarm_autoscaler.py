@@ -220,22 +220,18 @@ class SwarmAutoscaler:
 def service_argument(text: str) -> tuple[str, str, int, int, float | None]:
     """`STAGE=SERVICE:MIN:MAX[:QUEUE_MS]` -> (stage, service, min, max, queue-time target in ms or None)."""
     stage, _, rest = text.partition("=")
-    parts = rest.split(":")
-    queue_ms: float | None = None
-    if len(parts) == 4:
-        try:
-            queue_ms = float(parts.pop())
-        except ValueError:
-            queue_ms = -1.0
-    if (
-        not stage
-        or len(parts) != 3
-        or not parts[1].isdigit()
-        or not parts[2].isdigit()
-        or (queue_ms is not None and queue_ms <= 0)
-    ):
-        raise argparse.ArgumentTypeError(f"expected STAGE=SERVICE:MIN:MAX[:QUEUE_MS], got {text!r}")
-    return stage, parts[0], int(parts[1]), int(parts[2]), queue_ms
+    service, *numbers = rest.split(":")
+    wrong = argparse.ArgumentTypeError(f"expected STAGE=SERVICE:MIN:MAX[:QUEUE_MS], got {text!r}")
+    if not stage or not service or len(numbers) not in (2, 3):
+        raise wrong
+    try:
+        low, high = int(numbers[0]), int(numbers[1])
+        queue_ms = float(numbers[2]) if len(numbers) == 3 else None
+    except ValueError:
+        raise wrong from None
+    if low < 0 or high < 0 or (queue_ms is not None and queue_ms <= 0):
+        raise wrong
+    return stage, service, low, high, queue_ms
 
 
 def main(argv: list[str] | None = None) -> int:

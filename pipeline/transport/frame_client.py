@@ -119,3 +119,14 @@ class FrameConnection(MatchedRequests):
     def close(self) -> None:
         """Close the connection: requests in flight fail as UNAVAILABLE."""
         self._frames.close()
+
+
+def host_of(address: str) -> str | None:
+    """The host of a server's `ip:port` or `[ip6]:port` address, with or without its `ipv4:`/`ipv6:` scheme
+    (the router's fixed targets keep it); None for a Unix socket."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return None
+    address = address.removeprefix("ipv4:").removeprefix("ipv6:")
+    if address.startswith("["):
+        return address[1:].partition("]")[0]
+    return address.rpartition(":")[0] or None

@@ -7,6 +7,7 @@ details, so retries and error mapping do not know the difference.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import itertools
 from collections.abc import Mapping, Sequence
@@ -35,7 +36,7 @@ def raise_streamed_error(response: pb.ModelStreamInferResponse) -> None:
         raise rpc_error(code, status.message, rpc_status.to_status(status).trailing_metadata)
 
 
-class MatchedRequests:
+class MatchedRequests(abc.ABC):
     """Requests sent on one connection and their responses matched by `id`: what a gRPC stream and a frame
     connection share. A subclass sends (`_send`) and reads, handing each response to `_answered`."""
 
@@ -47,8 +48,9 @@ class MatchedRequests:
         self._ids = itertools.count()
         self.broken: grpc.aio.AioRpcError | None = None
 
+    @abc.abstractmethod
     async def _send(self, request: pb.ModelInferRequest) -> None:
-        raise NotImplementedError
+        """Write `request` on the connection."""
 
     async def infer(
         self, request: pb.ModelInferRequest, timeout: float | None, trace: Mapping[str, str]

@@ -123,6 +123,7 @@ def test_a_refusal_of_the_engine_is_an_error_naming_it(engine):
 def test_a_service_may_name_its_own_queue_time_target():
     assert service_argument("model=stack_model:1:4") == ("model", "stack_model", 1, 4, None)
     assert service_argument("preprocess=stack_pre:2:4:10") == ("preprocess", "stack_pre", 2, 4, 10.0)
-    for bad in ("model=stack_model:1", "model=stack_model:1:4:fast", "model=stack_model:1:4:0", "=s:1:2"):
+    bad_ones = ("model=stack_model:1", "model=stack_model:1:4:fast", "model=stack_model:1:4:0", "=s:1:2")
+    for bad in (*bad_ones, "model=stack_model:-1:4", "model=:1:2", "model=s:1:2:3:4"):
         with pytest.raises(argparse.ArgumentTypeError, match="STAGE=SERVICE:MIN:MAX"):
             service_argument(bad)
