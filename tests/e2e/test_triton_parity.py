@@ -1,7 +1,7 @@
-"""Triton's answers, given by this project: the repository in `tests/parity/repository` (Python-backend models
-calling models with BLS, and a sequence-batching model), served by `pipeline run` (the stage services and the
-router as processes of their own) and asked the requests of `tests.parity.exchange` by tritonclient, answers
-what the real Triton server answered (`tests/parity/triton_answers.json`, recorded by
+"""Triton's answers, given by this project: the parity repository (`tests.parity.lay_out`: Python-backend
+models calling models with BLS, and a sequence-batching model), served by `pipeline run` (the stage services
+and the router as processes of their own) and asked the requests of `tests.parity.exchange` by tritonclient,
+answers what the real Triton server answered (`tests/parity/triton_answers.json`, recorded by
 `python -m tests.parity.record`).
 
 Outputs must be equal, error statuses too; of an error's message, the facts Triton's states (its wording may
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import REPO
+from tests.parity import lay_out
 
 pytestmark = pytest.mark.e2e
 
@@ -88,8 +88,7 @@ PORTS = {
 def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """This project's answers: `pipeline run` on a copy of the repository, asked by tritonclient."""
     tmp = tmp_path_factory.mktemp("parity")
-    root = tmp / "repository"
-    shutil.copytree(PARITY / "repository", root, ignore=shutil.ignore_patterns("__pycache__"))
+    root = lay_out(tmp / "repository")
     command = [
         sys.executable,
         "-m",

@@ -1,5 +1,6 @@
-"""The fixed set of requests the parity check sends to a server serving `tests/parity/repository`, with
-tritonclient over gRPC as Triton's users send them, and what the server answered to each.
+"""The fixed set of requests the parity check sends to a server serving the parity repository
+(`tests.parity.lay_out`), with tritonclient over gRPC as Triton's users send them, and what the server
+answered to each.
 
     python -m tests.parity.exchange HOST:PORT [REPOSITORY]     # prints the answers as JSON
 

@@ -6,7 +6,8 @@ what it answered to `triton_answers.json` (the parity test compares this project
 
 TRITON_HOME is a virtual environment holding the `nvidia-pytriton` wheel, which ships `tritonserver` and its
 Python backend (PyTriton's own API is not used). Triton runs on CPU, on 127.0.0.1 and ports the OS has free,
-on a copy of the repository, and is stopped at the end. The requests are those of `tests.parity.exchange`.
+on the repository as `tests.parity.lay_out` lays it out, and is stopped at the end. The requests are those
+of `tests.parity.exchange`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,8 +25,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPOSITORY = HERE / "repository"
+from tests.parity import HERE, lay_out
+
 ANSWERS = HERE / "triton_answers.json"
 
 
@@ -136,8 +136,7 @@ def record(home: Path, out: Path) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="triton-parity-") as scratch:
         work = Path(scratch)
-        repository = work / "repository"
-        shutil.copytree(REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
+        repository = lay_out(work / "repository")
         with triton_server(home, repository, work) as url:
             metadata = triton.InferenceServerClient(url).get_server_metadata()
             answers = exchange(url, str(repository))
