@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import signal
@@ -14,10 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from PIL import Image
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -182,18 +179,3 @@ def pipeline(tmp_path_factory, model_dir) -> Iterator[Pipeline]:
         yield running
     finally:
         running.stop()
-
-
-def encode(
-    image: np.ndarray, *, scale: int = 4, fmt: str = "PNG", mode: str = "L", invert: bool = False
-) -> bytes:
-    """An 8x8 sklearn digit (0..16, ink high) as an image file a user might send."""
-    grey = np.clip(image.reshape(8, 8) * (255 / 16), 0, 255).astype(np.uint8)
-    if invert:
-        grey = 255 - grey  # dark ink on white paper
-    picture = (
-        Image.fromarray(grey, "L").resize((8 * scale, 8 * scale), Image.Resampling.NEAREST).convert(mode)
-    )
-    out = io.BytesIO()
-    picture.save(out, format=fmt, **({"quality": 95} if fmt == "JPEG" else {}))
-    return out.getvalue()

@@ -10,9 +10,10 @@ import grpc
 import numpy as np
 import pytest
 
+from examples.digit_images import encode
 from examples.models.digits import load_split
 from pipeline.tools.client import InferenceClient, bytes_batch
-from tests.e2e.conftest import REPO, encode
+from tests.e2e.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 

@@ -11,25 +11,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from examples.models.digits import load_split
+from examples import digit_images
 from tests.docs_examples import Example, examples, matches
-from tests.e2e.conftest import encode
+from tests.e2e.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 
 EXAMPLES = examples("pipeline")
-
-
-def images(folder: Path) -> None:
-    """The files the pages send: held-out digits as a user's scans would come."""
-    _, _, x_test, y_test = load_split()
-    three, seven = (x_test[np.flatnonzero(y_test == digit)[0]] for digit in (3, 7))
-    (folder / "three.png").write_bytes(encode(three, scale=4))
-    (folder / "seven.png").write_bytes(encode(seven, scale=4))
-    (folder / "seven.jpg").write_bytes(encode(seven, scale=4, fmt="JPEG"))
 
 
 def as_written_here(code: str, grpc_address: str, http_address: str) -> str:
@@ -61,14 +51,15 @@ def run_shell(example: Example, here: Callable[[str], str], cwd: Path, env: dict
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[example.name for example in EXAMPLES])
 def test_the_docs_example_runs_as_written(example: Example, pipeline, tmp_path):
-    images(tmp_path)
+    digit_images.write(tmp_path)  # the files the pages send, as `python -m examples.digit_images` writes
     http_address = pipeline.router.http_address
     assert http_address is not None
 
     def here(code: str) -> str:
         return as_written_here(code, pipeline.router.address, http_address)
 
-    env = {**os.environ, "PIPELINE_URL": pipeline.router.address}
+    # `python -m examples...` as from the clone's root
+    env = {**os.environ, "PIPELINE_URL": pipeline.router.address, "PYTHONPATH": str(REPO)}
     if example.language == "sh":
         run_shell(example, here, tmp_path, env)
         return

@@ -20,11 +20,12 @@ import grpc
 import numpy as np
 import pytest
 
+from examples.digit_images import encode
 from examples.models.digits import load_split
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.tools.client import bytes_batch
 from tests.conftest import inference_stub, request_for
-from tests.e2e.conftest import Pipeline, Process, _start_on_port, encode, start_service, wait_serving
+from tests.e2e.conftest import Pipeline, Process, _start_on_port, start_service, wait_serving
 
 pytestmark = pytest.mark.e2e
 

@@ -20,10 +20,11 @@ import pytest
 
 from bench.hardening_supervisor import kill_under_load
 from bench.hardening_supervisor import launch as launch_bench
+from examples.digit_images import encode
 from examples.models.digits import load_split
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.tools.client import InferenceClient, bytes_batch
-from tests.e2e.conftest import ARTIFACTS, REPO, encode, start_pipeline
+from tests.e2e.conftest import ARTIFACTS, REPO, start_pipeline
 
 pytestmark = pytest.mark.e2e
 

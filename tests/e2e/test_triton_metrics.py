@@ -17,11 +17,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from examples.digit_images import encode
 from examples.models.digits import load_split
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.tools.client import InferenceClient, bytes_batch
-from tests.e2e.conftest import Process, encode, start_service, wait_serving
+from tests.e2e.conftest import Process, start_service, wait_serving
 
 pytestmark = pytest.mark.e2e
 
