@@ -26,6 +26,7 @@ import time
 import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
@@ -201,6 +202,40 @@ def _wait_listening(folder: Path, children: list[subprocess.Popen], http: bool) 
     return True
 
 
+def _serve_metrics(args: argparse.Namespace, folder: Path) -> WSGIServer | None:
+    """Serve every worker's metrics on the router's Prometheus port (`--metrics-port`), if it has one; None
+    when it has none or it cannot be served (logged: the router serves without them)."""
+    if args.metrics_port is None:
+        return None
+    registry = CollectorRegistry()
+    registry.register(WorkerMetrics(folder, args.workers))
+    server = None
+    try:
+        server, _ = start_http_server(args.metrics_port, addr=args.host, registry=registry)
+        write_port(args.metrics_port_file, server.server_port)
+    except OSError as err:
+        log.error(
+            "cannot serve metrics on %s:%d: %s; serving without them", args.host, args.metrics_port, err
+        )
+    return server
+
+
+def _start_workers(workers: int, folder: Path, argv: Sequence[str]) -> list[subprocess.Popen]:
+    """Start `workers` router processes running the command line `argv`, each with its index, the shared
+    `folder`, and port files of its own."""
+    children = []
+    for index in range(workers):
+        env = {**os.environ, WORKER_DIR_ENV: str(folder), WORKER_INDEX_ENV: str(index)}
+        metrics = ["--metrics-port", "0", "--metrics-port-file", str(folder / f"worker-{index}.metrics")]
+        # Each worker says where it listens in a file of its own; the parent writes the router's port files
+        # once every worker listens, so that no client connects while only some of them take connections.
+        ports = ["--port-file", str(folder / f"worker-{index}.port")]
+        ports += ["--http-port-file", str(folder / f"worker-{index}.http-port")]
+        command = [sys.executable, "-m", "pipeline", *argv, *metrics, *ports]
+        children.append(subprocess.Popen(command, env=env))
+    return children
+
+
 def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run `args.workers` router processes on one port; `argv` is the router command line they repeat
     (each with its own port overrides appended, which argparse lets win). Returns when they have stopped:
@@ -212,27 +247,8 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.http_port is not None:
         reserved.append(_reserve(args.host, args.http_port))
         overrides += ["--http-port", str(reserved[-1].getsockname()[1])]
-    registry = CollectorRegistry()
-    registry.register(WorkerMetrics(folder, args.workers))
-    metrics_server = None
-    if args.metrics_port is not None:
-        try:
-            metrics_server, _ = start_http_server(args.metrics_port, addr=args.host, registry=registry)
-            write_port(args.metrics_port_file, metrics_server.server_port)
-        except OSError as err:
-            log.error(
-                "cannot serve metrics on %s:%d: %s; serving without them", args.host, args.metrics_port, err
-            )
-    children = []
-    for index in range(args.workers):
-        env = {**os.environ, WORKER_DIR_ENV: str(folder), WORKER_INDEX_ENV: str(index)}
-        metrics = ["--metrics-port", "0", "--metrics-port-file", str(folder / f"worker-{index}.metrics")]
-        # Each worker says where it listens in a file of its own; the parent writes the router's port files
-        # once every worker listens, so that no client connects while only some of them take connections.
-        ports = ["--port-file", str(folder / f"worker-{index}.port")]
-        ports += ["--http-port-file", str(folder / f"worker-{index}.http-port")]
-        command = [sys.executable, "-m", "pipeline", *argv, *overrides, *metrics, *ports]
-        children.append(subprocess.Popen(command, env=env))
+    metrics_server = _serve_metrics(args, folder)
+    children = _start_workers(args.workers, folder, [*argv, *overrides])
     log.info("router: %d workers on %s:%d (SO_REUSEPORT)", args.workers, args.host, port)
 
     stopping = False
