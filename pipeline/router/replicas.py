@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import logging
 import random
-import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -22,16 +21,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.protocol.frames import port_of
-from pipeline.protocol.streams import STREAM_STATUS_EXTENSION
 from pipeline.router.retry import StageRetry
-from pipeline.router.stage_stream import StageStream
 from pipeline.router.targets import Resolve, Target, read_addresses, resolve_dns, tls_name
 from pipeline.runtime import settings
 from pipeline.runtime.security import ClientTls
 from pipeline.runtime.server import keepalive_options, server_options
-from pipeline.transport.frame_client import FrameConnection, host_of
+from pipeline.transport.server_link import ServerLink
 
 log = logging.getLogger(__name__)
 
@@ -42,26 +37,20 @@ UNKNOWN, SERVING, NOT_SERVING, DOWN = "unknown", "serving", "not_serving", "down
 
 
 class Replica:
-    """One address of a stage: its own channel and health watch, and what its calls tell about its load."""
+    """One address of a stage: its own channel and health watch, the transport of its calls
+    (`pipeline.transport.server_link`), and what its calls tell about its load."""
 
     #: Weight of the newest latency sample in the moving average.
     ALPHA = 0.3
     #: A latency learnt this long ago counts half: a replica that was slow gets calls again to show it.
     HALF_LIFE_S = 5.0
 
-    def __init__(
-        self,
-        address: str,
-        channel: grpc.aio.Channel,
-        *,
-        tls: ssl.SSLContext | None = None,
-        server_name: str | None = None,
-    ) -> None:
-        """`tls` and `server_name`: the TLS of its frame connection, that of its channel (None: plaintext)."""
+    def __init__(self, address: str, channel: grpc.aio.Channel, link: ServerLink) -> None:
         self.address = address
         self.channel = channel
-        self.tls, self.server_name = tls, server_name
-        self.stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        #: How its calls travel: frames, a shared stream or unary calls, chosen by what its server offers.
+        self.link = link
+        self.stub = link.stub
         self.health_stub = health_pb2_grpc.HealthStub(channel)
         self.state = UNKNOWN
         self.heard = asyncio.Event()
@@ -71,17 +60,6 @@ class Replica:
         self.latency = 0.0
         self.sampled = 0.0
         self.watch: asyncio.Task[None] | None = None
-        #: Its server's `ServerMetadata.extensions` (None: not asked yet).
-        self.extensions: frozenset[str] | None = None
-        #: Its frame connection (`pipeline.transport.frame_client`), and whether its server takes frames (None:
-        #: not asked yet, or to be asked again).
-        self._frames: FrameConnection | None = None
-        self.takes_frames: bool | None = None
-        self._connecting = asyncio.Lock()
-        #: Whether its server carries a failed streamed request's status (None: not asked yet).
-        self.streams: bool | None = None
-        self._stream: StageStream | None = None
-        self._retiring: set[asyncio.Task[None]] = set()
         #: The models its `RepositoryIndex` listed as READY at the last look, with their READY versions; None
         #: where it cannot say (not asked yet, or its server has no `RepositoryIndex`).
         self.index: Mapping[str, frozenset[str]] | None = None
@@ -93,83 +71,6 @@ class Replica:
             return None
         versions = self.index.get(model)
         return versions is not None and (not version or version in versions)
-
-    async def _extensions(self, auth: Sequence[tuple[str, str | bytes]]) -> frozenset[str] | None:
-        """Its server's extensions, asked once (None where it cannot say now: asked again next time)."""
-        if self.extensions is None:
-            try:
-                meta = await self.stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=2.0, metadata=auth)
-            except grpc.aio.AioRpcError:
-                return None
-            self.extensions = frozenset(meta.extensions)
-        return self.extensions
-
-    async def frames(
-        self, auth: Sequence[tuple[str, str | bytes]], max_frame_bytes: int
-    ) -> FrameConnection | None:
-        """Its connection to its server's frame port, opened on first use; None where it has none or it
-        cannot be reached (the calls then go over gRPC)."""
-        current = self._frames
-        if current is not None and current.usable:
-            return current
-        if self.takes_frames is False:
-            return None
-        async with self._connecting:
-            current = self._frames
-            if current is not None and current.usable:
-                return current
-            extensions = await self._extensions(auth)
-            port = port_of(extensions) if extensions is not None else None
-            host = host_of(self.address)
-            if port is None or host is None:
-                self.takes_frames = False if extensions is not None else None
-                return None
-            try:
-                self._frames = await FrameConnection.open(
-                    host, port, auth, max_frame_bytes, tls=self.tls, server_name=self.server_name
-                )
-            except (OSError, TimeoutError) as err:
-                self.takes_frames = False
-                log.info("replica %s: calls over gRPC (its frame port %d: %s)", self.address, port, err)
-                return None
-            if self.takes_frames is None:
-                log.info("replica %s: calls over its frame port %d", self.address, port)
-            self.takes_frames = True
-            return self._frames
-
-    async def stream(self, auth: Sequence[tuple[str, str | bytes]]) -> StageStream | None:
-        """The stream its `ModelInfer` calls travel on, or None where its server takes unary calls only."""
-        if self.streams is None:
-            extensions = await self._extensions(auth)
-            if extensions is None:
-                return None
-            self.streams = STREAM_STATUS_EXTENSION in extensions
-        if not self.streams:
-            return None
-        current = self._stream
-        if current is None or not current.fresh:
-            if current is not None:
-                task = asyncio.get_running_loop().create_task(current.close())
-                self._retiring.add(task)
-                task.add_done_callback(self._retiring.discard)
-            current = self._stream = StageStream(self.stub, auth)
-        return current
-
-    def close_streams(self) -> None:
-        """Cut its streams and its frame connection off (the channel is closing)."""
-        if self._frames is not None:
-            self._frames.close()
-            self._frames = None
-        if self._stream is not None:
-            self._stream.cancel()
-            self._stream = None
-        for task in self._retiring:
-            task.cancel()
-
-    def forget_transport(self) -> None:
-        """It went down: when it is back (perhaps restarted, perhaps another server), ask it afresh how it
-        takes calls."""
-        self.extensions, self.streams, self.takes_frames = None, None, None
 
     def cost(self, now: float) -> float:
         """The expected wait of one more call (peak-EWMA): latency times the calls already out."""
@@ -226,6 +127,7 @@ class Replicas:
         #: The name the stage's certificate must carry, on every connection to it.
         self._server_name = tls_name(address) if tls is not None else None
         self._auth = tuple(auth)
+        self._max_message_bytes = max_message_bytes
         self._options: list[tuple[str, str | int]] = [
             *server_options(max_message_bytes),
             # A stage that hangs is noticed within seconds: its unanswered pings close the connection.
@@ -261,10 +163,18 @@ class Replicas:
         )
         if self._tls is None:
             channel = grpc.aio.insecure_channel(target, options=self._options)
-            replica = Replica(address, channel)
+            link = ServerLink(address, channel, self._auth, self._max_message_bytes)
         else:
             channel = grpc.aio.secure_channel(target, self._tls.credentials, options=self._options)
-            replica = Replica(address, channel, tls=self._tls.ssl_context, server_name=self._server_name)
+            link = ServerLink(
+                address,
+                channel,
+                self._auth,
+                self._max_message_bytes,
+                tls=self._tls.ssl_context,
+                server_name=self._server_name,
+            )
+        replica = Replica(address, channel, link)
         known = [r.latency for r in self.by_address.values() if r.sampled]
         if known:  # a newcomer is assumed as fast as the fastest, so it gets calls at once, not all of them
             replica.latency, replica.sampled = min(known), time.monotonic()
@@ -286,7 +196,7 @@ class Replicas:
         replica = self.by_address.pop(address)
         if replica.watch is not None:
             replica.watch.cancel()
-        replica.close_streams()
+        replica.link.close()
         # Calls in flight finish on the old channel; new ones no longer pick it.
         task = asyncio.get_running_loop().create_task(replica.channel.close(grace=60.0))
         self._closing.add(task)
@@ -389,7 +299,7 @@ class Replicas:
         replica.heard.set()
         if replica.state != state:
             if state == DOWN:
-                replica.forget_transport()
+                replica.link.forget()
             replica.state = state
             self._changed()
 
@@ -461,7 +371,7 @@ class Replicas:
         for replica in self.by_address.values():
             if replica.watch is not None:
                 replica.watch.cancel()
-            replica.close_streams()
+            replica.link.close()
         await asyncio.gather(
             *(r.channel.close() for r in self.by_address.values()), *self._closing, return_exceptions=True
         )

@@ -10,6 +10,7 @@ and a call that finds a replica gone is retried on another within the request's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import time
@@ -34,13 +35,12 @@ from pipeline.protocol.errors import (
 )
 from pipeline.protocol.model_config import batching_of_config, is_deterministic, pad_values
 from pipeline.protocol.sequences import SEQUENCE_ID, SequenceId, sequence_key, sequence_of
-from pipeline.protocol.streams import EMPTY_FINAL_PARAMETER, TRACE_PARAMETERS, is_final
 from pipeline.router.replicas import DOWN, SERVING, UNKNOWN, Replica, Replicas
 from pipeline.router.retry import RetryBudget, StageRetry
-from pipeline.router.stage_stream import StreamBroken
 from pipeline.router.targets import Resolve
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.security import ClientTls, bearer_metadata
+from pipeline.transport.grpc_stream import StreamBroken
 
 log = logging.getLogger(__name__)
 
@@ -349,17 +349,7 @@ class StageClient:
         replica.calls += 1
         try:
             if method == "ModelInfer" and isinstance(request, pb.ModelInferRequest):
-                # A call whose metadata is only the router's own (its token, the trace context) may go to
-                # the replica's frame port, else on its stream; the client's own metadata needs a call of
-                # its own.
-                trace = {key: str(value) for key, value in metadata if key in TRACE_PARAMETERS}
-                if len(trace) + len(self._auth) == len(metadata):
-                    frames = await replica.frames(self._auth, self._max_message_bytes)
-                    if frames is not None:
-                        return await frames.infer(request, timeout, trace)
-                    stream = await replica.stream(self._auth)
-                    if stream is not None:
-                        return await stream.infer(request, timeout, trace)
+                return await replica.link.infer(request, timeout, metadata)
             return await getattr(replica.stub, method)(request, timeout=timeout, metadata=metadata)
         finally:
             replica.outstanding -= 1
@@ -391,27 +381,16 @@ class StageClient:
                     f"stage '{name}' ({address}) is unavailable for {what}: "
                     f"{_none_serving(request.model_name)}"
                 )
-            sent = pb.ModelInferRequest()
-            sent.CopyFrom(request)
-            sent.parameters[EMPTY_FINAL_PARAMETER].bool_param = True
             replica.outstanding += 1
-            call = replica.stub.ModelStreamInfer(timeout=timeout, metadata=(*metadata, *self._auth))
             try:
-                await call.write(sent)
-                await call.done_writing()
-                async for reply in call:
-                    yield reply
-                    if is_final(reply):
-                        return
-                raise StageError(
-                    f"{what} on stage '{name}': the stream ended before the final response",
-                    grpc.StatusCode.INTERNAL,
-                )
+                # Closed as this generator is: an iterator left early cancels its call, which stops the model.
+                async with contextlib.aclosing(replica.link.decoupled(request, timeout, metadata)) as replies:
+                    async for reply in replies:
+                        yield reply
             except grpc.aio.AioRpcError as err:
                 raise self._stream_error(err, what) from None
             finally:
                 replica.outstanding -= 1
-                call.cancel()
         finally:
             if self._slots is not None:
                 self._slots.release()

@@ -1,4 +1,12 @@
-"""How one of this project's servers sends inference requests to another over a connection it keeps: requests
-and their responses matched by `id` on one stream (`matched`), and the frame protocol's client
-(`frame_client`), which the router uses to call its stages and the stages use to send their models' calls
-(BLS) to the router. It knows neither the router nor the stage runtime."""
+"""How one of this project's servers sends inference requests to another: the stage-transport seam.
+
+`server_link.ServerLink` is the one interface: one server's gRPC stub, and for `ModelInfer` the cheapest
+transport that server offers, chosen there and nowhere else. Behind it:
+- `frame_client`: the frame protocol's connection (many requests on one plain or TLS stream);
+- `grpc_stream`: one shared `ModelStreamInfer` stream, and the stream of a decoupled model's responses;
+- a unary `ModelInfer` call, for servers that offer neither and calls that carry a client's own metadata.
+The first two share `matched`: requests and their responses matched by `id`, failing as a unary call would.
+
+The router calls its stages' replicas through it (which replica is the router's business:
+`pipeline.router.replicas`), and the stages send their models' calls (BLS) to the router through it. It
+knows neither the router nor the stage runtime."""

@@ -75,10 +75,15 @@ class MatchedRequests(abc.ABC):
                 timer.cancel()
             request.id = own_id
             remove_hop_parameters(request)
+            self._settled()
         raise_streamed_error(response)
         reply = response.infer_response
         reply.id = own_id
         return reply
+
+    def _settled(self) -> None:
+        """A request has left (answered, failed or given up on): a subclass may close an idle connection."""
+        return None
 
     def _expire(self, key: str) -> None:
         future = self._pending.pop(key, None)

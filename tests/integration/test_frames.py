@@ -17,11 +17,11 @@ from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.frames import port_of
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.replicas import Replica
 from pipeline.router.stage_client import item_errors
 from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from pipeline.transport.frame_client import FrameConnection
+from pipeline.transport.server_link import ServerLink
 from tests.conftest import inference_stub, request_for, wait_serving
 from tests.stages import Scale
 
@@ -46,7 +46,7 @@ class Held(Stage):
 
 
 async def _connection(address: str, channel: grpc.aio.Channel) -> FrameConnection:
-    frames = await Replica(address, channel).frames((), 1 << 26)
+    frames = await ServerLink(address, channel, (), 1 << 26).frame_connection()
     assert frames is not None
     return frames
 
@@ -160,7 +160,7 @@ async def test_a_frame_port_refuses_a_connection_without_a_token_where_the_stage
                     ConnectionError, match="refused its hello: missing or invalid credentials"
                 ):
                     await FrameConnection.open("127.0.0.1", port, wrong, 1 << 26)
-            frames = await Replica(stage.address, channel).frames(token, 1 << 26)
+            frames = await ServerLink(stage.address, channel, token, 1 << 26).frame_connection()
             assert frames is not None
             reply = await frames.infer(request_for("scale", X=np.ones((1, 3), np.float32)), 10.0, {})
             assert response_tensors(reply)["Y"].to_array().tolist() == [[2, 2, 2]]

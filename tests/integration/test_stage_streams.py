@@ -14,11 +14,11 @@ from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import Unavailable
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.replicas import Replica
 from pipeline.router.stage_client import item_errors, not_started
 from pipeline.runtime.servicer import CallContext
 from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_stages
+from pipeline.transport.server_link import ServerLink
 from tests.conftest import request_for, wait_serving
 from tests.integration.test_faults import Slow, serve_plane
 from tests.integration.test_plain_oip_stage import PlainServicer, plain_server
@@ -45,9 +45,9 @@ async def test_requests_on_one_stream_get_their_own_responses() -> None:
     async with serving_stages([Scale()]) as stage:
         await wait_serving(stage.address)
         async with grpc.aio.insecure_channel(stage.address) as channel:
-            replica = Replica(stage.address, channel)
-            stream = await replica.stream(())
-            assert stream is not None and replica.streams is True
+            link = ServerLink(stage.address, channel, (), 1 << 26)
+            stream = await link.shared_stream()
+            assert stream is not None and link.transport == "stream"
             rows = [np.full((1, 3), i, np.float32) for i in range(20)]
             requests = [request_for("scale", f"mine-{i}", X=row) for i, row in enumerate(rows)]
             replies = await asyncio.gather(*(stream.infer(r, 10.0, {}) for r in requests))
@@ -62,7 +62,7 @@ async def test_a_refused_item_comes_back_as_the_unary_call_says_it() -> None:
     async with serving_stages([Scale()]) as stage:
         await wait_serving(stage.address)
         async with grpc.aio.insecure_channel(stage.address) as channel:
-            stream = await Replica(stage.address, channel).stream(())
+            stream = await ServerLink(stage.address, channel, (), 1 << 26).shared_stream()
             assert stream is not None
             x = np.array([[1, 2, 3], [-1, 0, 0]], np.float32)
             with pytest.raises(grpc.aio.AioRpcError) as streamed:
@@ -92,7 +92,7 @@ async def test_a_refusal_before_the_call_started_keeps_its_not_started_detail() 
     server, address = await serve_plane(Refusing())
     try:
         async with grpc.aio.insecure_channel(address) as channel:
-            stream = await Replica(address, channel).stream(())
+            stream = await ServerLink(address, channel, (), 1 << 26).shared_stream()
             assert stream is not None
             request = request_for("slow", X=np.zeros((1, 3), np.float32))
             with pytest.raises(grpc.aio.AioRpcError) as streamed:
@@ -111,7 +111,7 @@ async def test_a_request_past_its_deadline_fails_alone() -> None:
     async with serving_stages([held]) as stage:
         await wait_serving(stage.address)
         async with grpc.aio.insecure_channel(stage.address) as channel:
-            stream = await Replica(stage.address, channel).stream(())
+            stream = await ServerLink(stage.address, channel, (), 1 << 26).shared_stream()
             assert stream is not None
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stream.infer(request_for("held", X=np.zeros((1, 3), np.float32)), 0.2, {})
@@ -127,7 +127,7 @@ async def test_a_stream_cut_off_fails_its_requests_as_unavailable() -> None:
     async with serving_stages([held]) as stage:
         await wait_serving(stage.address)
         async with grpc.aio.insecure_channel(stage.address) as channel:
-            stream = await Replica(stage.address, channel).stream(())
+            stream = await ServerLink(stage.address, channel, (), 1 << 26).shared_stream()
             assert stream is not None
             pending = asyncio.ensure_future(
                 stream.infer(request_for("held", X=np.zeros((1, 3), np.float32)), 10.0, {})
@@ -142,6 +142,6 @@ async def test_a_stream_cut_off_fails_its_requests_as_unavailable() -> None:
 
 async def test_a_server_that_does_not_carry_a_streamed_status_gets_unary_calls() -> None:
     async with plain_server(PlainServicer()) as address, grpc.aio.insecure_channel(address) as channel:
-        replica = Replica(address, channel)
-        assert await replica.stream(()) is None
-        assert replica.streams is False
+        link = ServerLink(address, channel, (), 1 << 26)
+        assert await link.shared_stream() is None
+        assert link.transport == "unary"

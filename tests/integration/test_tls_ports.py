@@ -87,7 +87,7 @@ async def test_the_router_calls_a_mutual_tls_stage_over_tls_frames(certs, tmp_pa
             "stage_tls_cert": str(certs / "client.pem"),
             "stage_tls_key": str(certs / "client-key.pem"),
         }
-        with caplog.at_level(logging.INFO, logger="pipeline.router.replicas"):
+        with caplog.at_level(logging.INFO, logger="pipeline.transport.server_link"):
             async with serving_router(load_ensembles([tmp_path]), options=router_options) as router:
                 await secure_serving(router.address, credentials(certs, client_cert=False))
                 with InferenceClient(router.address, tls_ca=certs / "ca.pem") as client:
@@ -122,9 +122,9 @@ async def test_the_router_opens_a_frame_port_with_its_channels_tls_or_not_at_all
             try:
                 await replicas.settle()
                 (replica,) = replicas.by_address.values()
-                connection = await replica.frames((), 1 << 26)
+                connection = await replica.link.frame_connection()
                 assert (connection is not None) is takes, address
-                assert bool(replica.takes_frames) is takes, address
+                assert (replica.link.transport == "frames") is takes, address
                 if connection is not None:
                     await infers(connection)
             finally:
