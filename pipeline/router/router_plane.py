@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
@@ -69,18 +69,16 @@ class RouterPlane(DataPlane):
         model_control: bool = False,
         admin_configured: bool = False,
     ) -> None:
-        """`stage_tls`: TLS for the stage calls (gRPC and frames); `stage_token`: the bearer token they carry (for
-        stages that ask for one). `max_inflight_requests`: inference requests the
-        router holds at once (more are refused UNAVAILABLE at once, so memory stays bounded under overload;
-        0: no limit). `max_batch_items`: items (dimension 0) one request may carry (0: no limit).
-        `cache_size`: bytes of the response cache, for the models and ensembles that enable it (0: off).
-        `resolve_interval`: seconds between look-ups of the stages' DNS names (`resolve` looks them up;
-        tests give their own). `strict_readiness`: ready only while every ensemble is available and every
-        stage healthy (Triton's `--strict-readiness`, its default), else once started. `exit_on_error`: an
-        ensemble that fails its checks at start-up raises `ConfigError` (Triton's `--exit-on-error`, its
-        default), else it is UNAVAILABLE with the reason and the others serve. `model_control` (explicit
-        model-control mode) or `admin_configured` allow `RepositoryModelLoad`/`Unload` across the stages'
-        replicas (`pipeline.router.fleet`)."""
+        """`max_message_bytes`, `stage_tls`, `stage_token`, `resolve_interval` and `resolve`: how the stages
+        are called (see `_stage_clients`). `max_inflight_requests`: inference requests the router holds at
+        once (more are refused UNAVAILABLE at once, so memory stays bounded under overload; 0: no limit).
+        `max_batch_items`: items (dimension 0) one request may carry (0: no limit). `cache_size`: bytes of
+        the response cache, for the models and ensembles that enable it (0: off). `strict_readiness`: ready
+        only while every ensemble is available and every stage healthy (Triton's `--strict-readiness`, its
+        default), else once started. `exit_on_error`: an ensemble that fails its checks at start-up raises
+        `ConfigError` (Triton's `--exit-on-error`, its default), else it is UNAVAILABLE with the reason and
+        the others serve. `model_control` (explicit model-control mode) or `admin_configured` allow
+        `RepositoryModelLoad`/`Unload` across the stages' replicas (`pipeline.router.fleet`)."""
         self.telemetry = telemetry = telemetry or Telemetry()
         self.metrics = metrics = metrics or Metrics()
         self.max_inflight_requests = max_inflight_requests
@@ -89,18 +87,9 @@ class RouterPlane(DataPlane):
         self._inflight = 0
         self.registry = ModelRegistry(metrics)
         self.caching = ResponseCaching(self.registry, cache_size, telemetry=telemetry, metrics=metrics)
-        clients = {
-            key: StageClient(
-                endpoint,
-                max_message_bytes=max_message_bytes,
-                metrics=metrics,
-                tls=stage_tls,
-                resolve_interval=resolve_interval,
-                resolve=resolve,
-                token=stage_token,
-            )
-            for key, endpoint in catalog.stages.items()
-        }
+        clients = _stage_clients(
+            catalog, metrics, max_message_bytes, stage_tls, stage_token, resolve_interval, resolve
+        )
         self.stages = StageDiscovery(catalog, clients, self.registry, self.caching, metrics)
         self.ensembles = EnsembleAvailability(
             catalog, self.stages, self.registry, strict_readiness=strict_readiness
@@ -119,15 +108,17 @@ class RouterPlane(DataPlane):
         self.decoupled: set[str] = set()
         #: The other router workers on this port (`--workers`), whose statistics are summed with ours.
         self.peers: WorkerPeers | None = None
-        stats = self.registry.stats
-        stats.update((name, ModelStats()) for name in (*catalog.ensembles, *self.stages.stage_of_model))
+        self._count_models((*catalog.ensembles, *self.stages.stage_of_model))
 
     async def reload(self, catalog: Catalog) -> None:
         """Serve the ensembles of `catalog`, their files read again (see `EnsembleAvailability.reload`)."""
         await self.ensembles.reload(catalog)
-        self.registry.stats.update(
-            (name, ModelStats()) for name in catalog.ensembles if name not in self.registry.stats
-        )
+        self._count_models(catalog.ensembles)
+
+    def _count_models(self, names: Iterable[str]) -> None:
+        """Give each model or ensemble of `names` that has no statistics yet its own."""
+        stats = self.registry.stats
+        stats.update((name, ModelStats()) for name in names if name not in stats)
 
     # --- start-up and health -------------------------------------------------------------------------
 
@@ -346,3 +337,29 @@ class RouterPlane(DataPlane):
     async def repository_unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
         """Unload a stage model from every replica of its stage, or from none (`pipeline.router.fleet`)."""
         await self.fleet.unload(name, parameters, call)
+
+
+def _stage_clients(
+    catalog: Catalog,
+    metrics: Metrics,
+    max_message_bytes: int,
+    tls: ClientTls | None,
+    token: str | None,
+    resolve_interval: float | None,
+    resolve: Resolve | None,
+) -> dict[str, StageClient]:
+    """A client for each stage of `catalog`, by key. `tls`: TLS for the stage calls (gRPC and frames);
+    `token`: the bearer token they carry (for stages that ask for one); `resolve_interval`: seconds between
+    look-ups of the stages' DNS names (`resolve` looks them up; tests give their own)."""
+    return {
+        key: StageClient(
+            endpoint,
+            max_message_bytes=max_message_bytes,
+            metrics=metrics,
+            tls=tls,
+            resolve_interval=resolve_interval,
+            resolve=resolve,
+            token=token,
+        )
+        for key, endpoint in catalog.stages.items()
+    }
