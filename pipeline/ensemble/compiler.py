@@ -2,7 +2,8 @@
 
 One producer per tensor (or several whose conditions exclude each other), everything consumed is produced,
 no cycle, and every output that is not optional produced on every path a request can take through the
-conditions. Every error found is reported at once, naming the file, the step and the tensor.
+conditions (`pipeline.ensemble.conditions` compiles the conditions and follows those paths). Every error
+found is reported at once, naming the file, the step and the tensor.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import difflib
 import heapq
 import itertools
 import logging
-import math
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.ensemble.conditions import ConditionCompiler
 from pipeline.ensemble.loader import validate_ensemble
-from pipeline.ensemble.plan import Condition, EnsemblePlan, PlanStep, StageEndpoint, Switch
+from pipeline.ensemble.plan import Condition, EnsemblePlan, PlanStep, StageEndpoint
 from pipeline.ensemble.schema import EnsembleConfig, TensorConfig
 from pipeline.protocol.errors import ConfigError
 from pipeline.protocol.types import BatchingConfig, TensorSpec
@@ -59,6 +60,7 @@ class _Compiler:
         self.errors: list[str] = []
         #: How messages name each step: `step N (model_name)`, N being the YAML position.
         self.labels = [f"step {i} ({step.model_name})" for i, step in enumerate(config.steps)]
+        self.condition_compiler = ConditionCompiler(config, source, self.labels, self.fail)
 
     def fail(self, message: str) -> None:
         self.errors.append(f"{self.source}: {message}")
@@ -77,8 +79,7 @@ class _Compiler:
         """The plan, or `ConfigError` listing every error of the graph: the declarations, the producers and
         consumers of each tensor, the order of the steps, then (with conditions) every path through them."""
         inputs, outputs = self._ensemble_tensors()
-        conditions = [self._condition(i) for i in range(len(self.config.steps))]
-        self._warn_unused_switches(conditions)
+        conditions = self.condition_compiler.conditions()
         conditional = any(condition is not None for condition in conditions)
         producers = self._producers(inputs, conditional)
         depends_on, consumed = self._dependencies(producers, conditions)
@@ -88,7 +89,7 @@ class _Compiler:
         self._raise_errors()
         optional = frozenset(t.name for t in self.config.outputs if t.optional)
         if conditional:
-            self._check_paths(order, conditions, inputs, outputs, optional)
+            self.condition_compiler.check_paths(order, conditions, inputs, outputs, optional)
             self._raise_errors()
         self._log_unused(inputs, outputs, producers, consumed)
         return self._plan(order, depends_on, conditions, inputs, outputs, optional)
@@ -114,15 +115,10 @@ class _Compiler:
                 self.fail(f"ensemble input '{tensor}': 'optional' applies to outputs only")
         return inputs, outputs
 
-    def _warn_unused_switches(self, conditions: list[Condition | None]) -> None:
-        used = {c.switch.name for c in conditions if c and c.switch}
-        for name in self.config.switches.keys() - used:
-            log.warning("%s: switch '%s' is not used by any step", self.source, name)
-
     def _producers(self, inputs: Mapping[str, TensorSpec], conditional: bool) -> dict[str, list[_Producer]]:
         """Each tensor's producers: the ensemble input, or the steps whose output_map names it. Several steps
-        may produce one tensor only in an ensemble with conditions (`_check_paths` then checks that they
-        exclude each other)."""
+        may produce one tensor only in an ensemble with conditions (`ConditionCompiler.check_paths` then
+        checks that they exclude each other)."""
         producers: dict[str, list[_Producer]] = {tensor: [_Producer(None, tensor)] for tensor in inputs}
         for i, step in enumerate(self.config.steps):
             self._check_step(i)
@@ -146,7 +142,7 @@ class _Compiler:
                         + ("" if last.step == i else " (unless the producers' conditions exclude each other)")
                     )
                 else:
-                    # Checked by `_check_paths`: the producers must never run for the same request.
+                    # Checked by `ConditionCompiler.check_paths`: the producers must never run for the same request.
                     previous.append(_Producer(i, stage_tensor))
         return producers
 
@@ -286,101 +282,6 @@ class _Compiler:
             max_inflight_requests=config.max_inflight_requests,
         )
 
-    def _condition(self, index: int) -> Condition | None:
-        """A step's `when`, with the switch it names looked up."""
-        label = self.labels[index]
-        when = self.config.steps[index].when
-        if when is None:
-            return None
-        if when.switch is None:
-            assert when.tensor is not None
-            return Condition(when.tensor, comparison=when.comparison())
-        switch = self.config.switches.get(when.switch)
-        if switch is None:
-            declared = ", ".join(sorted(self.config.switches)) or "none"
-            self.fail(
-                f"{label}: when: switch '{when.switch}' is not declared under 'switches' (declared: {declared})"
-            )
-            return None
-        cases = tuple((case.name, case.comparison()) for case in switch.cases)
-        if when.case not in {name for name, _ in cases} | {"default"}:
-            names = ", ".join([name for name, _ in cases] + ["default"])
-            self.fail(f"{label}: when: switch '{when.switch}' has no case '{when.case}' (its cases: {names})")
-            return None
-        return Condition(switch.tensor, switch=Switch(when.switch, switch.tensor, cases), case=when.case)
-
-    def _check_paths(
-        self,
-        order: list[int],
-        conditions: list[Condition | None],
-        inputs: Mapping[str, TensorSpec],
-        outputs: Mapping[str, TensorSpec],
-        optional: frozenset[str],
-    ) -> None:
-        """Follow every path a request can take through the conditions: on each, no tensor may have two
-        producers that run, and every ensemble output that is not optional must be produced.
-
-        The paths are the combinations of one value per condition tensor, taken from a few values that
-        stand for every other: each constant compared with, one on either side of it, and one between each
-        pair (for strings: each string and one other). Every outcome the conditions can have is among them.
-        """
-        labels = self.labels
-        operands: dict[str, set[float | str]] = {}
-        for i, condition in enumerate(conditions):
-            if condition is None:
-                continue
-            kinds = operands.setdefault(condition.tensor, set())
-            kinds.update(condition.operands)
-            if len({isinstance(v, str) for v in kinds}) > 1:
-                self.fail(
-                    f"{labels[i]}: conditions on tensor '{condition.tensor}' compare it with strings and with "
-                    "numbers; a tensor holds one or the other"
-                )
-                return
-        samples = {tensor: _samples(values) for tensor, values in operands.items()}
-        paths = math.prod(len(values) for values in samples.values())
-        if paths > _MAX_PATHS:
-            self.fail(
-                f"the conditions make {paths} paths to check (more than {_MAX_PATHS}); use fewer condition "
-                "tensors or fewer distinct constants"
-            )
-            return
-        reported: set[tuple[str, ...]] = set()
-        tensors = list(samples)
-        for values in itertools.product(*(samples[t] for t in tensors)):
-            world = dict(zip(tensors, values, strict=True))
-            exists = set(inputs)
-            producer_of: dict[str, tuple[int, str]] = {}
-            ran: list[int] = []
-            for i in order:
-                step = self.config.steps[i]
-                condition = conditions[i]
-                needed = set(step.input_map.values()) | ({condition.tensor} if condition else set())
-                if not needed <= exists or (
-                    condition is not None and not condition.holds(world[condition.tensor])
-                ):
-                    continue
-                ran.append(i)
-                for stage_tensor, tensor in step.output_map.items():
-                    first = producer_of.get(tensor)
-                    if first is not None and (tensor, str(first[0]), str(i)) not in reported:
-                        reported.add((tensor, str(first[0]), str(i)))
-                        self.fail(
-                            f"{labels[i]}: output '{stage_tensor}' → tensor '{tensor}': '{tensor}' is also "
-                            f"produced by {labels[first[0]]} output '{first[1]}', and both run {_path_words(world, ran, labels)}; "
-                            "a tensor may have several producers only on branches whose conditions exclude "
-                            "each other (a switch's cases, or complementary comparisons)"
-                        )
-                    producer_of.setdefault(tensor, (i, stage_tensor))
-                    exists.add(tensor)
-            for tensor in outputs:
-                if tensor not in exists and tensor not in optional and (tensor,) not in reported:
-                    reported.add((tensor,))
-                    self.fail(
-                        f"ensemble output '{tensor}': no step produces it {_path_words(world, ran, labels)}; "
-                        "produce it on every path, or declare it 'optional: true'"
-                    )
-
     def _tensors(self, configs: tuple[TensorConfig, ...], kind: str) -> dict[str, TensorSpec]:
         specs: dict[str, TensorSpec] = {}
         if not configs:
@@ -447,30 +348,6 @@ class _Compiler:
         if len(cycle) == 2:
             return f"{labels[cycle[0]]} consumes its own output: {' → '.join(hops)}; this is a cycle"
         return f"the steps form a cycle: {' → '.join(hops)}"
-
-
-#: The most paths through the conditions the compiler checks one by one.
-_MAX_PATHS = 4096
-
-
-def _samples(operands: set[float | str]) -> list[float | str]:
-    """Values of a condition tensor that between them give every outcome comparisons with `operands` can
-    have: each constant, one below the smallest, one above the largest, one between each pair (strings:
-    each, and one equal to none)."""
-    if any(isinstance(v, str) for v in operands):
-        strings = sorted(str(v) for v in operands)
-        return [*strings, "\x00" + "".join(strings)]  # longer than any: equal to none
-    numbers = sorted(float(v) for v in operands)
-    values = [numbers[0] - 1.0]
-    for low, high in itertools.pairwise(numbers):
-        values += [low, (low + high) / 2]
-    return [*values, numbers[-1], numbers[-1] + 1.0]
-
-
-def _path_words(world: Mapping[str, float | str], ran: list[int], labels: list[str]) -> str:
-    values = ", ".join(f"'{tensor}' is {value!r}" for tensor, value in world.items())
-    steps = ", ".join(labels[i] for i in ran) or "none"
-    return f"for a request where {values} (the steps that run: {steps})"
 
 
 def _version(value: int | str) -> str:
