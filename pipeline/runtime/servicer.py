@@ -465,17 +465,116 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         await _guarded(context, _now(self.shared_memory.unregister, request.name))
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    async def _many(
-        self,
-        request: pb.ModelInferRequest,
-        size: int,
-        call: CallContext,
-        slots: asyncio.Semaphore,
-        hold: StreamHold,
-    ) -> None:
-        """A decoupled request of a `ModelStreamInfer` stream. The reader took a slot and `size` bytes for it;
-        each response after its first takes one more slot, which the writer gives back once it has sent it
-        (the request's bytes go back with its first response)."""
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests on a stream run concurrently; each response (or error, with its id and status) is sent
+        as it completes, and a decoupled model's many responses to a request in the order it makes them.
+        A stream holds at most `STREAM_INFLIGHT` requests and responses, and its share of the budget of bytes
+        in flight (`pipeline.runtime.admission`), answered or not: a client that stops reading its responses
+        is not read from, and a decoupled model not run on, either (backpressure). `_Stream` reads and runs
+        the requests; this writes their responses."""
+        stream = _Stream(self, CallContext.of(context))
+        done, hold, slots = stream.done, stream.hold, stream.slots
+        reader = asyncio.create_task(stream.read(request_iterator))
+        try:
+            while (item := await done.get()) is not None:
+                response, size = item
+                yield response
+                hold.give_back(size)
+                slots.release()
+        finally:
+            reader.cancel()
+            stream.close()
+
+
+class _Stream:
+    """The requests of one `ModelStreamInfer` stream: read while it has room, each run as a task of its
+    own, its response put in `done` for the stream's writer. Each request takes a slot and its bytes when
+    read; the writer gives them back once it has sent its response."""
+
+    __slots__ = ("call", "decoupled", "done", "hold", "sequences", "servicer", "slots", "tasks")
+
+    def __init__(self, servicer: InferenceServicer, call: CallContext) -> None:
+        self.servicer = servicer
+        self.call = call
+        self.done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int] | None] = asyncio.Queue()
+        self.hold = StreamHold(servicer.budget, self.done)
+        self.slots = asyncio.Semaphore(STREAM_INFLIGHT)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.decoupled = servicer.plane.decoupled
+        #: Per sequence on this stream, its latest request: the next waits for it.
+        self.sequences: dict[str, asyncio.Task[None]] = {}
+
+    async def read(self, request_iterator: AsyncIterator[pb.ModelInferRequest]) -> None:
+        """Start each request as it comes, while the stream has room; once the client is done and every
+        request answered, put the end of the stream in `done`."""
+        slots, hold, tasks, decoupled, sequences = (
+            self.slots,
+            self.hold,
+            self.tasks,
+            self.decoupled,
+            self.sequences,
+        )
+        try:
+            while True:
+                await slots.acquire()
+                await hold.room()
+                request = await request_iterator.__anext__()
+                size = request.ByteSize()
+                await hold.take(size)
+                if decoupled and request.model_name in decoupled:
+                    task = asyncio.create_task(self.many(request, size))
+                elif SEQUENCE_ID in request.parameters:
+                    # A sequence's requests run one after the other, in the order they came (as Triton's
+                    # sequence batcher takes them); other requests run concurrently.
+                    key = f"{request.model_name}\0{request.parameters[SEQUENCE_ID]}"
+                    previous = sequences.get(key)
+                    work = (
+                        self.one(request, size) if previous is None else self.after(previous, request, size)
+                    )
+                    task = sequences[key] = asyncio.create_task(work)
+                    task.add_done_callback(functools.partial(_forget, sequences, key))
+                else:
+                    task = asyncio.create_task(self.one(request, size))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        except StopAsyncIteration:
+            pass
+        while tasks:
+            await asyncio.gather(*list(tasks), return_exceptions=True)
+        self.done.put_nowait(None)
+
+    async def one(self, request: pb.ModelInferRequest, size: int) -> None:
+        """A request for a model that answers once: its response, or its error as a response."""
+        call = self.call
+        timeout, metadata = hop_context(request, call.metadata)
+        own = call if timeout is None and metadata is call.metadata else CallContext(timeout, metadata)
+        try:
+            response = pb.ModelStreamInferResponse(infer_response=await self.servicer.infer(request, own))
+        except Unimplemented as err:
+            if request.model_name in self.decoupled:
+                # Its model was learnt to be decoupled while this request waited for it (an ensemble
+                # made available by this very request): refused before it ran, it streams now.
+                await self.many(request, size)
+                return
+            response = error_response(request, err.code, err.message, rpc_status_of(err))
+        except PipelineError as err:
+            response = error_response(request, err.code, err.message, rpc_status_of(err))
+        except Exception:
+            response = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
+        self.hold.put(response, size)
+
+    async def after(self, previous: asyncio.Task[None], request: pb.ModelInferRequest, size: int) -> None:
+        """A sequence's request, once the one before it on this stream is done."""
+        await asyncio.wait((previous,))
+        await self.one(request, size)
+
+    async def many(self, request: pb.ModelInferRequest, size: int) -> None:
+        """A decoupled request. The reader took a slot and `size` bytes for it; each response after its
+        first takes one more slot, which the writer gives back once it has sent it (the request's bytes go
+        back with its first response)."""
+        slots, hold = self.slots, self.hold
         sent = 0
 
         async def send(reply: pb.ModelStreamInferResponse) -> None:
@@ -486,92 +585,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             sent += 1
 
         try:
-            await self.stream(request, call, send)
+            await self.servicer.stream(request, self.call, send)
         finally:
             if not sent:
                 slots.release()
                 hold.give_back(size)
 
-    async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Requests on a stream run concurrently; each response (or error, with its id and status) is sent
-        as it completes, and a decoupled model's many responses to a request in the order it makes them.
-        A stream holds at most `STREAM_INFLIGHT` requests and responses, and its share of the budget of bytes
-        in flight (`pipeline.runtime.admission`), answered or not: a client that stops reading its responses
-        is not read from, and a decoupled model not run on, either (backpressure)."""
-        call = CallContext.of(context)
-        done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int] | None] = asyncio.Queue()
-        hold = StreamHold(self.budget, done)
-        slots = asyncio.Semaphore(STREAM_INFLIGHT)
-        tasks: set[asyncio.Task[None]] = set()
-        decoupled = self.plane.decoupled
-
-        async def one(request: pb.ModelInferRequest, size: int) -> None:
-            timeout, metadata = hop_context(request, call.metadata)
-            own = call if timeout is None and metadata is call.metadata else CallContext(timeout, metadata)
-            try:
-                response = pb.ModelStreamInferResponse(infer_response=await self.infer(request, own))
-            except Unimplemented as err:
-                if request.model_name in decoupled:
-                    # Its model was learnt to be decoupled while this request waited for it (an ensemble
-                    # made available by this very request): refused before it ran, it streams now.
-                    await self._many(request, size, call, slots, hold)
-                    return
-                response = error_response(request, err.code, err.message, rpc_status_of(err))
-            except PipelineError as err:
-                response = error_response(request, err.code, err.message, rpc_status_of(err))
-            except Exception:
-                response = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
-            hold.put(response, size)
-
-        #: Per sequence on this stream, its latest request: the next waits for it.
-        sequences: dict[str, asyncio.Task[None]] = {}
-
-        async def after(previous: asyncio.Task[None], request: pb.ModelInferRequest, size: int) -> None:
-            await asyncio.wait((previous,))
-            await one(request, size)
-
-        async def read() -> None:
-            try:
-                while True:
-                    await slots.acquire()
-                    await hold.room()
-                    request = await request_iterator.__anext__()
-                    size = request.ByteSize()
-                    await hold.take(size)
-                    if decoupled and request.model_name in decoupled:
-                        task = asyncio.create_task(self._many(request, size, call, slots, hold))
-                    elif SEQUENCE_ID in request.parameters:
-                        # A sequence's requests run one after the other, in the order they came (as Triton's
-                        # sequence batcher takes them); other requests run concurrently.
-                        key = f"{request.model_name}\0{request.parameters[SEQUENCE_ID]}"
-                        previous = sequences.get(key)
-                        work = one(request, size) if previous is None else after(previous, request, size)
-                        task = sequences[key] = asyncio.create_task(work)
-                        task.add_done_callback(functools.partial(_forget, sequences, key))
-                    else:
-                        task = asyncio.create_task(one(request, size))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-            except StopAsyncIteration:
-                pass
-            while tasks:
-                await asyncio.gather(*list(tasks), return_exceptions=True)
-            done.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (item := await done.get()) is not None:
-                response, size = item
-                yield response
-                hold.give_back(size)
-                slots.release()
-        finally:
-            reader.cancel()
-            for task in list(tasks):
-                task.cancel()
-            hold.close()
+    def close(self) -> None:
+        """The stream ended (or its client went): cancel what still runs, give back what it holds."""
+        for task in list(self.tasks):
+            task.cancel()
+        self.hold.close()
 
 
 def _final_flag_alone(reply: pb.ModelStreamInferResponse) -> bool:
