@@ -33,11 +33,24 @@ Beside them, Triton's per-model metrics with Triton's names, types, help texts a
 counters `nv_inference_request_duration_us`, `nv_inference_queue_duration_us` and
 `nv_inference_compute_{input,infer,output}_duration_us`, and the gauge `nv_inference_pending_request_count`.
 They are read at scrape time from the server's own `ModelStatistics` (`pipeline.runtime.model_statistics`),
-so the two views always agree. Triton's counters carry no `_total` suffix, which prometheus_client's
-exposition adds to every counter; these families are therefore written by `_triton_text`, after the
-registry's, and `/metrics` always answers in the Prometheus text format (version 0.0.4), whose counters need
-no suffix. The registry also holds Prometheus' standard process collector (`process_cpu_seconds_total`,
-memory, open files, ...).
+so the two views always agree.
+
+These families are written by `_triton_text`, after the registry's, and served by this module's own HTTP
+server, because prometheus-client (0.26) can do neither as Triton does:
+
+- its text exposition (`generate_latest`) names every family of type `counter` `<name>_total` in its
+  `# HELP` and `# TYPE` lines, whatever the family's name and its samples' (a collector's
+  `Metric(name, doc, "counter")` with samples named `nv_inference_count` comes out as
+  `# TYPE nv_inference_count_total counter` above `nv_inference_count{...} 5.0`), and it writes every value
+  as a float (`5.0`, `0.0`) where Triton writes the integer its counters and pending count hold (`5`);
+- its server (`start_http_server`, `make_wsgi_app`) answers every path with the registry's exposition
+  alone, in the format the scraper's `Accept` header picks (Prometheus asks for OpenMetrics first): there
+  is no place for Triton's families in it, nor a way to keep to the text format Triton always answers in.
+
+So `/metrics` (and `/`; other paths are 404) always answers in the Prometheus text format (version 0.0.4),
+as Triton's does, whatever the scraper asks for; the server listens on the address family its host
+resolves to (IPv6 too), on the port the OS picks for port 0. The registry also holds Prometheus' standard
+process collector (`process_cpu_seconds_total`, memory, open files, ...).
 
 The counters and histograms updated per request are this module's own (`LoopCounter`, `LoopHistogram`):
 plain numbers that the server's event loop adds to without a lock, exposed through the registry as
@@ -329,6 +342,18 @@ class Metrics:
             FIRST_RESPONSE_BUCKETS,
         )
         self.batch_size = histogram("pipeline_batch_size", "Items per execution", BATCH_BUCKETS)
+        self._add_router_counters(counter)
+        self._gauges = _Gauges()
+        r.register(self._gauges)
+        ProcessCollector(registry=r)
+        self._statistics: StatisticsSource | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: ThreadingHTTPServer | None = None
+        self.port: int | None = None
+
+    def _add_router_counters(self, counter: Callable[..., LoopCounter]) -> None:
+        """The router's own counters: its stage calls and retries, ensemble branches, response cache and
+        repository changes (a stage service leaves them at zero)."""
         self.stage_calls = counter(
             "pipeline_stage_calls", "The router's calls of each stage, by gRPC outcome", "stage", "outcome"
         )
@@ -361,13 +386,6 @@ class Metrics:
             "action",
             "outcome",
         )
-        self._gauges = _Gauges()
-        r.register(self._gauges)
-        ProcessCollector(registry=r)
-        self._statistics: StatisticsSource | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: ThreadingHTTPServer | None = None
-        self.port: int | None = None
 
     def gauge(self, name: str, documentation: str, label: str | tuple[str, ...], source: GaugeSource) -> None:
         """Add a gauge read from `source` at scrape time (several sources may share a name)."""
