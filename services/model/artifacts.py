@@ -167,13 +167,7 @@ def export_signature(path: Path) -> Signature:
         raise RepositoryError(
             f"{path}: its arguments are nested ({program.call_spec.in_spec}); only tensors are served"
         )
-    symbols: dict[str, tuple[int, int]] = {}
-    for symbol, bounds in program.range_constraints.items():
-        high = bounds.upper
-        symbols[str(symbol)] = (
-            int(bounds.lower),
-            int(high) if high != float("inf") and str(high) != "int_oo" else 0,
-        )
+    symbols = _symbol_bounds(program)
 
     def described(name: str, value, role: str) -> Tensor:
         if not isinstance(value, torch.Tensor):
@@ -212,6 +206,19 @@ def export_signature(path: Path) -> Signature:
         ranges=ranges,
         ties=ties,
     )
+
+
+def _symbol_bounds(program) -> dict[str, tuple[int, int]]:  # program: torch.export.ExportedProgram
+    """The bounds of each symbolic dimension of an exported program, by symbol: (low, high), high 0 where it
+    has none."""
+    symbols: dict[str, tuple[int, int]] = {}
+    for symbol, bounds in program.range_constraints.items():
+        high = bounds.upper
+        symbols[str(symbol)] = (
+            int(bounds.lower),
+            int(high) if high != float("inf") and str(high) != "int_oo" else 0,
+        )
+    return symbols
 
 
 def load_torchscript(path: Path, device: str = "cpu"):  # -> torch.jit.ScriptModule
@@ -295,7 +302,6 @@ def reconcile(
     """Complete `config` in place from the model's signature where it is silent (auto-complete), then check
     that the two agree and bind each config tensor to the model's. `RepositoryError` names the config, the
     model file and the tensor when they disagree."""
-    torch_kind = kind in (TORCHSCRIPT, TORCH_EXPORT)
     if not config.input or not config.output:
         if not auto_complete:
             raise RepositoryError(
@@ -338,6 +344,14 @@ def reconcile(
             f"{where}: max_batch_size {config.max_batch_size} is over the {signature.max_batch} the model takes"
         )
 
+    return _bind_all(config, signature, where, batching, torch_kind=kind in (TORCHSCRIPT, TORCH_EXPORT))
+
+
+def _bind_all(
+    config: mc.ModelConfig, signature: Signature, where: str, batching: bool, *, torch_kind: bool
+) -> Bindings:
+    """`reconcile`'s last step: each config input and output bound to the model's; `RepositoryError` for an
+    input the model needs that the config leaves out, or declares optional."""
     inputs = _bind(config.input, signature.inputs, "input", where, batching, torch_kind, known=True)
     bound = {b.model_name for b in inputs}
     for index, needed in enumerate(signature.inputs):

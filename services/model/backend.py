@@ -171,44 +171,50 @@ class ModelOptions:
             raise RepositoryError(
                 f"{source}: parameter strict_runner is {strict_flag!r}; expected true or false"
             )
-        tensorrt, precision, workspace = False, "fp32", None
-        accelerators = config.optimization.execution_accelerators
-        for accelerator in accelerators.gpu_execution_accelerator:
-            name = accelerator.name.lower()
-            if name == "tensorrt":
-                tensorrt = True
-                mode = accelerator.parameters.get("precision_mode", "FP32").upper()
-                if mode not in ("FP32", "FP16"):
-                    raise RepositoryError(
-                        f"{source}: tensorrt precision_mode is {mode!r}; expected FP32 or FP16"
-                        + (
-                            " (for INT8, `pipeline quantize` the model: TensorRT runs its QDQ version in INT8)"
-                            if mode == "INT8"
-                            else ""
-                        )
-                    )
-                precision = mode.lower()
-                raw = accelerator.parameters.get("max_workspace_size_bytes")
-                if raw is not None:
-                    if not raw.isdigit():
-                        raise RepositoryError(f"{source}: tensorrt max_workspace_size_bytes is {raw!r}")
-                    workspace = int(raw)
-                ignored = sorted(set(accelerator.parameters) - {"precision_mode", "max_workspace_size_bytes"})
-                if ignored:
-                    log.warning(
-                        "%s: ignoring tensorrt accelerator parameter(s): %s", source, ", ".join(ignored)
-                    )
-            elif name == "auto_mixed_precision":
-                precision = "fp16"
-            else:
-                log.warning("%s: ignoring GPU execution accelerator '%s'", source, accelerator.name)
-        for accelerator in accelerators.cpu_execution_accelerator:
-            log.warning("%s: ignoring CPU execution accelerator '%s'", source, accelerator.name)
-        others = [f.name for f, _ in config.optimization.ListFields() if f.name != "execution_accelerators"]
-        if others:
-            log.warning("%s: ignoring optimization field(s): %s", source, ", ".join(sorted(others)))
+        tensorrt, precision, workspace = _accelerators(config, source)
         strict = strict_flag in TRUE if strict_flag else None
         return cls(runner, threads, compile_flag in TRUE, strict, tensorrt, precision, workspace)
+
+
+def _accelerators(config: mc.ModelConfig, source: str) -> tuple[bool, str, int | None]:
+    """What the config's `optimization` asks for: whether TensorRT is named, the precision ("fp32" or "fp16")
+    and TensorRT's workspace bytes; `RepositoryError` for a precision or workspace TensorRT cannot take,
+    a warning for the accelerators and fields this service ignores."""
+    tensorrt, precision, workspace = False, "fp32", None
+    accelerators = config.optimization.execution_accelerators
+    for accelerator in accelerators.gpu_execution_accelerator:
+        name = accelerator.name.lower()
+        if name == "tensorrt":
+            tensorrt = True
+            mode = accelerator.parameters.get("precision_mode", "FP32").upper()
+            if mode not in ("FP32", "FP16"):
+                raise RepositoryError(
+                    f"{source}: tensorrt precision_mode is {mode!r}; expected FP32 or FP16"
+                    + (
+                        " (for INT8, `pipeline quantize` the model: TensorRT runs its QDQ version in INT8)"
+                        if mode == "INT8"
+                        else ""
+                    )
+                )
+            precision = mode.lower()
+            raw = accelerator.parameters.get("max_workspace_size_bytes")
+            if raw is not None:
+                if not raw.isdigit():
+                    raise RepositoryError(f"{source}: tensorrt max_workspace_size_bytes is {raw!r}")
+                workspace = int(raw)
+            ignored = sorted(set(accelerator.parameters) - {"precision_mode", "max_workspace_size_bytes"})
+            if ignored:
+                log.warning("%s: ignoring tensorrt accelerator parameter(s): %s", source, ", ".join(ignored))
+        elif name == "auto_mixed_precision":
+            precision = "fp16"
+        else:
+            log.warning("%s: ignoring GPU execution accelerator '%s'", source, accelerator.name)
+    for accelerator in accelerators.cpu_execution_accelerator:
+        log.warning("%s: ignoring CPU execution accelerator '%s'", source, accelerator.name)
+    others = [f.name for f, _ in config.optimization.ListFields() if f.name != "execution_accelerators"]
+    if others:
+        log.warning("%s: ignoring optimization field(s): %s", source, ", ".join(sorted(others)))
+    return tensorrt, precision, workspace
 
 
 @dataclass(frozen=True)
@@ -435,32 +441,11 @@ def choose_runner(
     choices: list[Choice] = []
     passed: list[str] = []  # why the runners ahead were passed over
     if kind == TENSORRT_PLAN or pinned == "tensorrt" or (on_gpu and pinned == "auto"):
-        usable, why = tensorrt.tensorrt_status()
-        if not on_gpu:
-            usable, why = False, f"TensorRT runs on a GPU, and this instance is on {device}"
-        elif usable and unbounded and kind != TENSORRT_PLAN:
-            usable, why = False, f"{why}, but {unbounded} varies without a bound an engine profile needs"
-        if usable:
-            because = (
-                "a TensorRT engine file"
-                if kind == TENSORRT_PLAN
-                else "asked for"
-                if pinned != "auto"
-                else "auto"
-            )
-            choices.append(Choice("tensorrt", device, f"tensorrt on {device}{at}: {because}; {why}"))
-        elif kind == TENSORRT_PLAN or strict:
-            what = "a TensorRT engine" if kind == TENSORRT_PLAN else "runner tensorrt"
-            if not on_gpu:
-                raise RepositoryError(
-                    f"{artifact}: {why} ({what}); use instance_group kind KIND_GPU"
-                    f"{'' if kind == TENSORRT_PLAN else ', or runner auto'}"
-                )
-            if kind == TENSORRT_PLAN or pinned == "tensorrt":
-                raise RepositoryError(f"{artifact}: TensorRT was asked for but cannot run: {why}")
-            passed.append(f"TensorRT is not usable ({why})")
+        first = _tensorrt_first(kind, device, pinned, artifact, at=at, unbounded=unbounded, strict=strict)
+        if isinstance(first, Choice):
+            choices.append(first)
         else:
-            passed.append(f"TensorRT is not usable ({why})")
+            passed.append(first)
     if kind == TENSORRT_PLAN:
         return choices
     start = pinned
@@ -477,6 +462,35 @@ def choose_runner(
                 because = f"{start}: " + ("the instance is on the CPU" if place == "cpu" else "asked for")
             choices.append(Choice(runner, place, f"{runner} on {place}: {because}"))
     return choices[:1] if strict else choices
+
+
+def _tensorrt_first(
+    kind: str, device: str, pinned: str, artifact: str, *, at: str, unbounded: str, strict: bool
+) -> Choice | str:
+    """TensorRT at the head of `choose_runner`'s list: its choice where it can run here, else why it is
+    passed over; `RepositoryError` where nothing else may run the file (an engine file, or `strict` with
+    TensorRT pinned or on the CPU)."""
+    on_gpu = device.startswith("cuda")
+    usable, why = tensorrt.tensorrt_status()
+    if not on_gpu:
+        usable, why = False, f"TensorRT runs on a GPU, and this instance is on {device}"
+    elif usable and unbounded and kind != TENSORRT_PLAN:
+        usable, why = False, f"{why}, but {unbounded} varies without a bound an engine profile needs"
+    if usable:
+        because = (
+            "a TensorRT engine file" if kind == TENSORRT_PLAN else "asked for" if pinned != "auto" else "auto"
+        )
+        return Choice("tensorrt", device, f"tensorrt on {device}{at}: {because}; {why}")
+    if kind == TENSORRT_PLAN or strict:
+        what = "a TensorRT engine" if kind == TENSORRT_PLAN else "runner tensorrt"
+        if not on_gpu:
+            raise RepositoryError(
+                f"{artifact}: {why} ({what}); use instance_group kind KIND_GPU"
+                f"{'' if kind == TENSORRT_PLAN else ', or runner auto'}"
+            )
+        if kind == TENSORRT_PLAN or pinned == "tensorrt":
+            raise RepositoryError(f"{artifact}: TensorRT was asked for but cannot run: {why}")
+    return f"TensorRT is not usable ({why})"
 
 
 def asked_for(options: ModelOptions, device: str) -> str:

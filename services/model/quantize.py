@@ -176,19 +176,7 @@ def quantize(root: str | os.PathLike[str], name: str, settings: QuantizeSettings
     naming what is wrong (a model of another backend, a stateful model, samples that do not fit)."""
     settings = settings or QuantizeSettings()
     entry = ModelRepository(root).read(name)
-    if entry.backend not in ("onnxruntime", "pytorch"):
-        raise RepositoryError(
-            f"{entry.source}: quantize takes ONNX and PyTorch models; this one's backend is {entry.backend}"
-        )
-    if not entry.versions:
-        raise RepositoryError(f"model '{name}': no version folder in {entry.folder}")
-    source_version = settings.version or max(entry.versions, key=int)
-    model = ModelBackend(ServiceSettings(device="cpu")).read(entry, source_version)
-    if model.config.HasField("sequence_batching"):
-        raise RepositoryError(
-            f"{entry.source}: quantize does not take a model with sequence_batching (its state tensors cannot "
-            "be calibrated from independent samples)"
-        )
+    source_version, model = _source_model(entry, name, settings)
     inputs, outputs = tensor_specs(model.config, entry.source)
     calibration, calibrated_on = _calibration_samples(entry, model, inputs, settings)
     method = settings.method
@@ -199,14 +187,7 @@ def quantize(root: str | os.PathLike[str], name: str, settings: QuantizeSettings
             f"{entry.source}: static quantization needs calibration samples: give --calibration FILE (.npy or "
             ".npz), or model_warmup samples with data (input_data_file or random_data)"
         )
-    if settings.evaluation is not None:
-        evaluation = _read_samples(settings.evaluation, inputs, model.config.max_batch_size)
-        evaluated_on = f"{settings.evaluation} ({_count(evaluation)} samples)"
-    elif calibration:
-        evaluation, evaluated_on = calibration, f"the calibration samples ({_count(calibration)})"
-    else:
-        evaluation = _random_inputs(inputs, model.config.max_batch_size)
-        evaluated_on = f"{_count(evaluation)} random inputs (closeness, not accuracy)"
+    evaluation, evaluated_on = _evaluation_samples(settings, inputs, model.config.max_batch_size, calibration)
     version = str(max(int(v) for v in entry.versions) + 1)
     with tempfile.TemporaryDirectory(prefix="pipeline-quantize-") as tmp:
         fp32 = _fp32_onnx(model, Path(tmp))
@@ -237,18 +218,31 @@ def quantize(root: str | os.PathLike[str], name: str, settings: QuantizeSettings
             int8_bytes=int8.stat().st_size,
             operators=_operators(int8),
         )
-        expected = _run_all(fp32_session, evaluation, names, batch)
-        got = _run_all(int8_session, evaluation, names, batch)
-        for output in names:
-            a, b = expected[output], got[output]
-            report.max_abs_diff[output] = float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
-            if a.dtype.kind == "f" and a.ndim >= 2 and a.shape[-1] > 1:
-                report.top1_agreement[output] = float(np.mean(a.argmax(-1) == b.argmax(-1)))
+        _compare_outputs(report, fp32_session, int8_session, evaluation, names)
         feeds = _batch_feeds(evaluation, batch, model.config.max_batch_size > 0)
         report.fp32, report.int8 = _timings([fp32_session, int8_session], feeds, names, settings.runs, batch)
         _write_version(entry, version, int8, report)
     log.info("wrote %s", report.path)
     return report
+
+
+def _source_model(entry: RepositoryEntry, name: str, settings: QuantizeSettings) -> tuple[str, ModelFile]:
+    """The version to quantize (`--version`, else the latest) and its model file, on the CPU; refused for
+    a backend other than ONNX or PyTorch and for a stateful model."""
+    if entry.backend not in ("onnxruntime", "pytorch"):
+        raise RepositoryError(
+            f"{entry.source}: quantize takes ONNX and PyTorch models; this one's backend is {entry.backend}"
+        )
+    if not entry.versions:
+        raise RepositoryError(f"model '{name}': no version folder in {entry.folder}")
+    source_version = settings.version or max(entry.versions, key=int)
+    model = ModelBackend(ServiceSettings(device="cpu")).read(entry, source_version)
+    if model.config.HasField("sequence_batching"):
+        raise RepositoryError(
+            f"{entry.source}: quantize does not take a model with sequence_batching (its state tensors cannot "
+            "be calibrated from independent samples)"
+        )
+    return source_version, model
 
 
 # ---- samples --------------------------------------------------------------------------------------------------
@@ -283,6 +277,23 @@ def _calibration_samples(
         merged = {k: np.concatenate([s.inputs[k] for s in warmups]) for k in warmups[0].inputs}
     names = ", ".join(s.name for s in warmups)
     return dict(merged), f"model_warmup {names} ({_count(merged)} samples)"
+
+
+def _evaluation_samples(
+    settings: QuantizeSettings,
+    inputs: Sequence[TensorSpec],
+    max_batch_size: int,
+    calibration: dict[str, np.ndarray],
+) -> tuple[dict[str, np.ndarray], str]:
+    """The samples the two versions are compared on, and what they are: `--evaluation`'s, else the
+    calibration samples, else random inputs."""
+    if settings.evaluation is not None:
+        evaluation = _read_samples(settings.evaluation, inputs, max_batch_size)
+        return evaluation, f"{settings.evaluation} ({_count(evaluation)} samples)"
+    if calibration:
+        return calibration, f"the calibration samples ({_count(calibration)})"
+    evaluation = _random_inputs(inputs, max_batch_size)
+    return evaluation, f"{_count(evaluation)} random inputs (closeness, not accuracy)"
 
 
 def _read_samples(path: Path, inputs: Sequence[TensorSpec], max_batch_size: int) -> dict[str, np.ndarray]:
@@ -469,6 +480,25 @@ def _session(path: Path) -> Any:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:
         raise RepositoryError(f"{path}: ONNX Runtime cannot load it: {first_line(exc)}") from None
+
+
+def _compare_outputs(
+    report: Report,
+    fp32: Any,
+    int8: Any,
+    evaluation: Mapping[str, np.ndarray],
+    names: list[str],
+) -> None:
+    """Each output's largest difference between the two versions on `evaluation`, and where it is a
+    score per class, how often the two agree on the top class (in `report`)."""
+    batch = report.batch_size
+    expected = _run_all(fp32, evaluation, names, batch)
+    got = _run_all(int8, evaluation, names, batch)
+    for output in names:
+        a, b = expected[output], got[output]
+        report.max_abs_diff[output] = float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
+        if a.dtype.kind == "f" and a.ndim >= 2 and a.shape[-1] > 1:
+            report.top1_agreement[output] = float(np.mean(a.argmax(-1) == b.argmax(-1)))
 
 
 def _run_all(
