@@ -187,22 +187,23 @@ def _read_by(flags: dict[str, list[str]], servers: list[str]) -> str:
 
 
 def settings_table() -> dict[str, str]:
-    """Every variable `pipeline.runtime.settings` defines, with its default."""
+    """Every variable `pipeline.runtime.settings` defines, with its default: the processes' settings models'
+    (where several processes read one, the first default given), and the `Setting`s no flag reads."""
     from pipeline.runtime import settings
 
-    defined: list[settings.Setting[Any]] = [
-        value for value in vars(settings).values() if isinstance(value, settings.Setting)
-    ]
-    for service in settings.PORTS:
-        defined += [settings.port(service), settings.metrics_port(service)]
-    for stage in settings.STAGES:
-        defined += [settings.frames_port(stage), settings.stage_address(stage), settings.load_models(stage)]
+    defaults: dict[str, Any] = {}
+    for model in settings.processes().values():
+        for _, found, field in model.options():
+            if found.env is not None and defaults.get(found.env) in (None, [], ()):
+                defaults[found.env] = field.default
+    defined = [value for value in vars(settings).values() if isinstance(value, settings.Setting)]
+    for setting in [*defined, *map(settings.stage_address, settings.STAGES)]:
+        defaults.setdefault(setting.variable, setting.default)
     table = {}
-    for setting in defined:
-        default = setting.default
-        if isinstance(default, tuple):
-            default = ",".join(map(str, default))
-        table[setting.variable] = "" if default is None or default == "" else f"`{default}`"
+    for variable, default in defaults.items():
+        if isinstance(default, (tuple, list, frozenset)):
+            default = ",".join(map(str, sorted(default) if isinstance(default, frozenset) else default))
+        table[variable] = "" if default is None or default == "" else f"`{default}`"
     return table
 
 

@@ -24,7 +24,6 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -47,7 +46,6 @@ from pipeline.router.rest_codec import (
     json_field,
     metadata_json,
 )
-from pipeline.runtime import settings
 from pipeline.runtime.admission import REQUEST_COST, cost_of
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
@@ -450,34 +448,3 @@ class RestServer:
         if runner is not None:
             await runner.cleanup()
         await self.front_door.codec.aclose()
-
-
-def add_http_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--http-port` and `--http-port-file` (env `PIPELINE_HTTP_PORT`)."""
-    parser.add_argument(
-        "--http-port",
-        type=settings.port_or_off,
-        default=settings.HTTP_PORT.get(),
-        help="port of the HTTP/REST side of the protocol, 0 for one the OS picks, 'off' for none "
-        "(env PIPELINE_HTTP_PORT; default %(default)s)",
-    )
-    parser.add_argument(
-        "--http-port-file", type=Path, default=None, help="write the bound HTTP port to this file"
-    )
-    parser.add_argument(
-        "--max-json-output-mb",
-        type=int,
-        default=settings.MAX_JSON_OUTPUT_MB.get(),
-        help="the most megabytes of JSON a response's outputs may take; a larger one is refused, telling the "
-        "client to ask for binary data (binary_data_output), which has no such limit; 0 for no limit "
-        "(env PIPELINE_MAX_JSON_OUTPUT_MB; default %(default)s)",
-    )
-    parser.add_argument(
-        "--http-codec-processes",
-        type=int,
-        default=settings.HTTP_CODEC_PROCESSES.get(),
-        help="worker processes that decode large or compressed request bodies and encode large JSON "
-        "responses, off the event loop that gRPC shares; as many such requests are handled at once, the "
-        "others wait their turn; 0 does it all on the event loop "
-        "(env PIPELINE_HTTP_CODEC_PROCESSES; default %(default)s)",
-    )

@@ -21,20 +21,19 @@ from pipeline.ensemble.catalog import load_catalog, sources_digest
 from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ConfigError
 from pipeline.router.codec_pool import CodecPool
-from pipeline.router.http import RestFrontDoor, RestServer, add_http_arguments
+from pipeline.router.http import RestFrontDoor, RestServer
 from pipeline.router.router_plane import RouterPlane
 from pipeline.router.targets import Resolve
 from pipeline.router.workers import WorkerPeers, run_workers
 from pipeline.runtime import settings
-from pipeline.runtime.arguments import add_server_arguments, inflight_bytes_of, positive_int
 from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.model_control import add_model_control_mode_argument, explicit_mode
+from pipeline.runtime.model_control import explicit_mode
+from pipeline.runtime.options import add_arguments
 from pipeline.runtime.security import (
     AccessPolicy,
     SecurityConfigError,
     access_policy_of,
-    add_client_tls_arguments,
     client_tls,
     interceptors_of,
     server_credentials_of,
@@ -55,21 +54,12 @@ from pipeline.runtime.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 
-def stage_argument(value: str) -> tuple[str, str]:
-    """An argparse type: `NAME=ADDRESS`."""
-    name, sep, address = value.partition("=")
-    if not sep or not name.strip() or not address.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=ADDRESS (e.g. model=127.0.0.1:8102), got {value!r}")
-    return name.strip(), address.strip()
-
-
 def router_sources(args: argparse.Namespace) -> tuple[list[Path], Path | None]:
     """The YAML ensemble files and folders (`--ensembles`, default `ensembles/`) and the model repository
     the router's flags name."""
     model_dir: Path | None = getattr(args, "model_dir", None)
     # The ensembles folder is optional: a missing or empty one adds no ensemble.
-    ensembles = args.ensembles if args.ensembles is not None else [Path(settings.ENSEMBLES.get())]
-    return list(ensembles), model_dir
+    return list(args.ensembles), model_dir
 
 
 def router_catalog(args: argparse.Namespace, *, exit_on_error: bool | None = None) -> Catalog:
@@ -94,105 +84,8 @@ def router_catalog(args: argparse.Namespace, *, exit_on_error: bool | None = Non
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
-    add_server_arguments(parser, service="router")
-    parser.add_argument(
-        "--ensembles",
-        type=Path,
-        nargs="+",
-        default=None,
-        help="ensemble YAML files or folders of them, beside the model repository's ensembles; a missing or "
-        "empty folder adds none (env PIPELINE_ENSEMBLES; default: ensembles)",
-    )
-    parser.add_argument(
-        "--model-dir",
-        "--model-repository",
-        type=Path,
-        default=settings.Setting(settings.MODEL_DIR.variable, None, Path).get(),
-        help="the Triton model repository the stages serve: its ensembles are served, config.pbtxt ones "
-        '(platform "ensemble") and YAML ones (<ensemble>/ensemble.yaml) (env PIPELINE_MODEL_DIR)',
-    )
-    parser.add_argument(
-        "--stage",
-        type=stage_argument,
-        action="append",
-        metavar="NAME=ADDRESS",
-        help="a stage service the router calls (repeatable): it serves the steps that name it, and the steps "
-        "that name no stage whose model its RepositoryIndex lists; every model of its repository is served "
-        "here too. Default with --model-dir: "
-        + ", ".join(
-            f"{stage}=${settings.stage_address(stage).variable} (else {settings.stage_address(stage).default})"
-            for stage in settings.STAGES
-        ),
-    )
-    parser.add_argument(
-        "--max-inflight-requests",
-        type=int,
-        default=settings.MAX_INFLIGHT_REQUESTS.get(),
-        help="inference requests held at once; more are refused with UNAVAILABLE, so memory stays bounded "
-        "under overload; 0 for no limit (env PIPELINE_MAX_INFLIGHT_REQUESTS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--cache-size",
-        type=settings.byte_count,
-        default=settings.CACHE_SIZE.get(),
-        help="bytes of the response cache (suffixes k, M, G: powers of 1024), for the stage models and ensembles "
-        "whose config enables response_cache; Triton's --cache-config local,size=N; 0 turns it off "
-        "(env PIPELINE_CACHE_SIZE; default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-batch-items",
-        type=positive_int,
-        default=settings.MAX_BATCH_ITEMS.get(),
-        help="items (dimension 0) one request may carry, whatever the model allows "
-        "(env PIPELINE_MAX_BATCH_ITEMS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--workers",
-        type=positive_int,
-        default=settings.ROUTER_WORKERS.get(),
-        help="router processes serving the same ports (SO_REUSEPORT: the kernel spreads connections over "
-        "them); each batches its own share, and metrics and statistics cover them all "
-        "(env PIPELINE_ROUTER_WORKERS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--resolve-interval",
-        type=float,
-        default=settings.RESOLVE_INTERVAL_S.get(),
-        help="seconds between look-ups of the stages' DNS names: a new replica gets calls, and one that is "
-        "gone stops getting them, within about this long (env PIPELINE_RESOLVE_INTERVAL_S; default "
-        "%(default)s)",
-    )
-    parser.add_argument(
-        "--strict-readiness",
-        type=settings.flag,
-        default=settings.STRICT_READINESS.get(),
-        metavar="BOOL",
-        help="true: ready (ServerReady, the health of inference.GRPCInferenceService, /v2/health/ready) only "
-        "while every ensemble is available and every stage healthy, as Triton's default; false: ready once "
-        "started, each model's readiness its own (env PIPELINE_STRICT_READINESS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--exit-on-error",
-        type=settings.flag,
-        default=settings.EXIT_ON_ERROR.get(),
-        metavar="BOOL",
-        help="true: an ensemble that fails to load or to check against its models stops the router at "
-        "start-up, as Triton's default; false: the router serves the others, and lists the failed one as "
-        "UNAVAILABLE with the reason (RepositoryIndex; ModelReady false; requests get UNAVAILABLE) "
-        "(env PIPELINE_EXIT_ON_ERROR; default %(default)s)",
-    )
-    parser.add_argument(
-        "--repository-poll-secs",
-        type=float,
-        default=settings.REPOSITORY_POLL_SECS.get(),
-        help="seconds between looks at the ensemble files (--ensembles, and the model repository's "
-        "ensembles) for changes, as Triton's poll mode: a changed, added or removed file is loaded, and one "
-        "that fails keeps its last good plan; 0 never looks (env PIPELINE_REPOSITORY_POLL_SECS; default "
-        "%(default)s)",
-    )
-    add_model_control_mode_argument(parser)
-    add_http_arguments(parser)
-    add_client_tls_arguments(parser, prefix="stage-", env_prefix="PIPELINE_STAGE_")
+    """The router's flags (`pipeline.runtime.settings.RouterSettings`)."""
+    add_arguments(parser, settings.RouterSettings)
 
 
 def router_plane(
@@ -250,8 +143,8 @@ def _front_door(servicer: InferenceServicer, args: argparse.Namespace, policy: A
         servicer,
         policy=policy,
         max_body_bytes=args.max_message_mb * 1024 * 1024,
-        max_json_output_bytes=getattr(args, "max_json_output_mb", settings.MAX_JSON_OUTPUT_MB.default) << 20,
-        codec=CodecPool(getattr(args, "http_codec_processes", settings.HTTP_CODEC_PROCESSES.default)),
+        max_json_output_bytes=getattr(args, "max_json_output_mb", settings.Http().max_json_output_mb) << 20,
+        codec=CodecPool(getattr(args, "http_codec_processes", settings.Http().http_codec_processes)),
     )
 
 
@@ -336,7 +229,7 @@ async def serve_router(
     args.reuse_port = peers is not None
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
-    budget = inflight_bytes_of(args)
+    budget = settings.inflight_bytes_of(args)
     servicer = InferenceServicer(
         plane, "pipeline-router", telemetry=telemetry, metrics=metrics, max_inflight_bytes=budget
     )

@@ -12,14 +12,10 @@ flag.
 from __future__ import annotations
 
 import argparse
-import os
 
 import grpc
 
 from pipeline.protocol.errors import PipelineError
-
-#: Triton's model-control modes that this server has: no control (the default), or explicit control.
-MODEL_CONTROL_MODES = ("none", "explicit")
 
 
 class ModelControlDisabled(PipelineError):
@@ -38,29 +34,6 @@ def check_control_enabled(rpc: str, *, explicit: bool, admin_configured: bool) -
             "Triton); start it with --model-control-mode explicit (env PIPELINE_MODEL_CONTROL_MODE) or "
             "with an admin token (--admin-tokens-file) to load and unload models"
         )
-
-
-def add_model_control_mode_argument(parser: argparse.ArgumentParser) -> None:
-    """`--model-control-mode`."""
-    parser.add_argument(
-        "--model-control-mode",
-        type=model_control_mode,
-        metavar="{" + ",".join(MODEL_CONTROL_MODES) + "}",
-        default=os.environ.get("PIPELINE_MODEL_CONTROL_MODE", "none"),
-        help="'explicit' allows RepositoryModelLoad/Unload (with an admin token configured, they need it); "
-        "'none' refuses them unless an admin token is configured (env PIPELINE_MODEL_CONTROL_MODE; default "
-        "%(default)s, as Triton's)",
-    )
-
-
-def model_control_mode(value: str) -> str:
-    """An argparse type: one of `MODEL_CONTROL_MODES` (Triton's `poll` is not one: nothing here polls)."""
-    mode = value.strip().lower() or "none"
-    if mode not in MODEL_CONTROL_MODES:
-        raise argparse.ArgumentTypeError(
-            f"model control mode must be one of {', '.join(MODEL_CONTROL_MODES)}, got {value!r}"
-        )
-    return mode
 
 
 def explicit_mode(args: argparse.Namespace) -> bool:

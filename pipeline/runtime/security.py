@@ -143,23 +143,6 @@ def channel_credentials(
     return None if tls is None else tls.credentials
 
 
-def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--tls-cert`, `--tls-key`, `--tls-ca` for a server (env `PIPELINE_TLS_CERT`, ...)."""
-    parser.add_argument(
-        "--tls-cert",
-        default=settings.TLS_CERT.get(),
-        help="PEM certificate (chain): serve with TLS only (env PIPELINE_TLS_CERT)",
-    )
-    parser.add_argument(
-        "--tls-key", default=settings.TLS_KEY.get(), help="PEM private key (env PIPELINE_TLS_KEY)"
-    )
-    parser.add_argument(
-        "--tls-ca",
-        default=settings.TLS_CA.get(),
-        help="PEM CA: clients must present a certificate signed by it, i.e. mutual TLS (env PIPELINE_TLS_CA)",
-    )
-
-
 def server_credentials_of(args: argparse.Namespace) -> grpc.ServerCredentials | None:
     """The server credentials that a service's parsed flags ask for (None: plaintext)."""
     return server_credentials(
@@ -196,11 +179,7 @@ def server_ssl_context_of(args: argparse.Namespace) -> ssl.SSLContext | None:
 
 def add_client_tls_arguments(parser: argparse.ArgumentParser, *, prefix: str, env_prefix: str) -> None:
     """`--<prefix>tls-ca/cert/key` for a client side (env `<env_prefix>TLS_CA`, ...)."""
-    for part, text in (
-        ("ca", "PEM CA that signed the server's certificate (turns TLS on)"),
-        ("cert", "PEM client certificate, for servers that require one (mutual TLS)"),
-        ("key", "PEM key of the client certificate"),
-    ):
+    for part, text in settings.CLIENT_TLS_HELP.items():
         variable = f"{env_prefix}TLS_{part.upper()}"
         parser.add_argument(
             f"--{prefix}tls-{part}",
@@ -272,56 +251,6 @@ class TokenAuthenticator:
         if scheme.lower() != "bearer" or not found:
             return None
         return Scope(found)
-
-
-def add_auth_arguments(parser: argparse.ArgumentParser, *, router: bool = False) -> None:
-    """Every server's authentication flags: tokens, and the identities of client certificates. Authentication
-    is on when any token is configured, or client certificates are required (`--tls-ca`)."""
-    parser.add_argument(
-        "--auth-tokens-file",
-        default=settings.AUTH_TOKENS_FILE.get(),
-        help="file of bearer tokens allowed to infer, one a line; with it (or PIPELINE_AUTH_TOKENS, "
-        "comma-separated) every RPC but health needs 'authorization: Bearer <token>' "
-        "(env PIPELINE_AUTH_TOKENS_FILE)",
-    )
-    parser.add_argument(
-        "--admin-tokens-file",
-        default=settings.ADMIN_TOKENS_FILE.get(),
-        help="file of bearer tokens allowed everything, RepositoryModelLoad/Unload included (or "
-        "PIPELINE_ADMIN_TOKENS, comma-separated; env PIPELINE_ADMIN_TOKENS_FILE)",
-    )
-    parser.add_argument(
-        "--tls-identities",
-        type=identities,
-        default=frozenset(settings.TLS_IDENTITIES.get()),
-        metavar="NAME[,NAME]",
-        help="with --tls-ca: only client certificates whose subject CN or a subject alternative name is one "
-        "of these may infer (default: every certificate the CA signed; env PIPELINE_TLS_IDENTITIES)",
-    )
-    parser.add_argument(
-        "--tls-admin-identities",
-        type=identities,
-        default=frozenset(settings.TLS_ADMIN_IDENTITIES.get()),
-        metavar="NAME[,NAME]",
-        help="with --tls-ca: client certificates whose subject CN or a subject alternative name is one of "
-        "these may do everything, RepositoryModelLoad/Unload included (env PIPELINE_TLS_ADMIN_IDENTITIES)",
-    )
-    if router:
-        help_text = (
-            "bearer token the router sends to its stages, which accept it given the same setting "
-            "(env PIPELINE_STAGE_TOKEN, or a file: PIPELINE_STAGE_TOKEN_FILE)"
-        )
-    else:
-        help_text = (
-            "the router's token: accepted with the infer scope, as the router sends it with every stage call "
-            "(env PIPELINE_STAGE_TOKEN, or a file: PIPELINE_STAGE_TOKEN_FILE)"
-        )
-    parser.add_argument("--stage-token", default=None, help=help_text)
-
-
-def identities(text: str) -> frozenset[str]:
-    """An argparse type: comma-separated certificate identities."""
-    return frozenset(name.strip() for name in text.split(",") if name.strip())
 
 
 def stage_token_of(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str | None:

@@ -16,7 +16,6 @@ hundreds would take the service's memory in a moment.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -25,17 +24,9 @@ from google.protobuf import json_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import InvalidInput, RepositoryError
-from pipeline.runtime.arguments import positive_int
-from pipeline.runtime.model_control import (
-    add_model_control_mode_argument,
-    check_control_enabled,
-    explicit_mode,
-)
+from pipeline.runtime.model_control import check_control_enabled, explicit_mode
 from pipeline.runtime.security import AccessPolicy
-
-#: Instances one model version may have unless `--max-instances` says otherwise: more than enough threads
-#: for any CPU model here, and a GPU model's count is per GPU.
-DEFAULT_MAX_INSTANCES = 16
+from pipeline.runtime.settings import DEFAULT_MAX_INSTANCES
 
 
 @dataclass(frozen=True)
@@ -73,18 +64,6 @@ def requested_instances(config: mc.ModelConfig) -> int:
     group (at least 1), times the GPUs a group names."""
     groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1)]
     return sum(max(group.count, 1) * max(len(group.gpus), 1) for group in groups)
-
-
-def add_model_control_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--model-control-mode` and `--max-instances`, for the services that run repository models."""
-    add_model_control_mode_argument(parser)
-    parser.add_argument(
-        "--max-instances",
-        type=positive_int,
-        default=os.environ.get("PIPELINE_MAX_INSTANCES", str(DEFAULT_MAX_INSTANCES)),
-        help="most instances one model version may have, whatever its instance_group asks "
-        "(env PIPELINE_MAX_INSTANCES; default %(default)s)",
-    )
 
 
 def model_control_of(args: argparse.Namespace, policy: AccessPolicy) -> ModelControl:

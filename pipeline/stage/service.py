@@ -15,9 +15,9 @@ from grpc_health.v1 import health
 from pipeline.ensemble.catalog import ensemble_plans
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
-from pipeline.runtime.arguments import add_server_arguments, inflight_bytes_of
 from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.options import add_arguments
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.security import (
     SecurityConfigError,
@@ -37,7 +37,7 @@ from pipeline.runtime.server import (
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.telemetry import Telemetry
 from pipeline.stage.api import Stage
-from pipeline.stage.control import add_model_control_arguments, model_control_of
+from pipeline.stage.control import model_control_of
 from pipeline.stage.placement import python_models_of, unplaced_python_models
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.stage.router_link import RouterCalls
@@ -48,39 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def add_repository_arguments(parser: argparse.ArgumentParser, *, service: str) -> None:
-    """The model repository flags, in Triton's spelling too: `--model-dir` (alias `--model-repository`, env
-    `PIPELINE_MODEL_DIR`) and `--load-model` (`add_load_model_argument`)."""
-    parser.add_argument(
-        "--model-dir",
-        "--model-repository",
-        dest="model_dir",
-        type=Path,
-        default=settings.MODEL_DIR.get(),
-        help="the model repository, in Triton's layout (env PIPELINE_MODEL_DIR; default %(default)s)",
-    )
-    add_load_model_argument(parser, service=service)
-
-
-def add_load_model_argument(parser: argparse.ArgumentParser, *, service: str) -> None:
-    """`--load-model NAME` (repeatable; env `PIPELINE_<SERVICE>_LOAD_MODEL`, names separated by commas),
-    Triton's explicit model control: serve only the models named instead of every one the service runs."""
-    load = settings.load_models(service)
-    parser.add_argument(
-        "--load-model",
-        action="append",
-        metavar="NAME",
-        default=None,
-        help=f"serve only this repository model (repeatable; env {load.variable}, comma-separated); without "
-        "it, the models of the repository that run in this service",
-    )
-    parser.set_defaults(load_model_env=list(load.get()))
-
-
 def repository_models(args: argparse.Namespace) -> list[str] | None:
     """The models `--load-model` (or its environment variable) names, or None for all of them."""
-    names = args.load_model if args.load_model is not None else args.load_model_env
-    return [name.strip() for name in names] or None
+    return [name.strip() for name in args.load_model] or None
 
 
 async def serve_stages(
@@ -120,7 +90,11 @@ async def serve_stages(
     health_servicer = health.aio.HealthServicer()
     await set_serving(health_servicer, False)
     servicer = InferenceServicer(
-        plane, service, telemetry=telemetry, metrics=metrics, max_inflight_bytes=inflight_bytes_of(args)
+        plane,
+        service,
+        telemetry=telemetry,
+        metrics=metrics,
+        max_inflight_bytes=settings.inflight_bytes_of(args),
     )
     frames = frame_server_of(servicer, args, policy)
     server, port = await create_server(
@@ -211,32 +185,15 @@ def run_stage_service(
         raise SystemExit(2) from None
 
 
-def add_ensembles_argument(parser: argparse.ArgumentParser) -> None:
-    """`--ensembles`: the YAML ensemble files (or folders of them) that a Python stage service reads, beside
-    the repository's own ensembles, to know which of the repository's Python models it serves
-    (`pipeline.stage.placement`)."""
-    parser.add_argument(
-        "--ensembles",
-        type=Path,
-        nargs="+",
-        default=[settings.ENSEMBLES.get()],
-        help="ensemble YAML files or folders of them, as the router's; a missing or empty folder adds none "
-        "(env PIPELINE_ENSEMBLES; default: ensembles)",
-    )
-
-
 def python_service_parser(service: str) -> argparse.ArgumentParser:
-    """The command line of a Python stage service: the shared server flags, the repository's and
-    `--ensembles`."""
+    """The command line of a Python stage service (`pipeline.runtime.settings.stage_settings`): the shared
+    server flags, the repository's and `--ensembles`."""
     parser = argparse.ArgumentParser(
         prog=f"python -m services.{service}",
         description=f"Serve the Python models (model.py) of a model repository that run in the {service} "
         "service of their ensembles, over the Open Inference Protocol.",
     )
-    add_server_arguments(parser, service=service)
-    add_repository_arguments(parser, service=service)
-    add_model_control_arguments(parser)
-    add_ensembles_argument(parser)
+    add_arguments(parser, settings.stage_settings(service))
     return parser
 
 

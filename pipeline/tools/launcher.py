@@ -26,6 +26,7 @@ import grpc
 from pipeline.ensemble.catalog import load_sources
 from pipeline.ensemble.plan import EnsemblePlan
 from pipeline.runtime import settings
+from pipeline.runtime.options import add_arguments, from_environment
 from pipeline.runtime.security import channel_credentials
 from pipeline.tools.autoscaler import (
     RESOLVE_INTERVAL_S,
@@ -98,92 +99,11 @@ def _ensembles(folder: Path, model_dir: Path) -> list[str]:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default=settings.HOST.get(), help="address every service binds")
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=settings.port("router").get(),
-        help="router port (env PIPELINE_ROUTER_PORT)",
-    )
-    parser.add_argument(
-        "--http-port",
-        type=settings.port_or_off,
-        default=settings.HTTP_PORT.get(),
-        help="router's HTTP/REST port, 0 for one the OS picks, 'off' for none (env PIPELINE_HTTP_PORT; "
-        "default 8000)",
-    )
-    for name in settings.STAGES:
-        port = settings.port(name)
-        parser.add_argument(
-            f"--{name}-port", type=int, default=port.get(), help=f"{name} service port (env {port.variable})"
-        )
-    parser.add_argument(
-        "--metrics-port",
-        type=settings.port_or_off,
-        default=settings.metrics_port("router").get(),
-        help="router's Prometheus port, 'off' for none (env PIPELINE_ROUTER_METRICS_PORT; default 8002). "
-        "Stages get ports the OS picks unless PIPELINE_<STAGE>_METRICS_PORT says otherwise; all are printed",
-    )
-    parser.add_argument(
-        "--ensembles",
-        type=Path,
-        default=settings.ENSEMBLES.get(),
-        help="folder of ensemble YAML files beside the model repository's ensembles; a missing or empty one "
-        "adds none (env PIPELINE_ENSEMBLES; default %(default)s)",
-    )
-    parser.add_argument(
-        "--model-dir",
-        "--model-repository",
-        dest="model_dir",
-        type=Path,
-        default=settings.MODEL_DIR.get(),
-        help="model repository: its models and ensembles are what is served (env PIPELINE_MODEL_DIR)",
-    )
-    parser.add_argument(
-        "--startup-timeout", type=float, default=180.0, help="seconds each service may take to start"
-    )
-    parser.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain on shutdown")
+    """`pipeline run`'s flags (`pipeline.runtime.settings.LauncherSettings`), its restarts' and its
+    autoscaling's."""
+    add_arguments(parser, settings.LauncherSettings)
     add_restart_arguments(parser)
     add_autoscale_arguments(parser)
-    parser.add_argument(
-        "--tls-dir",
-        type=Path,
-        default=settings.TLS_DIR.get(),
-        help="TLS on every hop from the files scripts/make-certs.sh writes there (ca.pem, server.pem, "
-        "server-key.pem, client.pem, client-key.pem): stages accept only the router's client certificate "
-        "(mutual TLS), the router serves TLS (env PIPELINE_TLS_DIR)",
-    )
-    parser.add_argument(
-        "--mtls",
-        action="store_true",
-        help="with --tls-dir, the router too asks its clients for a certificate signed by ca.pem",
-    )
-    parser.add_argument(
-        "--replicas",
-        type=_replicas,
-        default={},
-        metavar="STAGE=N[,STAGE=N]",
-        help="run N processes of a stage (e.g. preprocess=2); the router spreads calls over them",
-    )
-    parser.add_argument(
-        "--router-workers",
-        type=int,
-        default=settings.ROUTER_WORKERS.get(),
-        help="router processes on the router's ports (SO_REUSEPORT), each batching its own share of the "
-        "connections (env PIPELINE_ROUTER_WORKERS; default %(default)s)",
-    )
-
-
-def _replicas(text: str) -> dict[str, int]:
-    counts = {}
-    for item in filter(None, text.split(",")):
-        stage, _, count = item.partition("=")
-        if stage not in STAGES or not count.isdigit() or int(count) < 1:
-            raise argparse.ArgumentTypeError(
-                f"expected STAGE=N with STAGE preprocess, model or postprocess: {item!r}"
-            )
-        counts[stage] = int(count)
-    return counts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -360,8 +280,8 @@ def _stage_service(kind: str, number: int, port: int, flags: list[str]) -> Servi
     name = f"{kind}-{number}" if number else kind
     # Metrics: where the environment says for the first replica, else a port the OS picks, so that stages
     # (and further replicas) never collide.
-    stage_metrics = settings.metrics_port(kind)
-    wanted = stage_metrics.get() if number <= 1 and stage_metrics.given() else 0
+    given, port_given = from_environment(settings.listening(kind), "metrics_port")
+    wanted = port_given if number <= 1 and given else 0
     metrics = ["--metrics-port", "off" if wanted is None else str(wanted)]
     return Service(name, ["-m", f"services.{kind}"], port, [*flags, *metrics])
 

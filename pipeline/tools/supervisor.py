@@ -29,7 +29,7 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pipeline.runtime.arguments import positive_int
+from pipeline.runtime.settings import positive_int
 
 log = logging.getLogger("pipeline.launcher")
 

@@ -9,76 +9,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.runtime import settings
-from pipeline.runtime.arguments import add_server_arguments, positive_int
+from pipeline.runtime.options import add_arguments
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.server import prepare_process
-from pipeline.stage.control import add_model_control_arguments
 from pipeline.stage.placement import MODEL_SERVICE, model_service_models, python_models_of
 from pipeline.stage.python_backend import PythonBackend
-from pipeline.stage.service import add_load_model_argument, repository_models, run_stage_service
+from pipeline.stage.service import repository_models, run_stage_service
 
 SERVICE = MODEL_SERVICE
 log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: the shared server flags plus this service's own."""
+    """The command line: the shared server flags plus this service's own
+    (`pipeline.runtime.settings.ModelServiceSettings`)."""
     parser = argparse.ArgumentParser(prog="python -m services.model", description=__doc__)
-    add_server_arguments(parser, service=SERVICE)
-    add_model_control_arguments(parser)
-    parser.add_argument(
-        "--model-dir",
-        "--model-repository",
-        dest="model_dir",
-        default=settings.MODEL_DIR.get(),
-        help="Triton model repository: <model>/config.pbtxt and <model>/<version>/model.{onnx,pt,pt2,plan}; "
-        "the models whose backend is onnxruntime, pytorch or tensorrt are served, and the python models whose "
-        "instance_group asks for KIND_GPU (env PIPELINE_MODEL_DIR; default %(default)s)",
-    )
-    add_load_model_argument(parser, service=SERVICE)
-    parser.add_argument(
-        "--engine-cache",
-        default=settings.ENGINE_CACHE.get(),
-        help="folder of built TensorRT engines (env PIPELINE_ENGINE_CACHE; default <model-dir>/.engines)",
-    )
-    parser.add_argument(
-        "--device",
-        default=settings.DEVICE.get(),
-        help="where instances of kind KIND_AUTO go: auto (a GPU when one is visible, else the CPU), cpu, "
-        "cuda or cuda:N (env PIPELINE_DEVICE; default %(default)s)",
-    )
-    parser.add_argument(
-        "--torch-threads",
-        "--intra-op-threads",
-        dest="torch_threads",
-        type=positive_int,
-        default=settings.TORCH_THREADS.get(),
-        help="intra-op threads of each instance, torch and ONNX Runtime alike, unless its config's "
-        "intra_op_thread_count says otherwise; raise only after measuring (env PIPELINE_TORCH_THREADS; "
-        "default %(default)s)",
-    )
-    parser.add_argument(
-        "--disable-auto-complete-config",
-        action="store_true",
-        default=settings.DISABLE_AUTO_COMPLETE_CONFIG.get(),
-        help="do not complete configs from the model files: every model needs a config.pbtxt declaring its "
-        "inputs, outputs and max_batch_size (env PIPELINE_DISABLE_AUTO_COMPLETE_CONFIG)",
-    )
-    parser.add_argument(
-        "--default-max-batch-size",
-        type=positive_int,
-        default=settings.DEFAULT_MAX_BATCH_SIZE.get(),
-        help="max_batch_size that auto-complete gives a model that batches, as Triton's "
-        "default-max-batch-size (env PIPELINE_DEFAULT_MAX_BATCH_SIZE; default %(default)s)",
-    )
-    parser.add_argument(
-        "--strict-runner",
-        action="store_true",
-        default=settings.STRICT_RUNNER.get(),
-        help="fail a model whose first runner cannot build or load it, instead of falling back to the next "
-        "(TensorRT, ONNX Runtime CUDA, torch CUDA, CPU); a config's strict_runner parameter says otherwise for "
-        "its model (env PIPELINE_STRICT_RUNNER)",
-    )
+    add_arguments(parser, settings.ModelServiceSettings)
     return parser
 
 

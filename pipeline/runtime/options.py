@@ -1,0 +1,178 @@
+"""How a settings model becomes a command line: each field of a `ProcessSettings` model that carries an
+`Option` is one flag, whose default is what the field's environment variable says, else the field's default.
+
+So a value comes from its flag, else its variable, else the default, and argparse's `--help` (and the
+reference pages `pipeline.docgen` writes from the parsers) show the defaults a process gets. The variables
+are read by a pydantic-settings source (`ProcessSettings()`): an empty one counts as unset, and one that
+does not parse is named in the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class SettingError(ValueError):
+    """An environment variable whose text does not parse; the message names it."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """A setting's flag(s), its environment variable and its help; `parse` reads the flag's and the
+    variable's text (argparse's `type`)."""
+
+    flags: tuple[str, ...]
+    help: str
+    env: str | None = None
+    parse: Callable[[str], Any] | None = None
+    metavar: str | None = None
+    #: argparse's action: "store_true", or "append" (values given replace the default, not add to it).
+    action: str | None = None
+    nargs: str | None = None
+    #: How the variable's text is read where it differs from one flag value's (a list: `parse` reads one item).
+    env_parse: Callable[[str], Any] | None = None
+
+    def read(self, text: str) -> Any:
+        """The value of the variable's text (already stripped)."""
+        parse = self.env_parse or self.parse
+        return text if parse is None else parse(text)
+
+
+def option(*flags: str, help: str, **more: Any) -> Option:
+    """`Option` with its flags as arguments, for `Annotated[type, option("--flag", help=...)]`."""
+    return Option(tuple(flags), help, **more)
+
+
+def option_of(field: FieldInfo) -> Option | None:
+    """The `Option` of a model's field, if it has one."""
+    return next((item for item in field.metadata if isinstance(item, Option)), None)
+
+
+class _Environment(PydanticBaseSettingsSource):
+    """The values the environment gives: each field's `Option.env`, parsed as its flag is; blank is unset."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return _read(option_of(field))[1], field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values = {}
+        for name, field in self.settings_cls.model_fields.items():
+            given, value = _read(option_of(field))
+            if given:
+                values[name] = value
+        return values
+
+
+def _read(found: Option | None) -> tuple[bool, Any]:
+    """Whether the option's variable is set (to more than blanks), and its value then."""
+    text = os.environ.get(found.env, "").strip() if found is not None and found.env else ""
+    if not text or found is None:
+        return False, None
+    try:
+        return True, found.read(text)
+    except (argparse.ArgumentTypeError, ValueError) as err:
+        raise SettingError(f"{found.env}={text!r}: {err}") from None
+
+
+def from_environment(group: type[BaseModel], name: str) -> tuple[bool, Any]:
+    """Whether the environment sets the variable of a group's field, and the value it gives it then."""
+    return _read(option_of(group.model_fields[name]))
+
+
+class ProcessSettings(BaseSettings):
+    """Every setting of one process: the fields of its `groups`, in the order its flags are listed. Made
+    with keyword arguments (the flags given), else from the environment, else the fields' defaults."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="ignore", arbitrary_types_allowed=True)
+    #: The groups of settings the process takes, in the order `--help` lists them.
+    groups: ClassVar[tuple[type[BaseModel], ...]] = ()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, _Environment(settings_cls)
+
+    @classmethod
+    def options(cls) -> Iterator[tuple[str, Option, FieldInfo]]:
+        """(field name, its option, the field) of every field with a flag, group by group."""
+        for group in cls.groups:
+            for name in group.model_fields:
+                field = cls.model_fields[name]
+                found = option_of(field)
+                if found is not None:
+                    yield name, found, field
+
+    @classmethod
+    def from_environment(cls) -> ProcessSettings:
+        """What the environment and the defaults say, no flag given; `SettingError` names a variable that
+        does not parse."""
+        try:
+            return cls()
+        except ValidationError as err:
+            problem = err.errors()[0]
+            (name,) = problem["loc"][:1] or ("?",)
+            found = option_of(cls.model_fields[str(name)]) if str(name) in cls.model_fields else None
+            where = found.env if found is not None and found.env else name
+            raise SettingError(f"{where}: {problem['msg']}") from None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> ProcessSettings:
+        """The settings of parsed flags (whose defaults already are the environment's)."""
+        return cls.model_validate(
+            {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)}
+        )
+
+
+def process_settings(name: str, groups: tuple[type[BaseModel], ...]) -> type[ProcessSettings]:
+    """The settings model of one process: every field of `groups`, its flags listed in that order."""
+    model = type(
+        name, (ProcessSettings, *reversed(groups)), {"groups": groups, "__module__": groups[0].__module__}
+    )
+    return model
+
+
+class _AppendOverDefault(argparse._AppendAction):
+    """`append`, where the values given replace the default (the environment's list) instead of adding to it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        if getattr(namespace, self.dest, None) is self.default:
+            setattr(namespace, self.dest, None)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def add_arguments(parser: argparse.ArgumentParser, settings: type[ProcessSettings]) -> None:
+    """A flag for each of the settings' options, its default the environment's value, else the field's; a
+    variable that does not parse stops with a usage error that names it."""
+    try:
+        defaults = settings.from_environment()
+    except SettingError as err:
+        parser.error(str(err))
+    for name, found, _ in settings.options():
+        arguments: dict[str, Any] = {"dest": name, "default": getattr(defaults, name), "help": found.help}
+        if found.action == "append":
+            arguments["action"] = _AppendOverDefault
+        elif found.action is not None:
+            arguments["action"] = found.action
+        if found.action != "store_true":
+            arguments.update(type=found.parse, metavar=found.metavar, nargs=found.nargs)
+        parser.add_argument(*found.flags, **arguments)
