@@ -3,7 +3,8 @@
 Each step runs as soon as the tensors it consumes exist, so independent steps run concurrently (fan-out)
 and a step that consumes several steps' outputs waits for all of them (fan-in). Tensors move between
 stages as raw bytes; the router never decodes elements. The client's deadline and metadata go with every
-stage call. Each step's stage call, batched or not, goes through `pipeline.router.calls`.
+stage call. Each step's stage call, batched or not, goes through `pipeline.router.calls`; in an ensemble
+with conditions, whether a request takes a step is `pipeline.router.branches`'s to say.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.plan import EnsemblePlan, PlanStep
+from pipeline.ensemble.plan import EnsemblePlan, ModelSignature, PlanStep
 from pipeline.ensemble.signatures import check_signatures
 from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.codec import (
@@ -29,7 +30,6 @@ from pipeline.protocol.codec import (
     response_tensors,
     validate_inputs,
 )
-from pipeline.protocol.datatypes import element_count
 from pipeline.protocol.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -40,6 +40,7 @@ from pipeline.protocol.errors import (
 from pipeline.protocol.sequences import copy_sequence
 from pipeline.protocol.types import TensorSpec
 from pipeline.router.batching import DynamicBatcher
+from pipeline.router.branches import Branches, skip_reason
 from pipeline.router.calls import StageCalls
 from pipeline.router.fanout import gather, split
 from pipeline.router.merge import StageCall
@@ -47,14 +48,15 @@ from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.servicer import CallContext
-from pipeline.runtime.telemetry import MODEL, SKIP_REASON, STEP, STEP_SKIPPED, Telemetry
+from pipeline.runtime.telemetry import MODEL, STEP, Telemetry
 
 log = logging.getLogger(__name__)
 
 
 class Executor:
     """Runs ensemble plans: each step's stage call goes through `calls`, with the `registry`'s signatures
-    and batchers; `clients` are the stages' by key."""
+    and batchers; `clients` are the stages' by key. Whether a request takes a conditional step is asked of
+    `branches`."""
 
     def __init__(
         self,
@@ -69,8 +71,7 @@ class Executor:
         self.clients = clients
         self.calls = calls
         self.telemetry = telemetry
-        self.metrics = metrics
-        self._branch_counters: dict[tuple[str, int, bool], Any] = {}
+        self.branches = Branches(telemetry, metrics)
         #: (ensemble, step index) of the steps whose stage model declares no tensors and whose first
         #: response has been checked against the ensemble.
         self._checked: set[tuple[str, int]] = set()
@@ -102,58 +103,22 @@ class Executor:
         wanted = requested_outputs(request, plan.outputs, plan.name)
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
         values: dict[str, Tensor] = dict(inputs)
-        finished = None if plan.linear else {step.index: asyncio.Event() for step in plan.steps}
-        # Tell each batched step's batcher that this request is on its way, so that under load a partial
-        # batch may wait for it (`BatchingConfig.batch_upcoming`); whatever never arrives is taken back.
-        batchers = self.registry.batchers
-        awaited = {
-            step.index: batchers[step.model_name][0] for step in plan.steps if step.model_name in batchers
-        }
-        for batcher in awaited.values():
-            batcher.expect()
-
-        telemetry = self.telemetry
-        conditional = plan.conditional
-
-        async def run_step(step: PlanStep) -> None:
-            if finished is not None:
-                for producer in step.depends_on:
-                    await finished[producer].wait()
-            attributes: dict[str, Any] = {}
-            if telemetry.enabled:
-                # NOTE: the ensemble and the request id are on the request's span, the parent of this one.
-                # Every attribute costs each traced request its encoding, so none is repeated here.
-                attributes = {STEP: step.index, MODEL: step.model_name}
-            if conditional and self._skipped(plan, step, values, attributes, awaited):
-                if finished is not None:
-                    finished[step.index].set()
-                return
-            if telemetry.enabled:
-                with telemetry.span(f"step {step.model_name}", attributes):
-                    outputs = await self.call_step(step, values, request, deadline, call.metadata, awaited)
-            else:
-                outputs = await self.call_step(step, values, request, deadline, call.metadata, awaited)
-            if (plan.name, step.index) not in self._checked:
-                # A request that came before the model's signature was learnt is not checked; a later one is.
-                signature = self.registry.signatures.get(step.model_name)
-                if signature is not None and not signature.declared:
-                    self._check_first_response(plan, step, values, outputs)
-            values.update(outputs)
-            if finished is not None:
-                finished[step.index].set()
-
+        awaited = self._announce(plan)
         try:
             if plan.linear:
                 # A chain: each step waits for the one before it anyway, so they run in this task, with
                 # no task or event of their own.
                 for step in plan.steps:
-                    await run_step(step)
+                    await self._run_step(plan, step, request, call, deadline, values, awaited, None)
             else:
+                finished = {step.index: asyncio.Event() for step in plan.steps}
                 # NOTE: a failing step makes the TaskGroup cancel every other step of this request, so no
                 # stage call outlives the request it belongs to.
                 async with asyncio.TaskGroup() as group:
                     for step in plan.steps:
-                        group.create_task(run_step(step))
+                        group.create_task(
+                            self._run_step(plan, step, request, call, deadline, values, awaited, finished)
+                        )
         except BaseExceptionGroup as failure:
             raise _first_error(failure) from None
         finally:
@@ -166,54 +131,62 @@ class Executor:
         items = next(iter(inputs.values())).shape[0] if plan.max_batch_size > 0 and inputs else 1
         return response, items
 
-    def _skipped(
+    def _announce(self, plan: EnsemblePlan) -> dict[int, DynamicBatcher[StageCall, dict[str, Tensor]]]:
+        """Tell each batched step's batcher that a request is on its way, so that under load a partial
+        batch may wait for it (`BatchingConfig.batch_upcoming`): the batchers by step index, each taken
+        back (`unexpect`) where the request does not come to it."""
+        batchers = self.registry.batchers
+        awaited = {
+            step.index: batchers[step.model_name][0] for step in plan.steps if step.model_name in batchers
+        }
+        for batcher in awaited.values():
+            batcher.expect()
+        return awaited
+
+    async def _run_step(
         self,
         plan: EnsemblePlan,
         step: PlanStep,
+        request: pb.ModelInferRequest,
+        call: CallContext,
+        deadline: float | None,
         values: dict[str, Tensor],
-        attributes: dict[str, Any],
-        awaited: dict[int, Any],
-    ) -> bool:
-        """Whether a step of an ensemble with conditions is skipped for this request: counted either way,
-        and a skipped one traced with its reason and taken back from its batcher's expected requests."""
-        skipped = self.skip_reason(plan, step, values)
-        self._branch_counter(plan.name, step, not skipped).inc()
-        if not skipped:
-            return False
-        if self.telemetry.enabled:
-            with self.telemetry.span(
-                f"step {step.model_name}", {**attributes, STEP_SKIPPED: True, SKIP_REASON: skipped}
-            ):
-                pass
-        batcher = awaited.pop(step.index, None)
-        if batcher is not None:
-            batcher.unexpect()  # it will not come: its batch need not wait for it
-        return True
+        awaited: dict[int, DynamicBatcher[StageCall, dict[str, Tensor]]],
+        finished: dict[int, asyncio.Event] | None,
+    ) -> None:
+        """Run one step of a request once the steps it depends on have `finished` (None: a chain, run in
+        order), its outputs added to `values`: skipped where its condition says so, else its stage called."""
+        if finished is not None:
+            for producer in step.depends_on:
+                await finished[producer].wait()
+        telemetry = self.telemetry
+        attributes: dict[str, Any] = {}
+        if telemetry.enabled:
+            # NOTE: the ensemble and the request id are on the request's span, the parent of this one.
+            # Every attribute costs each traced request its encoding, so none is repeated here.
+            attributes = {STEP: step.index, MODEL: step.model_name}
+        if plan.conditional and self.branches.skipped(plan, step, values, attributes, awaited):
+            if finished is not None:
+                finished[step.index].set()
+            return
+        if telemetry.enabled:
+            with telemetry.span(f"step {step.model_name}", attributes):
+                outputs = await self.call_step(step, values, request, deadline, call.metadata, awaited)
+        else:
+            outputs = await self.call_step(step, values, request, deadline, call.metadata, awaited)
+        if (plan.name, step.index) not in self._checked:
+            # A request that came before the model's signature was learnt is not checked; a later one is.
+            signatures = self.registry.signatures
+            signature = signatures.get(step.model_name)
+            if signature is not None and not signature.declared:
+                _check_first_response(plan, step, signatures, values, outputs)
+                self._checked.add((plan.name, step.index))
+        values.update(outputs)
+        if finished is not None:
+            finished[step.index].set()
 
-    def _branch_counter(self, ensemble: str, step: PlanStep, taken: bool) -> Any:
-        """The `pipeline_branch_requests_total` child of a step and outcome, looked up once."""
-        key = (ensemble, step.index, taken)
-        counter = self._branch_counters.get(key)
-        if counter is None:
-            counter = self._branch_counters[key] = self.metrics.branch_requests.labels(
-                ensemble, f"{step.index}:{step.model_name}", "true" if taken else "false"
-            )
-        return counter
-
-    @staticmethod
-    def skip_reason(plan: EnsemblePlan, step: PlanStep, values: Mapping[str, Tensor]) -> str:
-        """Why a request skips a step ("" when it runs): an input that no step produced for it, or a
-        condition that does not hold. A condition tensor holding other than one element is refused."""
-        missing = [tensor for tensor in step.consumed if tensor not in values]
-        if missing:
-            return f"no tensor {', '.join(repr(t) for t in missing)} (its producer was skipped)"
-        when = step.when
-        if when is None:
-            return ""
-        value = condition_value(values[when.tensor], f"ensemble '{plan.name}' {step.label}")
-        if when.holds(value):
-            return ""
-        return f"condition not met: {when} (value {value!r})"
+    #: Why a request skips a step (see `pipeline.router.branches`); the streams ask it too.
+    skip_reason = staticmethod(skip_reason)
 
     async def call_step(
         self,
@@ -270,14 +243,7 @@ class Executor:
     ) -> dict[str, Tensor]:
         """A fan-out step: one call per element of its `for_each` tensors (each a request of one item, so
         the elements of many requests share the model's batches), the outputs gathered back in order."""
-        elements = {name: split(values[name], step.label) for name in step.for_each}
-        counts = {name: len(parts) for name, parts in elements.items()}
-        if len(set(counts.values())) > 1:
-            lengths = ", ".join(f"'{name}' {count}" for name, count in counts.items())
-            raise InvalidInput(
-                f"{step.label}: its for_each tensors differ in length ({lengths}); each element is one call"
-            )
-        count = next(iter(counts.values()))
+        elements, count = _elements(step, values)
         # The request's announcement to the model's batcher (`expect`) becomes one per element, all made
         # before any element is queued: an idle stage then waits for the whole request's elements (as far
         # as `batch_upcoming` waits) instead of sending the first alone.
@@ -313,52 +279,7 @@ class Executor:
         finally:
             for _ in range(unsent):  # elements cancelled before they were queued
                 batcher.unexpect()  # type: ignore[union-attr]
-        signature = self.registry.signatures.get(step.model_name)
-        specs = {spec.name: spec for spec in signature.outputs} if signature is not None else {}
-        return {
-            tensor_name: gather(
-                tensor_name,
-                [result[tensor_name] for result in results],
-                specs.get(stage_tensor),
-                step.label,
-            )
-            for stage_tensor, tensor_name in step.outputs
-        }
-
-    def _check_first_response(
-        self, plan: EnsemblePlan, step: PlanStep, values: Mapping[str, Tensor], outputs: Mapping[str, Tensor]
-    ) -> None:
-        """Check a step whose stage model declares no tensors, on its first response: the tensors sent and
-        received stand for its signature, and the ensemble is checked with it as `check_signatures` checks
-        declared models at start-up. A mismatch fails the request (and the next, until the stage answers
-        what the ensemble expects), naming the step and the tensor."""
-        batched = plan.max_batch_size > 0
-
-        def spec(name: str, tensor: Tensor) -> TensorSpec:
-            shape = tuple(tensor.shape)
-            return TensorSpec(name, tensor.datatype, (-1, *shape[1:]) if batched and shape else shape)
-
-        learnt = replace(
-            self.registry.signatures[step.model_name],
-            inputs=tuple(spec(stage_tensor, values[name]) for stage_tensor, name in step.inputs),
-            outputs=tuple(spec(stage_tensor, outputs[name]) for stage_tensor, name in step.outputs),
-        )
-        try:
-            check_signatures(plan, {**self.registry.signatures, step.model_name: learnt})
-        except ConfigError as err:
-            raise StageError(
-                f"{step.label}: the first response of stage model '{step.model_name}', which declares no "
-                f"tensors, does not fit the ensemble: {err}",
-                grpc.StatusCode.INTERNAL,
-            ) from None
-        log.info(
-            "%s: %s: stage model '%s' answered as the ensemble expects (%s)",
-            plan.source,
-            step.label,
-            step.model_name,
-            ", ".join(f"{s.name} {s.datatype} {list(s.shape)}" for s in (*learnt.inputs, *learnt.outputs)),
-        )
-        self._checked.add((plan.name, step.index))
+        return _gathered(step, results, self.registry.signatures.get(step.model_name))
 
     async def _call_stage(
         self,
@@ -395,22 +316,73 @@ class Executor:
         return response_tensors(response)
 
 
-def condition_value(tensor: Tensor, where: str) -> float | str:
-    """The single value a condition reads: a number, or a BYTES element as text. A tensor holding any other
-    number of elements (a request of several items, say) is refused: a condition reads one per request."""
-    if element_count(tensor.shape) != 1:
+def _elements(step: PlanStep, values: Mapping[str, Tensor]) -> tuple[dict[str, list[Tensor]], int]:
+    """A fan-out step's `for_each` tensors split into their elements, and how many each has (all alike,
+    else `InvalidInput`)."""
+    elements = {name: split(values[name], step.label) for name in step.for_each}
+    counts = {name: len(parts) for name, parts in elements.items()}
+    if len(set(counts.values())) > 1:
+        lengths = ", ".join(f"'{name}' {count}" for name, count in counts.items())
         raise InvalidInput(
-            f"{where}: condition tensor '{tensor.name}' holds {element_count(tensor.shape)} elements "
-            f"(shape {list(tensor.shape)}); a condition reads exactly one value per request, so send one "
-            "item per request to this ensemble"
+            f"{step.label}: its for_each tensors differ in length ({lengths}); each element is one call"
         )
-    value = tensor.to_array().reshape(-1)[0]
-    if tensor.datatype == "BYTES":
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidInput(f"{where}: condition tensor '{tensor.name}' is not UTF-8 text") from None
-    return float(value)
+    return elements, next(iter(counts.values()))
+
+
+def _gathered(
+    step: PlanStep, results: Sequence[Mapping[str, Tensor]], signature: ModelSignature | None
+) -> dict[str, Tensor]:
+    """A fan-out step's outputs: each element's (`results`, in order) gathered into one tensor, as the
+    model's `signature` declares its outputs."""
+    specs = {spec.name: spec for spec in signature.outputs} if signature is not None else {}
+    return {
+        tensor_name: gather(
+            tensor_name,
+            [result[tensor_name] for result in results],
+            specs.get(stage_tensor),
+            step.label,
+        )
+        for stage_tensor, tensor_name in step.outputs
+    }
+
+
+def _check_first_response(
+    plan: EnsemblePlan,
+    step: PlanStep,
+    signatures: Mapping[str, ModelSignature],
+    values: Mapping[str, Tensor],
+    outputs: Mapping[str, Tensor],
+) -> None:
+    """Check a step whose stage model declares no tensors, on its first response: the tensors sent and
+    received stand for its signature, and the ensemble is checked with it as `check_signatures` checks
+    declared models at start-up. A mismatch fails the request (and the next, until the stage answers
+    what the ensemble expects), naming the step and the tensor."""
+    batched = plan.max_batch_size > 0
+
+    def spec(name: str, tensor: Tensor) -> TensorSpec:
+        shape = tuple(tensor.shape)
+        return TensorSpec(name, tensor.datatype, (-1, *shape[1:]) if batched and shape else shape)
+
+    learnt = replace(
+        signatures[step.model_name],
+        inputs=tuple(spec(stage_tensor, values[name]) for stage_tensor, name in step.inputs),
+        outputs=tuple(spec(stage_tensor, outputs[name]) for stage_tensor, name in step.outputs),
+    )
+    try:
+        check_signatures(plan, {**signatures, step.model_name: learnt})
+    except ConfigError as err:
+        raise StageError(
+            f"{step.label}: the first response of stage model '{step.model_name}', which declares no "
+            f"tensors, does not fit the ensemble: {err}",
+            grpc.StatusCode.INTERNAL,
+        ) from None
+    log.info(
+        "%s: %s: stage model '%s' answered as the ensemble expects (%s)",
+        plan.source,
+        step.label,
+        step.model_name,
+        ", ".join(f"{s.name} {s.datatype} {list(s.shape)}" for s in (*learnt.inputs, *learnt.outputs)),
+    )
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:
