@@ -123,6 +123,88 @@ def _vnni() -> str:
     return ", ".join(found) or "none (8-bit multiply-adds without VNNI)"
 
 
+def _forms(folder: Path, built: Path, names: list[str], batch_size: int, runs: int) -> None:
+    """Each model quantized in each form, in a repository of its own under `folder`, and its report as a
+    table row."""
+    print(
+        "| model | form | top-1 agreement | max abs diff | ORT FP32 CPU/batch | INT8 CPU/batch | speed-up |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        for label, form in FORMS:
+            root = folder / f"{name}-{label}".replace(" ", "_").replace(",", "")
+            shutil.copytree(built / name, root / name)
+            report = quantize(
+                root,
+                name,
+                QuantizeSettings(
+                    method=form.method,
+                    format=form.format,
+                    per_channel=form.per_channel,
+                    reduce_range=form.reduce_range,
+                    calibration=folder / f"{name}-calibration.npy",
+                    evaluation=folder / f"{name}-evaluation.npy",
+                    batch_size=batch_size,
+                    runs=runs,
+                ),
+            )
+            assert report.fp32 and report.int8
+            print(
+                f"| {name} | {label} | {report.top1_agreement['LOGITS']:.2%} | "
+                f"{report.max_abs_diff['LOGITS']:.3f} | {report.fp32.cpu_ms_per_batch * 1e3:.0f} µs | "
+                f"{report.int8.cpu_ms_per_batch * 1e3:.0f} µs | {report.cpu_speedup:.2f}x |"
+            )
+
+
+def _model_steps(
+    folder: Path, evaluations: dict[str, np.ndarray], batch_size: int, runs: int, rounds: int
+) -> None:
+    """The model step as the service runs it, FP32 against the static QDQ per channel version that `_forms`
+    wrote, CPU per image, and the INT8 graph's operators."""
+    print("\nThe model step as the service runs it (static QDQ, per channel), CPU per image:")
+    print(
+        "| model | FP32 (its runner) | FP32 (ONNX Runtime) | INT8 (ONNX Runtime) | FP32 / INT8 | ORT FP32 / INT8 |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, evaluation in evaluations.items():
+        root = folder / f"{name}-static_QDQ_per_channel"
+        fp32, int8 = _instance(root, name, "1"), _instance(root, name, "2")
+        # A PyTorch file runs on ONNX Runtime as its export: FP32 and INT8 in the same runtime.
+        ort_fp32 = _instance(root, name, "1", runner="onnxruntime")
+        feeds = {"INPUT": np.ascontiguousarray(evaluation[:batch_size])}
+        cpu = _cpu_per_image({"fp32": fp32, "ort": ort_fp32, "int8": int8}, feeds, runs, rounds)
+        print(
+            f"| {name} | {cpu['fp32']:.1f} µs ({fp32.runner}) | {cpu['ort']:.1f} µs | {cpu['int8']:.1f} µs | "
+            f"{cpu['fp32'] / cpu['int8']:.2f}x | {cpu['ort'] / cpu['int8']:.2f}x |"
+        )
+        print(
+            f"\n  {name} INT8 graph as ONNX Runtime runs it: {_int8_operators(root / name / '2' / 'model.onnx')}\n"
+        )
+
+
+def _pipeline_accuracy(root: Path, x_test: np.ndarray, y_test: np.ndarray) -> None:
+    """The digits' accuracy through the pipeline (PNG images, preprocess, the CNN, postprocess) with the FP32
+    version and with the INT8 one of the repository at `root`."""
+    pre, post = _stage("digits_preprocess"), _stage("digits_postprocess")
+    images = np.empty((len(x_test), 1), dtype=object)
+    for i, digit in enumerate(x_test[:, 0]):
+        images[i, 0] = _png(digit)
+    accuracy = {}
+    for version in ("1", "2"):
+        model = _instance(root, "digits_cnn", version)
+        labels = []
+        for start in range(0, len(images), 64):
+            pixels = pre.infer({"IMAGE": images[start : start + 64]})["PIXELS"]
+            logits = model.run({"INPUT": pixels})["LOGITS"]
+            labels.append(post.infer({"LOGITS": logits})["LABEL"][:, 0])
+        accuracy[version] = float(np.mean(np.concatenate(labels) == y_test))
+    print(
+        f"digits through the pipeline (PNG -> preprocess -> CNN -> postprocess), {len(images)} held-out "
+        f"images: FP32 {accuracy['1']:.2%}, INT8 {accuracy['2']:.2%} "
+        f"({(accuracy['2'] - accuracy['1']) * 100:+.2f} points)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.quantize", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=16)
@@ -141,79 +223,16 @@ def main() -> None:
     }
     print(f"CPU VNNI: {_vnni()}; batch {args.batch_size}, one intra-op thread\n")
     with tempfile.TemporaryDirectory(prefix="bench-quantize-") as tmp:
-        built = Path(tmp) / "built"
+        folder = Path(tmp)
+        built = folder / "built"
         build(built, list(samples), progress=False, report=lambda _: None)
         for name, (calibration, evaluation) in samples.items():
-            np.save(Path(tmp) / f"{name}-calibration.npy", calibration)
-            np.save(Path(tmp) / f"{name}-evaluation.npy", evaluation)
-        print(
-            "| model | form | top-1 agreement | max abs diff | ORT FP32 CPU/batch | INT8 CPU/batch | speed-up |"
-        )
-        print("|---|---|---|---|---|---|---|")
-        for name in samples:
-            for label, form in FORMS:
-                root = Path(tmp) / f"{name}-{label}".replace(" ", "_").replace(",", "")
-                shutil.copytree(built / name, root / name)
-                report = quantize(
-                    root,
-                    name,
-                    QuantizeSettings(
-                        method=form.method,
-                        format=form.format,
-                        per_channel=form.per_channel,
-                        reduce_range=form.reduce_range,
-                        calibration=Path(tmp) / f"{name}-calibration.npy",
-                        evaluation=Path(tmp) / f"{name}-evaluation.npy",
-                        batch_size=args.batch_size,
-                        runs=args.runs,
-                    ),
-                )
-                assert report.fp32 and report.int8
-                print(
-                    f"| {name} | {label} | {report.top1_agreement['LOGITS']:.2%} | "
-                    f"{report.max_abs_diff['LOGITS']:.3f} | {report.fp32.cpu_ms_per_batch * 1e3:.0f} µs | "
-                    f"{report.int8.cpu_ms_per_batch * 1e3:.0f} µs | {report.cpu_speedup:.2f}x |"
-                )
-
-        print("\nThe model step as the service runs it (static QDQ, per channel), CPU per image:")
-        print(
-            "| model | FP32 (its runner) | FP32 (ONNX Runtime) | INT8 (ONNX Runtime) | FP32 / INT8 | ORT FP32 / INT8 |"
-        )
-        print("|---|---|---|---|---|---|")
-        digits_root = Path(tmp) / "digits_cnn-static_QDQ_per_channel"
-        for name, (_, evaluation) in samples.items():
-            root = Path(tmp) / f"{name}-static_QDQ_per_channel"
-            fp32, int8 = _instance(root, name, "1"), _instance(root, name, "2")
-            # A PyTorch file runs on ONNX Runtime as its export: FP32 and INT8 in the same runtime.
-            ort_fp32 = _instance(root, name, "1", runner="onnxruntime")
-            feeds = {"INPUT": np.ascontiguousarray(evaluation[: args.batch_size])}
-            cpu = _cpu_per_image({"fp32": fp32, "ort": ort_fp32, "int8": int8}, feeds, args.runs, args.rounds)
-            print(
-                f"| {name} | {cpu['fp32']:.1f} µs ({fp32.runner}) | {cpu['ort']:.1f} µs | {cpu['int8']:.1f} µs | "
-                f"{cpu['fp32'] / cpu['int8']:.2f}x | {cpu['ort'] / cpu['int8']:.2f}x |"
-            )
-            print(
-                f"\n  {name} INT8 graph as ONNX Runtime runs it: {_int8_operators(root / name / '2' / 'model.onnx')}\n"
-            )
-
-        pre, post = _stage("digits_preprocess"), _stage("digits_postprocess")
-        images = np.empty((len(x_test), 1), dtype=object)
-        for i, digit in enumerate(x_test[:, 0]):
-            images[i, 0] = _png(digit)
-        accuracy = {}
-        for version in ("1", "2"):
-            model = _instance(digits_root, "digits_cnn", version)
-            labels = []
-            for start in range(0, len(images), 64):
-                pixels = pre.infer({"IMAGE": images[start : start + 64]})["PIXELS"]
-                logits = model.run({"INPUT": pixels})["LOGITS"]
-                labels.append(post.infer({"LOGITS": logits})["LABEL"][:, 0])
-            accuracy[version] = float(np.mean(np.concatenate(labels) == y_test))
-        print(
-            f"digits through the pipeline (PNG -> preprocess -> CNN -> postprocess), {len(images)} held-out "
-            f"images: FP32 {accuracy['1']:.2%}, INT8 {accuracy['2']:.2%} "
-            f"({(accuracy['2'] - accuracy['1']) * 100:+.2f} points)"
-        )
+            np.save(folder / f"{name}-calibration.npy", calibration)
+            np.save(folder / f"{name}-evaluation.npy", evaluation)
+        _forms(folder, built, list(samples), args.batch_size, args.runs)
+        evaluations = {name: evaluation for name, (_, evaluation) in samples.items()}
+        _model_steps(folder, evaluations, args.batch_size, args.runs, args.rounds)
+        _pipeline_accuracy(folder / "digits_cnn-static_QDQ_per_channel", x_test, y_test)
 
 
 if __name__ == "__main__":

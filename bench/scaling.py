@@ -119,6 +119,34 @@ def machine_seconds() -> tuple[float, float]:
     return (user + nice + system + irq + softirq) / tick, steal / tick
 
 
+class CoreMeter:
+    """The cores used from its making to `cores()`: by each process of `pids` (a router with workers: all of
+    them), with `client` by this process's children (the load generator, on the same cores), and by the whole
+    machine."""
+
+    def __init__(self, pids: dict[str, int], *, client: bool) -> None:
+        self.pids = pids
+        self.client = resource.getrusage(resource.RUSAGE_CHILDREN) if client else None
+        self.cpu = {n: cpu_seconds(pid) for n, pid in pids.items()}
+        self.machine = machine_seconds()
+        self.wall = time.monotonic()
+
+    def cores(self) -> dict[str, float]:
+        wall = time.monotonic() - self.wall
+        cores = {n: round((cpu_seconds(pid) - self.cpu[n]) / wall, 2) for n, pid in self.pids.items()}
+        if self.client is not None:
+            client, before = resource.getrusage(resource.RUSAGE_CHILDREN), self.client
+            used = client.ru_utime + client.ru_stime - before.ru_utime - before.ru_stime
+            cores["client"] = round(used / wall, 2)
+        busy, steal = (
+            round((after - before) / wall, 2)
+            for after, before in zip(machine_seconds(), self.machine, strict=True)
+        )
+        cores["machine"] = busy  # everything, the engine's and the kernel's work included
+        cores["stolen"] = steal  # taken by the hypervisor for other guests
+        return cores
+
+
 def executions(address: str, model: str) -> int:
     with grpc.insecure_channel(address) as channel:
         reply = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
@@ -150,9 +178,7 @@ def measure(
     load = os.getloadavg()
     out = folder / "bench.json"
     generator = [*container, "pipeline"] if container else [sys.executable, "-m", "pipeline"]
-    cpu_before, wall_before = {n: cpu_seconds(pid) for n, pid in pids.items()}, time.monotonic()
-    client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    machine_before = machine_seconds()
+    meter = CoreMeter(pids, client=not container)  # a container's processes are not this one's children
     subprocess.run(
         [
             *(*generator, "bench", "--url", router_address),
@@ -164,20 +190,8 @@ def measure(
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    wall = time.monotonic() - wall_before
+    cores = meter.cores()
     shutil.copyfile(out, results / f"{name}.json")
-    # Cores each process used while the load ran (a router with workers: all of them).
-    cores = {n: round((cpu_seconds(pid) - cpu_before[n]) / wall, 2) for n, pid in pids.items()}
-    if not container:  # a container's processes are not this one's children
-        client = resource.getrusage(resource.RUSAGE_CHILDREN)
-        used = client.ru_utime + client.ru_stime - client_before.ru_utime - client_before.ru_stime
-        cores["client"] = round(used / wall, 2)  # the load generator, on the same cores
-    busy, steal = (
-        round((after - before) / wall, 2)
-        for after, before in zip(machine_seconds(), machine_before, strict=True)
-    )
-    cores["machine"] = busy  # everything, the engine's and the kernel's work included
-    cores["stolen"] = steal  # taken by the hypervisor for other guests
     calls = [executions(a, model_name) - b for a, b in zip(model_addresses, before, strict=True)]
     level = json.loads(out.read_text())["results"][0]
     stage = level["stages"].get(model_name, {})

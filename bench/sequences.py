@@ -172,6 +172,140 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+@dataclass
+class Fleet:
+    """The two model replicas (process, address) and the router in front of them, as started."""
+
+    replicas: list[tuple[subprocess.Popen[bytes], str]]
+    router: str
+    #: The replicas as the router's target lists them, and each one's address.
+    fixed: tuple[str, ...]
+    by_fixed: dict[str, str]
+
+    def home(self, sequence: int) -> str:
+        """The replica that rendezvous hashing ranks first for a sequence: the one that should hold it."""
+        return self.by_fixed[rendezvous(self.fixed, sequence_key(SequenceId(sequence, False, False)))[0]]
+
+
+def start_fleet(
+    model_dir: Path, workers: int, folder: Path, processes: list[subprocess.Popen[bytes]]
+) -> Fleet:
+    """Two model services serving the model and a router with `workers` workers in front of them, each
+    process added to `processes` as it starts; returns once the model is ready through the router."""
+    replicas = []
+    for i in range(2):
+        command = ["-m", "services.model", "--model-dir", str(model_dir), "--load-model", MODEL]
+        process, address = start(f"model-{i}", command, folder)
+        processes.append(process)
+        replicas.append((process, address))
+    for _, address in replicas:
+        wait_model(address)
+    target = "ipv4:" + ",".join(address for _, address in replicas)
+    router_command = ["-m", "pipeline", "router", "--workers", str(workers), "--stage", f"model={target}"]
+    router, router_address = start("router", router_command, folder)
+    processes.append(router)
+    wait_ready(router_address)
+    wait_model(router_address)
+    fixed = Target.parse(target).fixed
+    by_fixed = dict(zip(fixed, (address for _, address in replicas), strict=True))
+    return Fleet(replicas, router_address, fixed, by_fixed)
+
+
+def measure_run(fleet: Fleet, network: Path, args: argparse.Namespace) -> dict:
+    """Every sequence to its end: whether the answers equal the reference, the rates and latencies, and
+    each replica's share against the sequences ranked to it."""
+    ids = list(range(1, args.sequences + 1))
+    texts = {sequence: chunks(sequence, args.requests) for sequence in ids}
+    expected = {sequence: reference(network, texts[sequence]) for sequence in ids}
+    before = {address: replica_statistics(address) for _, address in fleet.replicas}
+    started = time.perf_counter()
+    outcomes = asyncio.run(run_sequences(fleet.router, ids, texts, [0]))
+    elapsed = time.perf_counter() - started
+    after = {address: replica_statistics(address) for _, address in fleet.replicas}
+    latencies = [x for o in outcomes.values() for x in o.latencies]
+    failed = {s: o.error for s, o in outcomes.items() if o.error}
+    equal = all(matches(o, expected[s]) and len(o.answers) == args.requests for s, o in outcomes.items())
+    report = {
+        "sequences": args.sequences,
+        "requests_per_sequence": args.requests,
+        "router_workers": args.workers,
+        "failed": len(failed),
+        "outputs_equal_reference": equal,
+        "requests_per_s": round(len(latencies) / elapsed, 1),
+        "p50_ms": round(percentile(latencies, 50) * 1e3, 2),
+        "p99_ms": round(percentile(latencies, 99) * 1e3, 2),
+        "replicas": {},
+    }
+    total_inferences = total_executions = 0
+    for _, address in fleet.replicas:
+        inferences = after[address][0] - before[address][0]
+        executions = after[address][1] - before[address][1]
+        queue_ns = after[address][2] - before[address][2]
+        compute_ns = after[address][3] - before[address][3]
+        total_inferences += inferences
+        total_executions += executions
+        ranked_here = sum(1 for s in ids if fleet.home(s) == address)
+        report["replicas"][address] = {
+            "inferences": inferences,
+            "mean_batch": round(inferences / executions, 2) if executions else None,
+            "queue_ms_per_request": round(queue_ns / inferences / 1e6, 2) if inferences else None,
+            "compute_ms_per_request": round(compute_ns / inferences / 1e6, 2) if inferences else None,
+            "sequences_ranked_here": ranked_here,
+            "inferences_expected": ranked_here * args.requests,
+        }
+    report["mean_batch"] = round(total_inferences / total_executions, 2) if total_executions else None
+    report["no_sequence_split"] = all(
+        r["inferences"] == r["inferences_expected"] for r in report["replicas"].values()
+    )
+    return report
+
+
+def measure_kill(fleet: Fleet, network: Path, args: argparse.Namespace) -> dict:
+    """The same load again, one replica SIGKILLed once 30% of the requests are answered: which sequences
+    failed, with what, and whether they are exactly those the killed replica held."""
+    ids = list(range(10_001, 10_001 + args.sequences))
+    texts = {sequence: chunks(sequence, args.requests) for sequence in ids}
+    expected = {sequence: reference(network, texts[sequence]) for sequence in ids}
+    victim, victim_address = fleet.replicas[0]
+    answered = [0]
+
+    async def kill_when_due() -> None:
+        while answered[0] < 0.3 * args.sequences * args.requests:
+            await asyncio.sleep(0.005)
+        victim.send_signal(signal.SIGKILL)
+
+    async def both() -> dict[int, Outcome]:
+        killer = asyncio.create_task(kill_when_due())
+        outcomes = await run_sequences(fleet.router, ids, texts, answered)
+        killer.cancel()
+        return outcomes
+
+    outcomes = asyncio.run(both())
+    victim.wait(10)
+    held = {s for s in ids if fleet.home(s) == victim_address}
+    failed = {s: o.error for s, o in outcomes.items() if o.error}
+    clear = all(
+        code == "UNAVAILABLE" and f"sequence {s} of model '{MODEL}' is lost" in message
+        for s, (code, message) in failed.items()
+    )
+    others_equal = all(
+        matches(o, expected[s]) and len(o.answers) == args.requests
+        for s, o in outcomes.items()
+        if s not in held
+    )
+    lost_answers_equal = all(matches(outcomes[s], expected[s]) for s in held)
+    return {
+        "killed_after_answers": int(0.3 * args.sequences * args.requests),
+        "sequences_on_killed_replica": len(held),
+        "failed_sequences": len(failed),
+        "failed_are_exactly_the_killed_replicas": set(failed) == held,
+        "every_failure_unavailable_naming_its_sequence": clear,
+        "other_sequences_complete_and_equal_reference": others_equal,
+        "answers_before_the_kill_equal_reference": lost_answers_equal,
+        "example_error": next(iter(failed.values()), None),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sequences", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", default=os.environ.get("PIPELINE_MODEL_DIR", "model_repository"))
@@ -186,126 +320,12 @@ def main() -> int:
         print(f"{network} is missing: build the example models first (make model)", file=sys.stderr)
         return 2
     folder = Path(tempfile.mkdtemp(prefix="bench-sequences-"))
-    processes = []
+    processes: list[subprocess.Popen[bytes]] = []
     try:
-        replicas = []
-        for i in range(2):
-            command = ["-m", "services.model", "--model-dir", str(model_dir), "--load-model", MODEL]
-            process, address = start(f"model-{i}", command, folder)
-            processes.append(process)
-            replicas.append((process, address))
-        for _, address in replicas:
-            wait_model(address)
-        target = "ipv4:" + ",".join(address for _, address in replicas)
-        router_command = [
-            "-m",
-            "pipeline",
-            "router",
-            "--workers",
-            str(args.workers),
-            "--stage",
-            f"model={target}",
-        ]
-        router, router_address = start("router", router_command, folder)
-        processes.append(router)
-        wait_ready(router_address)
-        wait_model(router_address)
-        fixed = Target.parse(target).fixed
-        by_fixed = dict(zip(fixed, (address for _, address in replicas), strict=True))
-
-        def home(sequence: int) -> str:
-            return by_fixed[rendezvous(fixed, sequence_key(SequenceId(sequence, False, False)))[0]]
-
-        # ---- the run: every sequence to its end ---------------------------------------------------------
-        ids = list(range(1, args.sequences + 1))
-        texts = {sequence: chunks(sequence, args.requests) for sequence in ids}
-        expected = {sequence: reference(network, texts[sequence]) for sequence in ids}
-        before = {address: replica_statistics(address) for _, address in replicas}
-        started = time.perf_counter()
-        outcomes = asyncio.run(run_sequences(router_address, ids, texts, [0]))
-        elapsed = time.perf_counter() - started
-        after = {address: replica_statistics(address) for _, address in replicas}
-        latencies = [x for o in outcomes.values() for x in o.latencies]
-        failed = {s: o.error for s, o in outcomes.items() if o.error}
-        equal = all(matches(o, expected[s]) and len(o.answers) == args.requests for s, o in outcomes.items())
-        report = {
-            "sequences": args.sequences,
-            "requests_per_sequence": args.requests,
-            "router_workers": args.workers,
-            "failed": len(failed),
-            "outputs_equal_reference": equal,
-            "requests_per_s": round(len(latencies) / elapsed, 1),
-            "p50_ms": round(percentile(latencies, 50) * 1e3, 2),
-            "p99_ms": round(percentile(latencies, 99) * 1e3, 2),
-            "replicas": {},
-        }
-        total_inferences = total_executions = 0
-        for _, address in replicas:
-            inferences = after[address][0] - before[address][0]
-            executions = after[address][1] - before[address][1]
-            queue_ns = after[address][2] - before[address][2]
-            compute_ns = after[address][3] - before[address][3]
-            total_inferences += inferences
-            total_executions += executions
-            ranked_here = sum(1 for s in ids if home(s) == address)
-            report["replicas"][address] = {
-                "inferences": inferences,
-                "mean_batch": round(inferences / executions, 2) if executions else None,
-                "queue_ms_per_request": round(queue_ns / inferences / 1e6, 2) if inferences else None,
-                "compute_ms_per_request": round(compute_ns / inferences / 1e6, 2) if inferences else None,
-                "sequences_ranked_here": ranked_here,
-                "inferences_expected": ranked_here * args.requests,
-            }
-        report["mean_batch"] = round(total_inferences / total_executions, 2) if total_executions else None
-        report["no_sequence_split"] = all(
-            r["inferences"] == r["inferences_expected"] for r in report["replicas"].values()
-        )
-        print(json.dumps({"run": report}, indent=2))
-
+        fleet = start_fleet(model_dir, args.workers, folder, processes)
+        print(json.dumps({"run": measure_run(fleet, network, args)}, indent=2))
         if args.kill:
-            # ---- the same load again, one replica SIGKILLed once 30% of the requests are answered ----------
-            ids = list(range(10_001, 10_001 + args.sequences))
-            texts = {sequence: chunks(sequence, args.requests) for sequence in ids}
-            expected = {sequence: reference(network, texts[sequence]) for sequence in ids}
-            victim, victim_address = replicas[0]
-            answered = [0]
-
-            async def kill_when_due() -> None:
-                while answered[0] < 0.3 * args.sequences * args.requests:
-                    await asyncio.sleep(0.005)
-                victim.send_signal(signal.SIGKILL)
-
-            async def both() -> dict[int, Outcome]:
-                killer = asyncio.create_task(kill_when_due())
-                outcomes = await run_sequences(router_address, ids, texts, answered)
-                killer.cancel()
-                return outcomes
-
-            outcomes = asyncio.run(both())
-            victim.wait(10)
-            held = {s for s in ids if home(s) == victim_address}
-            failed = {s: o.error for s, o in outcomes.items() if o.error}
-            clear = all(
-                code == "UNAVAILABLE" and f"sequence {s} of model '{MODEL}' is lost" in message
-                for s, (code, message) in failed.items()
-            )
-            others_equal = all(
-                matches(o, expected[s]) and len(o.answers) == args.requests
-                for s, o in outcomes.items()
-                if s not in held
-            )
-            lost_answers_equal = all(matches(outcomes[s], expected[s]) for s in held)
-            kill = {
-                "killed_after_answers": int(0.3 * args.sequences * args.requests),
-                "sequences_on_killed_replica": len(held),
-                "failed_sequences": len(failed),
-                "failed_are_exactly_the_killed_replicas": set(failed) == held,
-                "every_failure_unavailable_naming_its_sequence": clear,
-                "other_sequences_complete_and_equal_reference": others_equal,
-                "answers_before_the_kill_equal_reference": lost_answers_equal,
-                "example_error": next(iter(failed.values()), None),
-            }
-            print(json.dumps({"kill": kill}, indent=2))
+            print(json.dumps({"kill": measure_kill(fleet, network, args)}, indent=2))
         return 0
     finally:
         for process in processes:
