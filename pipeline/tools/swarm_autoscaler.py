@@ -234,6 +234,27 @@ def service_argument(text: str) -> tuple[str, str, int, int, float | None]:
     return stage, service, low, high, queue_ms
 
 
+def scaled_services(args: argparse.Namespace) -> list[ScaledService]:
+    """Each `--service` with its autoscaler: its own bounds and queue-time target (else `--queue-ms`), the
+    in-flight target and cool-down every service shares."""
+    return [
+        ScaledService(
+            stage,
+            service,
+            Autoscaler(
+                ScalingTargets(
+                    low,
+                    high,
+                    queue_seconds=(args.queue_ms if queue_ms is None else queue_ms) / 1000,
+                    inflight_per_replica=args.inflight,
+                    cooldown=args.cooldown,
+                )
+            ),
+        )
+        for stage, service, low, high, queue_ms in args.service
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -273,22 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docker-socket", default=DOCKER_SOCKET)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s autoscaler %(levelname)s: %(message)s")
-    services = [
-        ScaledService(
-            stage,
-            service,
-            Autoscaler(
-                ScalingTargets(
-                    low,
-                    high,
-                    queue_seconds=(args.queue_ms if queue_ms is None else queue_ms) / 1000,
-                    inflight_per_replica=args.inflight,
-                    cooldown=args.cooldown,
-                )
-            ),
-        )
-        for stage, service, low, high, queue_ms in args.service
-    ]
+    services = scaled_services(args)
     controller = SwarmAutoscaler(services, DockerServices(args.docker_socket), args.routers)
     start_http_server(args.metrics_port, registry=controller.registry)
     log.info(

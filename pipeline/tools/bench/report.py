@@ -218,9 +218,18 @@ def format_report(report: BenchReport) -> str:
                 f"CPU per request over the measured interval, {r.level.label} (process_cpu_seconds_total):",
                 "  " + ", ".join(f"{name} {_fmt(us, 0)} us" for name, us in per.items()),
             ]
-    if not report.statistics:
+    if report.statistics:
+        lines += _statistics_table(report)
+    else:
         lines += ["", "(the server does not list 'statistics' in its extensions: client-side figures only)"]
-        return "\n".join(lines)
+    return "\n".join(lines)
+
+
+def _statistics_table(report: BenchReport) -> list[str]:
+    """The server's figures per level and model over the measured interval (its `ModelStatistics`), and how
+    much of the client's latency the model's request time leaves."""
+    o = report.options
+    lines: list[str] = []
     for r in report.results:
         lines += [
             "",
@@ -245,7 +254,7 @@ def format_report(report: BenchReport) -> str:
                 f"  {o.model}: the client's mean latency {_fmt(client, 0)} us, of which {_fmt(beyond, 0)} us outside "
                 "the server's request time (the client, the transport, the server's RPC handling)"
             )
-    return "\n".join(lines)
+    return lines
 
 
 def _stream_table(report: BenchReport) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -136,22 +137,12 @@ async def _run_level(
         "max_inflight": options.max_inflight,
     }
     tally = Tally()
-    stats_error: list[str] = []
 
     def settled() -> bool:
         # Responses still in flight at the end belong to the interval by the server's clock: wait for them.
         return pool is not None or tally.sent <= tally.ok + sum(tally.errors.values())
 
-    async def statistics() -> dict[str, dict[str, Any]] | None:
-        if stats_endpoint is None:
-            return None
-        try:
-            return await statistics_over(stats_endpoint, t_meas, t_stop, settled)
-        except EndpointError as err:  # the load goes on; only the server's side is missing
-            stats_error.append(f"ModelStatistics failed: {err.code}: {err.message}")
-            return None
-
-    stats_task = asyncio.create_task(statistics())
+    stats_task = asyncio.create_task(_server_statistics(stats_endpoint, t_meas, t_stop, settled))
     cpu_task = asyncio.create_task(cpu_over(options.cpu_metrics, t_meas, t_stop))
     ticker = asyncio.create_task(progress.follow(index, start, tally if pool is None else None))
     try:
@@ -162,7 +153,7 @@ async def _run_level(
             shares = share(open_level, options.processes)
             start_wall = time.time() + lead
             raws = await pool.run(shares, start_wall, {**kwargs, "seed": options.seed})
-        stages = await stats_task
+        stages, stages_error = await stats_task
         cpu_seconds = await cpu_task
     finally:
         ticker.cancel()
@@ -176,8 +167,21 @@ async def _run_level(
         cpu_seconds=cpu_seconds,
         streamed=options.stream,
     )
-    result.stages_error = stats_error[0] if stats_error else None
+    result.stages_error = stages_error
     return _counted(result, raws)
+
+
+async def _server_statistics(
+    endpoint: GrpcEndpoint | HttpEndpoint | None, t_meas: float, t_stop: float, settled: Callable[[], bool]
+) -> tuple[dict[str, dict[str, Any]] | None, str | None]:
+    """The server's figures over the measured interval (none without an endpoint), or why they are missing:
+    the load goes on without them."""
+    if endpoint is None:
+        return None, None
+    try:
+        return await statistics_over(endpoint, t_meas, t_stop, settled), None
+    except EndpointError as err:
+        return None, f"ModelStatistics failed: {err.code}: {err.message}"
 
 
 def _counted(result: LevelResult, raws: list[dict[str, Any]]) -> LevelResult:
