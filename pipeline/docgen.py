@@ -19,7 +19,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.runtime.options import ProcessSettings
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "reference"
@@ -150,16 +153,29 @@ def command_section(command: Command, level: str = "##") -> str:
     return "\n".join(lines)
 
 
+def _settings() -> dict[str, type[ProcessSettings]]:
+    """The settings model of each process, by its command."""
+    from pipeline.runtime import settings
+    from pipeline.tools.launcher_settings import LauncherSettings
+
+    return {"pipeline run": LauncherSettings, **settings.processes()}
+
+
 def variables(groups: list[list[Command]]) -> dict[str, dict[str, list[str]]]:
-    """Each environment variable that a flag's help names: {variable: {flag: the commands that take it}}."""
+    """Each environment variable that a flag reads (its settings model's, and those its help names):
+    {variable: {flag: the commands that take it}}."""
     found: dict[str, dict[str, list[str]]] = {}
+    models = _settings()
     for group in groups:
         for command in group:
             if command.name == "pipeline":
                 continue
+            model = models.get(command.name)
+            declared = {name: option.env for name, option, _ in model.options()} if model is not None else {}
             for action in _options(command):
                 flag = action.option_strings[0] if action.option_strings else action.dest
-                for name in _VARIABLE.findall(_help(action, command.parser.prog)):
+                named = _VARIABLE.findall(_help(action, command.parser.prog))
+                for name in filter(None, [declared.get(action.dest), *named]):
                     commands = found.setdefault(name, {}).setdefault(flag, [])
                     if command.name not in commands:
                         commands.append(command.name)
@@ -175,14 +191,15 @@ def _read_by(flags: dict[str, list[str]], servers: list[str]) -> str:
     """`--flag` of every server, or `--flag` of the commands listed, each a link to its reference."""
     parts = []
     for flag, commands in flags.items():
-        if commands == servers:
-            parts.append(f"`{flag}` of the router and every stage service")
-            continue
-        links = ", ".join(
+        others = [name for name in commands if name not in servers]
+        every = set(servers) <= set(commands)
+        links = [
             f"[`{name}`]({'cli' if name.startswith('pipeline') else 'services'}.md#{_slug(name)})"
-            for name in commands
-        )
-        parts.append(f"`{flag}` of {links}")
+            for name in (others if every else commands)
+        ]
+        if every:
+            links.append("the router and every stage service")
+        parts.append(f"`{flag}` of {', '.join(links)}")
     return "; ".join(parts)
 
 
@@ -192,7 +209,7 @@ def settings_table() -> dict[str, str]:
     from pipeline.runtime import settings
 
     defaults: dict[str, Any] = {}
-    for model in settings.processes().values():
+    for model in _settings().values():
         for _, found, field in model.options():
             if found.env is not None and defaults.get(found.env) in (None, [], ()):
                 defaults[found.env] = field.default

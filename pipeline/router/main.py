@@ -195,6 +195,70 @@ def _log_serving(plane: RouterPlane, address: str) -> None:
     log.info("router serving ensembles %s on %s%s", ", ".join(served) or "(none)", address, missing)
 
 
+class _RouterServer:
+    """One router's servers (gRPC, HTTP/REST, frames, metrics) around its plane, and what starts and stops
+    them."""
+
+    def __init__(
+        self, args: argparse.Namespace, plane: RouterPlane, policy: AccessPolicy, metrics: Metrics
+    ) -> None:
+        self.args, self.plane, self.metrics = args, plane, metrics
+        self.health = health.aio.HealthServicer()
+        self.servicer = InferenceServicer(
+            plane,
+            "pipeline-router",
+            telemetry=plane.telemetry,
+            metrics=metrics,
+            max_inflight_bytes=settings.inflight_bytes_of(args),
+        )
+        self.rest = RestServer(_front_door(self.servicer, args, policy), grace=args.grace_period)
+        # The stages' models send their calls (BLS) here; every other call is gRPC's.
+        self.frames = frame_server_of(self.servicer, args, policy)
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(
+        self, port: int, bound: Callable[[int], None] | None, http_bound: Callable[[int], None] | None
+    ) -> None:
+        """Serve the HTTP, frame and metrics ports, wait for the stages, then report live and ready."""
+        args, plane = self.args, self.plane
+        if plane.peers is not None:
+            await plane.peers.start(plane.local_statistics)
+        start_metrics(self.metrics, args)
+        await self.rest.start(args, http_bound)
+        if self.frames is not None:
+            self.servicer.frames_port = await self.frames.start(
+                args.host, args.frames_port, reuse_port=args.reuse_port
+            )
+        write_port(args.port_file, port)
+        if bound is not None:
+            bound(port)
+        stages = ", ".join(plane.stages.clients)
+        log.info("router listening on %s:%d; waiting for stages %s", args.host, port, stages)
+        await plane.discover()
+        # Live now; ready as strict readiness says (never SERVING for a moment on the way to NOT_SERVING).
+        readiness = _readiness(self.health)
+        await readiness(plane.ready())
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.tasks.append(asyncio.create_task(plane.monitor(on_ready=readiness)))
+        interval = getattr(args, "repository_poll_secs", 0.0)
+        if interval > 0:
+            self.tasks.append(asyncio.create_task(_poll_ensembles(args, plane, interval)))
+        _log_serving(plane, f"{args.host}:{port}")
+
+    async def stop(self, telemetry: Telemetry | None) -> None:
+        """Stop everything `start` started; `telemetry`: the tracing to shut down, where the router owns it."""
+        for task in self.tasks:
+            task.cancel()
+        await self.rest.stop()
+        if self.plane.peers is not None:
+            await self.plane.peers.stop()
+        await self.plane.close()
+        self.metrics.close()
+        if telemetry is not None:
+            # Flushing may wait on an exporter's endpoint: not on the event loop.
+            await asyncio.to_thread(telemetry.shutdown)
+
+
 async def serve_router(
     args: argparse.Namespace,
     *,
@@ -224,68 +288,28 @@ async def serve_router(
         resolve=resolve,
         admin_configured=policy.admin_configured,
     )
-    plane.peers = peers = WorkerPeers.from_env()
+    plane.peers = WorkerPeers.from_env()
     # A worker of `--workers N` shares its ports with the others.
-    args.reuse_port = peers is not None
-    health_servicer = health.aio.HealthServicer()
-    await set_serving(health_servicer, False)
-    budget = settings.inflight_bytes_of(args)
-    servicer = InferenceServicer(
-        plane, "pipeline-router", telemetry=telemetry, metrics=metrics, max_inflight_bytes=budget
-    )
-    rest = RestServer(_front_door(servicer, args, policy), grace=args.grace_period)
-    # The stages' models send their calls (BLS) here; every other call is gRPC's.
-    frames = frame_server_of(servicer, args, policy)
-    server, port = await _listen(args, servicer, health_servicer, policy)
-    monitor: asyncio.Task[None] | None = None
-    poll: asyncio.Task[None] | None = None
+    args.reuse_port = plane.peers is not None
+    router = _RouterServer(args, plane, policy, metrics)
+    await set_serving(router.health, False)
+    server, port = await _listen(args, router.servicer, router.health, policy)
 
     async def start() -> None:
-        nonlocal monitor, poll
-        if peers is not None:
-            await peers.start(plane.local_statistics)
-        start_metrics(metrics, args)
-        await rest.start(args, http_bound)
-        if frames is not None:
-            servicer.frames_port = await frames.start(args.host, args.frames_port, reuse_port=args.reuse_port)
-        write_port(args.port_file, port)
-        if bound is not None:
-            bound(port)
-        stages = ", ".join(plane.stages.clients)
-        log.info("router listening on %s:%d; waiting for stages %s", args.host, port, stages)
-        await plane.discover()
-        # Live now; ready as strict readiness says (never SERVING for a moment on the way to NOT_SERVING).
-        readiness = _readiness(health_servicer)
-        await readiness(plane.ready())
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        monitor = asyncio.create_task(plane.monitor(on_ready=readiness))
-        interval = getattr(args, "repository_poll_secs", 0.0)
-        if interval > 0:
-            poll = asyncio.create_task(_poll_ensembles(args, plane, interval))
-        _log_serving(plane, f"{args.host}:{port}")
+        await router.start(port, bound, http_bound)
 
     async def stop() -> None:
-        for task in (monitor, poll):
-            if task is not None:
-                task.cancel()
-        await rest.stop()
-        if peers is not None:
-            await peers.stop()
-        await plane.close()
-        metrics.close()
-        if owned:
-            # Flushing may wait on an exporter's endpoint: not on the event loop.
-            await asyncio.to_thread(telemetry.shutdown)
+        await router.stop(telemetry if owned else None)
 
     await serve(
         server,
-        health_servicer,
+        router.health,
         grace=args.grace_period,
         start=start,
         stop=stop,
         stopping=stopping,
         drain_delay=getattr(args, "drain_delay", 0.0),
-        drain=None if frames is None else frames.close,
+        drain=None if router.frames is None else router.frames.close,
     )
 
 

@@ -1,9 +1,9 @@
-"""Every setting the processes read, in one place: one pydantic-settings model per process (`RouterSettings`,
-`stage_settings(service)`, `ModelServiceSettings`, `LauncherSettings`), made of groups that the processes
-share (`Limits`, `Shutdown`, `Security`, `Logging`, ...). Each field declares its flag, its `PIPELINE_*`
-variable, its help, its default and how its text is read (`pipeline.runtime.options.Option`); the command
-lines are built from the models (`add_arguments`), so a value comes from its flag, else its variable, else
-the default. The variables are read when a command line is parsed (or a server starts), never at import,
+"""Every setting the servers read, in one place: one pydantic-settings model per process (`RouterSettings`,
+`stage_settings(service)`, `ModelServiceSettings`; `pipeline run`'s is `pipeline.tools.launcher_settings`),
+made of groups that the processes share (`Limits`, `Shutdown`, `Security`, `Logging`, ...). Each field
+declares its flag, its `PIPELINE_*` variable, its help, its default and how its text is read
+(`pipeline.runtime.options.Option`); the command lines are built from the models (`add_arguments`), so a
+value comes from its flag, else its variable, else the default. The variables are read when a command line is parsed (or a server starts), never at import,
 and an empty variable counts as unset (as `${VAR:-default}` does in the ensemble files and in Compose).
 
 The variables that no server flag sets (the tokens' lists, the stages' addresses, the clients' settings)
@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Generic, TypeVar
 
-from pydantic import BaseModel, create_model
+from pydantic import BaseModel
 
 from pipeline.runtime.options import Option, ProcessSettings, option, process_settings
 
@@ -172,16 +172,24 @@ TOKEN: Setting[str | None] = Setting("PIPELINE_TOKEN", None, _optional)
 # --- the groups of flags the servers share -----------------------------------------------------------------
 
 
-@cache
-def listening(service: str) -> type[BaseModel]:
-    """Where a service listens (`PIPELINE_<SERVICE>_PORT`, `..._METRICS_PORT`, `..._FRAMES_PORT`): the
-    router's metrics on 8002, a stage's on its port + 100."""
-    env = f"PIPELINE_{service.upper()}"
+def _frames_help(service: str, variable: str) -> str:
     fast_path = (
         "the stages' fast path for their models' calls to other models (BLS)"
         if service == "router"
         else "the router's fast path to this service"
     )
+    return (
+        f"port of the frame protocol, {fast_path} (the protocol's messages on a stream of their own, with the "
+        "TLS and client certificates of the gRPC port where it has them; gRPC serves everything else), 0 for "
+        f"one the OS picks, 'off' for none (env {variable}; default %(default)s)"
+    )
+
+
+@cache
+def listening(service: str) -> type[BaseModel]:
+    """Where a service listens (`PIPELINE_<SERVICE>_PORT`, `..._METRICS_PORT`, `..._FRAMES_PORT`): the
+    router's metrics on 8002, a stage's on its port + 100."""
+    env = f"PIPELINE_{service.upper()}"
 
     class Listening(BaseModel):
         host: Annotated[
@@ -225,10 +233,7 @@ def listening(service: str) -> type[BaseModel]:
                 "--frames-port",
                 env=f"{env}_FRAMES_PORT",
                 parse=port_or_off,
-                help=f"port of the frame protocol, {fast_path} (the protocol's messages on a stream of their "
-                "own, with the TLS and client certificates of the gRPC port where it has them; gRPC serves "
-                "everything else), 0 for one the OS picks, 'off' for none "
-                f"(env {env}_FRAMES_PORT; default %(default)s)",
+                help=_frames_help(service, f"{env}_FRAMES_PORT"),
             ),
         ] = 0
 
@@ -451,6 +456,11 @@ class Instances(BaseModel):
 # --- the router ----------------------------------------------------------------------------------------------
 
 
+def model_dir_option(help: str) -> Option:
+    """`--model-dir` (alias `--model-repository`, Triton's spelling; env `PIPELINE_MODEL_DIR`)."""
+    return option("--model-dir", "--model-repository", env=MODEL_DIR.variable, parse=Path, help=help)
+
+
 def _ensembles(help: str) -> Option:
     """`--ensembles`, of the router and of a Python stage service: YAML files or folders of them."""
     return option("--ensembles", env="PIPELINE_ENSEMBLES", parse=Path, env_parse=_paths, nargs="+", help=help)
@@ -468,13 +478,9 @@ class Catalog(BaseModel):
     ] = [Path("ensembles")]
     model_dir: Annotated[
         Path | None,
-        option(
-            "--model-dir",
-            "--model-repository",
-            env=MODEL_DIR.variable,
-            parse=Path,
-            help="the Triton model repository the stages serve: its ensembles are served, config.pbtxt ones "
-            '(platform "ensemble") and YAML ones (<ensemble>/ensemble.yaml) (env PIPELINE_MODEL_DIR)',
+        model_dir_option(
+            "the Triton model repository the stages serve: its ensembles are served, config.pbtxt ones "
+            '(platform "ensemble") and YAML ones (<ensemble>/ensemble.yaml) (env PIPELINE_MODEL_DIR)'
         ),
     ] = None
     stage: Annotated[
@@ -591,17 +597,19 @@ class RouterOptions(BaseModel):
     ] = 0.0
 
 
+def http_port_option(help: str) -> Option:
+    """`--http-port` (env `PIPELINE_HTTP_PORT`): the router's HTTP/REST port, 'off' for none."""
+    return option("--http-port", env="PIPELINE_HTTP_PORT", parse=port_or_off, help=help)
+
+
 class Http(BaseModel):
     """The router's HTTP/REST side (`pipeline.router.http`)."""
 
     http_port: Annotated[
         int | None,
-        option(
-            "--http-port",
-            env="PIPELINE_HTTP_PORT",
-            parse=port_or_off,
-            help="port of the HTTP/REST side of the protocol, 0 for one the OS picks, 'off' for none "
-            "(env PIPELINE_HTTP_PORT; default %(default)s)",
+        http_port_option(
+            "port of the HTTP/REST side of the protocol, 0 for one the OS picks, 'off' for none "
+            "(env PIPELINE_HTTP_PORT; default %(default)s)"
         ),
     ] = 8000
     http_port_file: Annotated[
@@ -701,12 +709,8 @@ class Repository(BaseModel):
 
     model_dir: Annotated[
         Path,
-        option(
-            "--model-dir",
-            "--model-repository",
-            env=MODEL_DIR.variable,
-            parse=Path,
-            help="the model repository, in Triton's layout (env PIPELINE_MODEL_DIR; default %(default)s)",
+        model_dir_option(
+            "the model repository, in Triton's layout (env PIPELINE_MODEL_DIR; default %(default)s)"
         ),
     ] = MODEL_DIR.default
 
@@ -748,14 +752,10 @@ class ModelRepository(BaseModel):
 
     model_dir: Annotated[
         Path,
-        option(
-            "--model-dir",
-            "--model-repository",
-            env=MODEL_DIR.variable,
-            parse=Path,
-            help="Triton model repository: <model>/config.pbtxt and <model>/<version>/model.{onnx,pt,pt2,plan}; "
+        model_dir_option(
+            "Triton model repository: <model>/config.pbtxt and <model>/<version>/model.{onnx,pt,pt2,plan}; "
             "the models whose backend is onnxruntime, pytorch or tensorrt are served, and the python models "
-            "whose instance_group asks for KIND_GPU (env PIPELINE_MODEL_DIR; default %(default)s)",
+            "whose instance_group asks for KIND_GPU (env PIPELINE_MODEL_DIR; default %(default)s)"
         ),
     ] = MODEL_DIR.default
 
@@ -851,153 +851,9 @@ RouterSettings = process_settings(
 )
 
 
-# --- the launcher (`pipeline run`) -------------------------------------------------------------------------
-
-
-def replica_counts(text: str) -> dict[str, int]:
-    """An argparse type: `STAGE=N[,STAGE=N]`."""
-    counts = {}
-    for item in filter(None, text.split(",")):
-        stage, _, count = item.partition("=")
-        if stage not in STAGES or not count.isdigit() or int(count) < 1:
-            raise argparse.ArgumentTypeError(
-                f"expected STAGE=N with STAGE preprocess, model or postprocess: {item!r}"
-            )
-        counts[stage] = int(count)
-    return counts
-
-
-class LauncherPorts(BaseModel):
-    """Where `pipeline run` starts its services."""
-
-    host: Annotated[str, option("--host", env="PIPELINE_HOST", help="address every service binds")] = (
-        "127.0.0.1"
-    )
-    port: Annotated[
-        int,
-        option(
-            "--port", env="PIPELINE_ROUTER_PORT", parse=int, help="router port (env PIPELINE_ROUTER_PORT)"
-        ),
-    ] = PORTS["router"]
-    http_port: Annotated[
-        int | None,
-        option(
-            "--http-port",
-            env="PIPELINE_HTTP_PORT",
-            parse=port_or_off,
-            help="router's HTTP/REST port, 0 for one the OS picks, 'off' for none (env PIPELINE_HTTP_PORT; "
-            "default 8000)",
-        ),
-    ] = 8000
-
-
-def _stage_port(stage: str) -> tuple[Any, int]:
-    """`--<stage>-port` of `pipeline run`, as a `create_model` field."""
-    env = f"PIPELINE_{stage.upper()}_PORT"
-    found = option(f"--{stage}-port", env=env, parse=int, help=f"{stage} service port (env {env})")
-    return Annotated[int, found], PORTS[stage]
-
-
-_STAGE_PORTS: dict[str, Any] = {f"{stage}_port": _stage_port(stage) for stage in STAGES}
-#: `pipeline run`'s `--preprocess-port`, `--model-port` and `--postprocess-port`.
-LauncherStagePorts = create_model("LauncherStagePorts", **_STAGE_PORTS)
-
-
-class Launcher(BaseModel):
-    """What `pipeline run` serves, and how it starts and stops its services."""
-
-    metrics_port: Annotated[
-        int | None,
-        option(
-            "--metrics-port",
-            env="PIPELINE_ROUTER_METRICS_PORT",
-            parse=port_or_off,
-            help="router's Prometheus port, 'off' for none (env PIPELINE_ROUTER_METRICS_PORT; default 8002). "
-            "Stages get ports the OS picks unless PIPELINE_<STAGE>_METRICS_PORT says otherwise; all are printed",
-        ),
-    ] = 8002
-    ensembles: Annotated[
-        Path,
-        option(
-            "--ensembles",
-            env="PIPELINE_ENSEMBLES",
-            parse=Path,
-            help="folder of ensemble YAML files beside the model repository's ensembles; a missing or empty "
-            "one adds none (env PIPELINE_ENSEMBLES; default %(default)s)",
-        ),
-    ] = Path("ensembles")
-    model_dir: Annotated[
-        Path,
-        option(
-            "--model-dir",
-            "--model-repository",
-            env=MODEL_DIR.variable,
-            parse=Path,
-            help="model repository: its models and ensembles are what is served (env PIPELINE_MODEL_DIR)",
-        ),
-    ] = MODEL_DIR.default
-    startup_timeout: Annotated[
-        float, option("--startup-timeout", parse=float, help="seconds each service may take to start")
-    ] = 180.0
-    grace_period: Annotated[
-        float, option("--grace-period", parse=float, help="seconds to drain on shutdown")
-    ] = 10.0
-
-
-class LauncherSecurity(BaseModel):
-    """TLS on every hop of `pipeline run`, and its replicas."""
-
-    tls_dir: Annotated[
-        Path | None,
-        option(
-            "--tls-dir",
-            env="PIPELINE_TLS_DIR",
-            parse=Path,
-            help="TLS on every hop from the files scripts/make-certs.sh writes there (ca.pem, server.pem, "
-            "server-key.pem, client.pem, client-key.pem): stages accept only the router's client certificate "
-            "(mutual TLS), the router serves TLS (env PIPELINE_TLS_DIR)",
-        ),
-    ] = None
-    mtls: Annotated[
-        bool,
-        option(
-            "--mtls",
-            action="store_true",
-            help="with --tls-dir, the router too asks its clients for a certificate signed by ca.pem",
-        ),
-    ] = False
-    replicas: Annotated[
-        dict[str, int],
-        option(
-            "--replicas",
-            parse=replica_counts,
-            metavar="STAGE=N[,STAGE=N]",
-            help="run N processes of a stage (e.g. preprocess=2); the router spreads calls over them",
-        ),
-    ] = {}
-    router_workers: Annotated[
-        int,
-        option(
-            "--router-workers",
-            env="PIPELINE_ROUTER_WORKERS",
-            parse=int,
-            help="router processes on the router's ports (SO_REUSEPORT), each batching its own share of the "
-            "connections (env PIPELINE_ROUTER_WORKERS; default %(default)s)",
-        ),
-    ] = 1
-
-
-#: `pipeline run` (its restart and autoscaling flags are `pipeline.tools.supervisor`'s and
-#: `pipeline.tools.autoscaler`'s).
-LauncherSettings = process_settings(
-    "LauncherSettings", (LauncherPorts, LauncherStagePorts, Launcher, LauncherSecurity)
-)
-
-
 def processes() -> dict[str, type[ProcessSettings]]:
-    """The settings of every process, by its command."""
+    """The settings of every server, by its command (the launcher's: `pipeline.tools.launcher_settings`)."""
     return {
-        "pipeline run": LauncherSettings,
         "pipeline router": RouterSettings,
         **{f"python -m services.{stage}": stage_settings(stage) for stage in ("preprocess", "postprocess")},
         "python -m services.model": ModelServiceSettings,

@@ -20,6 +20,7 @@ from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.options import add_arguments
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.security import (
+    AccessPolicy,
     SecurityConfigError,
     access_policy_of,
     client_tls,
@@ -53,6 +54,52 @@ def repository_models(args: argparse.Namespace) -> list[str] | None:
     return [name.strip() for name in args.load_model] or None
 
 
+class _StageServer:
+    """A stage service's servers (gRPC, frames, metrics) around its plane, and what starts and stops them."""
+
+    def __init__(
+        self, plane: StagePlane, args: argparse.Namespace, service: str, policy: AccessPolicy
+    ) -> None:
+        self.plane, self.args, self.service = plane, args, service
+        self.health = health.aio.HealthServicer()
+        self.servicer = InferenceServicer(
+            plane,
+            service,
+            telemetry=plane.telemetry,
+            metrics=plane.metrics,
+            max_inflight_bytes=settings.inflight_bytes_of(args),
+        )
+        self.frames = frame_server_of(self.servicer, args, policy)
+
+    async def start(self, port: int, bound: Callable[[int], None] | None) -> None:
+        """Serve the frame and metrics ports, load the models, then report SERVING."""
+        args, plane, service = self.args, self.plane, self.service
+        start_metrics(plane.metrics, args)
+        if self.frames is not None:
+            self.servicer.frames_port = await self.frames.start(args.host, args.frames_port)
+        write_port(args.port_file, port)
+        if bound is not None:
+            bound(port)
+        source = f" and the repository {plane.repository.root}" if plane.repository is not None else ""
+        log.info("%s listening on %s:%d, loading its models%s", service, args.host, port, source)
+        await plane.load()
+        await set_serving(self.health, True)
+        log.info(
+            "%s serving %s on %s:%d", service, ", ".join(plane.model_names) or "no model", args.host, port
+        )
+
+    async def stop(self, telemetry: Telemetry | None) -> None:
+        """Unload the models and close what the service opened; `telemetry`: the tracing to shut down, where
+        the service owns it."""
+        await self.plane.unload()
+        if self.plane.router is not None:
+            await self.plane.router.close()
+        self.plane.metrics.close()
+        if telemetry is not None:
+            # Flushing may wait on an exporter's endpoint: not on the event loop.
+            await asyncio.to_thread(telemetry.shutdown)
+
+
 async def serve_stages(
     stages: Sequence[Stage],
     args: argparse.Namespace,
@@ -75,7 +122,6 @@ async def serve_stages(
     """
     owned = telemetry is None
     telemetry = Telemetry.from_env(service) if telemetry is None else telemetry
-    metrics = Metrics() if metrics is None else metrics
     policy = access_policy_of(args, stage=True)
     plane = StagePlane(
         stages,
@@ -83,62 +129,36 @@ async def serve_stages(
         backends=backends,
         models=models,
         telemetry=telemetry,
-        metrics=metrics,
+        metrics=Metrics() if metrics is None else metrics,
         control=model_control_of(args, policy),
         router=_router_calls(args),
     )
-    health_servicer = health.aio.HealthServicer()
-    await set_serving(health_servicer, False)
-    servicer = InferenceServicer(
-        plane,
-        service,
-        telemetry=telemetry,
-        metrics=metrics,
-        max_inflight_bytes=settings.inflight_bytes_of(args),
-    )
-    frames = frame_server_of(servicer, args, policy)
+    stage = _StageServer(plane, args, service, policy)
+    await set_serving(stage.health, False)
     server, port = await create_server(
         f"{args.host}:{args.port}",
-        servicer,
-        health_servicer,
+        stage.servicer,
+        stage.health,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=server_credentials_of(args),
         interceptors=interceptors_of(policy),
     )
 
     async def start() -> None:
-        start_metrics(metrics, args)
-        if frames is not None:
-            servicer.frames_port = await frames.start(args.host, args.frames_port)
-        write_port(args.port_file, port)
-        if bound is not None:
-            bound(port)
-        source = f" and the repository {repository.root}" if repository is not None else ""
-        log.info("%s listening on %s:%d, loading its models%s", service, args.host, port, source)
-        await plane.load()
-        await set_serving(health_servicer, True)
-        log.info(
-            "%s serving %s on %s:%d", service, ", ".join(plane.model_names) or "no model", args.host, port
-        )
+        await stage.start(port, bound)
 
     async def stop() -> None:
-        await plane.unload()
-        if plane.router is not None:
-            await plane.router.close()
-        metrics.close()
-        if owned:
-            # Flushing may wait on an exporter's endpoint: not on the event loop.
-            await asyncio.to_thread(telemetry.shutdown)
+        await stage.stop(telemetry if owned else None)
 
     await serve(
         server,
-        health_servicer,
+        stage.health,
         grace=args.grace_period,
         start=start,
         stop=stop,
         stopping=stopping,
         drain_delay=getattr(args, "drain_delay", 0.0),
-        drain=None if frames is None else frames.close,
+        drain=None if stage.frames is None else stage.frames.close,
     )
 
 

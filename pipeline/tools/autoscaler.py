@@ -28,11 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from pipeline.tools.scaling import (
-    COOLDOWN_S,
     DOWN,
     HOLD,
-    INFLIGHT_PER_REPLICA,
-    QUEUE_SECONDS_TARGET,
     UP,
     Autoscaler,
     RouterSample,
@@ -46,50 +43,6 @@ log = logging.getLogger("pipeline.launcher")
 
 #: Seconds between the router's looks at a stage's file of addresses, with autoscaling.
 RESOLVE_INTERVAL_S = 1.0
-
-
-def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--autoscale",
-        type=autoscale_bounds,
-        default={},
-        metavar="STAGE=MIN:MAX[,STAGE=MIN:MAX]",
-        help="scale a stage's processes between MIN and MAX replicas on the router's queue time, queue depth "
-        "and calls in flight (the Kubernetes HPAs' signals and targets), e.g. model=1:4",
-    )
-    parser.add_argument(
-        "--autoscale-queue-ms",
-        type=float,
-        default=QUEUE_SECONDS_TARGET * 1000,
-        help="target of the mean time requests wait in the router's queues for a stage's models "
-        "(default %(default)s, as the HPAs')",
-    )
-    parser.add_argument(
-        "--autoscale-inflight",
-        type=float,
-        default=INFLIGHT_PER_REPLICA,
-        help="target of the router's calls in flight per replica of a stage (default %(default)s, as the "
-        "HPAs': a replica busy 90%% of the time asks for another); 0 scales on the queue alone",
-    )
-    parser.add_argument(
-        "--autoscale-cooldown",
-        type=float,
-        default=COOLDOWN_S,
-        help="seconds a stage's need must stay lower before a replica is removed, and between removals "
-        "(default %(default)s, the HPAs' scale-down stabilization window)",
-    )
-    parser.add_argument(
-        "--autoscale-interval",
-        type=float,
-        default=2.0,
-        help="seconds between looks at the router's metrics (default %(default)s)",
-    )
-    parser.add_argument(
-        "--autoscale-metrics-port",
-        type=int,
-        default=0,
-        help="Prometheus port of the autoscaler's decisions and replica counts (0: one the OS picks; printed)",
-    )
 
 
 def autoscale_bounds(text: str) -> dict[str, tuple[int, int]]:

@@ -31,15 +31,14 @@ from pipeline.runtime.security import channel_credentials
 from pipeline.tools.autoscaler import (
     RESOLVE_INTERVAL_S,
     LocalAutoscaler,
-    add_autoscale_arguments,
     scaled_stage,
     write_addresses,
 )
+from pipeline.tools.launcher_settings import LauncherSettings
 from pipeline.tools.supervisor import (
     RestartPolicy,
     Service,
     Supervisor,
-    add_restart_arguments,
     stop,
     wait_healthy,
 )
@@ -99,22 +98,19 @@ def _ensembles(folder: Path, model_dir: Path) -> list[str]:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """`pipeline run`'s flags (`pipeline.runtime.settings.LauncherSettings`), its restarts' and its
-    autoscaling's."""
-    add_arguments(parser, settings.LauncherSettings)
-    add_restart_arguments(parser)
-    add_autoscale_arguments(parser)
+    """`pipeline run`'s flags (`pipeline.tools.launcher_settings.LauncherSettings`)."""
+    add_arguments(parser, LauncherSettings)
 
 
 def run(args: argparse.Namespace) -> int:
     """Start the pipeline and supervise it until a signal, or until a process keeps dying; returns the exit
     code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
+    if refused := _refusal(args):
+        log.error("%s", refused)
+        return 2
     stage_token = stage_token_env(os.environ)
     tls_dir: Path | None = getattr(args, "tls_dir", None)
-    if tls_dir is not None and (missing := _missing_tls_files(tls_dir)):
-        log.error("--tls-dir: missing %s (make them with scripts/make-certs.sh)", ", ".join(missing))
-        return 2
     tls = _tls(tls_dir, args.mtls) if tls_dir is not None else _Tls()
     grace = ["--grace-period", str(args.grace_period)]
     # One repository for every service: each serves the entries whose backend it runs.
@@ -132,12 +128,6 @@ def run(args: argparse.Namespace) -> int:
     for service in stages:
         service.env.update(stage_env)
     autoscale: dict[str, tuple[int, int]] = getattr(args, "autoscale", {})
-    if autoscale and args.metrics_port is None:
-        log.error("--autoscale reads the router's metrics: it needs --metrics-port (not 'off')")
-        return 2
-    if unknown := sorted(set(autoscale) - set(STAGES)):
-        log.error("--autoscale: unknown stage(s) %s (stages: %s)", ", ".join(unknown), ", ".join(STAGES))
-        return 2
     signals = _StopOnSignal()
     supervisor: Supervisor | None = None
     autoscaler: LocalAutoscaler | None = None
@@ -172,6 +162,19 @@ def run(args: argparse.Namespace) -> int:
         running = supervisor.services if supervisor is not None else everything
         stop([router, *(s for s in running if s is not router)], args.grace_period)
         shutil.rmtree(ports, ignore_errors=True)
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why the flags cannot run the pipeline, if they cannot: missing TLS files, autoscaling that cannot work."""
+    tls_dir: Path | None = getattr(args, "tls_dir", None)
+    if tls_dir is not None and (missing := _missing_tls_files(tls_dir)):
+        return f"--tls-dir: missing {', '.join(missing)} (make them with scripts/make-certs.sh)"
+    autoscale: dict[str, tuple[int, int]] = getattr(args, "autoscale", {})
+    if autoscale and args.metrics_port is None:
+        return "--autoscale reads the router's metrics: it needs --metrics-port (not 'off')"
+    if unknown := sorted(set(autoscale) - set(STAGES)):
+        return f"--autoscale: unknown stage(s) {', '.join(unknown)} (stages: {', '.join(STAGES)})"
+    return None
 
 
 def _autoscaler(

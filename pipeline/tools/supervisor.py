@@ -11,7 +11,6 @@ not cure is better reported than hidden.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -28,8 +27,6 @@ from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from pipeline.runtime.settings import positive_int
 
 log = logging.getLogger("pipeline.launcher")
 
@@ -51,25 +48,6 @@ class RestartPolicy:
     max_delay: float = 30.0
     #: A process that had served this long when it died counts as healthy again: its next wait is the first.
     reset_after: float = 60.0
-
-
-def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--restart-limit` and `--restart-window`: when a process that keeps dying stops the pipeline."""
-    defaults = RestartPolicy()
-    parser.add_argument(
-        "--restart-limit",
-        type=positive_int,
-        default=defaults.limit,
-        help="a process that dies is started again (after 0.5 s, doubling with each death in a row up to "
-        "30 s); its N-th death within --restart-window seconds stops the pipeline instead, 1 stops it at "
-        "the first death (default %(default)s)",
-    )
-    parser.add_argument(
-        "--restart-window",
-        type=float,
-        default=defaults.window,
-        help="seconds over which --restart-limit counts a process's deaths (default %(default)s)",
-    )
 
 
 class RestartRecord:

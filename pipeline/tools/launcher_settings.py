@@ -1,0 +1,239 @@
+"""`pipeline run`'s settings: its flags and the `PIPELINE_*` variables they default from, one
+pydantic-settings model (`LauncherSettings`) as each server's is (`pipeline.runtime.settings`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, create_model
+
+from pipeline.runtime.options import option, process_settings
+from pipeline.runtime.settings import (
+    MODEL_DIR,
+    PORTS,
+    STAGES,
+    http_port_option,
+    model_dir_option,
+    port_or_off,
+    positive_int,
+)
+from pipeline.tools.autoscaler import autoscale_bounds
+from pipeline.tools.scaling import COOLDOWN_S, INFLIGHT_PER_REPLICA, QUEUE_SECONDS_TARGET
+from pipeline.tools.supervisor import RestartPolicy
+
+
+def replica_counts(text: str) -> dict[str, int]:
+    """An argparse type: `STAGE=N[,STAGE=N]`."""
+    counts = {}
+    for item in filter(None, text.split(",")):
+        stage, _, count = item.partition("=")
+        if stage not in STAGES or not count.isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected STAGE=N with STAGE preprocess, model or postprocess: {item!r}"
+            )
+        counts[stage] = int(count)
+    return counts
+
+
+class LauncherPorts(BaseModel):
+    """Where `pipeline run` starts its services."""
+
+    host: Annotated[str, option("--host", env="PIPELINE_HOST", help="address every service binds")] = (
+        "127.0.0.1"
+    )
+    port: Annotated[
+        int,
+        option(
+            "--port", env="PIPELINE_ROUTER_PORT", parse=int, help="router port (env PIPELINE_ROUTER_PORT)"
+        ),
+    ] = PORTS["router"]
+    http_port: Annotated[
+        int | None,
+        http_port_option(
+            "router's HTTP/REST port, 0 for one the OS picks, 'off' for none (env PIPELINE_HTTP_PORT; "
+            "default 8000)"
+        ),
+    ] = 8000
+
+
+def _stage_port(stage: str) -> tuple[Any, int]:
+    """`--<stage>-port` of `pipeline run`, as a `create_model` field."""
+    env = f"PIPELINE_{stage.upper()}_PORT"
+    found = option(f"--{stage}-port", env=env, parse=int, help=f"{stage} service port (env {env})")
+    return Annotated[int, found], PORTS[stage]
+
+
+_STAGE_PORTS: dict[str, Any] = {f"{stage}_port": _stage_port(stage) for stage in STAGES}
+#: `pipeline run`'s `--preprocess-port`, `--model-port` and `--postprocess-port`.
+LauncherStagePorts = create_model("LauncherStagePorts", **_STAGE_PORTS)
+
+
+class Launcher(BaseModel):
+    """What `pipeline run` serves, and how it starts and stops its services."""
+
+    metrics_port: Annotated[
+        int | None,
+        option(
+            "--metrics-port",
+            env="PIPELINE_ROUTER_METRICS_PORT",
+            parse=port_or_off,
+            help="router's Prometheus port, 'off' for none (env PIPELINE_ROUTER_METRICS_PORT; default 8002). "
+            "Stages get ports the OS picks unless PIPELINE_<STAGE>_METRICS_PORT says otherwise; all are printed",
+        ),
+    ] = 8002
+    ensembles: Annotated[
+        Path,
+        option(
+            "--ensembles",
+            env="PIPELINE_ENSEMBLES",
+            parse=Path,
+            help="folder of ensemble YAML files beside the model repository's ensembles; a missing or empty "
+            "one adds none (env PIPELINE_ENSEMBLES; default %(default)s)",
+        ),
+    ] = Path("ensembles")
+    model_dir: Annotated[
+        Path,
+        model_dir_option(
+            "model repository: its models and ensembles are what is served (env PIPELINE_MODEL_DIR)"
+        ),
+    ] = MODEL_DIR.default
+    startup_timeout: Annotated[
+        float, option("--startup-timeout", parse=float, help="seconds each service may take to start")
+    ] = 180.0
+    grace_period: Annotated[
+        float, option("--grace-period", parse=float, help="seconds to drain on shutdown")
+    ] = 10.0
+
+
+class Restarts(BaseModel):
+    """When a process that keeps dying stops the pipeline (`pipeline.tools.supervisor`)."""
+
+    restart_limit: Annotated[
+        int,
+        option(
+            "--restart-limit",
+            parse=positive_int,
+            help="a process that dies is started again (after 0.5 s, doubling with each death in a row up to "
+            "30 s); its N-th death within --restart-window seconds stops the pipeline instead, 1 stops it at "
+            "the first death (default %(default)s)",
+        ),
+    ] = RestartPolicy().limit
+    restart_window: Annotated[
+        float,
+        option(
+            "--restart-window",
+            parse=float,
+            help="seconds over which --restart-limit counts a process's deaths (default %(default)s)",
+        ),
+    ] = RestartPolicy().window
+
+
+class Autoscaling(BaseModel):
+    """`--autoscale`: a stage's local replicas between bounds, on the router's metrics
+    (`pipeline.tools.autoscaler`)."""
+
+    autoscale: Annotated[
+        dict[str, tuple[int, int]],
+        option(
+            "--autoscale",
+            parse=autoscale_bounds,
+            metavar="STAGE=MIN:MAX[,STAGE=MIN:MAX]",
+            help="scale a stage's processes between MIN and MAX replicas on the router's queue time, queue "
+            "depth and calls in flight (the Kubernetes HPAs' signals and targets), e.g. model=1:4",
+        ),
+    ] = {}
+    autoscale_queue_ms: Annotated[
+        float,
+        option(
+            "--autoscale-queue-ms",
+            parse=float,
+            help="target of the mean time requests wait in the router's queues for a stage's models "
+            "(default %(default)s, as the HPAs')",
+        ),
+    ] = QUEUE_SECONDS_TARGET * 1000
+    autoscale_inflight: Annotated[
+        float,
+        option(
+            "--autoscale-inflight",
+            parse=float,
+            help="target of the router's calls in flight per replica of a stage (default %(default)s, as the "
+            "HPAs': a replica busy 90%% of the time asks for another); 0 scales on the queue alone",
+        ),
+    ] = INFLIGHT_PER_REPLICA
+    autoscale_cooldown: Annotated[
+        float,
+        option(
+            "--autoscale-cooldown",
+            parse=float,
+            help="seconds a stage's need must stay lower before a replica is removed, and between removals "
+            "(default %(default)s, the HPAs' scale-down stabilization window)",
+        ),
+    ] = COOLDOWN_S
+    autoscale_interval: Annotated[
+        float,
+        option(
+            "--autoscale-interval",
+            parse=float,
+            help="seconds between looks at the router's metrics (default %(default)s)",
+        ),
+    ] = 2.0
+    autoscale_metrics_port: Annotated[
+        int,
+        option(
+            "--autoscale-metrics-port",
+            parse=int,
+            help="Prometheus port of the autoscaler's decisions and replica counts (0: one the OS picks; "
+            "printed)",
+        ),
+    ] = 0
+
+
+class LauncherSecurity(BaseModel):
+    """TLS on every hop of `pipeline run`, and its replicas."""
+
+    tls_dir: Annotated[
+        Path | None,
+        option(
+            "--tls-dir",
+            env="PIPELINE_TLS_DIR",
+            parse=Path,
+            help="TLS on every hop from the files scripts/make-certs.sh writes there (ca.pem, server.pem, "
+            "server-key.pem, client.pem, client-key.pem): stages accept only the router's client certificate "
+            "(mutual TLS), the router serves TLS (env PIPELINE_TLS_DIR)",
+        ),
+    ] = None
+    mtls: Annotated[
+        bool,
+        option(
+            "--mtls",
+            action="store_true",
+            help="with --tls-dir, the router too asks its clients for a certificate signed by ca.pem",
+        ),
+    ] = False
+    replicas: Annotated[
+        dict[str, int],
+        option(
+            "--replicas",
+            parse=replica_counts,
+            metavar="STAGE=N[,STAGE=N]",
+            help="run N processes of a stage (e.g. preprocess=2); the router spreads calls over them",
+        ),
+    ] = {}
+    router_workers: Annotated[
+        int,
+        option(
+            "--router-workers",
+            env="PIPELINE_ROUTER_WORKERS",
+            parse=int,
+            help="router processes on the router's ports (SO_REUSEPORT), each batching its own share of the "
+            "connections (env PIPELINE_ROUTER_WORKERS; default %(default)s)",
+        ),
+    ] = 1
+
+
+#: `pipeline run`.
+LauncherSettings = process_settings(
+    "LauncherSettings", (LauncherPorts, LauncherStagePorts, Launcher, Restarts, Autoscaling, LauncherSecurity)
+)

@@ -1,0 +1,114 @@
+"""Each process's settings model (`pipeline.runtime.settings`, `pipeline.tools.launcher_settings`): its flags,
+the `PIPELINE_*` variables they default from, and the groups the processes share."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pipeline import docgen
+from pipeline.cli import build_parser
+from pipeline.runtime import settings
+from pipeline.runtime.options import ProcessSettings, SettingError, add_arguments
+from pipeline.stage.service import python_service_parser
+from pipeline.tools.launcher_settings import LauncherSettings
+from pipeline.tools.supervisor import RestartPolicy
+from services.model.__main__ import build_parser as model_parser
+
+
+def parse(model: type[ProcessSettings], argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="test")
+    add_arguments(parser, model)
+    return parser.parse_args(argv)
+
+
+def test_a_flag_wins_over_its_variable_which_wins_over_the_default(monkeypatch):
+    assert parse(settings.RouterSettings, []).cache_size == 0
+    monkeypatch.setenv("PIPELINE_CACHE_SIZE", "64M")
+    assert parse(settings.RouterSettings, []).cache_size == 64 << 20
+    assert parse(settings.RouterSettings, ["--cache-size", "1k"]).cache_size == 1024
+    monkeypatch.setenv("PIPELINE_PREPROCESS_METRICS_PORT", "off")
+    args = python_service_parser("preprocess").parse_args([])
+    assert args.metrics_port is None and args.port == 8101
+    assert python_service_parser("preprocess").parse_args(["--metrics-port", "9"]).metrics_port == 9
+    # Another service's variables are its own.
+    assert python_service_parser("postprocess").parse_args([]).metrics_port == 8203
+
+
+def test_the_parsed_flags_make_the_typed_model(monkeypatch):
+    monkeypatch.setenv("PIPELINE_TLS_IDENTITIES", "a, b")
+    monkeypatch.setenv("PIPELINE_STRICT_READINESS", "false")
+    args = parse(settings.RouterSettings, ["--stage", "model=127.0.0.1:9", "--workers", "2"])
+    model = settings.RouterSettings.of(args)
+    assert model.model_dump()["tls_identities"] == frozenset({"a", "b"})
+    assert model.model_dump()["strict_readiness"] is False
+    assert model.model_dump()["stage"] == [("model", "127.0.0.1:9")]
+    assert model.model_dump()["workers"] == 2
+    assert model.model_dump() == settings.RouterSettings.of(args).model_dump()
+
+
+def test_an_empty_variable_counts_as_unset(monkeypatch):
+    monkeypatch.setenv("PIPELINE_MAX_MESSAGE_MB", "  ")
+    monkeypatch.setenv("PIPELINE_MODEL_DIR", "")
+    args = model_parser().parse_args([])
+    assert args.max_message_mb == 64 and args.model_dir == Path("model_repository")
+
+
+def test_a_variable_that_does_not_parse_is_named(monkeypatch, capsys):
+    monkeypatch.setenv("PIPELINE_CACHE_SIZE", "lots")
+    with pytest.raises(SettingError, match="PIPELINE_CACHE_SIZE='lots': expected a size in bytes"):
+        settings.RouterSettings.from_environment()
+    with pytest.raises(SystemExit) as exit:
+        build_parser()
+    assert exit.value.code == 2
+    assert "PIPELINE_CACHE_SIZE='lots'" in capsys.readouterr().err
+
+
+def test_a_flag_that_does_not_parse_is_named(capsys):
+    with pytest.raises(SystemExit):
+        parse(settings.RouterSettings, ["--max-batch-items", "0"])
+    assert "argument --max-batch-items: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_load_model_flags_replace_the_variables_list(monkeypatch):
+    monkeypatch.setenv("PIPELINE_MODEL_LOAD_MODEL", "a, b")
+    assert model_parser().parse_args([]).load_model == ["a", "b"]
+    assert model_parser().parse_args(["--load-model", "c", "--load-model", "d"]).load_model == ["c", "d"]
+    assert model_parser().parse_args([]).load_model == ["a", "b"]  # the default is not changed by a parse
+
+
+def test_the_router_and_the_stage_services_share_their_groups():
+    stages = [settings.stage_settings("preprocess"), settings.stage_settings("postprocess")]
+    stages.append(settings.ModelServiceSettings)
+    for group in (
+        settings.Limits,
+        settings.Shutdown,
+        settings.Security,
+        settings.Logging,
+        settings.ModelControl,
+    ):
+        assert group in settings.RouterSettings.groups
+        for stage in stages:
+            assert group in stage.groups and issubclass(stage, group)
+            for name in group.model_fields:
+                assert stage.model_fields[name].default == settings.RouterSettings.model_fields[name].default
+    assert settings.listening("model") is settings.listening("model")
+    assert settings.stage_settings("preprocess") is settings.stage_settings("preprocess")
+
+
+def test_the_reference_lists_every_variable_with_the_flags_that_read_it():
+    page = docgen.generate()["environment.md"]
+    for command, model in [("pipeline run", LauncherSettings), *settings.processes().items()]:
+        for name, option, _ in model.options():
+            assert name == option.flags[0][2:].replace("-", "_")  # the flag's argparse attribute
+            if option.env is not None:
+                [row] = [line for line in page.splitlines() if line.startswith(f"| `{option.env}` |")]
+                assert f"`{option.flags[0]}` of" in row, (command, option.env)
+
+
+def test_the_launchers_restart_defaults_are_the_supervisors(monkeypatch):
+    monkeypatch.setenv("PIPELINE_PREPROCESS_PORT", "9101")
+    args = build_parser().parse_args(["run", "--autoscale", "model=1:3", "--replicas", "preprocess=2"])
+    assert (args.restart_limit, args.restart_window) == (RestartPolicy().limit, RestartPolicy().window)
+    assert args.autoscale == {"model": (1, 3)} and args.replicas == {"preprocess": 2}
+    assert args.preprocess_port == 9101 and args.model_port == 8102
