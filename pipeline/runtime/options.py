@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -40,11 +40,6 @@ class Option:
     #: How the variable's text is read where it differs from one flag value's (a list: `parse` reads one item).
     env_parse: Callable[[str], Any] | None = None
 
-    def read(self, text: str) -> Any:
-        """The value of the variable's text (already stripped)."""
-        parse = self.env_parse or self.parse
-        return text if parse is None else parse(text)
-
 
 def option(*flags: str, help: str, **more: Any) -> Option:
     """`Option` with its flags as arguments, for `Annotated[type, option("--flag", help=...)]`."""
@@ -71,15 +66,30 @@ class _Environment(PydanticBaseSettingsSource):
         return values
 
 
-def _read(found: Option | None) -> tuple[bool, Any]:
-    """Whether the option's variable is set (to more than blanks), and its value then."""
-    text = os.environ.get(found.env, "").strip() if found is not None and found.env else ""
-    if not text or found is None:
+def variable_text(variable: str, environ: Mapping[str, str] | None = None) -> str:
+    """A variable's text (of `os.environ` by default), stripped: empty where it is unset or blank."""
+    return (os.environ if environ is None else environ).get(variable, "").strip()
+
+
+def read_variable(
+    variable: str, parse: Callable[[str], Any] | None, environ: Mapping[str, str] | None = None
+) -> tuple[bool, Any]:
+    """Whether a variable is set (to more than blanks), and then the value `parse` reads from its text;
+    `SettingError` names a variable that does not parse."""
+    text = variable_text(variable, environ)
+    if not text:
         return False, None
     try:
-        return True, found.read(text)
+        return True, text if parse is None else parse(text)
     except (argparse.ArgumentTypeError, ValueError) as err:
-        raise SettingError(f"{found.env}={text!r}: {err}") from None
+        raise SettingError(f"{variable}={text!r}: {err}") from None
+
+
+def _read(found: Option | None) -> tuple[bool, Any]:
+    """Whether the option's variable is set, and its value then."""
+    if found is None or found.env is None:
+        return False, None
+    return read_variable(found.env, found.env_parse or found.parse)
 
 
 def from_environment(group: type[BaseModel], name: str) -> tuple[bool, Any]:

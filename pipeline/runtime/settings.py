@@ -16,7 +16,6 @@ Variables that other tools define keep their own homes: OpenTelemetry's `OTEL_*`
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -25,27 +24,36 @@ from typing import Annotated, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from pipeline.runtime.options import Option, ProcessSettings, option, process_settings
+from pipeline.runtime.options import (
+    Option,
+    ProcessSettings,
+    option,
+    process_settings,
+    read_variable,
+    variable_text,
+)
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class Setting(Generic[T]):
-    """One environment variable: its name, its default, and how its text becomes a value."""
+    """One environment variable that no server flag sets: its name, its default, and how its text becomes a
+    value (read as the settings models' variables are: `pipeline.runtime.options.read_variable`)."""
 
     variable: str
     default: T
     parse: Callable[[str], T]
 
     def get(self, environ: Mapping[str, str] | None = None) -> T:
-        """The value the environment (`os.environ` by default) gives, else the default."""
-        text = (os.environ if environ is None else environ).get(self.variable, "").strip()
-        return self.parse(text) if text else self.default
+        """The value the environment (`os.environ` by default) gives, else the default; `SettingError` names
+        a variable that does not parse."""
+        given, value = read_variable(self.variable, self.parse, environ)
+        return value if given else self.default
 
     def given(self, environ: Mapping[str, str] | None = None) -> bool:
         """Whether the environment sets the variable (to something other than blanks)."""
-        return bool((os.environ if environ is None else environ).get(self.variable, "").strip())
+        return bool(variable_text(self.variable, environ))
 
 
 def byte_count(text: str) -> int:

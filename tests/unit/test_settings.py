@@ -64,6 +64,14 @@ def test_a_variable_that_does_not_parse_is_named(monkeypatch, capsys):
     assert "PIPELINE_CACHE_SIZE='lots'" in capsys.readouterr().err
 
 
+def test_a_variable_without_a_flag_is_read_the_same_way():
+    age = settings.MAX_CONNECTION_AGE_S
+    assert age.get({}) == age.get({age.variable: " "}) == 30.0 and not age.given({age.variable: " "})
+    assert age.get({age.variable: " 5 "}) == 5.0 and age.given({age.variable: "5"})
+    with pytest.raises(SettingError, match="PIPELINE_MAX_CONNECTION_AGE_S='soon'"):
+        age.get({age.variable: "soon"})
+
+
 def test_a_flag_that_does_not_parse_is_named(capsys):
     with pytest.raises(SystemExit):
         parse(settings.RouterSettings, ["--max-batch-items", "0"])
