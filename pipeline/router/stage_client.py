@@ -12,11 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import time
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from dataclasses import replace
 
 import grpc
 from google.rpc import error_details_pb2
@@ -24,7 +21,6 @@ from grpc_status import rpc_status
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import ModelSignature, StageEndpoint
-from pipeline.protocol.codec import specs_from_metadata
 from pipeline.protocol.errors import (
     ERROR_DOMAIN,
     NOT_STARTED,
@@ -33,10 +29,11 @@ from pipeline.protocol.errors import (
     StageError,
     Unavailable,
 )
-from pipeline.protocol.model_config import batching_of_config, is_deterministic, pad_values
-from pipeline.protocol.sequences import SEQUENCE_ID, SequenceId, sequence_key, sequence_of
-from pipeline.router.replicas import DOWN, SERVING, UNKNOWN, Replica, Replicas
+from pipeline.protocol.sequences import SEQUENCE_ID, SequenceId, sequence_of
+from pipeline.router import stage_models
+from pipeline.router.replicas import DOWN, SERVING, Replica, Replicas
 from pipeline.router.retry import RetryBudget, StageRetry
+from pipeline.router.sequence_placement import SequencePlacement, not_known
 from pipeline.router.targets import Resolve
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.security import ClientTls, bearer_metadata
@@ -128,10 +125,9 @@ class StageClient:
             resolve_interval=resolve_interval,
         )
         limit = endpoint.max_inflight_requests
-        self._slots = asyncio.Semaphore(limit) if limit > 0 else None
-        #: The replica (address) each sequence of late went to, most recent last: a request of a sequence
-        #: whose replica has gone is answered at once (`_call_sequence`).
-        self._placed: OrderedDict[str, str] = OrderedDict()
+        self._slots = InflightSlots(endpoint, limit) if limit > 0 else None
+        #: Where each sequence of late went (`_call_sequence`).
+        self._sequences = SequencePlacement(endpoint.name)
         #: Model -> the version its calls that name none are routed by (`pipeline.router.fleet`: the version
         #: the whole fleet serves, while a load is under way or a replica not yet in line serves another).
         self.fleet_versions: Mapping[str, str] = {}
@@ -140,10 +136,6 @@ class StageClient:
     def auth(self) -> tuple[tuple[str, str], ...]:
         """The router's own credentials for this stage (its token's metadata)."""
         return self._auth
-
-    # --- replicas ------------------------------------------------------------------------------------
-
-    # --- calls ---------------------------------------------------------------------------------------
 
     async def call(
         self,
@@ -159,24 +151,12 @@ class StageClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         slots = self._slots if method == "ModelInfer" else None
         if slots is not None:
-            await self._acquire(slots, deadline, what)
+            await slots.acquire(deadline, what)
         try:
             return await self._call(method, request, deadline, (*metadata, *self._auth), what)
         finally:
             if slots is not None:
                 slots.release()
-
-    async def _acquire(self, slots: asyncio.Semaphore, deadline: float | None, what: str) -> None:
-        if deadline is None:
-            await slots.acquire()
-            return
-        try:
-            await asyncio.wait_for(slots.acquire(), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"deadline exceeded waiting for stage '{self.endpoint.name}' "
-                f"(max_inflight_requests {self.endpoint.max_inflight_requests}) for {what}"
-            ) from None
 
     async def _call(
         self,
@@ -188,7 +168,6 @@ class StageClient:
     ):
         replicas = self.replicas
         await replicas.settle()
-        name, address = self.endpoint.name, self.endpoint.address
         tried: set[Replica] = set()
         if method == "ModelInfer":
             # The budget is the stage's inference traffic: the router's own index and metadata calls (one
@@ -204,64 +183,65 @@ class StageClient:
         if replica is None:
             # Every replica (that may serve the model) is down or draining: answer at once instead of waiting
             # out the deadline.
-            raise Unavailable(f"stage '{name}' ({address}) is unavailable for {what}: {_none_serving(model)}")
+            raise self._unavailable(what, _none_serving(model))
         attempt = 0
         while True:
             attempt += 1
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'")
             started = time.monotonic()
             try:
-                reply = await self._send(replica, method, request, remaining, metadata)
+                reply = await self._send(replica, method, request, self._remaining(deadline, what), metadata)
             except grpc.aio.AioRpcError as err:
-                code, details = err.code(), err.details() or ""
-                if self.metrics is not None:
-                    self.metrics.stage_calls.labels(name, code.name).inc()
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
-                # NOTE: our own cancellation arrives as asyncio.CancelledError; a CANCELLED status is the
-                # replica's (a server stopping without grace cuts its calls off): no answer, as UNAVAILABLE.
-                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    raise StageError(
-                        f"{what} on stage '{name}': {details}", code, items=item_errors(err)
-                    ) from None
-                unavailable = Unavailable(f"stage '{name}' ({address}) is unavailable for {what}: {details}")
-                refused = not_started(err)
-                # A stream that ended under the call (its connection recycled) says nothing of the replica:
-                # its health watch does. Anything else that brought nothing back: the replica is gone or
-                # going; skip it until its health says SERVING.
-                cut_off = isinstance(err, StreamBroken)
-                if not refused and not cut_off:
-                    replicas.set_state(replica, DOWN)
+                refusal = self._refusal(err, what)
+                if refusal is not None:
+                    raise refusal from None
                 tried.add(replica)
-                following = replicas.pick(method, tried, model, version)
-                delay = 0.0
-                if following is None and cut_off and attempt == 1:
-                    following = replica  # at once, on a new stream
-                elif following is None and not refused:
-                    # A lone replica that dropped the call may be back after a pause (a restart).
-                    following, delay = replica, self.retry.backoff(attempt)
-                if (
-                    following is None
-                    or attempt >= self.retry.attempts
-                    or (deadline is not None and time.monotonic() + delay >= deadline)
-                    or not self.budget.try_retry()
-                ):
-                    raise unavailable from None
-                if self.metrics is not None:
-                    self.metrics.stage_retries.labels(name).inc()
-                log.debug("retrying %s of stage '%s' on %s: %s", what, name, following.address, details)
-                if delay:
-                    await asyncio.sleep(delay)
-                replica = following
+                retry = self._retry(err, replica, tried, attempt, deadline, (method, model, version))
+                if retry is None:
+                    raise self._unavailable(what, err.details() or "") from None
+                log.debug("retrying %s of stage '%s' on %s: %s", what, self.endpoint.name, retry[0], err)
+                if retry[1]:
+                    await asyncio.sleep(retry[1])
+                replica = retry[0]
                 continue
-            if method == "ModelInfer":
-                now = time.monotonic()
-                replica.observe(now - started, now)
-            if self.metrics is not None:
-                self.metrics.stage_calls.labels(name, "OK").inc()
+            self._answered(replica, method, started)
             return reply
+
+    def _retry(
+        self,
+        err: grpc.aio.AioRpcError,
+        replica: Replica,
+        tried: set[Replica],
+        attempt: int,
+        deadline: float | None,
+        call: tuple[str, str, str],
+    ) -> tuple[Replica, float] | None:
+        """Where and after how long a call that brought nothing back (`err`: UNAVAILABLE or CANCELLED) goes
+        again, within the retry attempts, the deadline and the budget; None where it does not. `call`: its
+        method, model and version."""
+        refused = not_started(err)
+        # A stream that ended under the call (its connection recycled) says nothing of the replica: its
+        # health watch does. Anything else that brought nothing back: the replica is gone or going; skip it
+        # until its health says SERVING.
+        cut_off = isinstance(err, StreamBroken)
+        if not refused and not cut_off:
+            self.replicas.set_state(replica, DOWN)
+        following = self.replicas.pick(*call[:1], tried, *call[1:])
+        delay = 0.0
+        if following is None and cut_off and attempt == 1:
+            following = replica  # at once, on a new stream
+        elif following is None and not refused:
+            # A lone replica that dropped the call may be back after a pause (a restart).
+            following, delay = replica, self.retry.backoff(attempt)
+        if (
+            following is None
+            or attempt >= self.retry.attempts
+            or (deadline is not None and time.monotonic() + delay >= deadline)
+            or not self.budget.try_retry()
+        ):
+            return None
+        if self.metrics is not None:
+            self.metrics.stage_retries.labels(self.endpoint.name).inc()
+        return following, delay
 
     async def _call_sequence(
         self,
@@ -271,70 +251,65 @@ class StageClient:
         metadata: tuple[tuple[str, str | bytes], ...],
         what: str,
     ) -> pb.ModelInferResponse:
-        """A request of a sequence goes where its state is, never elsewhere: the replica this client sent
-        the sequence to, else the first that is up in the order its id ranks the replicas
-        (`Replicas.rank`), which every router computes alike. A replica that does not know the sequence
-        refuses the request without running it, so the next one up is asked: the sequence may have started
-        before a replica that now ranks above it came (a scale-up). Where its replica has gone, the sequence
-        is lost: its request is answered UNAVAILABLE naming it, while a sequence that starts may go to the
-        next replica."""
-        replicas, name = self.replicas, self.endpoint.name
+        """A request of a sequence goes where its state is, never elsewhere (`SequencePlacement`). A
+        replica that does not know the sequence refuses the request without running it, so the next one up
+        is asked: the sequence may have started before a replica that now ranks above it came (a
+        scale-up). Where its replica has gone, the sequence is lost: its request is answered UNAVAILABLE
+        naming it, while a sequence that starts may go to the next replica."""
         model = request.model_name
         version = request.model_version or self.fleet_versions.get(model, "")
-        key = sequence_key(sequence)
-        ranked = replicas.rank(key, model, version)
-        up = [r for r in ranked if r.state == SERVING] or [r for r in ranked if r.state == UNKNOWN]
-        placed = self._placed.get(key)
-        if placed is not None and not sequence.start:
-            held = [r for r in up if r.address == placed]
-            if not held:
-                raise Unavailable(_lost(sequence, model, name, placed, "is no longer serving"))
-            up = held
+        ranked, up = self._sequences.candidates(self.replicas, sequence, model, version)
         refused: StageError | None = None
         for replica in up:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'")
             started = time.monotonic()
             try:
-                reply = await self._send(replica, "ModelInfer", request, remaining, metadata)
+                reply = await self._send(
+                    replica, "ModelInfer", request, self._remaining(deadline, what), metadata
+                )
             except grpc.aio.AioRpcError as err:
-                code, details = err.code(), err.details() or ""
-                if self.metrics is not None:
-                    self.metrics.stage_calls.labels(name, code.name).inc()
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'") from None
-                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    error = StageError(f"{what} on stage '{name}': {details}", code, items=item_errors(err))
-                    if _no_start(code, details, sequence):
-                        refused = refused or error
-                        continue
-                    raise error from None
+                refusal = self._refusal(err, what)
+                if isinstance(refusal, StageError) and not_known(refusal, sequence):
+                    refused = refused or refusal
+                    continue
+                if refusal is not None:
+                    raise refusal from None
                 if not not_started(err) and not isinstance(err, StreamBroken):
-                    replicas.set_state(replica, DOWN)
+                    self.replicas.set_state(replica, DOWN)
                 if sequence.start and self.budget.try_retry():
                     continue  # nothing of a sequence that starts is lost: the next replica takes it
-                raise Unavailable(
-                    _lost(sequence, model, name, replica.address, f"failed ({details})")
-                ) from None
-            now = time.monotonic()
-            replica.observe(now - started, now)
-            if self.metrics is not None:
-                self.metrics.stage_calls.labels(name, "OK").inc()
-            self._placed.pop(key, None)
-            if not sequence.end:
-                self._placed[key] = replica.address
-                if len(self._placed) > _PLACED_LIMIT:
-                    self._placed.popitem(last=False)
+                why = f"failed ({err.details() or ''})"
+                raise self._sequences.lost(sequence, model, replica.address, why) from None
+            self._answered(replica, "ModelInfer", started)
+            self._sequences.placed(sequence, replica.address)
             return reply
         if refused is not None:
             # No replica that is up knows the sequence: it was on one that is not, else it never started.
             gone = [r for r in ranked if r.state != SERVING]
             if gone:
-                raise Unavailable(_lost(sequence, model, name, gone[0].address, "is down"))
+                raise self._sequences.lost(sequence, model, gone[0].address, "is down")
             raise refused
-        raise Unavailable(
-            f"stage '{name}' ({self.endpoint.address}) is unavailable for {what}: {_none_serving(model)}"
+        raise self._unavailable(what, _none_serving(model))
+
+    def _remaining(self, deadline: float | None, what: str) -> float | None:
+        """The seconds left to `deadline` (None: no deadline); `DeadlineExceeded` where none are."""
+        if deadline is None:
+            return None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded(f"deadline exceeded in {what} on stage '{self.endpoint.name}'")
+        return remaining
+
+    def _answered(self, replica: Replica, method: str, started: float) -> None:
+        """Count a call that came back: the replica's latency (inference only) and the call's outcome."""
+        if method == "ModelInfer":
+            now = time.monotonic()
+            replica.observe(now - started, now)
+        if self.metrics is not None:
+            self.metrics.stage_calls.labels(self.endpoint.name, "OK").inc()
+
+    def _unavailable(self, what: str, why: str) -> Unavailable:
+        return Unavailable(
+            f"stage '{self.endpoint.name}' ({self.endpoint.address}) is unavailable for {what}: {why}"
         )
 
     async def _send(
@@ -369,18 +344,14 @@ class StageClient:
         model. It waits for one of the stage's `max_inflight_requests` slots first and holds it to the end."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._slots is not None:
-            await self._acquire(self._slots, deadline, what)
+            await self._slots.acquire(deadline, what)
         try:
             await self.replicas.settle()
             model = request.model_name
             version = request.model_version or self.fleet_versions.get(model, "")
             replica = self.replicas.pick("ModelInfer", set(), model, version)
-            name, address = self.endpoint.name, self.endpoint.address
             if replica is None:
-                raise Unavailable(
-                    f"stage '{name}' ({address}) is unavailable for {what}: "
-                    f"{_none_serving(request.model_name)}"
-                )
+                raise self._unavailable(what, _none_serving(model))
             replica.outstanding += 1
             try:
                 # Closed as this generator is: an iterator left early cancels its call, which stops the model.
@@ -395,91 +366,37 @@ class StageClient:
             if self._slots is not None:
                 self._slots.release()
 
-    def _stream_error(self, err: grpc.aio.AioRpcError, what: str) -> Exception:
-        """The router's error for a failed streamed call, as `_call` maps a unary one's."""
-        code, details = err.code(), err.details() or ""
-        name, address = self.endpoint.name, self.endpoint.address
+    def _refusal(self, err: grpc.aio.AioRpcError, what: str) -> Exception | None:
+        """The router's error for a failed call, counted by its status: `DeadlineExceeded`, or `StageError`
+        with the stage's code and the items it refused; None where no answer came (UNAVAILABLE, CANCELLED),
+        which another replica may give. Our own cancellation arrives as `asyncio.CancelledError`: a
+        CANCELLED status is the replica's (a server stopping without grace cuts its calls off)."""
+        code = err.code()
+        name = self.endpoint.name
         if self.metrics is not None:
             self.metrics.stage_calls.labels(name, code.name).inc()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return DeadlineExceeded(f"deadline exceeded in {what} on stage '{name}'")
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-            return Unavailable(f"stage '{name}' ({address}) is unavailable for {what}: {details}")
-        return StageError(f"{what} on stage '{name}': {details}", code, items=item_errors(err))
+            return None
+        return StageError(f"{what} on stage '{name}': {err.details() or ''}", code, items=item_errors(err))
+
+    def _stream_error(self, err: grpc.aio.AioRpcError, what: str) -> Exception:
+        """The router's error for a failed streamed call, as `_call` maps a unary one's."""
+        refusal = self._refusal(err, what)
+        if refusal is not None:
+            return refusal
+        return self._unavailable(what, err.details() or "")
 
     async def replica_index(
         self, replica: Replica, *, ready_only: bool
     ) -> list[pb.RepositoryIndexResponse.ModelIndex] | None:
-        """One replica's `RepositoryIndex` (None where its server has none); `Unavailable` where it cannot
-        answer now, `StageError` for another failure. Replicas of a stage may serve different models, so each
-        is asked for its own."""
-        name = self.endpoint.name
-        try:
-            reply = await replica.stub.RepositoryIndex(
-                pb.RepositoryIndexRequest(ready=ready_only), timeout=2.0, metadata=self._auth
-            )
-        except grpc.aio.AioRpcError as err:
-            code, details = err.code(), err.details() or ""
-            if self.metrics is not None:
-                self.metrics.stage_calls.labels(name, code.name).inc()
-            if code == grpc.StatusCode.UNIMPLEMENTED:
-                return None
-            where = f"stage '{name}' ({replica.address})"
-            if code in (
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-            ):
-                raise Unavailable(f"{where} is unavailable for its repository index: {details}") from None
-            raise StageError(f"the repository index of {where}: {details}", code) from None
-        if self.metrics is not None:
-            self.metrics.stage_calls.labels(name, "OK").inc()
-        return list(reply.models)
+        """One replica's `RepositoryIndex` (`pipeline.router.stage_models.replica_index`)."""
+        return await stage_models.replica_index(self, replica, ready_only=ready_only)
 
     async def signature(self, model: str) -> ModelSignature:
-        """A model's interface, from its `ModelMetadata` and (where the stage has it) Triton's `ModelConfig`."""
-        what = f"model '{model}'"
-        meta = await self.call("ModelMetadata", pb.ModelMetadataRequest(name=model), timeout=2.0, what=what)
-        inputs, outputs = specs_from_metadata(meta.inputs), specs_from_metadata(meta.outputs)
-        cache, deterministic, decoupled, sequence = False, True, False, False
-        try:
-            reply = await self.call("ModelConfig", pb.ModelConfigRequest(name=model), timeout=2.0, what=what)
-            cache, deterministic = reply.config.response_cache.enable, is_deterministic(reply.config)
-            decoupled = reply.config.model_transaction_policy.decoupled
-            sequence = reply.config.HasField("sequence_batching")
-            max_batch_size = reply.config.max_batch_size
-            padding = pad_values(reply.config)
-            inputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in inputs)
-            outputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in outputs)
-            try:
-                batching = batching_of_config(reply.config)
-            except ValueError as exc:
-                log.warning(
-                    "model '%s' on stage '%s': ignoring its dynamic_batching: %s",
-                    model,
-                    self.endpoint.name,
-                    exc,
-                )
-                batching = None
-        except StageError as err:
-            if err.code != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            # A plain OIP server without Triton's ModelConfig: a leading -1 everywhere means it batches.
-            batches = all(spec.shape[:1] == (-1,) for spec in (*inputs, *outputs))
-            max_batch_size = sys.maxsize if batches else 0
-            batching = None
-        return ModelSignature(
-            model,
-            inputs,
-            outputs,
-            max_batch_size,
-            batching,
-            tuple(meta.versions),
-            cache,
-            deterministic,
-            decoupled,
-            sequence,
-        )
+        """A model's interface (`pipeline.router.stage_models.model_signature`)."""
+        return await stage_models.model_signature(self, model)
 
     def start(self) -> None:
         """Follow the stage's replicas: look its name up again and again, and watch their health."""
@@ -489,24 +406,27 @@ class StageClient:
         await self.replicas.close()
 
 
-#: Sequences whose replica a client remembers (the oldest forgotten first).
-_PLACED_LIMIT = 65536
+class InflightSlots:
+    """A stage's `max_inflight_requests`: its calls wait for a slot, within their deadline."""
 
+    def __init__(self, endpoint: StageEndpoint, limit: int) -> None:
+        self._endpoint = endpoint
+        self._slots = asyncio.Semaphore(limit)
 
-def _lost(sequence: SequenceId, model: str, stage: str, address: str, why: str) -> str:
-    return (
-        f"sequence {sequence.value} of model '{model}' is lost: its state was on replica {address} of stage "
-        f"'{stage}', which {why}; start the sequence again (sequence_start)"
-    )
+    async def acquire(self, deadline: float | None, what: str) -> None:
+        if deadline is None:
+            await self._slots.acquire()
+            return
+        try:
+            await asyncio.wait_for(self._slots.acquire(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"deadline exceeded waiting for stage '{self._endpoint.name}' "
+                f"(max_inflight_requests {self._endpoint.max_inflight_requests}) for {what}"
+            ) from None
 
-
-def _no_start(code: grpc.StatusCode, details: str, sequence: SequenceId) -> bool:
-    """Whether a stage refused a request of a sequence as one it does not know (Triton's message)."""
-    return (
-        code == grpc.StatusCode.INVALID_ARGUMENT
-        and not sequence.start
-        and "must specify the START flag on the first request of the sequence" in details
-    )
+    def release(self) -> None:
+        self._slots.release()
 
 
 def _none_serving(model: str) -> str:

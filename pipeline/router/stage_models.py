@@ -1,0 +1,104 @@
+"""What the router asks a stage about its models: a model's interface, and the models a replica serves.
+
+The interface comes from the model's `ModelMetadata` and, where the stage has it, Triton's `ModelConfig`
+(batching, padding, caching, decoupled, sequence batching); a plain OIP server without `ModelConfig` batches
+where every tensor's shape leads with -1. A replica's `RepositoryIndex` tells which models it serves, as
+replicas of one stage may serve different ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.ensemble.plan import ModelSignature
+from pipeline.protocol.codec import specs_from_metadata
+from pipeline.protocol.errors import StageError, Unavailable
+from pipeline.protocol.model_config import batching_of_config, is_deterministic, pad_values
+
+if TYPE_CHECKING:
+    from pipeline.router.replicas import Replica
+    from pipeline.router.stage_client import StageClient
+
+log = logging.getLogger(__name__)
+
+
+async def replica_index(
+    client: StageClient, replica: Replica, *, ready_only: bool
+) -> list[pb.RepositoryIndexResponse.ModelIndex] | None:
+    """One replica's `RepositoryIndex` (None where its server has none); `Unavailable` where it cannot
+    answer now, `StageError` for another failure. Replicas of a stage may serve different models, so each
+    is asked for its own."""
+    name = client.endpoint.name
+    try:
+        reply = await replica.stub.RepositoryIndex(
+            pb.RepositoryIndexRequest(ready=ready_only), timeout=2.0, metadata=client.auth
+        )
+    except grpc.aio.AioRpcError as err:
+        code, details = err.code(), err.details() or ""
+        if client.metrics is not None:
+            client.metrics.stage_calls.labels(name, code.name).inc()
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return None
+        where = f"stage '{name}' ({replica.address})"
+        if code in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        ):
+            raise Unavailable(f"{where} is unavailable for its repository index: {details}") from None
+        raise StageError(f"the repository index of {where}: {details}", code) from None
+    if client.metrics is not None:
+        client.metrics.stage_calls.labels(name, "OK").inc()
+    return list(reply.models)
+
+
+async def model_signature(client: StageClient, model: str) -> ModelSignature:
+    """A model's interface, from its `ModelMetadata` and (where the stage has it) Triton's `ModelConfig`."""
+    what = f"model '{model}'"
+    meta = await client.call("ModelMetadata", pb.ModelMetadataRequest(name=model), timeout=2.0, what=what)
+    inputs, outputs = specs_from_metadata(meta.inputs), specs_from_metadata(meta.outputs)
+    cache, deterministic, decoupled, sequence = False, True, False, False
+    try:
+        reply = await client.call("ModelConfig", pb.ModelConfigRequest(name=model), timeout=2.0, what=what)
+        cache, deterministic = reply.config.response_cache.enable, is_deterministic(reply.config)
+        decoupled = reply.config.model_transaction_policy.decoupled
+        sequence = reply.config.HasField("sequence_batching")
+        max_batch_size = reply.config.max_batch_size
+        padding = pad_values(reply.config)
+        inputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in inputs)
+        outputs = tuple(replace(s, pad_value=padding.get(s.name)) for s in outputs)
+        try:
+            batching = batching_of_config(reply.config)
+        except ValueError as exc:
+            log.warning(
+                "model '%s' on stage '%s': ignoring its dynamic_batching: %s",
+                model,
+                client.endpoint.name,
+                exc,
+            )
+            batching = None
+    except StageError as err:
+        if err.code != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        # A plain OIP server without Triton's ModelConfig: a leading -1 everywhere means it batches.
+        batches = all(spec.shape[:1] == (-1,) for spec in (*inputs, *outputs))
+        max_batch_size = sys.maxsize if batches else 0
+        batching = None
+    return ModelSignature(
+        model,
+        inputs,
+        outputs,
+        max_batch_size,
+        batching,
+        tuple(meta.versions),
+        cache,
+        deterministic,
+        decoupled,
+        sequence,
+    )
