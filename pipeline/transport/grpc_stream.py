@@ -141,6 +141,10 @@ class GrpcStream(MatchedRequests):
                 pass
         await asyncio.gather(self._reader, return_exceptions=True)
 
+    async def closed(self) -> None:
+        """Wait until the stream has ended (the server has answered what it carried, or it broke)."""
+        await asyncio.gather(self._reader, return_exceptions=True)
+
     def cancel(self) -> None:
         """Cut the stream off: its requests in flight fail as UNAVAILABLE."""
         self.broken = self.broken or StreamBroken("the server's stream was closed")
