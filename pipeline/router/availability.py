@@ -1,10 +1,9 @@
 """Which ensembles the router can serve now, and why it cannot serve the others; and its readiness.
 
-At start-up the router waits for its stages to be SERVING (a stage that is up and still loading, as long as
-it loads; one that cannot be reached, `SETTLE_S`), then serves every ensemble whose models the stages
-serve: each step that names no stage gets the first declared stage whose `RepositoryIndex` lists its model
-as READY, and every step's model its signature, learnt from its stage, against which the ensemble is
-checked. An ensemble whose models no stage serves is UNAVAILABLE with its reason (`unavailable`), and is
+At start-up the router waits for its stages to be SERVING, then serves every ensemble whose models the
+stages serve: each step's stage found and its model's signature learnt, against which the ensemble is
+checked (how the stages are waited for and asked is `pipeline.router.ensemble_stages`'s). An ensemble
+whose models no stage serves is UNAVAILABLE with its reason (`unavailable`), and is
 tried again every second while the router serves and before a request for it (`ModelInfer`, `ModelReady`)
 is answered: a model loaded later makes it available. A model that its stage's `RepositoryIndex` listed as
 READY and lists no more (unloaded) makes its ensembles UNAVAILABLE again, within a second or at the next
@@ -26,39 +25,25 @@ import contextlib
 import logging
 import time
 import types
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import Catalog, EnsemblePlan
-from pipeline.ensemble.signatures import check_signatures
-from pipeline.protocol.errors import ConfigError, PipelineError, Unavailable
+from pipeline.protocol.errors import ConfigError, Unavailable
 from pipeline.router.discovery import StageDiscovery
+from pipeline.router.ensemble_stages import EnsembleStages, NotServed
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
-from pipeline.router.replicas import NOT_SERVING
-from pipeline.router.stage_client import StageClient
-from pipeline.runtime.model_statistics import ModelStats
 
 log = logging.getLogger(__name__)
 
 
-#: How long the router waits at start-up for a stage it cannot reach before it serves what the others serve.
-SETTLE_S = 30.0
 #: An ensemble's reason until the router has asked its stages.
 STARTING = "the router is starting: waiting for its stages"
 
 #: What serves an ensemble once its models are known (the plane's batchers and cache checks); raises
 #: `ConfigError` for an ensemble it refuses.
 Serve = Callable[[EnsemblePlan], None]
-
-
-class NotServed(Exception):
-    """An ensemble's models are not all served now (its message says which, and where the router looked)."""
-
-
-def _loading(client: StageClient) -> bool:
-    """Whether a stage is up but not serving yet: a replica answers its health NOT_SERVING (loading)."""
-    return any(replica.state == NOT_SERVING for replica in client.replicas.by_address.values())
 
 
 class EnsembleAvailability:
@@ -79,6 +64,8 @@ class EnsembleAvailability:
         self.stages = stages
         self.clients = stages.clients
         self.registry = registry
+        #: The stages as the ensembles' steps need them: waited for, found, asked for signatures.
+        self.ensemble_stages = EnsembleStages(stages, registry)
         self.strict_readiness = strict_readiness
         #: Every ensemble, each step's stage filled in once the ensemble is available.
         self.plans: dict[str, EnsemblePlan] = dict(catalog.ensembles)
@@ -99,9 +86,6 @@ class EnsembleAvailability:
         self._looks = 0
         #: Set when a stage's health or an ensemble's availability changes: wakes `monitor`.
         self._changed = asyncio.Event()
-        #: (stage, model) of the steps of available ensembles that the stage's `RepositoryIndex` has listed as
-        #: READY: one no longer listed was unloaded (`withdraw_unserved`).
-        self._listed: set[tuple[str, str]] = set()
         self._serve: Serve = lambda plan: None
 
     # --- start-up and availability --------------------------------------------------------------------
@@ -124,54 +108,32 @@ class EnsembleAvailability:
             log.warning("ensemble '%s' is not available: %s", name, reason)
 
     async def settle(self, retry_interval: float) -> None:
-        """Wait until every stage is SERVING, waiting for one that is up and still loading (its models are
-        on their way) as long as it loads, and for one that cannot be reached up to `SETTLE_S`."""
-        started = time.monotonic()
+        """Wait for the stages (see `EnsembleStages.settle`); meanwhile each unavailable ensemble's reason
+        says what it waits for, and requests for it are answered with that reason instead of held."""
         reported: float | None = None  # when the wait was last logged
-        while True:
-            await asyncio.gather(*(c.replicas.check_health(timeout=2.0) for c in self.clients.values()))
-            await self.stages.refresh_index()
-            now = time.monotonic()
-            waiting = {
-                key: "still loading" if loading else "not reachable"
-                for key, client in self.clients.items()
-                if not client.replicas.healthy and ((loading := _loading(client)) or now - started < SETTLE_S)
-            }
-            if not waiting:
-                return
-            self._looked.set()  # requests meanwhile are answered with the reason, not held
-            stages = ", ".join(f"stage '{key}' {state}" for key, state in waiting.items())
+
+        def waiting(states: Mapping[str, str]) -> None:
+            nonlocal reported
+            self._looked.set()
+            stages = ", ".join(f"stage '{key}' {state}" for key, state in states.items())
             for name in self.unavailable:
-                missing = self._not_listed([name])
+                missing = self.ensemble_stages.not_listed([self.catalog.ensembles[name]])
                 listed = f"; no stage lists model(s) {', '.join(missing)} as READY yet" if missing else ""
                 self.unavailable[name] = f"{STARTING} ({stages}{listed})"
-            missing = self._not_listed(self.unavailable)
+            now = time.monotonic()
             if reported is None or now - reported > 30:
                 reported = now
                 log.info("waiting for %s", stages)
+                missing = self.ensemble_stages.not_listed(self.catalog.ensembles[n] for n in self.unavailable)
                 if missing:
-                    asked = ", ".join(f"'{key}' ({c.endpoint.address})" for key, c in self.clients.items())
                     log.info(
                         "waiting for a stage that serves model(s) %s: no RepositoryIndex of %s lists them as "
                         "READY yet",
                         ", ".join(missing),
-                        asked,
+                        self.ensemble_stages.asked(),
                     )
-            await asyncio.sleep(retry_interval)
 
-    def _not_listed(self, ensembles: Iterable[str]) -> list[str]:
-        """The models of the steps of `ensembles` that name no stage and that no stage's `RepositoryIndex`
-        lists as READY yet."""
-        return sorted(
-            {
-                step.model_name
-                for name in ensembles
-                for step in self.catalog.ensembles[name].steps
-                if not step.stage
-                and step.model_name not in self.stages.stage_of_model
-                and step.model_name not in self.stages.repository_models
-            }
-        )
+        await self.ensemble_stages.settle(retry_interval, waiting)
 
     async def complete(self, *, at_start: bool = False) -> None:
         """Serve each ensemble that is not available yet and whose models the stages serve now: its steps'
@@ -206,13 +168,9 @@ class EnsembleAvailability:
             raise ConfigError("\n".join(errors))
 
     async def _checked(self, plan: EnsemblePlan) -> EnsemblePlan:
-        """`plan` with its steps' stages found, checked against its models' signatures and set up to serve;
-        `NotServed` or `ConfigError` where it cannot be."""
-        plan = self._resolved(plan)
-        if gone := self._gone(plan):
-            raise NotServed(_no_longer_served(gone))
-        await self._learn_signatures(plan)
-        check_signatures(plan, self.registry.signatures)
+        """`plan` matched to the stages (see `EnsembleStages.matched`) and set up to serve; `NotServed` or
+        `ConfigError` where it cannot be."""
+        plan = await self.ensemble_stages.matched(plan)
         self._serve(plan)
         return plan
 
@@ -227,7 +185,7 @@ class EnsembleAvailability:
         plans = dict(catalog.ensembles)
         failed = dict(catalog.failed)
         for name, plan in list(plans.items()):
-            if moved := self._moved_stages(plan):
+            if moved := self.ensemble_stages.moved(plan):
                 failed[name] = moved
                 del plans[name]
         for name in {*self.plans, *self.failed} - {*plans, *failed}:
@@ -281,20 +239,6 @@ class EnsembleAvailability:
             )
         self.reload_errors[name] = reason
 
-    def _moved_stages(self, plan: EnsemblePlan) -> str:
-        """Why a plan read again cannot be served by the router's stages ("" where it can)."""
-        moved = [
-            f"'{key}' ({endpoint.address})"
-            for key, endpoint in plan.stages.items()
-            if key not in self.clients or self.clients[key].endpoint != endpoint
-        ]
-        if not moved:
-            return ""
-        return (
-            f"{plan.source}: stage(s) {', '.join(moved)} differ from the router's stages, which are set when "
-            "it starts: restart it to change them"
-        )
-
     def _not_available(self, name: str, reason: str, *, error: bool = False) -> None:
         if self.started and self.unavailable.get(name) != reason:
             (log.error if error else log.warning)("ensemble '%s' is not available: %s", name, reason)
@@ -315,84 +259,9 @@ class EnsembleAvailability:
         being ready with its models. It is looked at again as the other unavailable ones are: the model
         served again makes it available again."""
         for name, plan in self.plans.items():
-            if name not in self.unavailable and (gone := self._gone(plan)):
-                self._not_available(name, _no_longer_served(gone))
+            if name not in self.unavailable and (unserved := self.ensemble_stages.unserved(plan)):
+                self._not_available(name, unserved)
                 self._changed.set()
-
-    def _gone(self, plan: EnsemblePlan) -> list[str]:
-        """The steps' models (as `'model' on stage 'key'`) that their stage listed as READY and no longer
-        lists; each model it lists is noted as listed."""
-        gone = []
-        for step in plan.steps:
-            index = self.stages.indexes.get(step.stage)
-            if index is None:  # a stage without RepositoryIndex, or not asked yet: it cannot say
-                continue
-            key = (step.stage, step.model_name)
-            if step.model_name in index:
-                self._listed.add(key)
-            elif key in self._listed:
-                gone.append(f"'{step.model_name}' on stage '{step.stage}'")
-        return sorted(set(gone))
-
-    def _resolved(self, plan: EnsemblePlan) -> EnsemblePlan:
-        """`plan` with the stage of each step that names none: the first declared stage whose
-        `RepositoryIndex` lists its model as READY. `NotServed` where none does yet; `ConfigError` where
-        none ever can (no stage, or none with a `RepositoryIndex`)."""
-        missing = sorted(
-            {
-                step.model_name
-                for step in plan.steps
-                if not step.stage and self.stages.find_stage(step.model_name) is None
-            }
-        )
-        if missing:
-            self._check_findable(plan, missing)
-            asked = ", ".join(f"'{key}' ({c.endpoint.address})" for key, c in self.clients.items())
-            raise NotServed(
-                f"no stage serves model(s) {', '.join(missing)}: the RepositoryIndex of {asked} does not list "
-                "them as READY"
-            )
-        if all(step.stage for step in plan.steps):
-            return plan
-        steps = tuple(
-            step if step.stage else replace(step, stage=self.stages.stage_of_model[step.model_name])
-            for step in plan.steps
-        )
-        stages = {**plan.stages, **{step.stage: self.catalog.stages[step.stage] for step in steps}}
-        return replace(plan, steps=steps, stages=types.MappingProxyType(stages))
-
-    def _check_findable(self, plan: EnsemblePlan, models: list[str]) -> None:
-        """Raise `ConfigError` where no stage can ever say that it serves `models`."""
-        if not self.clients:
-            raise ConfigError(
-                f"{plan.source}: no stage to serve model(s) {', '.join(models)}: a step names no stage and the "
-                "router has none (give them with --stage NAME=ADDRESS)"
-            )
-        if len(self.stages.indexes) == len(self.clients) and all(
-            m is None for m in self.stages.indexes.values()
-        ):
-            raise ConfigError(
-                f"{plan.source}: no stage can say whether it serves model(s) {', '.join(models)}: none of "
-                f"{', '.join(self.clients)} implements RepositoryIndex; name the stage in the step"
-            )
-
-    async def _learn_signatures(self, plan: EnsemblePlan) -> None:
-        """Ask each step's stage for its model's signature (once per model); `NotServed` naming each model
-        that its stage does not serve now, and why."""
-        signatures = self.registry.signatures
-        problems = []
-        for step in sorted(plan.steps, key=lambda s: s.index):
-            model = step.model_name
-            if model in signatures:
-                continue
-            try:
-                signatures[model] = await self.clients[step.stage].signature(model)
-            except PipelineError as err:
-                problems.append(f"{step.label}: {err.message}")
-                continue
-            self.registry.stats.setdefault(model, ModelStats())
-        if problems:
-            raise NotServed("; ".join(problems))
 
     async def available_plan(self, name: str, timeout: float | None) -> EnsemblePlan:
         """The plan of an ensemble that can be served now, each step's stage filled in; `Unavailable` with
@@ -425,26 +294,12 @@ class EnsembleAvailability:
         return self.ensemble_problem(name) is None
 
     def ensemble_problem(self, name: str) -> str | None:
-        """Why an ensemble cannot serve now (None: it can): it failed to load, it is not available, or a
-        stage of its steps has no replica serving, or none that serves the step's model (replicas of a stage
-        may serve different models)."""
+        """Why an ensemble cannot serve now (None: it can): it failed to load, it is not available, or the
+        stages of its steps do not serve it now (see `EnsembleStages.problem`)."""
         reason = self.failed.get(name) or self.unavailable.get(name)
         if reason is not None:
             return reason
-        steps = self.plans[name].steps
-        down = sorted({step.stage for step in steps if not self.clients[step.stage].replicas.healthy})
-        if down:
-            return f"no replica of stage(s) {', '.join(down)} is serving"
-        unserved = sorted(
-            {
-                f"'{step.model_name}' on stage '{step.stage}'"
-                for step in steps
-                if not self.clients[step.stage].replicas.serving(step.model_name)
-            }
-        )
-        if unserved:
-            return f"no replica that serves model(s) {', '.join(unserved)} is serving"
-        return None
+        return self.ensemble_stages.problem(self.plans[name])
 
     async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
         """The ensembles (UNAVAILABLE with the reason where they cannot serve now), then every stage's
@@ -504,9 +359,5 @@ class EnsembleAvailability:
         """What strict readiness waits for ("" when nothing)."""
         if self.unavailable or self.failed:
             return f"ensemble(s) {', '.join(sorted({*self.unavailable, *self.failed}))} not available"
-        down = [key for key, client in self.clients.items() if not client.replicas.healthy]
+        down = self.ensemble_stages.down()
         return f"stage(s) {', '.join(down)} down" if down else ""
-
-
-def _no_longer_served(gone: Iterable[str]) -> str:
-    return f"model(s) {', '.join(gone)} no longer served: not READY in the stage's RepositoryIndex"
