@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -99,9 +99,10 @@ def from_environment(group: type[BaseModel], name: str) -> tuple[bool, Any]:
 
 class ProcessSettings(BaseSettings):
     """Every setting of one process: the fields of its `groups`, in the order its flags are listed. Made
-    with keyword arguments (the flags given), else from the environment, else the fields' defaults."""
+    (`RouterSettings()`, ...) from the environment, else the fields' defaults; a variable that does not parse
+    raises `SettingError`, which names it."""
 
-    model_config = SettingsConfigDict(frozen=True, extra="ignore", arbitrary_types_allowed=True)
+    model_config = SettingsConfigDict(frozen=True)
     #: The groups of settings the process takes, in the order `--help` lists them.
     groups: ClassVar[tuple[type[BaseModel], ...]] = ()
 
@@ -126,33 +127,11 @@ class ProcessSettings(BaseSettings):
                 if found is not None:
                     yield name, found, field
 
-    @classmethod
-    def from_environment(cls) -> ProcessSettings:
-        """What the environment and the defaults say, no flag given; `SettingError` names a variable that
-        does not parse."""
-        try:
-            return cls()
-        except ValidationError as err:
-            problem = err.errors()[0]
-            (name,) = problem["loc"][:1] or ("?",)
-            found = option_of(cls.model_fields[str(name)]) if str(name) in cls.model_fields else None
-            where = found.env if found is not None and found.env else name
-            raise SettingError(f"{where}: {problem['msg']}") from None
-
-    @classmethod
-    def of(cls, args: argparse.Namespace) -> ProcessSettings:
-        """The settings of parsed flags (whose defaults already are the environment's)."""
-        return cls.model_validate(
-            {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)}
-        )
-
 
 def process_settings(name: str, groups: tuple[type[BaseModel], ...]) -> type[ProcessSettings]:
     """The settings model of one process: every field of `groups`, its flags listed in that order."""
-    model = type(
-        name, (ProcessSettings, *reversed(groups)), {"groups": groups, "__module__": groups[0].__module__}
-    )
-    return model
+    namespace = {"groups": groups, "__module__": groups[0].__module__}
+    return type(name, (ProcessSettings, *reversed(groups)), namespace)
 
 
 class _AppendOverDefault(argparse._AppendAction):
@@ -174,7 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser, settings: type[ProcessSetting
     """A flag for each of the settings' options, its default the environment's value, else the field's; a
     variable that does not parse stops with a usage error that names it."""
     try:
-        defaults = settings.from_environment()
+        defaults = settings()
     except SettingError as err:
         parser.error(str(err))
     for name, found, _ in settings.options():

@@ -35,16 +35,16 @@ def test_a_flag_wins_over_its_variable_which_wins_over_the_default(monkeypatch):
     assert python_service_parser("postprocess").parse_args([]).metrics_port == 8203
 
 
-def test_the_parsed_flags_make_the_typed_model(monkeypatch):
+def test_a_variable_is_read_as_its_flags_text_is(monkeypatch):
     monkeypatch.setenv("PIPELINE_TLS_IDENTITIES", "a, b")
     monkeypatch.setenv("PIPELINE_STRICT_READINESS", "false")
-    args = parse(settings.RouterSettings, ["--stage", "model=127.0.0.1:9", "--workers", "2"])
-    model = settings.RouterSettings.of(args)
-    assert model.model_dump()["tls_identities"] == frozenset({"a", "b"})
-    assert model.model_dump()["strict_readiness"] is False
-    assert model.model_dump()["stage"] == [("model", "127.0.0.1:9")]
-    assert model.model_dump()["workers"] == 2
-    assert model.model_dump() == settings.RouterSettings.of(args).model_dump()
+    monkeypatch.setenv("PIPELINE_ENSEMBLES", "here")
+    model = settings.RouterSettings().model_dump()
+    assert model["tls_identities"] == frozenset({"a", "b"}) and model["strict_readiness"] is False
+    assert model["ensembles"] == [Path("here")] and model["workers"] == 1
+    args = parse(settings.RouterSettings, ["--tls-identities", "c", "--ensembles", "x", "y"])
+    assert args.tls_identities == frozenset({"c"}) and args.ensembles == [Path("x"), Path("y")]
+    assert args.strict_readiness is False and args.stage is None
 
 
 def test_an_empty_variable_counts_as_unset(monkeypatch):
@@ -57,7 +57,7 @@ def test_an_empty_variable_counts_as_unset(monkeypatch):
 def test_a_variable_that_does_not_parse_is_named(monkeypatch, capsys):
     monkeypatch.setenv("PIPELINE_CACHE_SIZE", "lots")
     with pytest.raises(SettingError, match="PIPELINE_CACHE_SIZE='lots': expected a size in bytes"):
-        settings.RouterSettings.from_environment()
+        settings.RouterSettings()
     with pytest.raises(SystemExit) as exit:
         build_parser()
     assert exit.value.code == 2
