@@ -172,9 +172,6 @@ def process_of(argv: list[str], env: dict[str, str], workdir: str) -> Process | 
     if "engine_cache" in vars(namespace) and "engine_cache" not in writes:
         # Without one, the model service builds its engines into <model-dir>/.engines.
         writes["engine_cache"] = [str(PurePosixPath(reads["model_dir"][0], ".engines"))]
-    if vars(namespace).get("ensembles", []) is None and env.get("PIPELINE_ENSEMBLES"):
-        # The router reads the variable when it loads its catalog, not in its parser.
-        reads["ensembles"] = list(_paths("ensembles", Path(env["PIPELINE_ENSEMBLES"]), workdir))
     if env.get("PIPELINE_STAGE_TOKEN_FILE"):
         reads["PIPELINE_STAGE_TOKEN_FILE"] = [env["PIPELINE_STAGE_TOKEN_FILE"]]
     return Process(reads, writes)
