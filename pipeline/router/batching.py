@@ -86,6 +86,108 @@ class _KeyQueue(Generic[In, Out]):
         return found
 
 
+class _Queue(Generic[In, Out]):
+    """The requests waiting for a batch: a `_KeyQueue` per batching key, and how many requests they hold in
+    all."""
+
+    __slots__ = ("keys", "levels", "requests")
+
+    def __init__(self, levels: int) -> None:
+        self.keys: dict[Hashable, _KeyQueue[In, Out]] = {}
+        self.levels = levels
+        self.requests = 0
+
+    def add(self, pending: _Pending[In, Out]) -> None:
+        """Queue a request behind those of its key and priority."""
+        queue = self.keys.get(pending.key)
+        if queue is None:
+            queue = self.keys[pending.key] = _KeyQueue(self.levels)
+        queue.fifos[pending.priority].append(pending)
+        queue.items += pending.size
+        queue.requests += 1
+        self.requests += 1
+
+    def drop(self, pending: _Pending[In, Out]) -> None:
+        """Take a queued request out of the counts; its FIFO forgets it when it reaches the head."""
+        pending.state = _DROPPED
+        _cancel_timer(pending)
+        queue = self.keys[pending.key]
+        queue.items -= pending.size
+        queue.requests -= 1
+        self.requests -= 1
+
+    def clear(self) -> list[_Pending[In, Out]]:
+        """Empty the queue: the requests it held, each marked dropped."""
+        dropped = []
+        for queue in self.keys.values():
+            for fifo in queue.fifos:
+                for pending in fifo:
+                    if pending.state == _QUEUED:
+                        pending.state = _DROPPED
+                        _cancel_timer(pending)
+                        dropped.append(pending)
+        self.keys.clear()
+        self.requests = 0
+        return dropped
+
+    def by_first(self) -> list[tuple[tuple[int, int], float, _KeyQueue[In, Out]]]:
+        """Each key's queue with its first request's (priority, arrival) and its oldest head's enqueue time,
+        in the order of their first requests (highest priority, then oldest); a key left empty is forgotten.
+        The work is proportional to the number of keys, never to the length of the queue."""
+        candidates = []
+        for key, queue in list(self.keys.items()):
+            heads = queue.heads()
+            if not heads:
+                del self.keys[key]
+                continue
+            first = min(heads, key=lambda p: (p.priority, p.seq))
+            candidates.append(((first.priority, first.seq), min(p.enqueued for p in heads), queue))
+        candidates.sort(key=lambda c: c[0])
+        return candidates
+
+    def take(self, queue: _KeyQueue[In, Out], limit: int) -> list[_Pending[In, Out]]:
+        """Take requests of one key, highest priority first and in arrival order, up to `limit` items; a
+        request that does not fit is passed over (never split) and keeps its place."""
+        chosen: list[_Pending[In, Out]] = []
+        total = 0
+        for fifo in queue.fifos:
+            passed: list[_Pending[In, Out]] = []
+            # Look at most `limit` requests past the first that does not fit: the work stays bounded.
+            budget = limit
+            while fifo and total < limit and budget > 0:
+                pending = fifo.popleft()
+                if pending.state != _QUEUED:
+                    continue
+                if total + pending.size > limit:
+                    passed.append(pending)
+                    budget -= 1
+                    continue
+                chosen.append(pending)
+                total += pending.size
+            fifo.extendleft(reversed(passed))
+            if total >= limit:
+                break
+        if not chosen:  # a lone request larger than a preferred size: it goes alone
+            for fifo in queue.fifos:
+                while fifo and not chosen:
+                    pending = fifo.popleft()
+                    if pending.state == _QUEUED:
+                        chosen.append(pending)
+        for pending in chosen:
+            pending.state = _TAKEN
+            _cancel_timer(pending)
+            queue.items -= pending.size
+            queue.requests -= 1
+        self.requests -= len(chosen)
+        return chosen
+
+
+def _cancel_timer(pending: _Pending[In, Out]) -> None:
+    if pending.timer is not None:
+        pending.timer.cancel()
+        pending.timer = None
+
+
 @dataclass(slots=True)
 class QueueCounters:
     """Requests the batcher turned away or dropped before the stage saw them."""
@@ -125,9 +227,7 @@ class DynamicBatcher(Generic[In, Out]):
         self.config = config
         self._execute = execute
         self._clock = clock or Clock()
-        self._levels = max(1, config.priority_levels)
-        self._keys: dict[Hashable, _KeyQueue[In, Out]] = {}
-        self._queued = 0
+        self._waiting: _Queue[In, Out] = _Queue(max(1, config.priority_levels))
         #: Requests the router holds that will be submitted here (`expect`), not yet submitted.
         self._upcoming = 0
         self._seq = itertools.count()
@@ -149,23 +249,16 @@ class DynamicBatcher(Generic[In, Out]):
     async def aclose(self) -> None:
         """Stop scheduling; queued requests fail with UNAVAILABLE, batches in flight finish."""
         self._wakeups.close()
-        for queue in self._keys.values():
-            for fifo in queue.fifos:
-                for pending in fifo:
-                    if pending.state == _QUEUED:
-                        pending.state = _DROPPED
-                        self._cancel_timer(pending)
-                        if not pending.future.done():
-                            self.stats.request_failed(int((self._clock.now() - pending.enqueued) * 1e9))
-                            pending.future.set_exception(Unavailable(f"{self.name}: shutting down"))
-        self._keys.clear()
-        self._queued = 0
+        for pending in self._waiting.clear():
+            if not pending.future.done():
+                self.stats.request_failed(int((self._clock.now() - pending.enqueued) * 1e9))
+                pending.future.set_exception(Unavailable(f"{self.name}: shutting down"))
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
 
     @property
     def queue_depth(self) -> int:
-        return self._queued
+        return self._waiting.requests
 
     @property
     def inflight_batches(self) -> int:
@@ -231,17 +324,7 @@ class DynamicBatcher(Generic[In, Out]):
         config = self.config
         if expected:
             self._upcoming -= 1
-        if size > config.max_batch_size:
-            raise InvalidInput(
-                f"{self.name}: the request's batch size {size} exceeds max_batch_size {config.max_batch_size}"
-            )
-        if config.max_queue_size and self._queued >= config.max_queue_size:
-            self.counters.rejected_full += 1
-            self.stats.request_failed(0)
-            raise Unavailable(
-                f"{self.name} is saturated: {self._queued} requests queued (max_queue_size "
-                f"{config.max_queue_size}); retry later"
-            )
+        self._admit(size)
         if not self._wakeups.started:
             self.start()
         future: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
@@ -251,7 +334,7 @@ class DynamicBatcher(Generic[In, Out]):
             pending.span = span
         if (
             config.idle_dispatch
-            and not self._queued
+            and not self._waiting.requests
             and self._busy == 0
             and not (config.batch_upcoming and self._upcoming > 0)
             and not config.preserve_ordering
@@ -268,13 +351,7 @@ class DynamicBatcher(Generic[In, Out]):
             finally:
                 self._busy -= 1
                 self._wake()
-        queue = self._keys.get(key)
-        if queue is None:
-            queue = self._keys[key] = _KeyQueue(self._levels)
-        queue.fifos[priority].append(pending)
-        queue.items += size
-        queue.requests += 1
-        self._queued += 1
+        self._waiting.add(pending)
         if deadline is not None:
             pending.timer = self._clock.call_at(deadline, lambda: self._expire(pending))
         self._wake()
@@ -283,31 +360,31 @@ class DynamicBatcher(Generic[In, Out]):
         except asyncio.CancelledError:
             # The caller went away (the client cancelled): drop the request before the stage sees it.
             if pending.state == _QUEUED:
-                self._drop(pending)
+                self._waiting.drop(pending)
                 self.counters.dropped_cancelled += 1
             raise
 
-    def _drop(self, pending: _Pending[In, Out]) -> None:
-        """Take a queued request out of the counts; its FIFO forgets it when it reaches the head."""
-        pending.state = _DROPPED
-        self._cancel_timer(pending)
-        queue = self._keys[pending.key]
-        queue.items -= pending.size
-        queue.requests -= 1
-        self._queued -= 1
-
-    @staticmethod
-    def _cancel_timer(pending: _Pending[In, Out]) -> None:
-        if pending.timer is not None:
-            pending.timer.cancel()
-            pending.timer = None
+    def _admit(self, size: int) -> None:
+        """Refuse a request of more items than a batch holds, or one that the full queue has no room for."""
+        config = self.config
+        if size > config.max_batch_size:
+            raise InvalidInput(
+                f"{self.name}: the request's batch size {size} exceeds max_batch_size {config.max_batch_size}"
+            )
+        if config.max_queue_size and self._waiting.requests >= config.max_queue_size:
+            self.counters.rejected_full += 1
+            self.stats.request_failed(0)
+            raise Unavailable(
+                f"{self.name} is saturated: {self._waiting.requests} requests queued (max_queue_size "
+                f"{config.max_queue_size}); retry later"
+            )
 
     def _expire(self, pending: _Pending[In, Out]) -> None:
         """A queued request's deadline came: fail it now, wherever it is in its queue."""
         pending.timer = None
         if pending.state != _QUEUED:
             return
-        self._drop(pending)
+        self._waiting.drop(pending)
         self.counters.dropped_deadline += 1
         self.stats.request_failed(int((self._clock.now() - pending.enqueued) * 1e9))
         if not pending.future.done():
@@ -325,7 +402,7 @@ class DynamicBatcher(Generic[In, Out]):
         """Send every batch that should go now, and look again when the earliest waiting one is due."""
         now = self._clock.now()
         wake_at = None
-        while self._queued and self._busy < self.max_inflight:
+        while self._waiting.requests and self._busy < self.max_inflight:
             batch, wake_at = self._form(now)
             if batch is None:
                 break
@@ -342,71 +419,26 @@ class DynamicBatcher(Generic[In, Out]):
         config = self.config
         largest_preferred = max(config.preferred_batch_size, default=0)
         goal = largest_preferred or config.max_batch_size
-        candidates = []
-        for key, queue in list(self._keys.items()):
-            heads = queue.heads()
-            if not heads:
-                del self._keys[key]
-                continue
-            first = min(heads, key=lambda p: (p.priority, p.seq))
-            candidates.append(((first.priority, first.seq), min(p.enqueued for p in heads), queue))
-        candidates.sort(key=lambda c: c[0])
         wake_at = None
         # An idle stage (no batch in flight) sends at once (after the requests on their way, up to the
         # largest preferred size) and takes all that is queued, up to max_batch_size. While batches are in
         # flight, a partial batch waits for the largest preferred size or its delay, as in Triton.
         idle = config.idle_dispatch and self._busy == 0
-        for _, oldest, queue in candidates:
+        for _, oldest, queue in self._waiting.by_first():
             if queue.items >= config.max_batch_size:
-                return self._take(queue, config.max_batch_size), None
+                return self._waiting.take(queue, config.max_batch_size), None
             if largest_preferred and not idle and queue.items >= largest_preferred:
-                return self._take(queue, largest_preferred), None
+                return self._waiting.take(queue, largest_preferred), None
             due = oldest + config.max_delay
             # NOTE: the same expression decides and schedules, so a wake-up at that time always sends.
             if now >= due:
-                return self._take(queue, config.max_batch_size), None
+                return self._waiting.take(queue, config.max_batch_size), None
             if idle:
                 awaited = min(goal, queue.items + self._upcoming) if config.batch_upcoming else 0
                 if queue.items >= awaited:
-                    return self._take(queue, config.max_batch_size), None
+                    return self._waiting.take(queue, config.max_batch_size), None
             wake_at = due if wake_at is None else min(wake_at, due)
         return None, wake_at
-
-    def _take(self, queue: _KeyQueue[In, Out], limit: int) -> list[_Pending[In, Out]]:
-        """Take requests of one key, highest priority first and in arrival order, up to `limit` items; a
-        request that does not fit is passed over (never split) and keeps its place."""
-        chosen: list[_Pending[In, Out]] = []
-        total = 0
-        for fifo in queue.fifos:
-            passed: list[_Pending[In, Out]] = []
-            # Look at most `limit` requests past the first that does not fit: the work stays bounded.
-            budget = limit
-            while fifo and total < limit and budget > 0:
-                pending = fifo.popleft()
-                if pending.state != _QUEUED:
-                    continue
-                if total + pending.size > limit:
-                    passed.append(pending)
-                    budget -= 1
-                    continue
-                chosen.append(pending)
-                total += pending.size
-            fifo.extendleft(reversed(passed))
-            if total >= limit:
-                break
-        if not chosen:  # a lone request larger than a preferred size: it goes alone
-            for fifo in queue.fifos:
-                while fifo and not chosen:
-                    pending = fifo.popleft()
-                    if pending.state == _QUEUED:
-                        chosen.append(pending)
-        for pending in chosen:
-            pending.state = _TAKEN
-            self._cancel_timer(pending)
-            queue.items -= pending.size
-            queue.requests -= 1
-        self._queued -= len(chosen)
-        return chosen
 
     def _chain(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
         """The previous batch's completion to wait for (with preserve_ordering), and this batch's."""
@@ -434,7 +466,7 @@ class DynamicBatcher(Generic[In, Out]):
         done: asyncio.Future[None],
     ) -> None:
         size = sum(p.size for p in batch)
-        span = self._batch_span(batch, size) if self._telemetry is not None else None
+        span = _batch_span(self._telemetry, self.model, batch, size) if self._telemetry is not None else None
         started = time.perf_counter_ns()
         try:
             if span is None:
@@ -457,13 +489,7 @@ class DynamicBatcher(Generic[In, Out]):
         try:
             if previous is not None:
                 await asyncio.shield(previous)
-            for pending, result in zip(batch, results, strict=True):
-                if pending.future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    pending.future.set_exception(result)
-                else:
-                    pending.future.set_result(result)
+            _deliver(batch, results)
         finally:
             if not done.done():
                 done.set_result(None)
@@ -486,14 +512,26 @@ class DynamicBatcher(Generic[In, Out]):
         """A batch's execution (`ns` long, begun at `now`) and each request's outcome, counted."""
         _account(self.stats, self._metrics, self.model, batch, results, now, self._clock.now(), ns)
 
-    def _batch_span(self, batch: list[_Pending[In, Out]], size: int) -> Span | None:
-        """Start the batch's span (see `batch_spans`); None when no member is traced."""
-        members = [p.span for p in batch if p.span is not None]
-        if not members:
-            return None
-        tracer = self._telemetry.tracer  # type: ignore[union-attr]
-        assert tracer is not None
-        return batch_span(tracer, self.model, members, size, len(batch))
+
+def _batch_span(telemetry: Telemetry, model: str, batch: list[_Pending[In, Out]], size: int) -> Span | None:
+    """Start a batch's span (see `batch_spans`); None when no member is traced."""
+    members = [p.span for p in batch if p.span is not None]
+    if not members:
+        return None
+    tracer = telemetry.tracer
+    assert tracer is not None
+    return batch_span(tracer, model, members, size, len(batch))
+
+
+def _deliver(batch: Sequence[_Pending[In, Out]], results: Sequence[Out | BaseException]) -> None:
+    """Give each member of a batch its result, or its error, unless its caller has gone (cancelled)."""
+    for pending, result in zip(batch, results, strict=True):
+        if pending.future.done():
+            continue
+        if isinstance(result, BaseException):
+            pending.future.set_exception(result)
+        else:
+            pending.future.set_result(result)
 
 
 def _account(
