@@ -6,8 +6,9 @@ declares its flag, its `PIPELINE_*` variable, its help, its default and how its 
 value comes from its flag, else its variable, else the default. The variables are read when a command line is parsed (or a server starts), never at import,
 and an empty variable counts as unset (as `${VAR:-default}` does in the ensemble files and in Compose).
 
-The variables that no server flag sets (the tokens' lists, the stages' addresses, the clients' settings)
-are `Setting`s below.
+The variables that no server flag sets (the tokens' lists, the stages' addresses, the clients' settings),
+and the few that other code reads beside a flag, are `Setting`s below; both kinds are read alike
+(`pipeline.runtime.options.read_variable`).
 
 Variables that other tools define keep their own homes: OpenTelemetry's `OTEL_*` (read by its SDK and by
 `pipeline.runtime.telemetry`) and the ensemble files' own `${VAR}`s.
@@ -157,7 +158,10 @@ def stage_address(stage: str) -> Setting[str]:
     return Setting(f"{stage.upper()}_ADDRESS", f"127.0.0.1:{PORTS[stage]}", str)
 
 
-# --- the variables that no server flag sets ----------------------------------------------------------------
+# --- the variables read without a server's parser -----------------------------------------------------------
+# Those that no server flag sets, and those that other code reads too, whose flags' options name them here:
+# PIPELINE_MODEL_DIR (`pipeline quantize`), PIPELINE_RESOLVE_INTERVAL_S (the router's replicas), the token
+# files (the launcher).
 
 #: Clients reconnect after this long, and so look the server's name up again.
 MAX_CONNECTION_AGE_S = Setting("PIPELINE_MAX_CONNECTION_AGE_S", 30.0, float)
