@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 
 from pipeline.protocol.types import BatchingConfig
-from pipeline.router.batching import DynamicBatcher
+from pipeline.router.scheduling.batching import DynamicBatcher
 
 
 async def _measure(depth: int, requests: int, max_batch_size: int, deadline: bool) -> tuple[float, float]:

@@ -42,8 +42,8 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.protocol.codec import Tensor, response_tensors
 from pipeline.protocol.sequences import SequenceId, sequence_key, set_sequence
-from pipeline.router.replicas import rendezvous
-from pipeline.router.targets import Target
+from pipeline.router.stages.replicas import rendezvous
+from pipeline.router.stages.targets import Target
 
 MODEL = "textgen_state"
 CORPUS = Path(__file__).resolve().parent.parent / "examples" / "models" / "textgen_corpus.txt"

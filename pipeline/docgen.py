@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.runtime.options import ProcessSettings
+    from pipeline.runtime.settings_cli import ProcessSettings
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "reference"

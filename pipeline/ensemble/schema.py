@@ -37,7 +37,7 @@ _ENV_REFERENCE = re.compile(r"\$\{([^}]*)\}?")
 _ENV_BODY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?", re.DOTALL)
 _HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+(?:%[\w.-]+)?\]|[A-Za-z0-9_.-]+):(\d{1,5})")
 # gRPC target schemes that have no `host:port` form, passed through as they are; and `file:`, a file of
-# replica addresses the router reads again and again (`pipeline.router.targets`).
+# replica addresses the router reads again and again (`pipeline.router.stages.targets`).
 _GRPC_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:", "file:")
 
 
@@ -80,7 +80,7 @@ _BATCHING = BatchingConfig()
 
 
 class DynamicBatchingConfig(_Schema):
-    """Triton's `dynamic_batching` for a stage model, as written in YAML (see `pipeline.router.batching`);
+    """Triton's `dynamic_batching` for a stage model, as written in YAML (see `pipeline.router.scheduling.batching`);
     each knob's meaning and default are `BatchingConfig`'s. A model's batching is the model's: its
     `config.pbtxt` declares it, and an ensemble may state it only for a model whose config sets none (every
     ensemble that calls the model then shares it; two that state it differently disagree)."""

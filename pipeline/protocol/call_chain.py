@@ -16,7 +16,7 @@ as the deepest (`CallChain.merged`).
 A chain may also name its `origin`: the router's id of the request whose model makes the calls, which the
 router puts on every request it forwards to a stage model. The router then knows which of the requests it
 holds a call comes from, so that a batched model that such requests call may wait for the calls on their
-way (`pipeline.router.callees`).
+way (`pipeline.router.scheduling.callees`).
 """
 
 from __future__ import annotations

@@ -20,16 +20,15 @@ from grpc_health.v1 import health, health_pb2
 from pipeline.ensemble.catalog import load_catalog, sources_digest
 from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ConfigError
-from pipeline.router.codec_pool import CodecPool
-from pipeline.router.http import RestFrontDoor, RestServer
+from pipeline.router.frontdoor.codec_pool import CodecPool
+from pipeline.router.frontdoor.http import RestFrontDoor, RestServer
 from pipeline.router.router_plane import RouterPlane
-from pipeline.router.targets import Resolve
+from pipeline.router.stages.targets import Resolve
 from pipeline.router.workers import WorkerPeers, run_workers
 from pipeline.runtime import settings
 from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_control import explicit_mode
-from pipeline.runtime.options import add_arguments
 from pipeline.runtime.security import (
     AccessPolicy,
     SecurityConfigError,
@@ -49,6 +48,7 @@ from pipeline.runtime.server import (
     write_port,
 )
 from pipeline.runtime.servicer import InferenceServicer
+from pipeline.runtime.settings_cli import add_arguments
 from pipeline.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import ModelSignature
 from pipeline.protocol.codec import Tensor, select_version
 from pipeline.protocol.errors import ModelNotFound, echo
-from pipeline.router.batching import DynamicBatcher
-from pipeline.router.merge import StageCall, TensorBatching
+from pipeline.router.scheduling.batching import DynamicBatcher
+from pipeline.router.scheduling.merge import StageCall, TensorBatching
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_statistics import ModelStats
 

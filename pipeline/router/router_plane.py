@@ -1,13 +1,13 @@
 """The router's data plane: serves every ensemble as a model, and the stage models behind them.
 
 `RouterPlane` answers the protocol by delegating: the stages behind it and which of them serves each model
-are `pipeline.router.discovery`'s, which ensembles can be served and the router's readiness
-`pipeline.router.availability`'s; what is known of each model (signatures, batchers,
+are `pipeline.router.stages.discovery`'s, which ensembles can be served and the router's readiness
+`pipeline.router.execution.availability`'s; what is known of each model (signatures, batchers,
 statistics) is the `pipeline.router.registry`'s; ensembles run on the DAG executor
-(`pipeline.router.executor`) and stage models are called through `pipeline.router.calls`, batched or
-forwarded; the response cache's policy is `pipeline.router.cache_policy`'s. An ensemble with a decoupled step,
+(`pipeline.router.execution.executor`) and stage models are called through `pipeline.router.scheduling.calls`, batched or
+forwarded; the response cache's policy is `pipeline.router.caching.cache_policy`'s. An ensemble with a decoupled step,
 and a decoupled stage model, answer on streams only, with many responses per request
-(`pipeline.router.streaming`). As Triton does for an ensemble's
+(`pipeline.router.execution.streaming`). As Triton does for an ensemble's
 composing models, the stage models named in steps are served here too, by forwarding to their stage. The
 process around it is `pipeline.router.main`.
 """
@@ -27,16 +27,16 @@ from pipeline.ensemble.plan import Catalog, EnsemblePlan
 from pipeline.protocol.codec import metadata_response, select_version
 from pipeline.protocol.errors import InvalidInput, ModelNotFound, Unavailable, Unimplemented
 from pipeline.protocol.streams import DECOUPLED_UNARY
-from pipeline.router.availability import EnsembleAvailability
-from pipeline.router.cache_policy import ResponseCaching
-from pipeline.router.calls import StageCalls
-from pipeline.router.discovery import StageDiscovery
-from pipeline.router.executor import Executor
-from pipeline.router.fleet import FleetControl
+from pipeline.router.caching.cache_policy import ResponseCaching
+from pipeline.router.execution.availability import EnsembleAvailability
+from pipeline.router.execution.executor import Executor
+from pipeline.router.execution.streaming import EnsembleStreams
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
-from pipeline.router.stage_client import StageClient
-from pipeline.router.streaming import EnsembleStreams
-from pipeline.router.targets import Resolve
+from pipeline.router.scheduling.calls import StageCalls
+from pipeline.router.stages.discovery import StageDiscovery
+from pipeline.router.stages.fleet import FleetControl
+from pipeline.router.stages.stage_client import StageClient
+from pipeline.router.stages.targets import Resolve
 from pipeline.router.workers import WorkerPeers, merge_statistics
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_statistics import ModelStats
@@ -78,7 +78,7 @@ class RouterPlane(DataPlane):
         default), else once started. `exit_on_error`: an ensemble that fails its checks at start-up raises
         `ConfigError` (Triton's `--exit-on-error`, its default), else it is UNAVAILABLE with the reason and
         the others serve. `model_control` (explicit model-control mode) or `admin_configured` allow
-        `RepositoryModelLoad`/`Unload` across the stages' replicas (`pipeline.router.fleet`)."""
+        `RepositoryModelLoad`/`Unload` across the stages' replicas (`pipeline.router.stages.fleet`)."""
         self.telemetry = telemetry = telemetry or Telemetry()
         self.metrics = metrics = metrics or Metrics()
         self.max_inflight_requests = max_inflight_requests
@@ -265,7 +265,7 @@ class RouterPlane(DataPlane):
     async def stream(
         self, request: pb.ModelInferRequest, call: CallContext
     ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
-        """The responses to one request for a decoupled ensemble (`pipeline.router.streaming`) or a decoupled
+        """The responses to one request for a decoupled ensemble (`pipeline.router.execution.streaming`) or a decoupled
         stage model (forwarded to its stage), in order, the last marked final."""
         plan = self._ensemble(request.model_name, request.model_version)
         if plan is not None:
@@ -331,11 +331,11 @@ class RouterPlane(DataPlane):
         return await self.ensembles.repository_index(ready_only)
 
     async def repository_load(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
-        """Load a stage model on every replica of its stage, or on none (`pipeline.router.fleet`)."""
+        """Load a stage model on every replica of its stage, or on none (`pipeline.router.stages.fleet`)."""
         await self.fleet.load(name, parameters, call)
 
     async def repository_unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
-        """Unload a stage model from every replica of its stage, or from none (`pipeline.router.fleet`)."""
+        """Unload a stage model from every replica of its stage, or from none (`pipeline.router.stages.fleet`)."""
         await self.fleet.unload(name, parameters, call)
 
 

@@ -260,7 +260,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         """One inference through the plane: the request's server span (continuing the caller's trace)
-        and its count and latency. Every front door (gRPC here, HTTP in `pipeline.router.http`) infers through
+        and its count and latency. Every front door (gRPC here, HTTP in `pipeline.router.frontdoor.http`) infers through
         this one path."""
         model = request.model_name
         started = time.perf_counter()

@@ -2,13 +2,13 @@
 `stage_settings(service)`, `ModelServiceSettings`; `pipeline run`'s is `pipeline.tools.launcher_settings`),
 made of groups that the processes share (`Limits`, `Shutdown`, `Security`, `Logging`, ...). Each field
 declares its flag, its `PIPELINE_*` variable, its help, its default and how its text is read
-(`pipeline.runtime.options.Option`); the command lines are built from the models (`add_arguments`), so a
+(`pipeline.runtime.settings_cli.Option`); the command lines are built from the models (`add_arguments`), so a
 value comes from its flag, else its variable, else the default. The variables are read when a command line is parsed (or a server starts), never at import,
 and an empty variable counts as unset (as `${VAR:-default}` does in the ensemble files and in Compose).
 
 The variables that no server flag sets (the tokens' lists, the stages' addresses, the clients' settings),
 and the few that other code reads beside a flag, are `Setting`s below; both kinds are read alike
-(`pipeline.runtime.options.read_variable`).
+(`pipeline.runtime.settings_cli.read_variable`).
 
 Variables that other tools define keep their own homes: OpenTelemetry's `OTEL_*` (read by its SDK and by
 `pipeline.runtime.telemetry`) and the ensemble files' own `${VAR}`s.
@@ -25,7 +25,7 @@ from typing import Annotated, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from pipeline.runtime.options import (
+from pipeline.runtime.settings_cli import (
     Option,
     ProcessSettings,
     option,
@@ -40,7 +40,7 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class Setting(Generic[T]):
     """One environment variable that no server flag sets: its name, its default, and how its text becomes a
-    value (read as the settings models' variables are: `pipeline.runtime.options.read_variable`)."""
+    value (read as the settings models' variables are: `pipeline.runtime.settings_cli.read_variable`)."""
 
     variable: str
     default: T
@@ -615,7 +615,7 @@ def http_port_option(help: str) -> Option:
 
 
 class Http(BaseModel):
-    """The router's HTTP/REST side (`pipeline.router.http`)."""
+    """The router's HTTP/REST side (`pipeline.router.frontdoor.http`)."""
 
     http_port: Annotated[
         int | None,

@@ -17,7 +17,6 @@ from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
 from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.options import add_arguments
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.security import (
     AccessPolicy,
@@ -36,6 +35,7 @@ from pipeline.runtime.server import (
     write_port,
 )
 from pipeline.runtime.servicer import InferenceServicer
+from pipeline.runtime.settings_cli import add_arguments
 from pipeline.runtime.telemetry import Telemetry
 from pipeline.stage.api import Stage
 from pipeline.stage.control import model_control_of

@@ -26,8 +26,8 @@ import grpc
 from pipeline.ensemble.catalog import load_sources
 from pipeline.ensemble.plan import EnsemblePlan
 from pipeline.runtime import settings
-from pipeline.runtime.options import add_arguments, from_environment
 from pipeline.runtime.security import channel_credentials
+from pipeline.runtime.settings_cli import add_arguments, from_environment
 from pipeline.tools.autoscaler import (
     RESOLVE_INTERVAL_S,
     LocalAutoscaler,

@@ -9,7 +9,6 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, create_model
 
-from pipeline.runtime.options import option, process_settings
 from pipeline.runtime.settings import (
     MODEL_DIR,
     PORTS,
@@ -19,6 +18,7 @@ from pipeline.runtime.settings import (
     port_or_off,
     positive_int,
 )
+from pipeline.runtime.settings_cli import option, process_settings
 from pipeline.tools.autoscaler import autoscale_bounds
 from pipeline.tools.scaling import COOLDOWN_S, INFLIGHT_PER_REPLICA, QUEUE_SECONDS_TARGET
 from pipeline.tools.supervisor import RestartPolicy

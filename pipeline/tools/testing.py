@@ -21,7 +21,7 @@ from pipeline.stage.service import serve_stages
 
 if TYPE_CHECKING:
     from pipeline.ensemble.plan import Catalog
-    from pipeline.router.targets import Resolve
+    from pipeline.router.stages.targets import Resolve
     from pipeline.runtime.metrics import Metrics
     from pipeline.runtime.repository import ModelRepository
     from pipeline.runtime.telemetry import Telemetry

@@ -8,5 +8,5 @@ transport that server offers, chosen there and nowhere else. Behind it:
 The first two share `matched`: requests and their responses matched by `id`, failing as a unary call would.
 
 The router calls its stages' replicas through it (which replica is the router's business:
-`pipeline.router.replicas`), and the stages send their models' calls (BLS) to the router through it. It
+`pipeline.router.stages.replicas`), and the stages send their models' calls (BLS) to the router through it. It
 knows neither the router nor the stage runtime."""

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.runtime import settings
-from pipeline.runtime.options import add_arguments
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.server import prepare_process
+from pipeline.runtime.settings_cli import add_arguments
 from pipeline.stage.placement import MODEL_SERVICE, model_service_models, python_models_of
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.stage.service import repository_models, run_stage_service

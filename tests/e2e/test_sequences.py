@@ -13,7 +13,7 @@ import pytest
 
 from bench.sequences import MODEL, chunks, matches, reference, replica_statistics, run_sequences, wait_model
 from pipeline.protocol.sequences import SequenceId, sequence_key
-from pipeline.router.replicas import rendezvous
+from pipeline.router.stages.replicas import rendezvous
 from tests.e2e.conftest import start_service, wait_serving
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ import numpy as np
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.targets import Target, tls_name
+from pipeline.router.stages.targets import Target, tls_name
 from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving

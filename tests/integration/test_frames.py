@@ -17,7 +17,7 @@ from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.frames import port_of
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.stage_client import item_errors
+from pipeline.router.stages.stage_client import item_errors
 from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from pipeline.transport.frame_client import FrameConnection

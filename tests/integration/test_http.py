@@ -577,7 +577,7 @@ async def test_https_with_the_routers_certificate_and_mutual_tls(certs, tmp_path
 def test_the_error_table_covers_every_status():
     import grpc
 
-    from pipeline.router.http import HTTP_STATUS
+    from pipeline.router.frontdoor.http import HTTP_STATUS
 
     assert set(HTTP_STATUS) == set(grpc.StatusCode)
     assert HTTP_STATUS[grpc.StatusCode.INTERNAL] == 500 and HTTP_STATUS[grpc.StatusCode.NOT_FOUND] == 404

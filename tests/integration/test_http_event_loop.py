@@ -21,7 +21,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.errors import Unavailable
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.codec_pool import WORKER_NAME, CodecPool
+from pipeline.router.frontdoor.codec_pool import WORKER_NAME, CodecPool
 from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, wait_serving

@@ -16,7 +16,7 @@ from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import InvalidInput, ItemError, Unavailable
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.stage_client import item_errors
+from pipeline.router.stages.stage_client import item_errors
 from pipeline.runtime.metrics import Metrics
 from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages

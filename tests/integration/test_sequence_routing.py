@@ -17,7 +17,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.cli import build_parser
 from pipeline.ensemble.catalog import load_catalog, load_ensembles
 from pipeline.protocol.codec import response_tensors
-from pipeline.router.replicas import rendezvous
+from pipeline.router.stages.replicas import rendezvous
 from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages

@@ -14,7 +14,7 @@ from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import Unavailable
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.stage_client import item_errors, not_started
+from pipeline.router.stages.stage_client import item_errors, not_started
 from pipeline.runtime.servicer import CallContext
 from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_stages

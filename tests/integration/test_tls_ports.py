@@ -20,8 +20,8 @@ from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.frames import port_of
-from pipeline.router.replicas import Replicas
-from pipeline.router.retry import StageRetry
+from pipeline.router.stages.replicas import Replicas
+from pipeline.router.stages.retry import StageRetry
 from pipeline.runtime.security import AccessPolicy, Scope, certificate_names, client_tls
 from pipeline.tools.client import InferenceClient
 from pipeline.tools.testing import serving_router, serving_stages

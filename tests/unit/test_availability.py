@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from pipeline.ensemble.catalog import load_catalog
-from pipeline.router.availability import EnsembleAvailability
+from pipeline.router.execution.availability import EnsembleAvailability
 from pipeline.router.registry import ModelRegistry
 
 CHAIN = """

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
 from pipeline.protocol.types import BatchingConfig
-from pipeline.router.batching import DynamicBatcher
-from pipeline.router.clock import ManualClock
+from pipeline.router.scheduling.batching import DynamicBatcher
+from pipeline.router.scheduling.clock import ManualClock
 
 
 class Stage:

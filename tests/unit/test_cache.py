@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import DeadlineExceeded
-from pipeline.router.cache import ENTRY_OVERHEAD, ResponseCache, request_key
+from pipeline.router.caching.response_cache import ENTRY_OVERHEAD, ResponseCache, request_key
 from tests.conftest import request_for
 
 V1 = (("m", "1"),)

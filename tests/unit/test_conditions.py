@@ -20,7 +20,7 @@ from pipeline.ensemble.signatures import check_signatures
 from pipeline.protocol.codec import Tensor
 from pipeline.protocol.errors import ConfigError, InvalidInput
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.branches import condition_value
+from pipeline.router.execution.branches import condition_value
 
 REPO = Path(__file__).resolve().parents[2]
 

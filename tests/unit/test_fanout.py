@@ -8,7 +8,7 @@ import pytest
 from pipeline.protocol.codec import Tensor
 from pipeline.protocol.errors import InvalidInput, StageError
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.fanout import gather, split
+from pipeline.router.execution.fanout import gather, split
 
 
 def test_elements_split_and_gather_back_in_order() -> None:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pipeline.ensemble.plan import ModelSignature
 from pipeline.protocol.codec import Tensor
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.merge import StageCall, TensorBatching
+from pipeline.router.scheduling.merge import StageCall, TensorBatching
 
 RAGGED = ModelSignature(
     "m",

@@ -10,7 +10,7 @@ import pytest
 from pipeline.ensemble.plan import Catalog, EnsemblePlan, PlanStep, StageEndpoint
 from pipeline.protocol.errors import InvalidInput
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.executor import _first_error
+from pipeline.router.execution.executor import _first_error
 
 
 def _plan(name: str, models: dict[str, str]) -> EnsemblePlan:

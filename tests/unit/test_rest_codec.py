@@ -10,7 +10,7 @@ import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import InvalidInput
-from pipeline.router.rest_codec import (
+from pipeline.router.frontdoor.rest_codec import (
     BodyTooLarge,
     JsonTooLarge,
     OutputForm,

@@ -13,7 +13,7 @@ from google.protobuf import text_format
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.sequences import SequenceId
-from pipeline.router.replicas import rendezvous
+from pipeline.router.stages.replicas import rendezvous
 from pipeline.stage.api import NO_DEADLINE
 from pipeline.stage.sequence_batcher import Row, SequenceBatcher, split_rows
 from pipeline.stage.sequence_config import SequenceSettings

@@ -9,7 +9,7 @@ import pytest
 from pipeline import docgen
 from pipeline.cli import build_parser
 from pipeline.runtime import settings
-from pipeline.runtime.options import ProcessSettings, SettingError, add_arguments
+from pipeline.runtime.settings_cli import ProcessSettings, SettingError, add_arguments
 from pipeline.stage.service import python_service_parser
 from pipeline.tools.launcher_settings import LauncherSettings
 from pipeline.tools.supervisor import RestartPolicy

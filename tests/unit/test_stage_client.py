@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.router.replicas import DOWN, SERVING, Replicas
-from pipeline.router.retry import RetryBudget, StageRetry
-from pipeline.router.targets import Target, resolve_dns, tls_name
+from pipeline.router.stages.replicas import DOWN, SERVING, Replicas
+from pipeline.router.stages.retry import RetryBudget, StageRetry
+from pipeline.router.stages.targets import Target, resolve_dns, tls_name
 
 
 @pytest.mark.parametrize(

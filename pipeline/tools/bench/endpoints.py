@@ -22,7 +22,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.streams import status_of
-from pipeline.router.rest_codec import HEADER_LENGTH
+from pipeline.router.frontdoor.rest_codec import HEADER_LENGTH
 from pipeline.runtime.security import ClientTls
 from pipeline.runtime.server import server_options
 

@@ -3,8 +3,8 @@
 Each step runs as soon as the tensors it consumes exist, so independent steps run concurrently (fan-out)
 and a step that consumes several steps' outputs waits for all of them (fan-in). Tensors move between
 stages as raw bytes; the router never decodes elements. The client's deadline and metadata go with every
-stage call. Each step's stage call, batched or not, goes through `pipeline.router.calls`; in an ensemble
-with conditions, whether a request takes a step is `pipeline.router.branches`'s to say.
+stage call. Each step's stage call, batched or not, goes through `pipeline.router.scheduling.calls`; in an ensemble
+with conditions, whether a request takes a step is `pipeline.router.execution.branches`'s to say.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from pipeline.protocol.errors import (
 )
 from pipeline.protocol.sequences import copy_sequence
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.batching import DynamicBatcher
-from pipeline.router.branches import Branches, skip_reason
-from pipeline.router.calls import StageCalls
-from pipeline.router.fanout import gather, split
-from pipeline.router.merge import StageCall
+from pipeline.router.execution.branches import Branches, skip_reason
+from pipeline.router.execution.fanout import gather, split
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
-from pipeline.router.stage_client import StageClient
+from pipeline.router.scheduling.batching import DynamicBatcher
+from pipeline.router.scheduling.calls import StageCalls
+from pipeline.router.scheduling.merge import StageCall
+from pipeline.router.stages.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.servicer import CallContext
 from pipeline.runtime.telemetry import MODEL, STEP, Telemetry
@@ -185,7 +185,7 @@ class Executor:
         if finished is not None:
             finished[step.index].set()
 
-    #: Why a request skips a step (see `pipeline.router.branches`); the streams ask it too.
+    #: Why a request skips a step (see `pipeline.router.execution.branches`); the streams ask it too.
     skip_reason = staticmethod(skip_reason)
 
     async def call_step(

@@ -5,7 +5,7 @@ At start-up the router waits for its stages to be SERVING (one that is up and st
 loads; one that cannot be reached, `SETTLE_S`). A step that names no stage gets the first declared stage
 whose `RepositoryIndex` lists its model as READY, and every step's model its signature, learnt from its
 stage, against which the ensemble is checked. A model its stage's `RepositoryIndex` listed as READY and lists
-no more was unloaded. Which ensembles are available, from all this, is `pipeline.router.availability`'s.
+no more was unloaded. Which ensembles are available, from all this, is `pipeline.router.execution.availability`'s.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import replace
 from pipeline.ensemble.plan import EnsemblePlan
 from pipeline.ensemble.signatures import check_signatures
 from pipeline.protocol.errors import ConfigError, PipelineError
-from pipeline.router.discovery import StageDiscovery
 from pipeline.router.registry import ModelRegistry
-from pipeline.router.replicas import NOT_SERVING
-from pipeline.router.stage_client import StageClient
+from pipeline.router.stages.discovery import StageDiscovery
+from pipeline.router.stages.replicas import NOT_SERVING
+from pipeline.router.stages.stage_client import StageClient
 from pipeline.runtime.model_statistics import ModelStats
 
 #: How long the router waits at start-up for a stage it cannot reach before it serves what the others serve.

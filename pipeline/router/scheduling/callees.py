@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.protocol.call_chain import CallChain
-from pipeline.router.batching import DynamicBatcher
+from pipeline.router.scheduling.batching import DynamicBatcher
 
 
 @dataclass(slots=True)

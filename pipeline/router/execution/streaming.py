@@ -1,7 +1,7 @@
 """Ensembles with a decoupled step: every response of that step runs the steps after it and reaches the
 client as a response of its own.
 
-The steps the decoupled step does not feed run once, before it, as in `pipeline.router.executor`. Its
+The steps the decoupled step does not feed run once, before it, as in `pipeline.router.execution.executor`. Its
 responses then come from its stage in order (`StageClient.stream`: a call of their own per request, with
 its own flow control), and each runs the steps downstream of it on the values it carries, through their
 ordinary batchers, so the responses of many concurrent streams share a downstream step's batches. The
@@ -35,7 +35,7 @@ from pipeline.protocol.codec import (
 )
 from pipeline.protocol.errors import DeadlineExceeded, PipelineError
 from pipeline.protocol.streams import error_response, is_final, set_final, status_of
-from pipeline.router.executor import Executor
+from pipeline.router.execution.executor import Executor
 from pipeline.router.registry import ENSEMBLE_VERSION
 from pipeline.runtime.model_statistics import ModelStats
 from pipeline.runtime.servicer import CallContext, rpc_status_of

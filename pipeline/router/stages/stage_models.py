@@ -22,8 +22,8 @@ from pipeline.protocol.errors import StageError, Unavailable
 from pipeline.protocol.model_config import batching_of_config, is_deterministic, pad_values
 
 if TYPE_CHECKING:
-    from pipeline.router.replicas import Replica
-    from pipeline.router.stage_client import StageClient
+    from pipeline.router.stages.replicas import Replica
+    from pipeline.router.stages.stage_client import StageClient
 
 log = logging.getLogger(__name__)
 

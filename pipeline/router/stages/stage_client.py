@@ -1,8 +1,8 @@
 """The router's client of one stage service: its calls, their retries and the mapping of their errors.
 
 A stage is any server that speaks the Open Inference Protocol. Its replicas, their channels and health,
-and the choice of one for each call are `pipeline.router.replicas`; which calls are sent again, and how
-many, `pipeline.router.retry`. Its failures become the router's errors
+and the choice of one for each call are `pipeline.router.stages.replicas`; which calls are sent again, and how
+many, `pipeline.router.stages.retry`. Its failures become the router's errors
 (`Unavailable` naming the stage and its address, `DeadlineExceeded`, `StageError` with the stage's code),
 and a call that finds a replica gone is retried on another within the request's deadline.
 """
@@ -30,11 +30,11 @@ from pipeline.protocol.errors import (
     Unavailable,
 )
 from pipeline.protocol.sequences import SEQUENCE_ID, SequenceId, sequence_of
-from pipeline.router import stage_models
-from pipeline.router.replicas import DOWN, SERVING, Replica, Replicas
-from pipeline.router.retry import RetryBudget, StageRetry
-from pipeline.router.sequence_placement import SequencePlacement, not_known
-from pipeline.router.targets import Resolve
+from pipeline.router.stages import stage_models
+from pipeline.router.stages.replicas import DOWN, SERVING, Replica, Replicas
+from pipeline.router.stages.retry import RetryBudget, StageRetry
+from pipeline.router.stages.sequence_placement import SequencePlacement, not_known
+from pipeline.router.stages.targets import Resolve
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.security import ClientTls, bearer_metadata
 from pipeline.transport.grpc_stream import StreamBroken
@@ -89,7 +89,7 @@ def model_of(request: object) -> tuple[str, str]:
 
 
 class StageClient:
-    """One stage endpoint: its replicas (`pipeline.router.replicas`: a channel each, load-aware picking),
+    """One stage endpoint: its replicas (`pipeline.router.stages.replicas`: a channel each, load-aware picking),
     one bounded retry layer, and the mapping of its failures to router errors."""
 
     def __init__(
@@ -128,7 +128,7 @@ class StageClient:
         self._slots = InflightSlots(endpoint, limit) if limit > 0 else None
         #: Where each sequence of late went (`_call_sequence`).
         self._sequences = SequencePlacement(endpoint.name)
-        #: Model -> the version its calls that name none are routed by (`pipeline.router.fleet`: the version
+        #: Model -> the version its calls that name none are routed by (`pipeline.router.stages.fleet`: the version
         #: the whole fleet serves, while a load is under way or a replica not yet in line serves another).
         self.fleet_versions: Mapping[str, str] = {}
 
@@ -391,11 +391,11 @@ class StageClient:
     async def replica_index(
         self, replica: Replica, *, ready_only: bool
     ) -> list[pb.RepositoryIndexResponse.ModelIndex] | None:
-        """One replica's `RepositoryIndex` (`pipeline.router.stage_models.replica_index`)."""
+        """One replica's `RepositoryIndex` (`pipeline.router.stages.stage_models.replica_index`)."""
         return await stage_models.replica_index(self, replica, ready_only=ready_only)
 
     async def signature(self, model: str) -> ModelSignature:
-        """A model's interface (`pipeline.router.stage_models.model_signature`)."""
+        """A model's interface (`pipeline.router.stages.stage_models.model_signature`)."""
         return await stage_models.model_signature(self, model)
 
     def start(self) -> None:

@@ -16,7 +16,7 @@ import grpc
 
 from pipeline.protocol.errors import StageError, Unavailable
 from pipeline.protocol.sequences import SequenceId, sequence_key
-from pipeline.router.replicas import SERVING, UNKNOWN, Replica, Replicas
+from pipeline.router.stages.replicas import SERVING, UNKNOWN, Replica, Replicas
 
 #: Sequences whose replica a client remembers (the oldest forgotten first).
 PLACED_LIMIT = 65536

@@ -4,7 +4,7 @@ An unbatched call (`StageCalls.call`) sends one request to the stage as it is, a
 statistics (one execution, taking the request whole), its span, the compute-duration and batch-size
 metrics, and the version that answered. Both the calls of ensemble steps and the clients' requests for a
 stage model take that one path. A stage model with a batcher gets its calls queued and merged into one
-`ModelInfer` per batch, split back by offsets (`pipeline.router.merge`); an item the stage refuses fails
+`ModelInfer` per batch, split back by offsets (`pipeline.router.scheduling.merge`); an item the stage refuses fails
 only the request that carried it.
 """
 
@@ -36,12 +36,12 @@ from pipeline.protocol.codec import (
 )
 from pipeline.protocol.errors import ConfigError, DeadlineExceeded, InvalidInput, ItemError, StageError
 from pipeline.protocol.types import BatchingConfig
-from pipeline.router.batching import DynamicBatcher
-from pipeline.router.cache_policy import ResponseCaching
-from pipeline.router.callees import Callees
-from pipeline.router.merge import StageCall, TensorBatching
+from pipeline.router.caching.cache_policy import ResponseCaching
 from pipeline.router.registry import ModelRegistry, batch_items
-from pipeline.router.stage_client import StageClient
+from pipeline.router.scheduling.batching import DynamicBatcher
+from pipeline.router.scheduling.callees import Callees
+from pipeline.router.scheduling.merge import StageCall, TensorBatching
+from pipeline.router.stages.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import CONFIG_FILE
 from pipeline.runtime.servicer import CallContext
@@ -82,7 +82,7 @@ class StageCalls:
         stats = self.registry.stats.get(model)
         first = request.inputs[0].shape if request.inputs else ()
         items = batch_items(self.registry.signatures.get(model), first)
-        # The calls the model makes come back with the request's origin (`pipeline.router.callees`).
+        # The calls the model makes come back with the request's origin (`pipeline.router.scheduling.callees`).
         origin = self.callees.begin(model)
         chain = CallChain.of(metadata) or ROOT
         metadata = [

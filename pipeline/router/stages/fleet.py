@@ -51,10 +51,10 @@ from pipeline.protocol.errors import (
     Unavailable,
     echo,
 )
-from pipeline.router.availability import EnsembleAvailability
-from pipeline.router.discovery import StageDiscovery, ready_of
-from pipeline.router.replicas import DOWN, SERVING, Replica
-from pipeline.router.stage_client import StageClient
+from pipeline.router.execution.availability import EnsembleAvailability
+from pipeline.router.stages.discovery import StageDiscovery, ready_of
+from pipeline.router.stages.replicas import DOWN, SERVING, Replica
+from pipeline.router.stages.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_control import check_control_enabled
 from pipeline.runtime.servicer import CallContext

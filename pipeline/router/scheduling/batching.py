@@ -13,8 +13,8 @@ or exception per request, so one bad item fails only its own request.
 
 Tracing: a request may bring its span (the router's step span). A batch then gets one span, a child of its
 first member's span and linked to every member's span, current while `execute` runs (so the stage call
-carries its context); each member's span gets the batch's size (`pipeline.router.batch_spans`). Time is read
-from a `pipeline.router.clock.Clock`, which tests replace.
+carries its context); each member's span gets the batch's size (`pipeline.router.scheduling.batch_spans`). Time is read
+from a `pipeline.router.scheduling.clock.Clock`, which tests replace.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from opentelemetry.trace import Span
 
 from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
 from pipeline.protocol.types import BatchingConfig
-from pipeline.router.batch_spans import batch_span
-from pipeline.router.clock import Clock, Timer, Wakeups
+from pipeline.router.scheduling.batch_spans import batch_span
+from pipeline.router.scheduling.clock import Clock, Timer, Wakeups
 from pipeline.runtime.model_statistics import ModelStats
 from pipeline.runtime.spans import Current
 

@@ -21,8 +21,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.router.retry import StageRetry
-from pipeline.router.targets import Resolve, Target, read_addresses, resolve_dns, tls_name
+from pipeline.router.stages.retry import StageRetry
+from pipeline.router.stages.targets import Resolve, Target, read_addresses, resolve_dns, tls_name
 from pipeline.runtime import settings
 from pipeline.runtime.security import ClientTls
 from pipeline.runtime.server import keepalive_options, server_options

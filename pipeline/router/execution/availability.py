@@ -2,7 +2,7 @@
 
 At start-up the router waits for its stages to be SERVING, then serves every ensemble whose models the
 stages serve: each step's stage found and its model's signature learnt, against which the ensemble is
-checked (how the stages are waited for and asked is `pipeline.router.ensemble_stages`'s). An ensemble
+checked (how the stages are waited for and asked is `pipeline.router.execution.ensemble_stages`'s). An ensemble
 whose models no stage serves is UNAVAILABLE with its reason (`unavailable`), and is
 tried again every second while the router serves and before a request for it (`ModelInfer`, `ModelReady`)
 is answered: a model loaded later makes it available. A model that its stage's `RepositoryIndex` listed as
@@ -31,9 +31,9 @@ from dataclasses import replace
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import Catalog, EnsemblePlan
 from pipeline.protocol.errors import ConfigError, Unavailable
-from pipeline.router.discovery import StageDiscovery
-from pipeline.router.ensemble_stages import EnsembleStages, NotServed
+from pipeline.router.execution.ensemble_stages import EnsembleStages, NotServed
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
+from pipeline.router.stages.discovery import StageDiscovery
 
 log = logging.getLogger(__name__)
 

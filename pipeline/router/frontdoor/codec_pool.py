@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import Unavailable
-from pipeline.router.rest_codec import (
+from pipeline.router.frontdoor.rest_codec import (
     OutputForm,
     check_json_size,
     decompressed,

@@ -2,7 +2,7 @@
 
 An inference request's body becomes a `pb.ModelInferRequest` (every input as raw contents) and the form
 each output is wanted in; a `pb.ModelInferResponse` becomes a body. Nothing here knows about HTTP
-servers: `pipeline.router.http` serves what this decodes.
+servers: `pipeline.router.frontdoor.http` serves what this decodes.
 
 Binary tensor data (Triton's extension, what `tritonclient.http` sends by default): the body is a JSON
 header of `Inference-Header-Content-Length` bytes followed by each input's raw bytes (`binary_data_size` in

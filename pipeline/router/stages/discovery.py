@@ -4,7 +4,7 @@ The router asks every stage's `RepositoryIndex` for the models it serves as READ
 model is first asked for, and while an ensemble waits for its models or the response cache holds entries);
 a model no step names a stage for is served by the first declared stage that lists it. Every model of the
 stages' repositories is served through the router, ensemble or not. Which ensembles can be served is
-`pipeline.router.availability`'s.
+`pipeline.router.execution.availability`'s.
 
 Each replica of a stage is asked for its own index: replicas may serve different models (a load that failed
 on one, or each started with its own `--load-model`). A stage serves what any of its replicas lists, and each
@@ -21,10 +21,10 @@ from collections.abc import Container, Iterable, Mapping
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ModelNotFound, PipelineError, StageError, Unavailable, echo
-from pipeline.router.cache_policy import ResponseCaching
+from pipeline.router.caching.cache_policy import ResponseCaching
 from pipeline.router.registry import ModelRegistry
-from pipeline.router.replicas import DOWN, SERVING
-from pipeline.router.stage_client import StageClient
+from pipeline.router.stages.replicas import DOWN, SERVING
+from pipeline.router.stages.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_statistics import ModelStats
 

@@ -11,8 +11,8 @@ Triton's generate extension: `POST .../generate` takes one JSON object and answe
 model or ensemble (an error in one of them as `data: {"error": "..."}`); a request refused before its first
 response gets the usual JSON error and status.
 
-The bodies' JSON and Triton's binary tensor data are `pipeline.router.rest_codec`'s; large bodies and
-responses are decoded and encoded off the event loop, which gRPC shares (`pipeline.router.codec_pool`).
+The bodies' JSON and Triton's binary tensor data are `pipeline.router.frontdoor.rest_codec`'s; large bodies and
+responses are decoded and encoded off the event loop, which gRPC shares (`pipeline.router.frontdoor.codec_pool`).
 Request bodies may be gzip- or deflate-compressed (`Content-Encoding`, decompressed within the size limit);
 responses are compressed when the client's `Accept-Encoding` asks.
 """
@@ -34,8 +34,8 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import InvalidInput, PipelineError, StageError
 from pipeline.protocol.proto_json import message_json
 from pipeline.protocol.streams import is_final, status_of
-from pipeline.router.codec_pool import CodecPool
-from pipeline.router.rest_codec import (
+from pipeline.router.frontdoor.codec_pool import CodecPool
+from pipeline.router.frontdoor.rest_codec import (
     HEADER_LENGTH,
     BodyTooLarge,
     body_too_large,

@@ -1,6 +1,6 @@
 """The branches of an ensemble with conditions: whether a request takes a step (`skip_reason`), counted per
 step and outcome (`pipeline_branch_requests_total`), and a skipped step traced with its reason. The DAG
-executor (`pipeline.router.executor`) asks before it runs each step of such an ensemble.
+executor (`pipeline.router.execution.executor`) asks before it runs each step of such an ensemble.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The router's response-cache policy: which requests are cached, under which versions, and when entries go.
 
-`pipeline.router.cache` holds the entries; this decides for it. A stage model's requests are cached where
+`pipeline.router.caching.response_cache` holds the entries; this decides for it. A stage model's requests are cached where
 its config enables `response_cache` and does not declare it non-deterministic; an ensemble's where its file
 enables it (every step's model must then be deterministic, checked at start-up). A request's key names the
 versions that would answer it: for a request naming none, the version its stage last answered with
@@ -19,7 +19,7 @@ import grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import EnsemblePlan, ModelSignature
 from pipeline.protocol.errors import ConfigError, StageError
-from pipeline.router.cache import ResponseCache, Version, request_key
+from pipeline.router.caching.response_cache import ResponseCache, Version, request_key
 from pipeline.router.registry import ModelRegistry, batch_items
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.servicer import CallContext
