@@ -167,8 +167,8 @@ async def decoupled_responses(
     """A decoupled model's responses to `request`, in order, up to the one marked final (asked for even when
     it would be empty), on a `ModelStreamInfer` call of its own, so that its flow control is its own: a
     reader that reads slowly holds back only its own model's responses, and closing the iterator early
-    cancels the call, which stops the model. An error the model sends comes as a response of its own; a
-    stream that ends before its final response raises INTERNAL, a failed call its `AioRpcError`."""
+    cancels the call, which stops the model. An error the model sends comes as a response of its own, a
+    failed call raises its `AioRpcError`; the responses end with the final one, or where the stream does."""
     sent = pb.ModelInferRequest()
     sent.CopyFrom(request)
     sent.parameters[EMPTY_FINAL_PARAMETER].bool_param = True
@@ -180,6 +180,5 @@ async def decoupled_responses(
             yield reply
             if is_final(reply):
                 return
-        raise rpc_error(grpc.StatusCode.INTERNAL, "the stream ended before the final response")
     finally:
         call.cancel()

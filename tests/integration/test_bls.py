@@ -391,7 +391,7 @@ async def test_calls_go_on_the_routers_frame_port_and_on_grpc_where_it_has_none(
 ) -> None:
     """The router names its frame port in `ServerMetadata`; the stage sends its models' calls there, with
     the same answers as over gRPC, which carries them where the router takes no frames."""
-    caplog.set_level(logging.INFO, logger="pipeline.stage.router_link")
+    caplog.set_level(logging.INFO, logger="pipeline.transport.server_link")
     options = {"frames_port": frames_port}
     async with pipeline(tmp_path, router_options=options) as router, inference_stub(router.address) as stub:
         metadata = await stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=10)
@@ -403,7 +403,7 @@ async def test_calls_go_on_the_routers_frame_port_and_on_grpc_where_it_has_none(
         error = await rpc_error(stub.ModelInfer(request_for("call_failing", X=xs(1)), timeout=30))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "broken on purpose" in (error.details() or "")
-    on_frames = "go to the router's frame port" in caplog.text
+    on_frames = "calls over its frame port" in caplog.text
     assert on_frames == (frames_port is not None)
 
 

@@ -30,6 +30,7 @@ from pipeline.protocol.errors import (
     Unavailable,
 )
 from pipeline.protocol.sequences import SEQUENCE_ID, SequenceId, sequence_of
+from pipeline.protocol.streams import is_final
 from pipeline.router.stages import stage_models
 from pipeline.router.stages.replicas import DOWN, SERVING, Replica, Replicas
 from pipeline.router.stages.retry import RetryBudget, StageRetry
@@ -358,8 +359,14 @@ class StageClient:
                 async with contextlib.aclosing(replica.link.decoupled(request, timeout, metadata)) as replies:
                     async for reply in replies:
                         yield reply
+                        if is_final(reply):
+                            return
+                raise StageError(
+                    f"{what} on stage '{self.endpoint.name}': the stream ended before the final response",
+                    grpc.StatusCode.INTERNAL,
+                )
             except grpc.aio.AioRpcError as err:
-                raise self._stream_error(err, what) from None
+                raise self._refusal(err, what) or self._unavailable(what, err.details() or "") from None
             finally:
                 replica.outstanding -= 1
         finally:
@@ -380,13 +387,6 @@ class StageClient:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             return None
         return StageError(f"{what} on stage '{name}': {err.details() or ''}", code, items=item_errors(err))
-
-    def _stream_error(self, err: grpc.aio.AioRpcError, what: str) -> Exception:
-        """The router's error for a failed streamed call, as `_call` maps a unary one's."""
-        refusal = self._refusal(err, what)
-        if refusal is not None:
-            return refusal
-        return self._unavailable(what, err.details() or "")
 
     async def replica_index(
         self, replica: Replica, *, ready_only: bool
