@@ -1,4 +1,4 @@
-"""The data plane of every stage service: models, their versions and instances, and their lifecycle.
+"""The data plane of every stage service: the models it serves, their versions and instances.
 
 A stage service serves two kinds of models through one `StagePlane`:
 
@@ -13,13 +13,8 @@ inference never blocks the event loop and an instance's calls never overlap; a r
 instance of its version is idle. Instances that declare themselves `inline` (microseconds of numpy) run on
 the event loop instead.
 
-Lifecycle (`RepositoryModelLoad` / `RepositoryModelUnload`, where `pipeline.stage.control` allows them): a
-load reads the model's config and version folders again, prepares and loads the versions its policy names
-that are new or changed *beside* those serving, runs their `model_warmup` samples on each instance
-(`pipeline.stage.warmup`), and only when all of them loaded swaps them in; the versions they replace then
-drain (their in-flight requests finish) and unload. A load that fails unloads what it had built and leaves
-the serving versions as they were (rollback). At start-up a model that fails to load is reported UNAVAILABLE, with its
-reason, by `RepositoryIndex`, `ModelReady` and the log, while every other model serves.
+Their lifecycle (loading, reloading with rollback, unloading, and Triton's repository extension) is
+`pipeline.stage.model_loading`'s; the plane serves what it holds.
 """
 
 from __future__ import annotations
@@ -27,10 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import tempfile
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,31 +43,28 @@ from pipeline.protocol.errors import (
     InvalidInput,
     ModelNotFound,
     PipelineError,
-    RepositoryError,
-    RepositoryNotFound,
     ResourceExhausted,
     Unavailable,
     Unimplemented,
 )
-from pipeline.protocol.model_config import tensor_specs
 from pipeline.protocol.sequences import SequenceId, sequence_of
 from pipeline.protocol.streams import DECOUPLED_UNARY, set_final
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.repository import ModelRepository, RepositoryEntry
+from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.servicer import CallContext, DataPlane
 from pipeline.runtime.telemetry import BATCH_SIZE, Telemetry
 from pipeline.stage.api import Deadline, Stage
-from pipeline.stage.backend import Backend, PreparedVersion, StageInstance, stage_config
+from pipeline.stage.backend import Backend
 from pipeline.stage.bls import CallScope
-from pipeline.stage.control import LoadOverride, ModelControl, load_override
+from pipeline.stage.control import ModelControl
 from pipeline.stage.decoupled import count_stream, stream_replies
 from pipeline.stage.encode import stage_response
-from pipeline.stage.pool import NOT_STARTED_MESSAGE, InstancePool, Slot
+from pipeline.stage.model_loading import ModelLoading
+from pipeline.stage.pool import NOT_STARTED_MESSAGE, Slot
 from pipeline.stage.router_link import RouterCalls
 from pipeline.stage.sequence_batcher import Row, SequenceBatcher, split_rows
 from pipeline.stage.sequence_config import SequenceSettings
-from pipeline.stage.served_models import ServedModel, ServedVersion, export_gauges, index_entries
-from pipeline.stage.warmup import warm_up, warmup_samples
+from pipeline.stage.served_models import ServedModel, ServedVersion, export_gauges
 
 log = logging.getLogger(__name__)
 
@@ -99,26 +89,25 @@ class StagePlane(DataPlane):
         says whether `RepositoryModelLoad`/`Unload` may run (by default they are refused) and caps the
         instances of every repository model. `router` is where the models' calls to other models go
         (`pipeline.stage.bls`). `clock` times the calls' deadlines (a test may give its own)."""
-        names = [stage.name for stage in stages]
-        if len(set(names)) != len(names):
-            raise ValueError(f"stage model names must be unique, got {names}")
         self.repository = repository
-        self.backends = {name: backend for backend in backends for name in backend.names}
-        self._only = set(models) if models is not None else None
-        self.control = control or ModelControl()
         self.router = router
         self.clock = clock
-        self._stages = list(stages)
-        self._models: dict[str, ServedModel] = {name: ServedModel(name, fixed=True) for name in names}
-        #: Model -> the folder its file overrides were written to, kept while they serve.
-        self._override_folders: dict[str, tempfile.TemporaryDirectory[str]] = {}
-        self._lifecycle = asyncio.Lock()
+        self.loading = ModelLoading(
+            stages,
+            repository=repository,
+            backends=backends,
+            models=models,
+            control=control or ModelControl(),
+            sequences=self._sequence_batcher,
+        )
+        self._models = self.loading.models
+        #: The models that answer on streams only.
+        self.decoupled = self.loading.decoupled
         self._started = False
         if repository is not None:
             self.extensions = (*DataPlane.extensions, "model_repository")
         self.telemetry = telemetry or Telemetry()
         self.metrics = metrics or Metrics()
-        self.decoupled: set[str] = set()
         export_gauges(self.metrics, self._models)
 
     @property
@@ -126,165 +115,24 @@ class StagePlane(DataPlane):
         """Every model this plane knows, loaded or not."""
         return list(self._models)
 
-    def _wanted_names(self) -> list[str]:
-        if self.repository is None:
-            return []
-        return [n for n in self.repository.names() if self._only is None or n in self._only]
-
-    # ---- loading and unloading -----------------------------------------------------------------------------
+    # ---- loading and unloading (`pipeline.stage.model_loading`) ----------------------------------------------
 
     async def load(self) -> None:
-        """Load every `Stage` object, then every repository model this service runs. A `Stage` that fails to
-        load stops the service; a repository model that fails is reported and the others serve."""
-        async with self._lifecycle:
-            for stage in self._stages:
-                await self._load_stage(stage)
-            for name in self._wanted_names():
-                try:
-                    await self._load_model(name, None, at_startup=True)
-                except RepositoryError as exc:
-                    log.error("model '%s' is not served: %s", name, exc.message)
+        """Load every `Stage` object, then every repository model this service runs."""
+        await self.loading.load()
         self._started = True
 
     async def unload(self) -> None:
-        async with self._lifecycle:
-            for model in self._models.values():
-                versions = list(model.versions.values())
-                model.versions = {}
-                for served in versions:
-                    await self._retire(served)
+        await self.loading.unload()
 
-    async def _load_stage(self, stage: Stage) -> None:
-        config = stage_config(stage)
-        inputs, outputs = tuple(stage.inputs), tuple(stage.outputs)
-        pool = InstancePool(
-            [Slot(StageInstance(stage, reason="built into this service"), f"stage-{stage.name}")]
-        )
-        await pool.load()
-        model = self._models[stage.name]
-        model.versions = {
-            v: ServedVersion(stage.name, v, config, inputs, outputs, pool) for v in stage.versions
-        }
-        self._serving_changed(model)
-        model.reason = ""
-        log.info("loaded model '%s' (platform %s)", stage.name, stage.platform)
+    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
+        return await self.loading.repository_index(ready_only)
 
-    async def _load_model(
-        self,
-        name: str,
-        override: mc.ModelConfig | None,
-        *,
-        at_startup: bool = False,
-        repository: ModelRepository | None = None,
-    ) -> None:
-        """Load (or reload) a repository model (from `repository` instead of the service's, for file
-        overrides); the caller holds `_lifecycle`."""
-        repository = repository or self.repository
-        assert repository is not None
-        try:
-            entry = repository.read(name, override)
-        except RepositoryError as exc:
-            if at_startup:
-                # Unreadable: whose it is cannot be told; report it, but only if it claims to be ours.
-                self._models.setdefault(name, ServedModel(name)).reason = exc.message
-            raise
-        backend = self.backends.get(entry.backend)
-        if backend is None:
-            if at_startup:
-                return  # another service's model
-            raise RepositoryError(
-                f"model '{name}': its backend '{entry.backend}' is not run by this service (it runs "
-                f"{', '.join(self.backends) or 'none'})"
-            )
-        model = self._models.get(name)
-        if model is not None and model.fixed:
-            raise RepositoryError(
-                f"model '{name}' is built into this service; the repository cannot replace it"
-            )
-        model = self._models.setdefault(name, ServedModel(name))
-        current = model.versions
-        fresh: dict[str, ServedVersion] = {}
-        try:
-            self.control.check_instances(entry.config, entry.source)
-            wanted = entry.served_versions()
-            for version in wanted:
-                fingerprint = entry.fingerprint(version)
-                if version in current and current[version].fingerprint == fingerprint:
-                    continue
-                fresh[version] = await self._load_version(backend, entry, version, fingerprint)
-        except BaseException as exc:
-            for served in fresh.values():
-                await self._retire(served)
-            serving = ", ".join(current) or "none"
-            if not current:
-                model.reason = f"load failed: {exc}"
-            if isinstance(exc, RepositoryError):
-                raise type(exc)(f"{exc.message} (versions still serving: {serving})") from None
-            if isinstance(exc, PipelineError):
-                raise RepositoryError(f"{exc.message} (versions still serving: {serving})") from None
-            if isinstance(exc, Exception):
-                log.exception("model '%s' failed to load", name)
-                raise RepositoryError(
-                    f"failed to load model '{name}' from {entry.source}: {type(exc).__name__}: {exc} "
-                    f"(versions still serving: {serving})"
-                ) from exc
-            raise
-        versions = {v: fresh.get(v) or current[v] for v in wanted}
-        retired = [served for v, served in current.items() if versions.get(v) is not served]
-        # NOTE: the swap is one assignment on the event loop: a request sees either the old versions or the new.
-        model.versions = versions
-        self._serving_changed(model)
-        model.wanted = True
-        model.reason = ""
-        if fresh:
-            log.info(
-                "model '%s': serving version(s) %s (new: %s)", name, ", ".join(versions), ", ".join(fresh)
-            )
-        for served in retired:
-            await self._retire(served)
+    async def repository_load(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+        await self.loading.repository_load(name, parameters)
 
-    async def _load_version(
-        self, backend: Backend, entry: RepositoryEntry, version: str, fingerprint: str
-    ) -> ServedVersion:
-        prepared: PreparedVersion = await asyncio.to_thread(backend.prepare, entry, version)
-        config = prepared.config
-        config.name = entry.name
-        if not prepared.instances:
-            raise RepositoryError(f"{entry.source}: version {version} has no instance to run on")
-        inputs, outputs = tensor_specs(config, entry.source)
-        sequences = (
-            SequenceSettings.of(config, entry.source, entry.folder)
-            if config.HasField("sequence_batching")
-            else None
-        )
-        samples = warmup_samples(config, inputs, entry.folder, entry.source)
-        label = f"{entry.name}-{version}"
-        pool = InstancePool(
-            [
-                Slot(instance, f"model-{label}-{i}", alone=len(prepared.instances) == 1)
-                for i, instance in enumerate(prepared.instances)
-            ]
-        )
-        await pool.load()
-        try:
-            await warm_up(pool, samples, f"model '{entry.name}' version {version}")
-        except BaseException:
-            await pool.unload()
-            raise
-        first = prepared.instances[0]
-        log.info(
-            "model '%s' version %s: %d instance(s) on %s, platform %s (%s)",
-            entry.name,
-            version,
-            len(prepared.instances),
-            ", ".join(i.device for i in prepared.instances),
-            config.platform or config.backend,
-            first.reason,
-        )
-        served = ServedVersion(entry.name, version, config, inputs, outputs, pool, fingerprint)
-        if sequences is not None:
-            served.sequences = self._sequence_batcher(served, sequences)
-        return served
+    async def repository_unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+        await self.loading.repository_unload(name, parameters)
 
     def _sequence_batcher(self, served: ServedVersion, settings: SequenceSettings) -> SequenceBatcher:
         """The sequence batcher of a version: it runs its batches on the version's instances, and counts
@@ -318,103 +166,6 @@ class StagePlane(DataPlane):
             return results, ended - begun
 
         return SequenceBatcher(name, settings, len(served.pool.slots), run, observe=observe)
-
-    def _serving_changed(self, model: ServedModel) -> None:
-        """Keep `decoupled` (the models that answer on streams only) as the versions serving now say."""
-        if any(served.decoupled for served in model.versions.values()):
-            self.decoupled.add(model.name)
-        else:
-            self.decoupled.discard(model.name)
-
-    async def _retire(self, served: ServedVersion) -> None:
-        """Let a version's in-flight requests finish, then unload its instances, unless a version still
-        serving shares them (a `Stage` object's versions do)."""
-        if served.retired:
-            return
-        served.retired = True
-        await served.quiet.wait()
-        if served.sequences is not None:
-            await served.sequences.close()
-        model = self._models.get(served.name)
-        if model is not None and any(v.pool is served.pool for v in model.versions.values()):
-            return
-        await served.pool.unload()
-        log.info("model '%s' version %s unloaded", served.name, served.version)
-
-    # ---- the repository extension ----------------------------------------------------------------------------
-
-    def _require_repository(self) -> ModelRepository:
-        if self.repository is None:
-            raise Unimplemented("this server has no model repository")
-        return self.repository
-
-    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
-        """Every model version this service serves or would serve, with its state (READY / UNAVAILABLE)
-        and why; models of other services' backends are not listed. A service without a repository answers
-        UNIMPLEMENTED, as a plain OIP server does."""
-        repository = self._require_repository()
-        reply = pb.RepositoryIndexResponse()
-        on_disk: dict[str, tuple[str, ...]] = {}
-        problems: dict[str, str] = {}
-        for name in self._wanted_names():
-            try:
-                entry = repository.read(name)
-            except RepositoryError as exc:
-                problems[name] = exc.message
-                continue
-            if entry.backend in self.backends:
-                on_disk[name] = entry.versions
-        index_entries(reply, on_disk, problems, self._models, ready_only)
-        return reply
-
-    async def repository_load(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
-        """Load or reload a model. Parameter `config`: a `ModelConfig` as JSON (Triton's field names) that
-        replaces the model's `config.pbtxt` for this load; `file:<version>/<name>`: the model's files, which
-        it is then loaded from alone, as in Triton. Refused unless repository control is enabled
-        (`pipeline.stage.control`)."""
-        self._require_repository()
-        self.control.check_enabled("RepositoryModelLoad")
-        override = load_override(parameters)
-        async with self._lifecycle:
-            if not override.files:
-                await self._load_model(name, override.config)
-                self._drop_override_folder(name)
-                return
-            folder = _override_folder(name, override)
-            try:
-                await self._load_model(name, override.config, repository=ModelRepository(folder.name))
-            except BaseException:
-                folder.cleanup()
-                raise
-            self._drop_override_folder(name)
-            self._override_folders[name] = folder
-
-    def _drop_override_folder(self, name: str) -> None:
-        folder = self._override_folders.pop(name, None)
-        if folder is not None:
-            folder.cleanup()
-
-    async def repository_unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
-        """Stop serving a model: new requests are refused, in-flight ones finish, then it unloads. Refused
-        unless repository control is enabled (`pipeline.stage.control`)."""
-        self._require_repository()
-        self.control.check_enabled("RepositoryModelUnload")
-        async with self._lifecycle:
-            model = self._models.get(name)
-            if model is None:
-                raise RepositoryNotFound(
-                    f"unknown model '{name}' (served here: {', '.join(self._models) or 'none'})"
-                )
-            if model.fixed:
-                raise InvalidInput(f"model '{name}' is built into this service; it cannot be unloaded")
-            versions = list(model.versions.values())
-            model.versions = {}
-            self._serving_changed(model)
-            model.wanted = False
-            model.reason = "unloaded"
-            for served in versions:
-                await self._retire(served)
-            self._drop_override_folder(name)
 
     # ---- serving ---------------------------------------------------------------------------------------------
 
@@ -664,16 +415,3 @@ async def _stream(
         if served.inflight == 0:
             served.quiet.set()
         count_stream(model.stats, batch or 1, time.perf_counter_ns() - started, failed)
-
-
-def _override_folder(name: str, override: LoadOverride) -> tempfile.TemporaryDirectory[str]:
-    """A repository of one model, `name`, made of `RepositoryModelLoad`'s file overrides (as Triton does,
-    the model is loaded from these files alone, with the `config` parameter as its config)."""
-    folder = tempfile.TemporaryDirectory(prefix="pipeline-override-")
-    root = Path(folder.name) / name
-    for relative, content in override.files.items():
-        path = root / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content)
-    root.mkdir(exist_ok=True)
-    return folder
