@@ -162,13 +162,31 @@ def _prepare_stage(
                 f"{path}: {cls.__name__}() failed: {where(exc, path)}{cause(exc)}"
             ) from None
         stages.append(stage)
-
     # The first object's attributes: a class may set its declarations in `__init__`.
     first = stages[0]
+    _complete_config(config, first, entry, path)
+    parameters = types.MappingProxyType(parameters_of(config))
+    inputs, outputs = _tensors(config, first, entry, path)
+    set_tensor_specs(config, inputs, outputs)
+    for stage in stages:
+        stage.name = entry.name
+        stage.inputs, stage.outputs = inputs, outputs
+        stage.max_batch_size = config.max_batch_size
+        stage.versions = (version,)
+        stage.parameters = parameters
+    instances = [
+        _StageFileInstance(stage, device_of(kind, device_id), path, module)
+        for stage, (_, kind, device_id) in zip(stages, placements, strict=True)
+    ]
+    return PreparedVersion(config, list(instances))
+
+
+def _complete_config(config: mc.ModelConfig, first: Stage, entry: RepositoryEntry, path: Path) -> None:
+    """What the config leaves out, from the class: its platform, batch size, caching and streaming."""
+    cls = type(first)
     config.backend = "python"
     config.platform = config.platform or first.platform or "python"
-    class_batch = int(getattr(first, "max_batch_size", 0) or 0)
-    config.max_batch_size = config.max_batch_size or class_batch
+    config.max_batch_size = config.max_batch_size or int(getattr(first, "max_batch_size", 0) or 0)
     # The class's word on caching, published in its ModelConfig for the router, unless the config says.
     if not getattr(first, "deterministic", True) and DETERMINISTIC_PARAMETER not in config.parameters:
         config.parameters[DETERMINISTIC_PARAMETER].string_value = "false"
@@ -182,38 +200,31 @@ def _prepare_stage(
         )
     if is_generator_stage(first):
         config.model_transaction_policy.decoupled = True
-    parameters = types.MappingProxyType(parameters_of(config))
+
+
+def _tensors(
+    config: mc.ModelConfig, first: Stage, entry: RepositoryEntry, path: Path
+) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The model's inputs and outputs: the config's, checked against the class's where both declare them,
+    else the class's."""
+    cls = type(first)
+    class_batch = int(getattr(first, "max_batch_size", 0) or 0)
     declared = (tuple(getattr(first, "inputs", ())), tuple(getattr(first, "outputs", ())))
     if config.input or config.output:
-        inputs, outputs = _agreed(
-            tensor_specs(config, entry.source), declared, class_batch, config, entry, path
-        )
-    elif declared[0] or declared[1]:
-        if (class_batch > 0) != (config.max_batch_size > 0):
-            raise RepositoryError(
-                f"{entry.source}: max_batch_size {config.max_batch_size} disagrees with {path}: "
-                f"{cls.__name__} declares max_batch_size {class_batch}, so its tensor shapes "
-                f"{'have' if class_batch > 0 else 'lack'} a batch dimension; declare the tensors in the config "
-                "too, or change max_batch_size"
-            )
-        inputs, outputs = declared
-    else:
+        return _agreed(tensor_specs(config, entry.source), declared, class_batch, config, entry, path)
+    if not (declared[0] or declared[1]):
         raise RepositoryError(
             f"{path}: {cls.__name__} declares no inputs or outputs, and {entry.source} none either: declare "
             "them on the class (inputs = (TensorSpec(...),)) or in config.pbtxt (input [...], output [...])"
         )
-    set_tensor_specs(config, inputs, outputs)
-    for stage in stages:
-        stage.name = entry.name
-        stage.inputs, stage.outputs = inputs, outputs
-        stage.max_batch_size = config.max_batch_size
-        stage.versions = (version,)
-        stage.parameters = parameters
-    instances = [
-        _StageFileInstance(stage, device_of(kind, device_id), path, module)
-        for stage, (_, kind, device_id) in zip(stages, placements, strict=True)
-    ]
-    return PreparedVersion(config, list(instances))
+    if (class_batch > 0) != (config.max_batch_size > 0):
+        raise RepositoryError(
+            f"{entry.source}: max_batch_size {config.max_batch_size} disagrees with {path}: "
+            f"{cls.__name__} declares max_batch_size {class_batch}, so its tensor shapes "
+            f"{'have' if class_batch > 0 else 'lack'} a batch dimension; declare the tensors in the config "
+            "too, or change max_batch_size"
+        )
+    return declared
 
 
 def _agreed(
