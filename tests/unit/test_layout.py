@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,3 +20,27 @@ def test_no_two_modules_of_the_package_share_a_file_name() -> None:
         where[path.name].append(str(relative))
     shared = {name: paths for name, paths in where.items() if len(paths) > 1}
     assert not shared, shared
+
+
+#: The sizes past which a function or a class holds more than one concept.
+FUNCTION_LINES, CLASS_LINES = 60, 320
+
+
+def test_no_function_or_class_of_the_product_grows_past_its_size() -> None:
+    roots = [PACKAGE, PACKAGE.parent / "services"]
+    over = []
+    for root in roots:
+        for path in root.rglob("*.py"):
+            if "_gen" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    limit = FUNCTION_LINES
+                elif isinstance(node, ast.ClassDef):
+                    limit = CLASS_LINES
+                else:
+                    continue
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > limit:
+                    over.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}: {lines} lines")
+    assert not over, over
