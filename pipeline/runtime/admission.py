@@ -5,7 +5,7 @@ gRPC received, the message parsed from them, what is sent on), and that is what 
 `max_inflight_requests` counts requests, this counts their bytes. A request past the limit is refused with
 UNAVAILABLE (retryable: the budget frees as responses go out), and a gRPC `ModelInfer` is refused at the
 door, before its message is read: gRPC receives a message whole before it tells its size, so the door
-(`ByteBudget.door`) sets aside room for what recent requests cost, refuses while the bytes held leave none,
+(`ByteBudget.reserve_read`) sets aside room for what recent requests cost, refuses while the bytes held leave none,
 and waits while requests being read took it (their reads end soon). What gRPC buffers of a call not read
 is its transport's window, not its message. A request is admitted when nothing is held whatever its size
 (it is within `--max-message-mb`), so a large one never starves.
@@ -90,7 +90,7 @@ class ByteBudget:
                 self._waiting.remove((size, future))
             raise
 
-    async def door(self) -> int:
+    async def reserve_read(self) -> int:
         """Set room aside to read a unary request whose size is not known yet, or refuse it (`Unavailable`)
         before its message is read where the bytes held leave none. Waits while requests being read took the
         room: their reads end soon, and free it or tell it is taken. Returns the room set aside, for `read`."""
@@ -166,7 +166,7 @@ class StreamHold:
         self.held = 0
         self._freed = asyncio.Event()
 
-    async def room(self) -> None:
+    async def wait_for_room(self) -> None:
         """Wait while the stream holds its share: its responses are not being taken, so read no further."""
         while self.limit is not None and self.held >= self.limit:
             self._freed.clear()
@@ -184,7 +184,7 @@ class StreamHold:
         self.held += made
         self.done.put_nowait((response, size + made))
 
-    def give_back(self, size: int) -> None:
+    def free(self, size: int) -> None:
         """Bytes sent, or of a request that will send nothing."""
         self.held -= size
         self.budget.release(size)

@@ -101,7 +101,7 @@ def _add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server)
     caught = _Handlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, caught)
     caught.handlers["ModelInfer"] = grpc.stream_unary_rpc_method_handler(
-        servicer.ModelInferAtTheDoor, response_serializer=pb.ModelInferResponse.SerializeToString
+        servicer.ModelInferWithinBudget, response_serializer=pb.ModelInferResponse.SerializeToString
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(caught.service, caught.handlers),))
     server.add_registered_method_handlers(

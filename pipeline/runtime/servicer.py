@@ -379,7 +379,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
         return await _guarded(context, self._admitted(request, CallContext.of(context)))
 
-    async def ModelInferAtTheDoor(self, requests: object, context: grpc.aio.ServicerContext):
+    async def ModelInferWithinBudget(self, requests: object, context: grpc.aio.ServicerContext):
         """`ModelInfer` as it is served (`pipeline.runtime.server`): a handler that reads its one request
         itself, once the budget of bytes in flight has room for it, so that a request refused while the
         budget is full is refused before gRPC received its message."""
@@ -387,7 +387,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _read_admitted(self, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
         budget = self.budget
-        reserved = await budget.door()
+        reserved = await budget.reserve_read()
         size = None
         try:
             data = await context.read()  # the message's bytes: this handler has no deserializer
@@ -481,7 +481,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             while (item := await done.get()) is not None:
                 response, size = item
                 yield response
-                hold.give_back(size)
+                hold.free(size)
                 slots.release()
         finally:
             reader.cancel()
@@ -519,7 +519,7 @@ class _Stream:
         try:
             while True:
                 await slots.acquire()
-                await hold.room()
+                await hold.wait_for_room()
                 request = await request_iterator.__anext__()
                 size = request.ByteSize()
                 await hold.take(size)
@@ -589,7 +589,7 @@ class _Stream:
         finally:
             if not sent:
                 slots.release()
-                hold.give_back(size)
+                hold.free(size)
 
     def close(self) -> None:
         """The stream ended (or its client went): cancel what still runs, give back what it holds."""

@@ -50,8 +50,8 @@ async def test_the_door_sets_room_aside_for_what_requests_cost_of_late_and_refus
     None
 ):
     budget = ByteBudget(100)
-    first = await budget.door()  # nothing held: in, whatever it turns out to be
-    second = asyncio.ensure_future(budget.door())
+    first = await budget.reserve_read()  # nothing held: in, whatever it turns out to be
+    second = asyncio.ensure_future(budget.reserve_read())
     await asyncio.sleep(0)
     assert not second.done(), "until a request was read, they are read one at a time"
     budget.read(first, 10)
@@ -59,8 +59,8 @@ async def test_the_door_sets_room_aside_for_what_requests_cost_of_late_and_refus
     assert budget.expected == cost_of(10) == 30
     budget.read(await second, 10)
     budget.admit(30)
-    third = await budget.door()  # 60 held, 30 more fit
-    fourth = asyncio.ensure_future(budget.door())
+    third = await budget.reserve_read()  # 60 held, 30 more fit
+    fourth = asyncio.ensure_future(budget.reserve_read())
     await asyncio.sleep(0)
     assert not fourth.done(), "the room left is set aside for the request being read"
     budget.read(third, None)  # its client went away before its message came
@@ -68,11 +68,11 @@ async def test_the_door_sets_room_aside_for_what_requests_cost_of_late_and_refus
     budget.admit(30)
     assert (budget.held, budget.reading) == (90, 0)
     with pytest.raises(Unavailable, match="--max-inflight-mb"):
-        await budget.door()  # refused before anything is read: what is held leaves no room
+        await budget.reserve_read()  # refused before anything is read: what is held leaves no room
     budget.release(90)
-    budget.read(await budget.door(), 1)
+    budget.read(await budget.reserve_read(), 1)
     assert budget.expected == 30 - 30 // FORGET, "a small request lowers the estimate by a share only"
-    assert await ByteBudget(None).door() == 0
+    assert await ByteBudget(None).reserve_read() == 0
 
 
 async def test_before_any_request_is_read_the_door_lets_one_in_beside_bytes_held_elsewhere() -> None:
@@ -80,8 +80,8 @@ async def test_before_any_request_is_read_the_door_lets_one_in_beside_bytes_held
     # to learn what requests cost, rather than refusing every one for want of an estimate.
     budget = ByteBudget(100)
     budget.charge(10)
-    first = await budget.door()
-    second = asyncio.ensure_future(budget.door())
+    first = await budget.reserve_read()
+    second = asyncio.ensure_future(budget.reserve_read())
     await asyncio.sleep(0)
     assert not second.done(), "until a request was read, they are read one at a time"
     budget.read(first, 5)
@@ -89,4 +89,4 @@ async def test_before_any_request_is_read_the_door_lets_one_in_beside_bytes_held
     assert budget.expected == cost_of(5)
     budget.charge(80)  # 90 held: 15 more do not fit
     with pytest.raises(Unavailable, match="--max-inflight-mb"):
-        await budget.door()
+        await budget.reserve_read()
