@@ -14,7 +14,8 @@ out into many calls fills the callee's batches. Each call carries what its calle
 
 The calls run on the service's event loop, whatever thread the model runs on (`pipeline.stage.router_link`
 carries them, over the router's frame port where it has one): `exec` waits for the answer on the model's
-thread, `async_exec` in the model's own event loop. Calls made together to one batching model go as one
+thread, `async_exec` in the model's event loop (the service's own where its `async def execute` runs there:
+`CallScope.submit_here`). Calls made together to one batching model go as one
 request of all their items (`CallScope.submit`). What a model sees of them is in
 `pipeline.stage.triton_python_backend_utils`; here they are tensors in and a `Reply` out.
 """
@@ -85,6 +86,8 @@ class Reply:
     @classmethod
     def of(cls, response: pb.ModelInferResponse) -> Reply:
         outputs = {name: tensor.to_array() for name, tensor in response_tensors(response).items()}
+        if not response.parameters:
+            return cls(outputs)
         parameters = {}
         for key, value in response.parameters.items():
             choice = value.WhichOneof("parameter_choice")
@@ -124,7 +127,7 @@ class Call:
             tuple(self.outputs),
             self.request_id,
             self.timeout_us,
-            json.dumps(dict(self.parameters), sort_keys=True, default=str),
+            json.dumps(dict(self.parameters), sort_keys=True, default=str) if self.parameters else "",
             None if self.trace is None else tuple(sorted(self.trace.items())),
             tuple(
                 (name, np.asarray(a).dtype.str, np.shape(a)[1:]) for name, a in sorted(self.inputs.items())
@@ -158,6 +161,11 @@ class Call:
         return request
 
 
+#: Where a call's `Reply` goes: the future of a model's thread (`submit`), or of the service's loop
+#: (`submit_here`).
+_Answer = concurrent.futures.Future[Reply] | asyncio.Future[Reply]
+
+
 class Responses:
     """The responses of a call to a decoupled model, as they come: `get()` waits for the next (None after the
     last); `cancel()` stops the call."""
@@ -183,6 +191,7 @@ class CallScope:
         "_chain",
         "_instance",
         "_lock",
+        "_nested",
         "_outbox",
         "_tasks",
         "deadline",
@@ -205,18 +214,22 @@ class CallScope:
         self.deadline = deadline
         self._chain = chain
         self._instance = instance
+        self._nested: CallChain | None = None
         self.trace: Context | None = otel_context.get_current() if traced else None
         self.loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cancelled = False
-        #: Calls made on the model's thread and not yet taken up by the loop.
-        self._outbox: list[tuple[Call, concurrent.futures.Future[Reply]]] = []
+        #: Calls made and not yet taken up by the loop.
+        self._outbox: list[tuple[Call, _Answer]] = []
         self._lock = threading.Lock()
 
     @property
     def chain(self) -> CallChain:
         """The chain of the calls this request's model makes."""
-        return (self._chain or ROOT).nested(self._instance)
+        nested = self._nested
+        if nested is None:
+            nested = self._nested = (self._chain or ROOT).nested(self._instance)
+        return nested
 
     def enter(self) -> contextvars.Token[CallScope | None]:
         """Make this the current request of the running thread (or task) until `leave`."""
@@ -235,39 +248,57 @@ class CallScope:
 
     # --- calls ---------------------------------------------------------------------------------------
 
-    def submit(self, call: Call) -> concurrent.futures.Future[Reply]:
-        """Send `call`; its `Reply` comes in the future (an error reply, never an exception).
+    def submit(self, call: Call, *, awaited: bool = False) -> concurrent.futures.Future[Reply]:
+        """Send `call` from the model's thread; its `Reply` comes in the future (an error reply, never an
+        exception). `awaited`: the model awaits it in an event loop of its own (`async_exec`), else it
+        waits by blocking (`exec`).
 
         The calls a model makes without waiting in between (`async_exec` in a loop) are taken up by the
         service's loop together, with one wake-up, and those to one batching model with the same tensors
         go as one request of all their items (at most the callee's `max_batch_size`): the router's batcher
         then sees them together rather than the first alone, and every hop carries one message instead of
         many. A merged request that fails is sent again call by call, so that each gets its own answer."""
-        refused = self._refusal(call)
         future: concurrent.futures.Future[Reply] = concurrent.futures.Future()
+        # NOTE: on the service's loop only a call that is awaited can be answered (`submit_here`).
+        refused = self._refusal(call) or (self._blocking_refusal(call) if self._on_loop() else None)
         if refused is not None:
             future.set_result(refused)
-            return future
+        else:
+            self._post(call, future, awaited)
+        return future
+
+    def submit_here(self, call: Call) -> asyncio.Future[Reply]:
+        """`submit` from a coroutine on the service's loop (an `async def execute` that runs there): its
+        `Reply` comes in an asyncio future of that loop, with no thread in between."""
+        future: asyncio.Future[Reply] = self.loop.create_future()
+        refused = self._refusal(call)
+        if refused is not None:
+            future.set_result(refused)
+        else:
+            self._post(call, future, awaited=True)
+        return future
+
+    def _post(self, call: Call, future: _Answer, awaited: bool) -> None:
         with self._lock:
             self._outbox.append((call, future))
             first = len(self._outbox) == 1
-        if first:
-            try:
-                model_loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-            except RuntimeError:
-                model_loop = None
-            if model_loop is not None:
+        if not awaited:
+            # Its caller blocks, its own event loop too where it has one (`exec` in an async execute on the
+            # instance's thread): the loop takes it up at once, with any calls made before it.
+            self.loop.call_soon_threadsafe(self._flush)
+        elif first:
+            model_loop = asyncio.get_running_loop()
+            if model_loop is self.loop:
+                self.loop.call_soon(self._flush)
+            else:
                 # `async_exec` on the model's own loop: the calls this step of its coroutine makes (until it
                 # awaits) are handed over together, whatever the threads' timing.
                 model_loop.call_soon(self.loop.call_soon_threadsafe, self._flush)
-            else:
-                self.loop.call_soon_threadsafe(self._flush)
-        return future
 
     def stream(self, call: Call) -> Responses:
         """Send `call` to a decoupled model; its replies come through the `Responses`."""
         responses = Responses()
-        refused = self._refusal(call)
+        refused = self._refusal(call) or (self._blocking_refusal(call) if self._on_loop() else None)
         if refused is not None:
             responses._queue.put(refused)
             responses._queue.put(None)
@@ -297,15 +328,20 @@ class CallScope:
                 f"{where} refused: it would be nested {self.chain.depth} calls deep, more than the "
                 f"{MAX_DEPTH} allowed (does a model call itself without end?)",
             )
-        if self._on_loop():
-            return Reply.failed(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{where}: made on the service's event loop (an inline model), where it could never be "
-                "answered; a model that calls other models must run on its own thread (not inline)",
-            )
         if self._cancelled or self.deadline.expired():
             return Reply.failed(grpc.StatusCode.CANCELLED, f"{where}: the calling request was cancelled")
         return None
+
+    @staticmethod
+    def _blocking_refusal(call: Call) -> Reply:
+        """The answer to a call whose caller would block the service's loop waiting for it."""
+        return Reply.failed(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"call to model '{call.model}': made on the service's event loop (an inline model, or an async "
+            "execute that runs there), where a call waited for without awaiting could never be answered; a "
+            "model that calls other models must run on its own thread (not inline), and an async execute "
+            "must await async_exec()",
+        )
 
     def _on_loop(self) -> bool:
         try:
@@ -331,16 +367,22 @@ class CallScope:
         """Take up the calls made since the last time, grouped by `Call.merge_key` (on the loop)."""
         with self._lock:
             pending, self._outbox = self._outbox, []
-        groups: dict[Hashable, list[tuple[Call, concurrent.futures.Future[Reply]]]] = {}
+        groups: dict[Hashable, list[tuple[Call, _Answer]]] = {}
         for call, future in pending:
-            if future.set_running_or_notify_cancel():  # False: its caller stopped waiting
+            # False: its caller stopped waiting
+            wanted = (
+                not future.cancelled()
+                if isinstance(future, asyncio.Future)
+                else future.set_running_or_notify_cancel()
+            )
+            if wanted:
                 groups.setdefault(call.merge_key(), []).append((call, future))
         for group in groups.values():
             task = self.loop.create_task(self._answer(group))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _answer(self, group: list[tuple[Call, concurrent.futures.Future[Reply]]]) -> None:
+    async def _answer(self, group: list[tuple[Call, _Answer]]) -> None:
         calls = [call for call, _ in group]
         try:
             replies = await self._send(calls)
@@ -349,7 +391,8 @@ class CallScope:
                 calls
             )
         for (_, future), reply in zip(group, replies, strict=True):
-            future.set_result(reply)
+            if not future.done():  # an asyncio future whose caller stopped waiting is cancelled
+                future.set_result(reply)
 
     async def _send(self, calls: list[Call]) -> list[Reply]:
         """The replies to `calls`, merged where the callee batches."""
@@ -357,21 +400,25 @@ class CallScope:
         if len(calls) > 1 and (limit := await self.router.max_batch_size(calls[0].model)) > 0:
             replies: list[Reply] = []
             chunk: list[Call] = []
+            sizes: list[int] = []
+            total = 0
             for call in [*calls, None]:
                 size = 0 if call is None else call.size or 0
-                if chunk and (call is None or sum(c.size or 0 for c in chunk) + size > limit):
-                    replies += await self._send_merged(chunk)
-                    chunk = []
+                if chunk and (call is None or total + size > limit):
+                    replies += await self._send_merged(chunk, sizes)
+                    chunk, sizes, total = [], [], 0
                 if call is not None:
                     chunk.append(call)
+                    sizes.append(size)
+                    total += size
             return replies
         return list(await asyncio.gather(*(self._infer(call) for call in calls)))
 
-    async def _send_merged(self, calls: list[Call]) -> list[Reply]:
+    async def _send_merged(self, calls: list[Call], sizes: list[int]) -> list[Reply]:
         if len(calls) == 1:
             return [await self._infer(calls[0])]
         reply = await self._infer(Call.merged(calls))
-        parts = None if reply.code is not None else reply.split([call.size or 0 for call in calls])
+        parts = None if reply.code is not None else reply.split(sizes)
         if parts is None:
             return list(await asyncio.gather(*(self._infer(call) for call in calls)))
         return parts

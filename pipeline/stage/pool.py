@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import types
 import uuid
+from collections.abc import Coroutine, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -31,6 +33,11 @@ NOT_STARTED_MESSAGE = "deadline exceeded (or the call was cancelled) before the 
 BRIEF_S = 0.02
 #: The weight of a batch briefer than the running average of batch times in that average.
 _RECENT_WEIGHT = 0.25
+#: An instance whose coroutine batches run on the event loop (`Slot.on_loop`) and held it this long between two
+#: awaits runs its later batches on its thread: the loop answers every model and health check of the service.
+LONG_STEP_S = 0.05
+
+T = TypeVar("T")
 
 
 class Slot:
@@ -52,6 +59,9 @@ class Slot:
         self.recent_s: float | None = None
         self.started = 0
         self.finished = 0
+        #: Whether its batches are coroutines run on the event loop (`Instance.run_async`), and the last one.
+        self.on_loop = bool(getattr(instance, "on_loop", False))
+        self._running: asyncio.Task[tuple[dict[str, np.ndarray], int, int, int, int]] | None = None
 
     @property
     def busy(self) -> bool:
@@ -99,7 +109,16 @@ class Slot:
     async def execute(
         self, arrays: dict[str, np.ndarray], deadline: Deadline, scope: CallScope | None = None
     ) -> tuple[dict[str, np.ndarray], int, int, int, int]:
-        """`run` one batch on the instance's thread, or on the event loop where it is inline or lately brief."""
+        """`run` one batch on the instance's thread, or on the event loop where it is inline or lately brief,
+        or where the instance's batches are coroutines (`run_async`)."""
+        if self.on_loop:
+            await self._finished()
+            running = self._running = asyncio.get_running_loop().create_task(
+                self._run_async(arrays, deadline, scope)
+            )
+            # NOTE: a caller that goes away leaves the batch running, as a thread would; the model sees its
+            # request cancelled (`is_cancelled()`, its calls answered CANCELLED), never an exception.
+            return await asyncio.shield(running)
         recent = self.recent_s
         if self.executor is None or (self.brief_inline and recent is not None and recent < BRIEF_S):
             outcome = self.run(arrays, deadline, scope)
@@ -115,8 +134,40 @@ class Slot:
             )
         return outcome
 
+    async def _run_async(
+        self, arrays: dict[str, np.ndarray], deadline: Deadline, scope: CallScope | None
+    ) -> tuple[dict[str, np.ndarray], int, int, int, int]:
+        """`run` for a coroutine batch, in a task of its own (whose context holds `scope`)."""
+        if deadline.expired():
+            raise DeadlineExceeded(NOT_STARTED_MESSAGE)
+        self.started += 1
+        if scope is not None:
+            scope.enter()
+        wall_start, begun = time.time_ns(), time.perf_counter_ns()
+        held = [0.0]
+        try:
+            result = await _timed(self.instance.run_async(arrays, deadline), held)  # type: ignore[attr-defined]
+        finally:
+            self.finished += 1
+            if held[0] > LONG_STEP_S and self.on_loop:
+                self.on_loop = False
+                log.warning(
+                    "%s held the service's event loop for %.0f ms without awaiting: its later batches run on "
+                    "its own thread",
+                    self.instance.reason,
+                    held[0] * 1e3,
+                )
+        return result, begun, time.perf_counter_ns(), wall_start, time.time_ns()
+
+    async def _finished(self) -> None:
+        """Wait until the instance's last coroutine batch has finished: it runs one at a time, as on a thread."""
+        running = self._running
+        if running is not None and not running.done():
+            await asyncio.wait((running,))
+
     async def call(self, method: Any, *args: Any) -> Any:
         """Call one of the instance's blocking methods on its thread (or inline)."""
+        await self._finished()
         if self.executor is None:
             return method(*args)
         return await asyncio.get_running_loop().run_in_executor(self.executor, method, *args)
@@ -124,6 +175,25 @@ class Slot:
     def close(self) -> None:
         if self.executor is not None:
             self.executor.shutdown(wait=False)
+
+
+@types.coroutine
+def _timed(coroutine: Coroutine[Any, Any, T], held: list[float]) -> Generator[Any, Any, T]:
+    """Await `coroutine`, keeping in `held[0]` the longest it ran (seconds) between two of its awaits."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        started = time.perf_counter()
+        try:
+            step = coroutine.send(value) if error is None else coroutine.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            held[0] = max(held[0], time.perf_counter() - started)
+        try:
+            value, error = (yield step), None
+        except BaseException as exc:  # thrown into the awaiting task: the coroutine gets it
+            value, error = None, exc
 
 
 @dataclass(eq=False)

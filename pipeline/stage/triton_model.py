@@ -5,12 +5,16 @@ As in Triton, `auto_complete_config(pb_utils.ModelConfig)`, when the class defin
 before anything else reads it (`pipeline.stage.triton_model_config`). A decoupled model
 (`model_transaction_policy { decoupled: true }`) answers through `request.get_response_sender()`: its
 `execute` returns None, and its responses may go on from other threads until one carries the final flag.
-`execute` may be a coroutine function (Triton's async execute); it then runs to completion on the instance's
-thread, in an event loop of the instance's own that lasts as long as the instance. An error a response
-carries is answered with the gRPC status of its `TritonError` code (INVALID_ARG:
-INVALID_ARGUMENT, UNSUPPORTED: UNIMPLEMENTED, INTERNAL, the default: INTERNAL, ...) and its message; so is a
-`TritonModelException` that `execute` raises (INTERNAL), while any other exception is an internal error whose
-details stay in the log. A CANCELLED answer to a request whose deadline has passed is DEADLINE_EXCEEDED.
+`execute` may be a coroutine function (Triton's async execute); it then runs on the service's own event loop,
+as Triton runs it on its stub's: the model's `async_exec` calls go out with no thread between it and the
+service, and the other instances and models run while it awaits them (one that holds the loop long goes to
+its thread: `pipeline.stage.pool.LONG_STEP_S`). A model whose code calls `exec()` (which blocks until its
+answer) or names `decoupled` (whose responses are read by blocking) cannot wait on that loop: its coroutine
+runs to completion on the instance's thread instead, in an event loop of the instance's own that lasts as
+long as the instance. An error a response carries is answered with the gRPC status of its `TritonError`
+code (INVALID_ARG: INVALID_ARGUMENT, UNSUPPORTED: UNIMPLEMENTED, INTERNAL, the default: INTERNAL, ...) and its
+message; so is a `TritonModelException` that `execute` raises (INTERNAL), while any other exception is an
+internal error whose details stay in the log. A CANCELLED answer to a request whose deadline has passed is DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-from collections.abc import Callable, Mapping, Sequence
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +91,9 @@ def prepare_triton(
     inputs, outputs = tensor_specs(config, entry.source)
     set_tensor_specs(config, inputs, outputs)
     model_config = json.dumps(triton_json(config))
+    on_loop = inspect.iscoroutinefunction(getattr(cls, "execute", None)) and not _may_block(
+        cls, module.module
+    )
     instances = []
     for instance_name, kind, device_id in placements:
         args = {
@@ -99,7 +107,7 @@ def prepare_triton(
         }
         instances.append(
             TritonInstance(
-                cls, args, [spec.name for spec in outputs], device_of(kind, device_id), path, module
+                cls, args, [spec.name for spec in outputs], device_of(kind, device_id), path, module, on_loop
             )
         )
     return PreparedVersion(config, list(instances))
@@ -160,6 +168,7 @@ class TritonInstance:
         device: str,
         path: Path,
         module: SharedModule,
+        on_loop: bool = False,
     ) -> None:
         self.device = device
         self.reason = f"Triton Python model (TritonPythonModel) from {path}"
@@ -170,6 +179,8 @@ class TritonInstance:
         self._module = module
         self._model: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Whether `execute` is a coroutine function that runs on the service's event loop (`run_async`).
+        self.on_loop = on_loop
 
     def load(self) -> None:
         self._module.acquire()
@@ -219,7 +230,20 @@ class TritonInstance:
     def run(
         self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
     ) -> dict[str, np.ndarray]:
-        responses = self._execute(self._request(inputs, deadline, deadline.expired))
+        return self._answer(self._execute(self._request(inputs, deadline, deadline.expired)), deadline)
+
+    async def run_async(
+        self, inputs: Mapping[str, np.ndarray], deadline: Deadline = NO_DEADLINE
+    ) -> dict[str, np.ndarray]:
+        """`run` of an `on_loop` instance, on the service's event loop."""
+        try:
+            responses = await self._model.execute([self._request(inputs, deadline, deadline.expired)])
+        except pb_utils.TritonModelException as exc:
+            raise StageError(str(exc), grpc.StatusCode.INTERNAL) from None
+        return self._answer(responses, deadline)
+
+    def _answer(self, responses: Any, deadline: Deadline) -> dict[str, np.ndarray]:
+        """The outputs of the one response `execute` returned for a batch."""
         if not isinstance(responses, list | tuple) or len(responses) != 1:
             raise PipelineError(
                 f"{self._path}: TritonPythonModel.execute must return a list of one InferenceResponse per "
@@ -332,6 +356,30 @@ class TritonInstance:
                 finalize()
         finally:
             self._module.release()
+
+
+def _may_block(cls: type, module: types.ModuleType) -> bool:
+    """Whether the code of the model's module (its functions, and its classes' methods) calls `exec()` or names
+    `decoupled`: waits that block the thread they are made on, which the service's event loop must never do."""
+    values = [*vars(module).values(), *vars(cls).values()]
+    for value in list(values):
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            values += vars(value).values()
+    code = [getattr(getattr(value, "__func__", value), "__code__", None) for value in values]
+    return any(
+        "exec" in names or "decoupled" in names for each in code if each is not None for names in _names(each)
+    )
+
+
+def _names(code: types.CodeType) -> Iterator[set[str]]:
+    """The names and string constants (keyword arguments among them) each function of `code` uses, nested
+    functions too."""
+    yield {*code.co_names, *(c for c in code.co_consts if isinstance(c, str))}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
+        elif isinstance(const, tuple):  # the keyword names of a call
+            yield {c for c in const if isinstance(c, str)}
 
 
 def model_error(error: pb_utils.TritonError, deadline: Deadline = NO_DEADLINE) -> PipelineError:

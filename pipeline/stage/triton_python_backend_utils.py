@@ -345,7 +345,10 @@ class InferenceRequest:
             done = loop.create_future()
             done.set_result(self.exec(decoupled) if scope is not None else self._outside(decoupled))
             return done
-        sent = asyncio.wrap_future(scope.submit(self._call()), loop=loop)
+        if loop is scope.loop:  # an async execute that runs on the service's loop
+            sent: asyncio.Future[bls.Reply] = scope.submit_here(self._call())
+        else:
+            sent = asyncio.wrap_future(scope.submit(self._call(), awaited=True), loop=loop)
         return loop.create_task(_responded(sent))
 
     def _outside(self, decoupled: bool) -> InferenceResponse | ResponseIterator:

@@ -153,6 +153,8 @@ async def warm_up(pool: InstancePool, samples: Sequence[WarmupSample], label: st
                 try:
                     if sample.decoupled:
                         await _run_decoupled(slot, sample.inputs)
+                    elif slot.on_loop:
+                        await slot.execute(sample.inputs, NO_DEADLINE)
                     else:
                         await slot.call(slot.instance.run, sample.inputs, NO_DEADLINE)
                 except Exception as exc:

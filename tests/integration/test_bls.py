@@ -258,6 +258,53 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse(error=pb_utils.TritonError("done"))]
 """
 
+#: `call_slow` with an `async def execute`, which runs on the service's event loop.
+ASYNC_CALL_AND_RECORD = """
+import triton_python_backend_utils as pb_utils
+from tests.integration.test_bls import SLOW
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X")
+        reply = await pb_utils.InferenceRequest(model_name="slow", inputs=[x], requested_output_names=["Y"]).async_exec()
+        SLOW["reply"] = (reply.error().code(), reply.error().message()) if reply.has_error() else None
+        SLOW["answered"].set()
+        return [pb_utils.InferenceResponse(error=pb_utils.TritonError("done"))]
+"""
+
+#: For each batch of the models below, whether it ran on the service's event loop (the main thread here).
+ON_LOOP: list[bool] = []
+
+#: An `async def execute` that sleeps X[0] seconds without awaiting, then answers `double`'s Y.
+ASYNC_SLEEPER = """
+import threading
+import time
+import triton_python_backend_utils as pb_utils
+from tests.integration.test_bls import ON_LOOP
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        ON_LOOP.append(threading.current_thread() is threading.main_thread())
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X")
+        time.sleep(float(x.as_numpy().flat[0]))
+        reply = await pb_utils.InferenceRequest(model_name="double", inputs=[x], requested_output_names=["Y"]).async_exec()
+        return [pb_utils.InferenceResponse(reply.output_tensors())]
+"""
+
+#: An `async def execute` that calls `double` with `exec()`, which waits by blocking.
+ASYNC_BUT_BLOCKING = """
+import threading
+import triton_python_backend_utils as pb_utils
+from tests.integration.test_bls import ON_LOOP
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        ON_LOOP.append(threading.current_thread() is threading.main_thread())
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X")
+        reply = pb_utils.InferenceRequest(model_name="double", inputs=[x], requested_output_names=["Y"]).exec()
+        return [pb_utils.InferenceResponse(reply.output_tensors())]
+"""
+
 #: The requests of `call_paired` that wait for each other before their calls (those whose X starts with 1).
 PAIR = threading.Barrier(2)
 
@@ -314,6 +361,9 @@ def write_repository(root: Path) -> Path:
         "recurse_alone": (RECURSE.replace('"recurse"', '"recurse_alone"'), 0, 1, ""),
         "slow": (HOLD_UNTIL_RELEASED, 0, 1, ""),
         "call_slow": (CALL_AND_RECORD, 0, 1, ""),
+        "async_call_slow": (ASYNC_CALL_AND_RECORD, 0, 1, ""),
+        "async_sleeper": (ASYNC_SLEEPER, 8, 1, ""),
+        "async_but_blocking": (ASYNC_BUT_BLOCKING, 8, 1, ""),
         "double_late": (DOUBLE, 64, 1, "dynamic_batching { max_queue_delay_microseconds: 5000000 }"),
         "call_paired": (PAIRED, 8, 2, ""),
     }
@@ -495,13 +545,12 @@ async def slow_calls() -> AsyncIterator[None]:
         SLOW["release"].set()
 
 
-async def test_cancelling_the_outer_request_cancels_its_calls(tmp_path: Path) -> None:
+@pytest.mark.parametrize("caller", ["call_slow", "async_call_slow"])
+async def test_cancelling_the_outer_request_cancels_its_calls(tmp_path: Path, caller: str) -> None:
     async with pipeline(tmp_path) as router, slow_calls(), inference_stub(router.address) as stub:
         # Metadata of the client's own: the router's call to the caller's stage is a gRPC call of its own,
         # which carries the cancellation (its frame port carries none).
-        call = stub.ModelInfer(
-            request_for("call_slow", X=np.ones(4, np.float32)), metadata=(("x-test", "1"),)
-        )
+        call = stub.ModelInfer(request_for(caller, X=np.ones(4, np.float32)), metadata=(("x-test", "1"),))
         assert await asyncio.to_thread(SLOW["entered"].wait, 20)
         call.cancel()
         # The caller's call to `slow` is cancelled with it: it answers at once, while `slow` still holds.
@@ -509,6 +558,26 @@ async def test_cancelling_the_outer_request_cancels_its_calls(tmp_path: Path) ->
         assert not SLOW["release"].is_set()
         code, message = SLOW["reply"]
         assert code == pb_utils.TritonError.CANCELLED, message
+
+
+async def test_an_async_execute_runs_on_the_services_loop_unless_it_blocks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with pipeline(tmp_path) as router, inference_stub(router.address) as stub:
+        ON_LOOP.clear()
+        # On the service's loop while it awaits its calls; once it has held the loop 0.2 s without awaiting,
+        # its later batches run on its instance's thread.
+        for seconds in (0.0, 0.2, 0.0):
+            reply = await stub.ModelInfer(request_for("async_sleeper", X=xs(seconds)), timeout=30)
+            assert response_tensors(reply)["Y"].to_array().tolist() == xs(2 * seconds).tolist()
+        assert ON_LOOP == [True, True, False]
+        assert "held the service's event loop for" in caplog.text
+
+        # A model whose code calls exec(), which waits by blocking, runs on its thread from the start.
+        ON_LOOP.clear()
+        reply = await stub.ModelInfer(request_for("async_but_blocking", X=xs(1)), timeout=30)
+        assert response_tensors(reply)["Y"].to_array().tolist() == xs(2).tolist()
+        assert ON_LOOP == [False]
 
 
 async def test_a_call_has_what_is_left_of_the_callers_deadline(tmp_path: Path) -> None:
