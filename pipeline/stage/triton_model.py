@@ -7,14 +7,15 @@ before anything else reads it (`pipeline.stage.triton_model_config`). A decouple
 `execute` returns None, and its responses may go on from other threads until one carries the final flag.
 `execute` may be a coroutine function (Triton's async execute); it then runs on the service's own event loop,
 as Triton runs it on its stub's: the model's `async_exec` calls go out with no thread between it and the
-service, and the other instances and models run while it awaits them (one that holds the loop long goes to
-its thread: `pipeline.stage.pool.LONG_STEP_S`). A model whose code calls `exec()` (which blocks until its
-answer) or names `decoupled` (whose responses are read by blocking) cannot wait on that loop: its coroutine
-runs to completion on the instance's thread instead, in an event loop of the instance's own that lasts as
-long as the instance. An error a response carries is answered with the gRPC status of its `TritonError`
-code (INVALID_ARG: INVALID_ARGUMENT, UNSUPPORTED: UNIMPLEMENTED, INTERNAL, the default: INTERNAL, ...) and its
-message; so is a `TritonModelException` that `execute` raises (INTERNAL), while any other exception is an
-internal error whose details stay in the log. A CANCELLED answer to a request whose deadline has passed is DEADLINE_EXCEEDED.
+service, and the other instances and models run while it awaits them (one that holds the loop long goes to its
+thread: `pipeline.stage.pool.LONG_STEP_S`). A model whose code calls `exec()` (which blocks until its answer)
+or names `decoupled` (whose responses are read by blocking) cannot wait on that loop: its coroutine runs to
+completion on the instance's thread instead, as a decoupled model's and a sequence model's do, in an event
+loop of the instance's own that lasts as long as the instance. An error a response carries is answered with
+the gRPC status of its `TritonError` code (INVALID_ARG: INVALID_ARGUMENT, UNSUPPORTED: UNIMPLEMENTED,
+INTERNAL, the default: INTERNAL, ...) and its message; so is a `TritonModelException` that `execute` raises
+(INTERNAL), while any other exception is an internal error whose details stay in the log. A CANCELLED answer
+to a request whose deadline has passed is DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
@@ -91,8 +92,12 @@ def prepare_triton(
     inputs, outputs = tensor_specs(config, entry.source)
     set_tensor_specs(config, inputs, outputs)
     model_config = json.dumps(triton_json(config))
-    on_loop = inspect.iscoroutinefunction(getattr(cls, "execute", None)) and not _may_block(
-        cls, module.module
+    # A decoupled model's requests and a sequence's batches run on the instance's thread, whatever execute is.
+    on_loop = (
+        inspect.iscoroutinefunction(getattr(cls, "execute", None))
+        and not config.model_transaction_policy.decoupled
+        and not config.HasField("sequence_batching")
+        and not _may_block(cls, module.module)
     )
     instances = []
     for instance_name, kind, device_id in placements:
