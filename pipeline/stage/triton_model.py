@@ -8,7 +8,7 @@ before anything else reads it (`pipeline.stage.triton_model_config`). A decouple
 `execute` may be a coroutine function (Triton's async execute); it then runs on the service's own event loop,
 as Triton runs it on its stub's: the model's `async_exec` calls go out with no thread between it and the
 service, and the other instances and models run while it awaits them (one that holds the loop long goes to its
-thread: `pipeline.stage.pool.LONG_STEP_S`). A model whose code calls `exec()` (which blocks until its answer)
+thread: `pipeline.stage.pool.LONG_STEP_S`). A model whose code calls `InferenceRequest.exec` (which blocks until its answer)
 or names `decoupled` (whose responses are read by blocking) cannot wait on that loop: its coroutine runs to
 completion on the instance's thread instead, as a decoupled model's and a sequence model's do, in an event
 loop of the instance's own that lasts as long as the instance. An error a response carries is answered with
@@ -364,7 +364,7 @@ class TritonInstance:
 
 
 def _may_block(cls: type, module: types.ModuleType) -> bool:
-    """Whether the code of the model's module (its functions, and its classes' methods) calls `exec()` or names
+    """Whether the code of the model's module (its functions, and its classes' methods) calls `InferenceRequest.exec` or names
     `decoupled`: waits that block the thread they are made on, which the service's event loop must never do."""
     values = [*vars(module).values(), *vars(cls).values()]
     for value in list(values):

@@ -291,7 +291,7 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse(reply.output_tensors())]
 """
 
-#: An `async def execute` that calls `double` with `exec()`, which waits by blocking.
+#: An `async def execute` that calls `double` with `InferenceRequest.exec`, which waits by blocking.
 ASYNC_BUT_BLOCKING = """
 import threading
 import triton_python_backend_utils as pb_utils
@@ -573,7 +573,7 @@ async def test_an_async_execute_runs_on_the_services_loop_unless_it_blocks(
         assert ON_LOOP == [True, True, False]
         assert "held the service's event loop for" in caplog.text
 
-        # A model whose code calls exec(), which waits by blocking, runs on its thread from the start.
+        # A model whose code calls InferenceRequest.exec, which waits by blocking, runs on its thread from the start.
         ON_LOOP.clear()
         reply = await stub.ModelInfer(request_for("async_but_blocking", X=xs(1)), timeout=30)
         assert response_tensors(reply)["Y"].to_array().tolist() == xs(2).tolist()
