@@ -34,7 +34,9 @@ from pipeline.protocol.errors import (
 from pipeline.protocol.frames import extension as frames_extension
 from pipeline.protocol.sequences import SEQUENCE_ID
 from pipeline.protocol.streams import (
+    EMPTY_FINAL_PARAMETER,
     STREAM_STATUS_EXTENSION,
+    add_hop_parameters,
     error_response,
     hop_context,
     is_final,
@@ -548,14 +550,19 @@ class _Stream:
     async def one(self, request: pb.ModelInferRequest, size: int) -> None:
         """A request for a model that answers once: its response, or its error as a response."""
         call = self.call
+        empty_final = bool(request.parameters) and wants_empty_final(request)
         timeout, metadata = hop_context(request, call.metadata)
         own = call if timeout is None and metadata is call.metadata else CallContext(timeout, metadata)
         try:
             response = pb.ModelStreamInferResponse(infer_response=await self.servicer.infer(request, own))
         except Unimplemented as err:
             if request.model_name in self.decoupled:
-                # Its model was learnt to be decoupled while this request waited for it (an ensemble
-                # made available by this very request): refused before it ran, it streams now.
+                # Its model was learnt to be decoupled while this request waited for it (its first
+                # request, or an ensemble made available by this very request): refused before it ran, it
+                # streams now, with the hop's parameters it came with (deadline, trace, final flag).
+                add_hop_parameters(request, timeout, {k: v for k, v in metadata if isinstance(v, str)})
+                if empty_final:
+                    request.parameters[EMPTY_FINAL_PARAMETER].bool_param = True
                 await self.many(request, size)
                 return
             response = error_response(request, err.code, err.message, rpc_status_of(err))

@@ -429,3 +429,22 @@ async def test_generate_stream_sends_an_event_per_response_and_generate_answers_
                 assert reply.status >= 400
     finally:
         await close()
+
+
+async def test_the_first_streamed_request_of_a_decoupled_stage_model_keeps_its_final_flag(
+    tmp_path: Path,
+) -> None:
+    """The router learns that a stage model is decoupled from its first request; that request still gets the
+    final flag it asked for (`triton_enable_empty_final_response`)."""
+    root = tmp_path / "repository"
+    write_model(root, "gen", GENERATOR_MODEL, GENERATOR_CONFIG)
+    async with serving_stages([], repository=ModelRepository(root), backends=[PythonBackend()]) as stage:
+        await wait_serving(stage.address)
+        catalog = load_catalog(repository=root, stages={"python": stage.address})
+        async with serving_router(catalog) as router, inference_stub(router.address) as stub:
+            await wait_serving(router.address)
+            for prompt in (3, 2):  # the first request, then one for a model the router knows is decoupled
+                request = streamed("gen", f"p{prompt}", PROMPT=np.array([[prompt]], np.int32))
+                replies = [reply async for reply in stub.ModelStreamInfer(iter([request]), timeout=30)]
+                assert [is_final(r) for r in replies] == [False] * prompt + [True], prompt
+                assert not replies[-1].infer_response.outputs
