@@ -28,7 +28,7 @@ async def _scaled(link: ServerLink, metadata: tuple[tuple[str, str], ...] = ()) 
 
 
 @pytest.mark.parametrize(("options", "transport"), [({"frames_port": 0}, "frames"), ({}, "stream")])
-async def test_a_stage_is_called_the_cheapest_way_it_offers(options, transport) -> None:
+async def test_a_stage_is_called_the_cheapest_way_it_offers(options, transport, monkeypatch) -> None:
     async with serving_stages([Scale()], options=options) as stage:
         await wait_serving(stage.address)
         async with grpc.aio.insecure_channel(stage.address) as channel:
@@ -36,8 +36,16 @@ async def test_a_stage_is_called_the_cheapest_way_it_offers(options, transport) 
             assert link.transport == "unknown"
             await _scaled(link)
             assert link.transport == transport
+            matched = await (link.frame_connection() if transport == "frames" else link.shared_stream())
+            assert matched is not None
+            carried = []
+            infer = matched.infer
+            monkeypatch.setattr(matched, "infer", lambda *args: carried.append(args) or infer(*args))
             # A client's own metadata cannot travel in a frame or a shared stream: a unary call carries it.
             await _scaled(link, (("x-client", "mine"),))
+            assert not carried
+            await _scaled(link, (("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01"),))
+            assert len(carried) == 1  # the trace context travels in the request's parameters
             link.close()
 
 

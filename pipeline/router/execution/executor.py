@@ -39,7 +39,7 @@ from pipeline.protocol.errors import (
 )
 from pipeline.protocol.sequences import copy_sequence
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.execution.branches import Branches, skip_reason
+from pipeline.router.execution.branches import Branches
 from pipeline.router.execution.fanout import gather, split
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.scheduling.batching import DynamicBatcher
@@ -184,9 +184,6 @@ class Executor:
         values.update(outputs)
         if finished is not None:
             finished[step.index].set()
-
-    #: Why a request skips a step (see `pipeline.router.execution.branches`); the streams ask it too.
-    skip_reason = staticmethod(skip_reason)
 
     async def call_step(
         self,

@@ -35,6 +35,7 @@ from pipeline.protocol.codec import (
 )
 from pipeline.protocol.errors import DeadlineExceeded, PipelineError
 from pipeline.protocol.streams import error_response, is_final, set_final, status_of
+from pipeline.router.execution.branches import skip_reason
 from pipeline.router.execution.executor import Executor
 from pipeline.router.registry import ENSEMBLE_VERSION
 from pipeline.runtime.model_statistics import ModelStats
@@ -95,7 +96,7 @@ class EnsembleStreams:
         for step in plan.steps:
             if step is not source and step not in downstream:
                 await self._run_step(plan, step, values, request, deadline, call)
-        if self.executor.skip_reason(plan, source, values):
+        if skip_reason(plan, source, values):
             # The decoupled step does not run for this request: its one response is what the others made.
             yield set_final(self._response(plan, request, values, wanted), True)
             return
@@ -211,7 +212,7 @@ class EnsembleStreams:
     ) -> None:
         """Run one step on `values` (unless the request skips it) and add what it produced."""
         executor = self.executor
-        if executor.skip_reason(plan, step, values):
+        if skip_reason(plan, step, values):
             return
         outputs = await executor.call_step(step, values, request, deadline, call.metadata, {})
         values.update(outputs)

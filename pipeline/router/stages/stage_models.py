@@ -11,25 +11,37 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.plan import ModelSignature
+from pipeline.ensemble.plan import ModelSignature, StageEndpoint
 from pipeline.protocol.codec import specs_from_metadata
 from pipeline.protocol.errors import StageError, Unavailable
 from pipeline.protocol.model_config import batching_of_config, is_deterministic, pad_values
+from pipeline.runtime.metrics import Metrics
 
 if TYPE_CHECKING:
     from pipeline.router.stages.replicas import Replica
-    from pipeline.router.stages.stage_client import StageClient
 
 log = logging.getLogger(__name__)
 
 
+class StageCaller(Protocol):
+    """What these questions need of a stage's client (`pipeline.router.stages.stage_client.StageClient`)."""
+
+    endpoint: StageEndpoint
+    metrics: Metrics | None
+
+    @property
+    def auth(self) -> tuple[tuple[str, str], ...]: ...
+
+    async def call(self, method: str, request: object, *, timeout: float | None, what: str) -> Any: ...
+
+
 async def replica_index(
-    client: StageClient, replica: Replica, *, ready_only: bool
+    client: StageCaller, replica: Replica, *, ready_only: bool
 ) -> list[pb.RepositoryIndexResponse.ModelIndex] | None:
     """One replica's `RepositoryIndex` (None where its server has none); `Unavailable` where it cannot
     answer now, `StageError` for another failure. Replicas of a stage may serve different models, so each
@@ -58,7 +70,7 @@ async def replica_index(
     return list(reply.models)
 
 
-async def model_signature(client: StageClient, model: str) -> ModelSignature:
+async def model_signature(client: StageCaller, model: str) -> ModelSignature:
     """A model's interface, from its `ModelMetadata` and (where the stage has it) Triton's `ModelConfig`."""
     what = f"model '{model}'"
     meta = await client.call("ModelMetadata", pb.ModelMetadataRequest(name=model), timeout=2.0, what=what)
