@@ -368,6 +368,7 @@ class CallScope:
         with self._lock:
             pending, self._outbox = self._outbox, []
         groups: dict[Hashable, list[tuple[Call, _Answer]]] = {}
+        single = len(pending) == 1  # nothing to merge with: no key to compute
         for call, future in pending:
             # False: its caller stopped waiting
             wanted = (
@@ -376,7 +377,7 @@ class CallScope:
                 else future.set_running_or_notify_cancel()
             )
             if wanted:
-                groups.setdefault(call.merge_key(), []).append((call, future))
+                groups.setdefault(None if single else call.merge_key(), []).append((call, future))
         for group in groups.values():
             task = self.loop.create_task(self._answer(group))
             self._tasks.add(task)
@@ -397,7 +398,9 @@ class CallScope:
     async def _send(self, calls: list[Call]) -> list[Reply]:
         """The replies to `calls`, merged where the callee batches."""
         assert self.router is not None
-        if len(calls) > 1 and (limit := await self.router.max_batch_size(calls[0].model)) > 0:
+        if len(calls) == 1:
+            return [await self._infer(calls[0])]
+        if (limit := await self.router.max_batch_size(calls[0].model)) > 0:
             replies: list[Reply] = []
             chunk: list[Call] = []
             sizes: list[int] = []

@@ -349,7 +349,7 @@ class InferenceRequest:
             sent: asyncio.Future[bls.Reply] = scope.submit_here(self._call())
         else:
             sent = asyncio.wrap_future(scope.submit(self._call(), awaited=True), loop=loop)
-        return loop.create_task(_responded(sent))
+        return _responded(sent, loop)
 
     def _outside(self, decoupled: bool) -> InferenceResponse | ResponseIterator:
         response = InferenceResponse(
@@ -522,8 +522,31 @@ def _response(reply: bls.Reply) -> InferenceResponse:
     return InferenceResponse(tensors, parameters=reply.parameters)
 
 
-async def _responded(sent: asyncio.Future[bls.Reply]) -> InferenceResponse:
-    return _response(await sent)
+def _responded(sent: asyncio.Future[bls.Reply], loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
+    """A future of the response to the call whose reply `sent` will hold; cancelling it cancels the call.
+    Callbacks, not a task: a call's answer costs no coroutine step of its own."""
+    answered: asyncio.Future[Any] = loop.create_future()
+
+    def reply(sent: asyncio.Future[bls.Reply]) -> None:
+        if answered.done():
+            return
+        if sent.cancelled():
+            answered.cancel()
+        elif (error := sent.exception()) is not None:
+            answered.set_exception(error)
+        else:
+            try:
+                answered.set_result(_response(sent.result()))
+            except Exception as exc:  # answered, never left pending
+                answered.set_exception(exc)
+
+    def dropped(answered: asyncio.Future[Any]) -> None:
+        if answered.cancelled():
+            sent.cancel()
+
+    sent.add_done_callback(reply)
+    answered.add_done_callback(dropped)
+    return answered
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:

@@ -272,6 +272,26 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse(error=pb_utils.TritonError("done"))]
 """
 
+#: Stops waiting for its call to `slow` after 0.2 s (`slow` holds until the test releases it) and answers
+#: -1s, noting whether the call's future was cancelled by it.
+ASYNC_GIVE_UP = """
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from tests.integration.test_bls import SLOW
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X")
+        call = pb_utils.InferenceRequest(model_name="slow", inputs=[x], requested_output_names=["Y"]).async_exec()
+        try:
+            await asyncio.wait_for(call, 0.2)
+        except asyncio.TimeoutError:
+            SLOW["reply"] = call.cancelled()
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.full(4, -1, np.float32))])]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(4, np.float32))])]
+"""
+
 #: For each batch of the models below, whether it ran on the service's event loop (the main thread here).
 ON_LOOP: list[bool] = []
 
@@ -362,6 +382,7 @@ def write_repository(root: Path) -> Path:
         "slow": (HOLD_UNTIL_RELEASED, 0, 1, ""),
         "call_slow": (CALL_AND_RECORD, 0, 1, ""),
         "async_call_slow": (ASYNC_CALL_AND_RECORD, 0, 1, ""),
+        "async_give_up": (ASYNC_GIVE_UP, 0, 1, ""),
         "async_sleeper": (ASYNC_SLEEPER, 8, 1, ""),
         "async_but_blocking": (ASYNC_BUT_BLOCKING, 8, 1, ""),
         "double_late": (DOUBLE, 64, 1, "dynamic_batching { max_queue_delay_microseconds: 5000000 }"),
@@ -558,6 +579,18 @@ async def test_cancelling_the_outer_request_cancels_its_calls(tmp_path: Path, ca
         assert not SLOW["release"].is_set()
         code, message = SLOW["reply"]
         assert code == pb_utils.TritonError.CANCELLED, message
+
+
+async def test_a_model_that_stops_waiting_for_its_call_goes_on(tmp_path: Path) -> None:
+    async with pipeline(tmp_path) as router, slow_calls(), inference_stub(router.address) as stub:
+        reply = await stub.ModelInfer(request_for("async_give_up", X=np.ones(4, np.float32)), timeout=30)
+        assert response_tensors(reply)["Y"].to_array().tolist() == [-1.0] * 4
+        assert SLOW["reply"] is True  # its call's future was cancelled, not left pending
+        assert SLOW["entered"].is_set()
+        SLOW["release"].set()  # the abandoned call's answer comes, and is dropped
+        for _ in range(2):
+            reply = await stub.ModelInfer(request_for("call_double", X=xs(1.0)), timeout=30)
+            assert response_tensors(reply)["Y"].to_array().tolist() == xs(3.0).tolist()
 
 
 async def test_an_async_execute_runs_on_the_services_loop_unless_it_blocks(
