@@ -92,8 +92,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _processes(root: int) -> dict[str, int]:
-    """The router and stage processes under the launcher `root`, by kind."""
+def descendants(root: int) -> list[int]:
+    """`root` and every process under it, parents before their children."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -103,11 +103,18 @@ def _processes(root: int) -> dict[str, int]:
             except OSError:
                 continue
             children.setdefault(parent, []).append(int(entry))
-    found: dict[str, int] = {}
-    pending = list(children.get(root, []))
+    found, pending = [], [root]
     while pending:
-        pid = pending.pop()
+        pid = pending.pop(0)
+        found.append(pid)
         pending += children.get(pid, [])
+    return found
+
+
+def _processes(root: int) -> dict[str, int]:
+    """The router and stage processes under the launcher `root`, by kind."""
+    found: dict[str, int] = {}
+    for pid in descendants(root)[1:]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                 command = cmdline.read().replace(b"\0", b" ").decode()
