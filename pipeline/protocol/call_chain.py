@@ -17,6 +17,10 @@ A chain may also name its `origin`: the router's id of the request whose model m
 router puts on every request it forwards to a stage model. The router then knows which of the requests it
 holds a call comes from, so that a batched model that such requests call may wait for the calls on their
 way (`pipeline.router.scheduling.callees`).
+
+And it carries the `priority` the client's request asked for (its `priority` parameter; 0: none), which the
+router puts on the chain where the request comes in. Every call of the chain inherits it: a batched callee
+queues a call that names no priority of its own at that level (its default level where it has fewer).
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ MAX_DEPTH = 16
 @dataclass(frozen=True, slots=True)
 class CallChain:
     """How deep a call is nested (1: called from a model that a client called), the instances that wait
-    for it (their `instance` ids, unique across processes) and its `origin` ("" where none is known)."""
+    for it (their `instance` ids, unique across processes), its `origin` ("" where none is known) and the
+    `priority` its calls inherit (0: none)."""
 
     depth: int
     waiting: frozenset[str]
     origin: str = ""
+    priority: int = 0
 
     @classmethod
     def of(cls, metadata: Sequence[tuple[str, str | bytes]]) -> CallChain | None:
@@ -53,21 +59,28 @@ class CallChain:
         depth, _, rest = text.partition(";")
         if not depth.isdigit():
             return None
-        waiting, _, origin = rest.partition(";")
-        return cls(int(depth), frozenset(name for name in waiting.split(",") if name), origin)
+        waiting, _, rest = rest.partition(";")
+        origin, _, priority = rest.partition(";")
+        return cls(
+            int(depth),
+            frozenset(name for name in waiting.split(",") if name),
+            origin,
+            int(priority) if priority.isdigit() else 0,
+        )
 
     def header(self) -> str:
-        """The chain as its metadata value: `depth;instance,instance,...;origin`."""
-        return f"{self.depth};{','.join(sorted(self.waiting))};{self.origin}"
+        """The chain as its metadata value: `depth;instance,instance,...;origin;priority`."""
+        return f"{self.depth};{','.join(sorted(self.waiting))};{self.origin};{self.priority}"
 
     def nested(self, instance: str) -> CallChain:
         """The chain of a call made by `instance` while it runs a request of this chain."""
-        return CallChain(self.depth + 1, self.waiting | {instance}, self.origin)
+        return CallChain(self.depth + 1, self.waiting | {instance}, self.origin, self.priority)
 
     @staticmethod
     def merged(chains: Iterable[CallChain | None]) -> CallChain | None:
         """The chain of a batch of calls: as deep as its deepest, waited on by every instance that waits on
-        any of them; None when no call of the batch came from a model."""
+        any of them, with the highest priority of any (the lowest level); None when no call of the batch
+        has a chain."""
         found = [chain for chain in chains if chain is not None]
         if not found:
             return None
@@ -78,7 +91,20 @@ class CallChain:
             max(c.depth for c in found),
             frozenset().union(*(c.waiting for c in found)),
             origins.pop() if len(origins) == 1 else "",
+            min((c.priority for c in found if c.priority), default=0),
         )
+
+    @staticmethod
+    def prioritized(
+        metadata: tuple[tuple[str, str | bytes], ...], priority: int
+    ) -> tuple[tuple[str, str | bytes], ...]:
+        """`metadata` whose chain (ROOT where it has none) carries `priority`, unless it carries one."""
+        chain = CallChain.of(metadata)
+        if priority <= 0 or (chain is not None and chain.priority):
+            return metadata
+        chain = CallChain(0, frozenset()) if chain is None else chain
+        header = CallChain(chain.depth, chain.waiting, chain.origin, priority).header()
+        return (*(item for item in metadata if item[0] != CALL_CHAIN_HEADER), (CALL_CHAIN_HEADER, header))
 
 
 #: The chain of a call a client made (no model waits on it).

@@ -18,12 +18,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.ensemble.catalog import declared_batching
 from pipeline.ensemble.pbtxt import ensemble_config
 from pipeline.ensemble.plan import Catalog, EnsemblePlan
+from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.codec import metadata_response, select_version
 from pipeline.protocol.errors import InvalidInput, ModelNotFound, Unavailable, Unimplemented
 from pipeline.protocol.streams import DECOUPLED_UNARY
@@ -224,7 +226,7 @@ class RouterPlane(DataPlane):
             )
         self._inflight += 1
         try:
-            return await self._infer(request, call)
+            return await self._infer(request, _prioritized(request, call))
         finally:
             self._inflight -= 1
 
@@ -268,6 +270,7 @@ class RouterPlane(DataPlane):
         """The responses to one request for a decoupled ensemble (`pipeline.router.execution.streaming`) or a decoupled
         stage model (forwarded to its stage), in order, the last marked final."""
         plan = self._ensemble(request.model_name, request.model_version)
+        call = _prioritized(request, call)
         if plan is not None:
             self._check_items(request, plan.max_batch_size > 0)
             replies = self.streams.stream(plan, request, call)
@@ -363,3 +366,17 @@ def _stage_clients(
         )
         for key, endpoint in catalog.stages.items()
     }
+
+
+def _prioritized(request: pb.ModelInferRequest, call: CallContext) -> CallContext:
+    """`call` whose chain carries the request's `priority` (an integer parameter above 0), which the calls
+    its models make inherit (`CallChain.priority`)."""
+    parameters = request.parameters
+    if "priority" not in parameters:
+        return call
+    parameter = parameters["priority"]
+    choice = parameter.WhichOneof("parameter_choice")
+    if choice not in ("int64_param", "uint64_param"):
+        return call  # a batcher refuses it, naming it; a model without one ignores it
+    priority = int(getattr(parameter, choice))
+    return replace(call, metadata=CallChain.prioritized(call.metadata, priority))

@@ -25,6 +25,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.call_chain import MAX_DEPTH
 from pipeline.protocol.codec import response_tensors
+from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.telemetry import Telemetry, span_record
 from pipeline.stage import triton_python_backend_utils as pb_utils
@@ -292,6 +293,23 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(4, np.float32))])]
 """
 
+#: What `ranked` ran, in order (each row's X[0]), and the gate that holds its batches.
+RANKED: dict = {"order": [], "entered": threading.Event(), "release": threading.Event()}
+
+#: Doubles X, noting the order of the rows it runs; each batch waits for the test's release (at most 20 s).
+RANKED_MODEL = """
+import triton_python_backend_utils as pb_utils
+from tests.integration.test_bls import RANKED
+
+class TritonPythonModel:
+    def execute(self, requests):
+        xs = [pb_utils.get_input_tensor_by_name(r, "X").as_numpy() for r in requests]
+        RANKED["order"].extend(float(row[0]) for x in xs for row in x)
+        RANKED["entered"].set()
+        RANKED["release"].wait(20)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)]) for x in xs]
+"""
+
 #: For each batch of the models below, whether it ran on the service's event loop (the main thread here).
 ON_LOOP: list[bool] = []
 
@@ -383,6 +401,8 @@ def write_repository(root: Path) -> Path:
         "call_slow": (CALL_AND_RECORD, 0, 1, ""),
         "async_call_slow": (ASYNC_CALL_AND_RECORD, 0, 1, ""),
         "async_give_up": (ASYNC_GIVE_UP, 0, 1, ""),
+        "ranked": (RANKED_MODEL, 4, 1, "dynamic_batching { priority_levels: 2 default_priority_level: 2 }"),
+        "call_ranked": (CALLER, 8, 1, _callee("ranked")),
         "async_sleeper": (ASYNC_SLEEPER, 8, 1, ""),
         "async_but_blocking": (ASYNC_BUT_BLOCKING, 8, 1, ""),
         "double_late": (DOUBLE, 64, 1, "dynamic_batching { max_queue_delay_microseconds: 5000000 }"),
@@ -402,6 +422,7 @@ async def pipeline(
     stage_telemetry: Telemetry | None = None,
     router_telemetry: Telemetry | None = None,
     router_options: dict[str, object] | None = None,
+    router_metrics: Metrics | None = None,
 ) -> AsyncIterator[Running]:
     """The repository's Python models on a stage service, and the router; the stage finds the router's
     port in a file written once the router listens, as a launcher does."""
@@ -418,7 +439,7 @@ async def pipeline(
         await wait_serving(stage.address)
         catalog = load_catalog(repository=root, stages={"python": stage.address})
         async with serving_router(
-            catalog, telemetry=router_telemetry or Telemetry(), options=router_options
+            catalog, telemetry=router_telemetry or Telemetry(), options=router_options, metrics=router_metrics
         ) as router:
             port_file.write_text(router.address.rsplit(":", 1)[1])
             await wait_serving(router.address)
@@ -591,6 +612,38 @@ async def test_a_model_that_stops_waiting_for_its_call_goes_on(tmp_path: Path) -
         for _ in range(2):
             reply = await stub.ModelInfer(request_for("call_double", X=xs(1.0)), timeout=30)
             assert response_tensors(reply)["Y"].to_array().tolist() == xs(3.0).tolist()
+
+
+async def test_a_call_inherits_the_priority_its_request_asked_for(tmp_path: Path) -> None:
+    metrics = Metrics()
+
+    def queued() -> float:
+        return metrics.registry.get_sample_value("pipeline_queue_depth", {"model": "ranked"}) or 0.0
+
+    RANKED["order"].clear()
+    RANKED["entered"].clear()
+    RANKED["release"].clear()
+    async with pipeline(tmp_path, router_metrics=metrics) as router, inference_stub(router.address) as stub:
+        try:
+            # `ranked` runs one batch at a time: the first holds it while the next two queue at the router.
+            first = asyncio.ensure_future(stub.ModelInfer(request_for("ranked", X=xs(0.0)), timeout=30))
+            assert await asyncio.to_thread(RANKED["entered"].wait, 20)
+            low = asyncio.ensure_future(stub.ModelInfer(request_for("ranked", X=xs(1.0)), timeout=30))
+            # `call_ranked` is not batched, so its request's priority only travels: its call of `ranked`
+            # queues at priority 1 (`ranked` has two levels, 2 by default).
+            request = request_for("call_ranked", X=xs(2.0))
+            request.parameters["priority"].int64_param = 1
+            high = asyncio.ensure_future(stub.ModelInfer(request, timeout=30))
+            for _ in range(400):  # until both wait in the router's queue of `ranked`
+                if queued() == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert queued() == 2
+        finally:
+            RANKED["release"].set()
+        replies = await asyncio.gather(first, low, high)
+    assert RANKED["order"] == [0.0, 2.0, 1.0]  # the call went first, ahead of the earlier request
+    assert response_tensors(replies[2])["Y"].to_array().tolist() == xs(5.0).tolist()
 
 
 async def test_an_async_execute_runs_on_the_services_loop_unless_it_blocks(

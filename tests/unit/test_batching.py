@@ -311,6 +311,18 @@ async def test_priorities_go_first():
     await batcher.aclose()
 
 
+async def test_an_inherited_priority_outside_the_levels_is_the_default_level():
+    config = BatchingConfig(max_batch_size=2, priority_levels=2, default_priority_level=2)
+    batcher = make(config, Stage())
+    # A call inherits the priority of the request whose model made it: the callee's own levels decide, and
+    # where it has fewer, its default level (as Triton takes a request's priority).
+    assert [batcher.inherited_priority(p) for p in (1, 2, 3, 9)] == [0, 1, 1, 1]
+    one_level = make(BatchingConfig(max_batch_size=2), Stage())
+    assert one_level.inherited_priority(1) == 0
+    await batcher.aclose()
+    await one_level.aclose()
+
+
 async def test_preserve_ordering_holds_a_later_batch_until_the_earlier_completes():
     stage = Stage(gated=True)
     config = BatchingConfig(max_batch_size=1, preserve_ordering=True, max_inflight_batches=2)

@@ -296,6 +296,13 @@ class DynamicBatcher(Generic[In, Out]):
             raise InvalidInput(f"{self.name}: priority {requested} is outside 1..{levels} (priority_levels)")
         return level - 1
 
+    def inherited_priority(self, priority: int) -> int:
+        """The queue index for a call that inherits `priority` from the request whose model made it (the call
+        names none of its own): as Triton takes a request's priority, one outside 1..priority_levels is the
+        default level."""
+        levels = self.config.priority_levels
+        return self.priority_of(priority if 1 <= priority <= levels else None)
+
     def deadline_of(self, grpc_deadline: float | None, timeout_us: int | None) -> float | None:
         """The earlier of the gRPC deadline and the queue timeout (the request's `timeout` or the default)."""
         config = self.config

@@ -254,15 +254,19 @@ class StageCalls:
         expected: bool = False,
     ) -> dict[str, Tensor]:
         """Queue one request's call of a batched model and wait for its outputs; `parameters` may give its
-        `priority` and queue `timeout`, `expected`: announced to the batcher by `expect()`."""
+        `priority` (else the call inherits its chain's) and queue `timeout`, `expected`: announced to the
+        batcher by `expect()`."""
         batcher, tensors = self.registry.batchers[model]
         try:
-            if parameters:
-                priority = batcher.priority_of(_int_parameter(parameters, "priority"))
-                queue_deadline = batcher.deadline_of(deadline, _int_parameter(parameters, "timeout"))
-            else:  # most requests: the batcher's defaults
-                priority = batcher.priority_of(None)
-                queue_deadline = batcher.deadline_of(deadline, None)
+            requested = _int_parameter(parameters, "priority") if parameters else None
+            chain = stage_call.chain
+            if requested is None and chain is not None and chain.priority:
+                priority = batcher.inherited_priority(chain.priority)
+            else:  # most requests: the batcher's default
+                priority = batcher.priority_of(requested)
+            queue_deadline = batcher.deadline_of(
+                deadline, _int_parameter(parameters, "timeout") if parameters else None
+            )
             key = tensors.key(stage_call)
         except BaseException:
             if expected:
