@@ -272,11 +272,14 @@ async def test_the_models_own_dynamic_batching_is_used(served):
     HOLD["entered"].clear()
     before = await router_batches(served.router, "gate")
     async with inference_stub(served.router) as stub:
-        # Its own priority_levels (2): a third level is refused by the router's batcher.
+        # A priority that is not an integer is refused by the router's batcher, as Triton refuses it.
         bad = request_for("gate", X=x)
-        bad.parameters["priority"].int64_param = 3
+        bad.parameters["priority"].string_param = "1"
         err = await rpc_error(stub.ModelInfer(bad, timeout=20))
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside 1..2" in err.details()
+        assert (
+            err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "'priority' must be an integer" in err.details()
+        )
 
         first = asyncio.ensure_future(stub.ModelInfer(request_for("gate", X=x), timeout=30))
         assert await asyncio.to_thread(HOLD["entered"].wait, 10)
@@ -294,18 +297,22 @@ async def test_the_models_own_dynamic_batching_is_used(served):
         HOLD["release"].set()
         try:
             await asyncio.gather(first, *queued)
+            # Its own priority_levels (2): a third level is its default level, as Triton takes it.
+            beyond = request_for("gate", X=x)
+            beyond.parameters["priority"].int64_param = 3
+            await stub.ModelInfer(beyond, timeout=30)
         finally:
             HOLD["release"].clear()
     assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE
     assert "(model 'gate') is saturated" in refused.details()
-    # The first went alone; the two queued behind it went to the stage as one batch.
+    # The first went alone; the two queued behind it went to the stage as one batch; the last alone.
     after = await router_batches(served.router, "gate")
-    assert {size: after[size] - before.get(size, 0) for size in after} == {1: 1, 2: 1}
+    assert {size: after[size] - before.get(size, 0) for size in after} == {1: 2, 2: 1}
 
 
 async def test_dynamic_batching_false_on_a_step_calls_a_model_without_its_own_unbatched(served):
     request = request_for("yamlchain", X=X)
-    request.parameters["priority"].int64_param = 7  # no batcher, so no priority levels to refuse it
+    request.parameters["priority"].int64_param = 7  # no batcher, so no priority levels
     async with inference_stub(served.router) as stub:
         reply = await stub.ModelInfer(request, timeout=20)
         stats = (await stub.ModelStatistics(pb.ModelStatisticsRequest(name="own_off"))).model_stats[0]

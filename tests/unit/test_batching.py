@@ -306,20 +306,11 @@ async def test_priorities_go_first():
     stage.release(2)
     await settle()
     assert [t.result() for t in high + low] == [30, 10, 20]
-    with pytest.raises(InvalidInput, match=r"priority 3 is outside 1\.\.2"):
-        batcher.priority_of(3)
+    # As Triton takes a request's priority: none, 0, or one outside 1..priority_levels is the default level.
+    assert [batcher.priority_of(p) for p in (None, 0, 1, 2, 3, 9, -1)] == [1, 1, 0, 1, 1, 1, 1]
     await batcher.aclose()
-
-
-async def test_an_inherited_priority_outside_the_levels_is_the_default_level():
-    config = BatchingConfig(max_batch_size=2, priority_levels=2, default_priority_level=2)
-    batcher = make(config, Stage())
-    # A call inherits the priority of the request whose model made it: the callee's own levels decide, and
-    # where it has fewer, its default level (as Triton takes a request's priority).
-    assert [batcher.inherited_priority(p) for p in (1, 2, 3, 9)] == [0, 1, 1, 1]
     one_level = make(BatchingConfig(max_batch_size=2), Stage())
-    assert one_level.inherited_priority(1) == 0
-    await batcher.aclose()
+    assert one_level.priority_of(1) == 0
     await one_level.aclose()
 
 

@@ -287,21 +287,14 @@ class DynamicBatcher(Generic[In, Out]):
         self._wake()
 
     def priority_of(self, requested: int | None) -> int:
-        """The queue index for a request's `priority` parameter (1 is highest)."""
+        """The queue index for a request's `priority` (1 is highest): as Triton takes it, none, 0 or one
+        outside 1..priority_levels is the default level."""
         levels = self.config.priority_levels
         if levels == 0:
             return 0
-        level = self.config.default_priority_level if requested in (None, 0) else requested
-        if not 1 <= level <= levels:
-            raise InvalidInput(f"{self.name}: priority {requested} is outside 1..{levels} (priority_levels)")
-        return level - 1
-
-    def inherited_priority(self, priority: int) -> int:
-        """The queue index for a call that inherits `priority` from the request whose model made it (the call
-        names none of its own): as Triton takes a request's priority, one outside 1..priority_levels is the
-        default level."""
-        levels = self.config.priority_levels
-        return self.priority_of(priority if 1 <= priority <= levels else None)
+        if requested is None or not 1 <= requested <= levels:
+            return self.config.default_priority_level - 1
+        return requested - 1
 
     def deadline_of(self, grpc_deadline: float | None, timeout_us: int | None) -> float | None:
         """The earlier of the gRPC deadline and the queue timeout (the request's `timeout` or the default)."""

@@ -259,11 +259,9 @@ class StageCalls:
         batcher, tensors = self.registry.batchers[model]
         try:
             requested = _int_parameter(parameters, "priority") if parameters else None
-            chain = stage_call.chain
-            if requested is None and chain is not None and chain.priority:
-                priority = batcher.inherited_priority(chain.priority)
-            else:  # most requests: the batcher's default
-                priority = batcher.priority_of(requested)
+            if requested is None and stage_call.chain is not None:
+                requested = stage_call.chain.priority  # what the request whose model calls asked for
+            priority = batcher.priority_of(requested)
             queue_deadline = batcher.deadline_of(
                 deadline, _int_parameter(parameters, "timeout") if parameters else None
             )
