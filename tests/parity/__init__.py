@@ -11,6 +11,8 @@ HERE = Path(__file__).resolve().parent
 REPOSITORY = HERE / "repository"
 #: The models that run one of the shared sources of `models/` (their configs' parameters say what each does).
 SHARED_SOURCES = {
+    "add_one": "add_one.py",
+    "add_one_ranked": "add_one.py",
     "bls_forward": "bls_caller.py",
     "bls_output_names": "bls_caller.py",
     "bls_report_error": "bls_caller.py",

@@ -184,6 +184,11 @@ def exchange(url: str, repository: str | None = None, *, sleep: Callable[[float]
         }
         ex.infer(case, "bls_sequence", inputs)
 
+    # ---- priority ----
+    # A batched model with two levels: a priority outside them (0, 3, 9) is its default level.
+    for priority in (1, 2, 0, 3, 9):
+        ex.infer(f"priority_{priority}", "add_one_ranked", {"X": x(priority)}, priority=priority)
+
     # ---- sequence batching ----
     # Two sequences, interleaved.
     ex.step("seq_11_start", 1, 11, start=True)
