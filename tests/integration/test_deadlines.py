@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 from collections.abc import Mapping
 
 import grpc
@@ -116,6 +117,12 @@ async def test_the_digits_preprocess_stops_decoding_when_its_client_has_gone(
         if len(decoded) == 1:  # the first image of the big batch holds on until its client has gone
             entered.set()
             release.wait(30)
+            # The client saw its deadline pass; the stage's copy of it, sent over the wire as time left, ends
+            # a little later (by the request's transit): hold on until the stage knows too, as a longer
+            # decode would.
+            gone = time.monotonic() + 30
+            while not stage.expired() and time.monotonic() < gone:
+                time.sleep(0.001)
         return decode(image, where)
 
     monkeypatch.setattr(module, "_decode_one", held_decode)
