@@ -264,9 +264,11 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     code = 0
     try:
         if _wait_listening(folder, children, http=args.http_port is not None):
-            write_port(getattr(args, "port_file", None), port)
+            # The HTTP port first, as one router process writes them: whoever waits for the gRPC port's file
+            # then finds the HTTP one.
             if args.http_port is not None:
                 write_port(getattr(args, "http_port_file", None), reserved[1].getsockname()[1])
+            write_port(getattr(args, "port_file", None), port)
         pending = list(children)
         while pending:
             pid, status = os.wait()
