@@ -26,7 +26,7 @@ queues a call that names no priority of its own at that level (its default level
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: The metadata key (a request parameter on streams and frames) that carries a call's chain.
 CALL_CHAIN_HEADER = "pipeline-call-chain"
@@ -99,11 +99,10 @@ class CallChain:
         metadata: tuple[tuple[str, str | bytes], ...], priority: int
     ) -> tuple[tuple[str, str | bytes], ...]:
         """`metadata` whose chain (ROOT where it has none) carries `priority`, unless it carries one."""
-        chain = CallChain.of(metadata)
-        if priority <= 0 or (chain is not None and chain.priority):
+        chain = CallChain.of(metadata) or ROOT
+        if priority <= 0 or chain.priority:
             return metadata
-        chain = CallChain(0, frozenset()) if chain is None else chain
-        header = CallChain(chain.depth, chain.waiting, chain.origin, priority).header()
+        header = replace(chain, priority=priority).header()
         return (*(item for item in metadata if item[0] != CALL_CHAIN_HEADER), (CALL_CHAIN_HEADER, header))
 
 

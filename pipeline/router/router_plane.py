@@ -34,7 +34,7 @@ from pipeline.router.execution.availability import EnsembleAvailability
 from pipeline.router.execution.executor import Executor
 from pipeline.router.execution.streaming import EnsembleStreams
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
-from pipeline.router.scheduling.calls import StageCalls
+from pipeline.router.scheduling.calls import StageCalls, int_parameter
 from pipeline.router.stages.discovery import StageDiscovery
 from pipeline.router.stages.fleet import FleetControl
 from pipeline.router.stages.stage_client import StageClient
@@ -369,14 +369,12 @@ def _stage_clients(
 
 
 def _prioritized(request: pb.ModelInferRequest, call: CallContext) -> CallContext:
-    """`call` whose chain carries the request's `priority` (an integer parameter above 0), which the calls
-    its models make inherit (`CallChain.priority`)."""
-    parameters = request.parameters
-    if "priority" not in parameters:
+    """`call` whose chain carries the request's `priority`, which the calls its models make inherit
+    (`CallChain.priority`)."""
+    if "priority" not in request.parameters:
         return call
-    parameter = parameters["priority"]
-    choice = parameter.WhichOneof("parameter_choice")
-    if choice not in ("int64_param", "uint64_param"):
+    try:
+        priority = int_parameter(request.parameters, "priority")
+    except InvalidInput:
         return call  # a batcher refuses it, naming it; a model without one ignores it
-    priority = int(getattr(parameter, choice))
-    return replace(call, metadata=CallChain.prioritized(call.metadata, priority))
+    return replace(call, metadata=CallChain.prioritized(call.metadata, priority or 0))

@@ -258,12 +258,12 @@ class StageCalls:
         batcher by `expect()`."""
         batcher, tensors = self.registry.batchers[model]
         try:
-            requested = _int_parameter(parameters, "priority") if parameters else None
+            requested = int_parameter(parameters, "priority") if parameters else None
             if requested is None and stage_call.chain is not None:
                 requested = stage_call.chain.priority  # what the request whose model calls asked for
             priority = batcher.priority_of(requested)
             queue_deadline = batcher.deadline_of(
-                deadline, _int_parameter(parameters, "timeout") if parameters else None
+                deadline, int_parameter(parameters, "timeout") if parameters else None
             )
             key = tensors.key(stage_call)
         except BaseException:
@@ -360,7 +360,7 @@ def _item_errors(err: StageError, calls: Sequence[StageCall]) -> dict[int, Stage
     }
 
 
-def _int_parameter(parameters: Mapping[str, pb.InferParameter], key: str) -> int | None:
+def int_parameter(parameters: Mapping[str, pb.InferParameter], key: str) -> int | None:
     """A request parameter given as int64 or uint64 (`priority`, `timeout`), or None."""
     if key not in parameters:
         return None
