@@ -1,5 +1,6 @@
 """Any OIP server as a stage: one that implements only the protocol's core RPCs, with no `grpc.health.v1`, no
-`ModelConfig`, and a `ModelMetadata` that lists no tensors, as one branch of a fan-out ensemble."""
+`ModelConfig`, and a `ModelMetadata` that lists no tensors, as one branch of a fan-out ensemble; and one whose
+`RepositoryIndex` writes its states as MLServer 1.7 does ("State.READY")."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
@@ -55,6 +57,19 @@ class PlainServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
+class MLServerLikeServicer(PlainServicer):
+    """A `PlainServicer` with MLServer 1.7's `RepositoryIndex`: its states are Python's `str` of an enum
+    member ("State.READY", "State.UNAVAILABLE"), and its entries carry no version."""
+
+    async def RepositoryIndex(self, request, context):
+        state = "State.READY" if self.ready else "State.UNAVAILABLE"
+        if request.ready and not self.ready:
+            return pb.RepositoryIndexResponse()
+        return pb.RepositoryIndexResponse(
+            models=[pb.RepositoryIndexResponse.ModelIndex(name="negate", state=state)]
+        )
+
+
 @contextlib.asynccontextmanager
 async def plain_server(servicer: PlainServicer) -> AsyncIterator[str]:
     server = grpc.aio.server()
@@ -67,7 +82,10 @@ async def plain_server(servicer: PlainServicer) -> AsyncIterator[str]:
         await server.stop(0)
 
 
-def fan_out(folder: Path, ours: str, plain: str) -> None:
+def fan_out(folder: Path, ours: str, plain: str, *, name_stage: bool = True) -> None:
+    """The ensemble `fan`: `scale` on our stage beside `negate` on the plain one (where `name_stage`, the step
+    names its stage; else the router finds it in the stages' `RepositoryIndex`)."""
+    on_plain = ", stage: plain" if name_stage else ""
     (folder / "fan.yaml").write_text(
         f"""
 name: fan
@@ -77,7 +95,7 @@ inputs: [{{name: X, datatype: FP32, shape: [-1, 3]}}]
 outputs: [{{name: DOUBLED, datatype: FP32, shape: [-1, 3]}}, {{name: NEGATED, datatype: FP32, shape: [-1, 3]}}]
 steps:
   - {{model_name: scale, stage: ours, input_map: {{X: X}}, output_map: {{Y: DOUBLED}}}}
-  - {{model_name: negate, stage: plain, input_map: {{X: X}}, output_map: {{NEG: NEGATED}}}}
+  - {{model_name: negate{on_plain}, input_map: {{X: X}}, output_map: {{NEG: NEGATED}}}}
 """
     )
 
@@ -113,6 +131,32 @@ async def test_a_plain_oip_server_serves_one_branch_and_its_readiness_counts(tmp
                 await router_ready(stub, False)
                 assert not (await stub.ModelReady(pb.ModelReadyRequest(name="fan"))).ready
                 plain.ready = True
+                await router_ready(stub, True)
+                reply = await stub.ModelInfer(request_for("fan", X=X[:1]), timeout=10)
+                np.testing.assert_array_equal(response_tensors(reply)["NEGATED"].to_array(), -X[:1])
+
+
+@pytest.mark.parametrize("name_stage", [True, False], ids=["step-names-stage", "found-in-index"])
+async def test_a_stage_whose_index_writes_mlserver_states_serves(tmp_path, name_stage):
+    """MLServer 1.7 answers `RepositoryIndex` with "State.READY": its `ModelReady` settles whether the model
+    serves, so an ensemble with a step on it becomes ready and serves, and follows its readiness."""
+    foreign = MLServerLikeServicer()
+    async with serving_stages([Scale()]) as ours, plain_server(foreign) as address:
+        fan_out(tmp_path, ours.address, address, name_stage=name_stage)
+        async with serving_router(load_ensembles([tmp_path])) as router:
+            await wait_serving(router.address)
+            async with inference_stub(router.address) as stub:
+                await router_ready(stub, True)
+                reply = await stub.ModelInfer(request_for("fan", X=X), timeout=10)
+                np.testing.assert_array_equal(response_tensors(reply)["NEGATED"].to_array(), -X)
+                index = await stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True))
+                assert {m.name for m in index.models} >= {"fan", "negate"}
+                assert (await stub.ModelReady(pb.ModelReadyRequest(name="negate"))).ready
+
+                foreign.ready = False
+                await router_ready(stub, False)
+                assert not (await stub.ModelReady(pb.ModelReadyRequest(name="fan"))).ready
+                foreign.ready = True
                 await router_ready(stub, True)
                 reply = await stub.ModelInfer(request_for("fan", X=X[:1]), timeout=10)
                 np.testing.assert_array_equal(response_tensors(reply)["NEGATED"].to_array(), -X[:1])

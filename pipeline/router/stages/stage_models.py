@@ -3,11 +3,13 @@
 The interface comes from the model's `ModelMetadata` and, where the stage has it, Triton's `ModelConfig`
 (batching, padding, caching, decoupled, sequence batching); a plain OIP server without `ModelConfig` batches
 where every tensor's shape leads with -1. A replica's `RepositoryIndex` tells which models it serves, as
-replicas of one stage may serve different ones.
+replicas of one stage may serve different ones; where it writes a state other than Triton's, the model's
+`ModelReady` says whether it is READY.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from dataclasses import replace
@@ -26,6 +28,10 @@ if TYPE_CHECKING:
     from pipeline.router.stages.replicas import Replica
 
 log = logging.getLogger(__name__)
+
+#: The states Triton writes in a `RepositoryIndex`. Other servers write others (MLServer 1.7: "State.READY"),
+#: which say nothing sure: the replica's `ModelReady` is asked instead.
+MODEL_STATES = frozenset({"UNKNOWN", "READY", "UNAVAILABLE", "LOADING", "UNLOADING"})
 
 
 class StageCaller(Protocol):
@@ -67,7 +73,31 @@ async def replica_index(
         raise StageError(f"the repository index of {where}: {details}", code) from None
     if client.metrics is not None:
         client.metrics.stage_calls.labels(name, "OK").inc()
-    return list(reply.models)
+    models = list(reply.models)
+    unclear = [m for m in models if m.state not in MODEL_STATES]
+    if unclear:
+        await asyncio.gather(*(_confirm_ready(client, replica, m) for m in unclear))
+    return models
+
+
+async def _confirm_ready(
+    client: StageCaller, replica: Replica, model: pb.RepositoryIndexResponse.ModelIndex
+) -> None:
+    """Mark an index entry whose state is not one of Triton's (MLServer 1.7 writes "State.READY") READY where
+    the replica's `ModelReady` says the model version is; it keeps the state it had otherwise, or where the
+    replica cannot answer now."""
+    try:
+        reply = await replica.stub.ModelReady(
+            pb.ModelReadyRequest(name=model.name, version=model.version), timeout=2.0, metadata=client.auth
+        )
+    except grpc.aio.AioRpcError as err:
+        if client.metrics is not None:
+            client.metrics.stage_calls.labels(client.endpoint.name, err.code().name).inc()
+        return
+    if client.metrics is not None:
+        client.metrics.stage_calls.labels(client.endpoint.name, "OK").inc()
+    if reply.ready:
+        model.state = "READY"
 
 
 async def model_signature(client: StageCaller, model: str) -> ModelSignature:
