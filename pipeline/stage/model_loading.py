@@ -63,6 +63,13 @@ class ModelLoading:
         self.repository = repository
         self.backends = {name: backend for backend in backends for name in backend.names}
         self._only = set(models) if models is not None else None
+        #: The folders the repository held at start-up that this service was not given: other services'
+        #: (`pipeline.stage.placement`). A folder that appears later is anyone's who runs its backend.
+        self._others = (
+            frozenset(n for n in repository.names() if n not in self._only)
+            if repository is not None and self._only is not None
+            else frozenset()
+        )
         self.control = control
         self._sequences = sequences
         self._stages = list(stages)
@@ -75,9 +82,17 @@ class ModelLoading:
         self._lifecycle = asyncio.Lock()
 
     def _wanted_names(self) -> list[str]:
+        """The repository models this service loads at start-up."""
         if self.repository is None:
             return []
         return [n for n in self.repository.names() if self._only is None or n in self._only]
+
+    def _listed_names(self) -> list[str]:
+        """The repository models its `RepositoryIndex` lists: all but those the repository held at start-up
+        for other services, so that a folder added since can be found, and loaded, through the router."""
+        if self.repository is None:
+            return []
+        return [n for n in self.repository.names() if n not in self._others]
 
     # ---- loading and unloading -----------------------------------------------------------------------------
 
@@ -297,7 +312,7 @@ class ModelLoading:
         reply = pb.RepositoryIndexResponse()
         on_disk: dict[str, tuple[str, ...]] = {}
         problems: dict[str, str] = {}
-        for name in self._wanted_names():
+        for name in self._listed_names():
             try:
                 entry = repository.read(name)
             except RepositoryError as exc:

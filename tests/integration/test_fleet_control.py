@@ -434,3 +434,42 @@ async def test_the_index_folds_each_replicas_state_into_one(tmp_path):
             (entry,) = [m for m in index.models if m.name == "versioned"]
             assert (entry.state, entry.reason) == ("READY", "")
             assert await _ready_versions(second.address) == {"1"}
+
+
+def _add_model(root: Path, name: str) -> None:
+    """A folder for model `name` (version 1 answers 1) in the repository at `root`."""
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "config.pbtxt").write_text(VERSIONED_CONFIG.replace('"versioned"', f'"{name}"'))
+    (root / name / "1" / "model.py").write_text(VERSIONED_MODEL)
+
+
+async def test_a_model_folder_added_after_start_up_loads_through_the_router(tmp_path):
+    """The stage was given its models at start-up (as `pipeline run` places them); folders added to its
+    repository later are found by the router and loaded on it, over gRPC and HTTP, then served. A folder its
+    repository held at start-up for another service is still not its own."""
+    root = tmp_path / "a"
+    repository = _repository(root, ("1", VERSIONED_MODEL))
+    _add_model(root, "elsewhere")
+    stage = serving_stages(
+        [], repository=repository, backends=[PythonBackend()], options=EXPLICIT, models=["versioned"]
+    )
+    async with stage as first:
+        await wait_serving(first.address)
+        (tmp_path / "follows.yaml").write_text(ENSEMBLE.format(a=first.address, b=first.address))
+        async with (
+            serving_router(load_ensembles([tmp_path / "follows.yaml"]), options=EXPLICIT) as router,
+            inference_stub(router.address) as stub,
+            aiohttp.ClientSession(f"http://{router.http_address}") as http,
+        ):
+            await wait_serving(router.address)
+            _add_model(root, "by_grpc")
+            _add_model(root, "by_http")
+            await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="by_grpc"), timeout=60)
+            async with http.post("/v2/repository/models/by_http/load", json={}) as reply:
+                assert reply.status == 200, await reply.text()
+            assert await _version(stub, "by_grpc") == await _version(stub, "by_http") == 1.0
+            error = await rpc_error(
+                stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="elsewhere"))
+            )
+            assert error.code() == grpc.StatusCode.NOT_FOUND
+            assert "no stage's model repository has it" in error.details()
