@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -43,12 +42,18 @@ from typing import Any, ClassVar
 import grpc
 import numpy as np
 
-from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.datatypes import DATATYPES, datatype_of
-from pipeline.protocol.model_config import config_datatype, datatype_of_config
 from pipeline.stage import bls
 
-# Part of the module's API (what `auto_complete_config` gets), kept in a module of its own.
+# Parts of the module's API kept in modules of their own: its datatype helpers, its errors, and the
+# `ModelConfig` that `auto_complete_config` gets.
+from pipeline.stage.triton_datatypes import TRITON_STRING_TO_NUMPY as TRITON_STRING_TO_NUMPY
+from pipeline.stage.triton_datatypes import deserialize_bytes_tensor as deserialize_bytes_tensor
+from pipeline.stage.triton_datatypes import numpy_to_triton_type as numpy_to_triton_type
+from pipeline.stage.triton_datatypes import serialize_byte_tensor as serialize_byte_tensor
+from pipeline.stage.triton_datatypes import triton_string_to_numpy as triton_string_to_numpy
+from pipeline.stage.triton_datatypes import triton_to_numpy_type as triton_to_numpy_type
+from pipeline.stage.triton_errors import TritonError as TritonError
+from pipeline.stage.triton_errors import TritonModelException as TritonModelException
 from pipeline.stage.triton_model_config import ModelConfig as ModelConfig
 
 #: Sequence flags of a request (Triton's `TRITONSERVER_RequestFlag`).
@@ -65,39 +70,6 @@ TRITONSERVER_MEMORY_CPU = 1
 
 #: Where a model's `Logger` lines go.
 _model_log = logging.getLogger("triton_python_backend_utils")
-_LENGTH = struct.Struct("<I")
-
-
-class TritonModelException(Exception):
-    """What Triton raises for a failed model call; a model may raise it too."""
-
-
-class TritonError:
-    """An error carried by an `InferenceResponse` (Triton's codes as class attributes)."""
-
-    UNKNOWN = 0
-    INTERNAL = 1
-    NOT_FOUND = 2
-    INVALID_ARG = 3
-    UNAVAILABLE = 4
-    UNSUPPORTED = 5
-    ALREADY_EXISTS = 6
-    CANCELLED = 7
-
-    def __init__(self, message: str, code: int = INTERNAL) -> None:
-        self._message = str(message)
-        self._code = code
-
-    def message(self) -> str:
-        """The error's text."""
-        return self._message
-
-    def code(self) -> int:
-        """One of the class's codes."""
-        return self._code
-
-    def __repr__(self) -> str:
-        return f"TritonError({self._message!r}, {self._code})"
 
 
 class Logger:
@@ -572,68 +544,6 @@ def get_output_config_by_name(model_config: Mapping[str, Any], name: str) -> dic
 def using_decoupled_model_transaction_policy(model_config: Mapping[str, Any]) -> bool:
     """Whether a model config (the dict of `json.loads(args["model_config"])`) declares the model decoupled."""
     return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
-
-
-def triton_string_to_numpy(triton_type: str) -> type:
-    """The numpy type of a config datatype: "TYPE_FP32" → numpy.float32, "TYPE_STRING" → numpy.object_."""
-    name = triton_type.removeprefix("TYPE_")
-    datatype = "BYTES" if name == "STRING" else name
-    if datatype not in DATATYPES:
-        raise TritonModelException(f"unknown Triton datatype {triton_type!r}")
-    return DATATYPES[datatype].type
-
-
-#: Every config datatype name and its numpy type, as Triton's module offers them.
-TRITON_STRING_TO_NUMPY: dict[str, type] = {
-    name: triton_string_to_numpy(name)
-    for name in mc.DataType.keys()  # noqa: SIM118 - an enum wrapper, not a dict
-    if name not in ("TYPE_INVALID", "TYPE_BF16")
-}
-
-
-def triton_to_numpy_type(data_type: int) -> type | None:
-    """The numpy type of a `TRITONSERVER_DataType` number (the config's `TYPE_*` value); None if unknown."""
-    try:
-        return DATATYPES[datatype_of_config(data_type)].type
-    except ValueError:
-        return None
-
-
-def numpy_to_triton_type(data_type: Any) -> int:
-    """The `TRITONSERVER_DataType` number of a numpy type (strings and bytes: TYPE_STRING)."""
-    try:
-        return int(config_datatype(datatype_of(np.empty(0, dtype=data_type))))
-    except TypeError:
-        raise TritonModelException(f"numpy type {data_type} has no Triton datatype") from None
-
-
-def serialize_byte_tensor(tensor: np.ndarray) -> bytes:
-    """A BYTES tensor (object array of bytes or str) as Triton lays it out: each element, in row-major order,
-    as a 4-byte little-endian length and its bytes (str elements as UTF-8)."""
-    parts = []
-    for element in np.asarray(tensor, dtype=object).reshape(-1):
-        data = element if isinstance(element, bytes) else str(element).encode("utf-8")
-        parts += [_LENGTH.pack(len(data)), data]
-    return b"".join(parts)
-
-
-def deserialize_bytes_tensor(encoded: bytes) -> np.ndarray:
-    """The elements of a serialized BYTES tensor, as a flat object array of bytes."""
-    view, offset, elements = memoryview(encoded), 0, []
-    while offset < len(view):
-        if offset + 4 > len(view):
-            raise TritonModelException(
-                f"serialized BYTES tensor: a length prefix is cut off at byte {offset}"
-            )
-        (length,) = _LENGTH.unpack_from(view, offset)
-        offset += 4
-        if offset + length > len(view):
-            raise TritonModelException(f"serialized BYTES tensor: an element of {length} bytes is cut off")
-        elements.append(bytes(view[offset : offset + length]))
-        offset += length
-    result = np.empty(len(elements), dtype=object)
-    result[:] = elements
-    return result
 
 
 def is_model_ready(model_name: str, model_version: str = "", **_: Any) -> bool:
