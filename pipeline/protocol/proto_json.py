@@ -21,12 +21,42 @@ _INT64_TYPES = frozenset(
 )
 
 
-def message_json(message: Message, *, every_field: bool = False) -> dict[str, Any]:
-    """`message` as a JSON object; with `every_field`, fields left at their defaults are written too."""
+def message_json(
+    message: Message, *, every_field: bool = False, every_message: bool = False
+) -> dict[str, Any]:
+    """`message` as a JSON object; with `every_field`, fields left at their defaults are written too (zeros,
+    empty strings, lists and maps: what Triton writes for a model's configuration); with `every_message`, also
+    every message field outside a oneof that is not set, as an object of its defaults (what Triton writes for
+    statistics: `{"count": 0, "ns": 0}` for a duration nothing was counted in)."""
+    if every_message:
+        filled = type(message)()
+        filled.CopyFrom(message)
+        _set_messages(filled)
+        message = filled
     data = json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=every_field
+        message,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=every_field or every_message,
     )
     return _int64_as_numbers(message, data)
+
+
+def _set_messages(message: Message) -> None:
+    """Set, in place, every message field of `message` outside a oneof, at every depth."""
+    for field in message.DESCRIPTOR.fields:
+        if field.type != FieldDescriptor.TYPE_MESSAGE:
+            continue
+        value = getattr(message, field.name)
+        if field.message_type.GetOptions().map_entry:
+            if field.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
+                for item in value.values():
+                    _set_messages(item)
+        elif field.is_repeated:
+            for item in value:
+                _set_messages(item)
+        elif field.containing_oneof is None:
+            value.SetInParent()
+            _set_messages(value)
 
 
 def _json_key(key: object) -> str:

@@ -79,6 +79,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.runtime.model_metrics import Snapshot, exposition
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GaugeSource = Callable[[], Iterable[tuple[str | tuple[str, ...], float]]]
 #: A server's `ModelStatistics` (its data plane's `statistics(name, version)`), every model when name is "".
 StatisticsSource = Callable[[str, str], Coroutine[Any, Any, pb.ModelStatisticsResponse]]
+#: A server's model metric families (`pipeline.runtime.model_metrics`): its process's, or its stages'.
+FamiliesSource = Callable[[], Coroutine[Any, Any, list[Snapshot]]]
 
 #: The gauge whose sources say how many requests of each model wait now (Triton's pending request count).
 QUEUE_DEPTH = "pipeline_queue_depth"
@@ -185,6 +188,7 @@ class HistogramChild:
 
 
 Child = TypeVar("Child", "CounterChild", "HistogramChild")
+T = TypeVar("T")
 
 
 class _Family(abc.ABC, Generic[Child]):
@@ -347,6 +351,7 @@ class Metrics:
         r.register(self._gauges)
         ProcessCollector(registry=r)
         self._statistics: StatisticsSource | None = None
+        self._families: FamiliesSource | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: ThreadingHTTPServer | None = None
         self.port: int | None = None
@@ -397,22 +402,38 @@ class Metrics:
         reports; read on the event loop that calls `serve()`, where the statistics are kept."""
         self._statistics = source
 
-    def exposition(self) -> bytes:
-        """The `/metrics` page: the registry's metrics, then Triton's (Prometheus text format 0.0.4)."""
-        return generate_latest(self.registry) + _triton_text(self._read_statistics(), self._pending())
+    def export_families(self, source: FamiliesSource) -> None:
+        """Show the model metric families `source` gives (Triton's custom metrics) after Triton's own; read
+        on the event loop that calls `serve()`."""
+        self._families = source
 
-    def _read_statistics(self) -> list[pb.ModelStatistics]:
-        source, loop = self._statistics, self._loop
-        if source is None or loop is None or loop.is_closed():
-            return []
-        # NOTE: scrapes run on the HTTP server's thread; the statistics belong to the event loop's.
-        future = asyncio.run_coroutine_threadsafe(source("", ""), loop)
+    def exposition(self) -> bytes:
+        """The `/metrics` page: the registry's metrics, then Triton's, then the models' families (Prometheus
+        text format 0.0.4)."""
+        statistics, families = self._statistics, self._families
+        stats = (
+            None if statistics is None else self._on_loop(lambda: statistics("", ""), "the model statistics")
+        )
+        custom = None if families is None else self._on_loop(families, "the models' metric families")
+        return (
+            generate_latest(self.registry)
+            + _triton_text([] if stats is None else stats.model_stats, self._pending())
+            + exposition(custom or []).encode()
+        )
+
+    def _on_loop(self, source: Callable[[], Coroutine[Any, Any, T]], what: str) -> T | None:
+        """What `source` gives, run on the server's event loop; None where it cannot run or it failed."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return None
+        # NOTE: scrapes run on the HTTP server's thread; the statistics and families belong to the loop's.
+        future = asyncio.run_coroutine_threadsafe(source(), loop)
         try:
-            return list(future.result(STATISTICS_TIMEOUT_S).model_stats)
+            return future.result(STATISTICS_TIMEOUT_S)
         except Exception as err:  # a scrape must not fail for it: the other metrics still come
             future.cancel()
-            log.warning("metrics: cannot read the model statistics for Triton's metrics: %r", err)
-            return []
+            log.warning("metrics: cannot read %s: %r", what, err)
+            return None
 
     def _pending(self) -> dict[str, float]:
         pending: dict[str, float] = {}

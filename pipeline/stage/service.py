@@ -17,6 +17,7 @@ from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
 from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.model_metrics import MODEL_FAMILIES, Snapshot, families_handler
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.security import (
     AccessPolicy,
@@ -143,6 +144,10 @@ async def serve_stages(
         credentials=server_credentials_of(args),
         interceptors=interceptors_of(policy),
     )
+    # The metric families its models make (Triton's custom metrics) are the process's: shown on its /metrics,
+    # and given to the router, which shows every stage's on its own.
+    plane.metrics.export_families(_model_families)
+    server.add_generic_rpc_handlers((families_handler(_model_families),))
 
     async def start() -> None:
         await stage.start(port, bound)
@@ -160,6 +165,11 @@ async def serve_stages(
         drain_delay=getattr(args, "drain_delay", 0.0),
         drain=None if stage.frames is None else stage.frames.close,
     )
+
+
+async def _model_families() -> list[Snapshot]:
+    """The metric families this process's models made."""
+    return MODEL_FAMILIES.snapshot()
 
 
 def _router_calls(args: argparse.Namespace) -> RouterCalls | None:

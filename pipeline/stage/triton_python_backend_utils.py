@@ -16,6 +16,9 @@ pb_utils` works unchanged. What is here behaves as Triton's documented API does:
   service's log under the logger `triton_python_backend_utils`;
 - the config helpers: `get_input_config_by_name`, `get_output_config_by_name`,
   `using_decoupled_model_transaction_policy`, and `ModelConfig`, which `auto_complete_config` gets;
+- custom metrics (`pipeline.stage.triton_metrics`): `MetricFamily(name, description, kind)` of kind
+  `MetricFamily.COUNTER`, `GAUGE` or `HISTOGRAM`, its `Metric(labels={...}, buckets=[...])`, and their
+  `increment`, `set`, `observe` and `value`, shown on `/metrics` as Triton shows them;
 - the type helpers `triton_string_to_numpy`, `triton_to_numpy_type`, `numpy_to_triton_type`,
   `serialize_byte_tensor`, `deserialize_bytes_tensor`, and Triton's `TRITONSERVER_*` flag constants.
 
@@ -44,8 +47,8 @@ import numpy as np
 
 from pipeline.stage import bls
 
-# Parts of the module's API kept in modules of their own: its datatype helpers, its errors, and the
-# `ModelConfig` that `auto_complete_config` gets.
+# Parts of the module's API kept in modules of their own: its datatype helpers, its errors, its custom
+# metrics, and the `ModelConfig` that `auto_complete_config` gets.
 from pipeline.stage.triton_datatypes import TRITON_STRING_TO_NUMPY as TRITON_STRING_TO_NUMPY
 from pipeline.stage.triton_datatypes import deserialize_bytes_tensor as deserialize_bytes_tensor
 from pipeline.stage.triton_datatypes import numpy_to_triton_type as numpy_to_triton_type
@@ -54,6 +57,9 @@ from pipeline.stage.triton_datatypes import triton_string_to_numpy as triton_str
 from pipeline.stage.triton_datatypes import triton_to_numpy_type as triton_to_numpy_type
 from pipeline.stage.triton_errors import TritonError as TritonError
 from pipeline.stage.triton_errors import TritonModelException as TritonModelException
+from pipeline.stage.triton_metrics import Metric as Metric
+from pipeline.stage.triton_metrics import MetricFamily as MetricFamily
+from pipeline.stage.triton_metrics import MetricKind as MetricKind
 from pipeline.stage.triton_model_config import ModelConfig as ModelConfig
 
 #: Sequence flags of a request (Triton's `TRITONSERVER_RequestFlag`).

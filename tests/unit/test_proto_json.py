@@ -51,3 +51,40 @@ def test_every_field_mode_writes_defaults_as_numbers_too() -> None:
     assert data["dynamic_batching"]["priority_queue_policy"]["2"]["default_timeout_microseconds"] == 0
     assert isinstance(data["max_batch_size"], int)
     json.dumps(data)  # plain JSON, nothing left that json cannot write
+
+
+def test_every_message_mode_writes_statistics_as_triton_does() -> None:
+    # Triton 2.51's /v2/models/<model>/stats of a model nothing was asked of yet: every field, every duration.
+    zero = {"count": 0, "ns": 0}
+    stats = pb.ModelStatisticsResponse()
+    stats.model_stats.add(name="m", version="1").batch_stats.add(batch_size=2)
+    stats.model_stats[0].response_stats["0"].success.count = 1
+    data = message_json(stats, every_message=True)
+    (model,) = data["model_stats"]
+    assert model["last_inference"] == model["inference_count"] == model["execution_count"] == 0
+    assert model["inference_stats"] == {
+        name: zero
+        for name in (
+            "success",
+            "fail",
+            "queue",
+            "compute_input",
+            "compute_infer",
+            "compute_output",
+            "cache_hit",
+            "cache_miss",
+        )
+    }
+    assert model["batch_stats"] == [
+        {"batch_size": 2, "compute_input": zero, "compute_infer": zero, "compute_output": zero}
+    ]
+    assert model["response_stats"]["0"]["success"] == {"count": 1, "ns": 0}
+    assert model["response_stats"]["0"]["empty_response"] == zero
+    assert model["memory_usage"] == []
+    assert not stats.model_stats[0].HasField("inference_stats")  # the message itself is left as it was
+    # A model's configuration: zeros written, unset messages (a tensor's reshape, the batchers) not.
+    config = message_json(
+        mc.ModelConfig(name="nobatch", input=[mc.ModelInput(name="X", dims=[4])]), every_field=True
+    )
+    assert config["max_batch_size"] == 0 and "reshape" not in config["input"][0]
+    assert "dynamic_batching" not in config and "sequence_batching" not in config

@@ -239,11 +239,13 @@ class RestFrontDoor:
     async def model_config(self, request: web.Request) -> web.Response:
         name, version = _model_of(request)
         config = await self.plane.model_config(name, version, _call_of(request))
-        return web.json_response(message_json(config))
+        # Every field, as Triton writes it: a client reads `max_batch_size` of a model that does not batch (0).
+        return web.json_response(message_json(config, every_field=True))
 
     async def statistics(self, request: web.Request) -> web.Response:
         name, version = _model_of(request)
-        return web.json_response(message_json(await self.plane.statistics(name, version)))
+        reply = await self.plane.statistics(name, version)
+        return web.json_response(message_json(reply, every_message=True))
 
     async def repository_index(self, request: web.Request) -> web.Response:
         doc = await self._json_body(request)

@@ -18,17 +18,23 @@ import asyncio
 import logging
 from collections.abc import Container, Iterable, Mapping
 
+import grpc
+
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ModelNotFound, PipelineError, StageError, Unavailable, echo
 from pipeline.router.caching.cache_policy import ResponseCaching
 from pipeline.router.registry import ModelRegistry
-from pipeline.router.stages.replicas import DOWN, SERVING
+from pipeline.router.stages.replicas import DOWN, SERVING, Replica
 from pipeline.router.stages.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.model_metrics import FAMILIES_METHOD, Snapshot, families_of, merge
 from pipeline.runtime.model_statistics import ModelStats
 
 log = logging.getLogger(__name__)
+
+#: How long a scrape waits for a replica's model metric families.
+FAMILIES_TIMEOUT_S = 2.0
 
 
 class StageDiscovery:
@@ -62,6 +68,7 @@ class StageDiscovery:
 
     def _export_gauges(self, metrics: Metrics) -> None:
         clients = self.clients
+        metrics.export_families(self.model_families)
         metrics.gauge(
             "pipeline_stage_inflight_calls",
             "The router's calls in flight to each replica of a stage",
@@ -90,6 +97,19 @@ class StageDiscovery:
             "stage",
             lambda: [(key, float(c.replicas.healthy)) for key, c in clients.items()],
         )
+
+    async def model_families(self) -> list[Snapshot]:
+        """The metric families the models of every stage made (Triton's custom metrics,
+        `pipeline.runtime.model_metrics`), each replica asked when the router is scraped and the series of
+        equal labels added up; a replica that is down, or a server without the method, adds none."""
+        asked = [
+            (client, replica)
+            for client in self.clients.values()
+            for replica in list(client.replicas.by_address.values())
+            if replica.state != DOWN
+        ]
+        answers = await asyncio.gather(*(_families_of(client, replica) for client, replica in asked))
+        return merge(family for families in answers for family in families)
 
     # --- the stage of each model ------------------------------------------------------------------------
 
@@ -275,6 +295,30 @@ async def _index_of(client: StageClient) -> Mapping[str, frozenset[str]] | Pipel
         for model, versions in (replica.index or {}).items():
             ready.setdefault(model, set()).update(versions)
     return {name: frozenset(versions) for name, versions in ready.items()}
+
+
+async def _families_of(client: StageClient, replica: Replica) -> list[Snapshot]:
+    """The model metric families of one replica; none where it cannot say."""
+    ask: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = replica.channel.unary_unary(FAMILIES_METHOD)
+    try:
+        return families_of(await ask(b"", timeout=FAMILIES_TIMEOUT_S, metadata=client.auth))
+    except grpc.aio.AioRpcError as err:
+        if err.code() != grpc.StatusCode.UNIMPLEMENTED:  # a plain OIP server has no model families to give
+            log.warning(
+                "replica %s of stage '%s' gave no model metric families: %s %s",
+                replica.address,
+                client.endpoint.name,
+                err.code().name,
+                err.details(),
+            )
+    except ValueError as err:
+        log.warning(
+            "replica %s of stage '%s' answered its model metric families with %s",
+            replica.address,
+            client.endpoint.name,
+            err,
+        )
+    return []
 
 
 def ready_of(models: Iterable[pb.RepositoryIndexResponse.ModelIndex]) -> dict[str, frozenset[str]]:
