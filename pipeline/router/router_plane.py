@@ -87,6 +87,8 @@ class RouterPlane(DataPlane):
         self.exit_on_error = exit_on_error
         self.max_batch_items = max_batch_items
         self._inflight = 0
+        #: Per model, its inference requests in flight.
+        self._inflight_models: dict[str, int] = {}
         self.registry = ModelRegistry(metrics)
         self.caching = ResponseCaching(self.registry, cache_size, telemetry=telemetry, metrics=metrics)
         clients = _stage_clients(
@@ -216,19 +218,31 @@ class RouterPlane(DataPlane):
     # --- inference -----------------------------------------------------------------------------------
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
-        limit = self.max_inflight_requests
-        if limit and self._inflight >= limit:
+        limit, name, models = self.max_inflight_requests, request.model_name, self._inflight_models
+        held = models.get(name, 0)
+        if limit:
             # NOTE: refused before anything is kept or queued: under overload the router sheds load at the
             # door instead of holding every request's tensors until it runs out of memory.
-            raise Unavailable(
-                f"the router is saturated: {self._inflight} requests in flight (max_inflight_requests "
-                f"{limit}); retry later"
-            )
+            if self._inflight >= limit:
+                raise Unavailable(
+                    f"the router is saturated: {self._inflight} requests in flight (max_inflight_requests "
+                    f"{limit}); retry later"
+                )
+            if held >= max(1, limit // 2):
+                raise Unavailable(
+                    f"model '{name}' has {held} requests in flight at the router, half of what it holds "
+                    f"(max_inflight_requests {limit}); retry later"
+                )
         self._inflight += 1
+        models[name] = held + 1
         try:
             return await self._infer(request, _prioritized(request, call))
         finally:
             self._inflight -= 1
+            if models[name] == 1:
+                del models[name]
+            else:
+                models[name] -= 1
 
     def _check_items(self, request: pb.ModelInferRequest, batching: bool) -> None:
         """Refuse a request carrying more items (dimension 0) than `max_batch_items` allows."""

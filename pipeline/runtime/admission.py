@@ -13,6 +13,13 @@ is its transport's window, not its message. A request is admitted when nothing i
 A stream's next request is not read until its bytes fit, so a client that stops reading its responses is
 not read from either, and gRPC's flow control holds the rest in the client. A stream holds at most a
 quarter of the budget, so one client that never reads cannot take it all.
+
+One connection carries the requests of many models (the router's link to a stage carries all of the stage's
+models), so what bounds it must not let one model hold the door for the others: the requests of one model on a
+connection (`ModelShares`) hold at most a quarter of the requests it may hold and of the budget. Past that, a
+request of that model is refused at once with UNAVAILABLE (as Triton refuses a request past a model's queue),
+while the connection goes on reading the requests of the other models: a slow, stuck or flooded model keeps
+its trouble to itself.
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ from pipeline.protocol.errors import Unavailable
 
 #: The share of the budget one stream may hold.
 STREAM_SHARE = 4
+#: Requests one connection (a frame connection, a `ModelStreamInfer` stream) holds at once, answered or not.
+CONNECTION_INFLIGHT = 4096
+#: The share of a connection's requests, and of the server's budget, that the requests of one model may hold.
+MODEL_SHARE = 4
 #: What serving a unary request holds, in multiples of its size: its bytes as received, the message parsed
 #: from them, and the request sent on (to a stage, or a model's tensors). Measured on the router: about 3.
 REQUEST_COST = 3
@@ -158,10 +169,15 @@ class StreamHold:
     until they are sent. Responses go to `done` with the bytes their sending gives back."""
 
     def __init__(
-        self, budget: ByteBudget, done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int] | None]
+        self,
+        budget: ByteBudget,
+        done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int, asyncio.Semaphore] | None],
+        slots: asyncio.Semaphore,
     ) -> None:
         self.budget = budget
         self.done = done
+        #: The stream's request slots: a response gives its request's back once sent.
+        self.slots = slots
         self.limit = budget.stream_limit()
         self.held = 0
         self._freed = asyncio.Event()
@@ -177,12 +193,15 @@ class StreamHold:
         await self.budget.wait(size)
         self.held += size
 
-    def put(self, response: pb.ModelStreamInferResponse, size: int = 0) -> None:
-        """A response to send; `size`: the bytes of its request that go with it."""
+    def put(
+        self, response: pb.ModelStreamInferResponse, size: int = 0, slot: asyncio.Semaphore | None = None
+    ) -> None:
+        """A response to send; `size`: the bytes of its request that go with it; `slot`: what it gives back
+        once sent (its request's slot unless said)."""
         made = response.ByteSize()
         self.budget.charge(made)
         self.held += made
-        self.done.put_nowait((response, size + made))
+        self.done.put_nowait((response, size + made, slot or self.slots))
 
     def free(self, size: int) -> None:
         """Bytes sent, or of a request that will send nothing."""
@@ -194,3 +213,43 @@ class StreamHold:
         """The stream ended: everything it still holds goes back."""
         self.budget.release(self.held)
         self.held = 0
+
+
+class ModelShares:
+    """What the requests of each model hold of one connection: how many are being served and their bytes,
+    each model within its share (`MODEL_SHARE`) of the connection's requests and of the server's budget."""
+
+    __slots__ = ("_held", "_max_bytes")
+
+    def __init__(self, budget: ByteBudget) -> None:
+        #: Per model: its requests being served and their bytes.
+        self._held: dict[str, list[int]] = {}
+        self._max_bytes = None if budget.limit is None else max(1, budget.limit // MODEL_SHARE)
+
+    #: The most requests of one model a connection serves at once.
+    max_requests = CONNECTION_INFLIGHT // MODEL_SHARE
+
+    def take(self, model: str, size: int) -> None:
+        """Count a request of `model` of `size` bytes, or refuse it (`Unavailable`) where its model holds its
+        share already. A model that holds nothing is never refused (its request is within the message limit)."""
+        held = self._held.get(model)
+        if held is None:
+            self._held[model] = [1, size]
+            return
+        count, taken = held
+        if count >= self.max_requests or (self._max_bytes is not None and taken + size > self._max_bytes):
+            raise Unavailable(
+                f"model '{model}' has {count} requests ({_mib(taken)}) being served on this connection, its "
+                f"share of what the connection holds (at most {self.max_requests} requests and "
+                f"{_mib(self._max_bytes or 0)}): try again once they are answered"
+            )
+        held[0] += 1
+        held[1] += size
+
+    def free(self, model: str, size: int) -> None:
+        """A request of `model` taken with `size` bytes is answered."""
+        held = self._held[model]
+        held[0] -= 1
+        held[1] -= size
+        if not held[0]:
+            del self._held[model]

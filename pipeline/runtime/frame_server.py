@@ -1,9 +1,12 @@
 """A server's frame port (`pipeline.protocol.frames`): inference requests in frames on a stream of their own.
 
 Each request goes through the servicer's own inference path (`InferenceServicer.infer`: its span, metrics
-and statistics), as a `ModelStreamInfer` request would. A connection holds at most `INFLIGHT` requests at
-once, answered or not, and its bytes count in the server's budget of bytes in flight
-(`pipeline.runtime.admission`): a caller that stops reading its responses is not read from either.
+and statistics), as a `ModelStreamInfer` request would. A connection holds at most `CONNECTION_INFLIGHT`
+requests at once, answered or not, and its bytes count in the server's budget of bytes in flight
+(`pipeline.runtime.admission`): a caller that stops reading its responses is not read from either. The
+requests of one model hold at most their share of both (`ModelShares`): past it, a request of that model is
+answered UNAVAILABLE at once and the connection goes on reading, so a model whose requests wait (a slow one, a
+stuck one, a flood) never holds up the others on the same connection.
 
 A server with TLS takes frames with the same TLS as gRPC (`tls`: its certificate, and with `--tls-ca` client
 certificates required and verified), never in plaintext. A connection's first frame is a `HELLO`, which the
@@ -34,6 +37,7 @@ from pipeline.protocol.frames import (
     stream_response,
 )
 from pipeline.protocol.streams import error_response, hop_context
+from pipeline.runtime.admission import CONNECTION_INFLIGHT, ModelShares
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
     AccessPolicy,
@@ -43,9 +47,6 @@ from pipeline.runtime.security import (
 from pipeline.runtime.servicer import CallContext, InferenceServicer, internal_error, rpc_status_of
 
 log = logging.getLogger(__name__)
-
-#: Requests of one connection held at once, answered or not.
-INFLIGHT = 64
 
 
 class FrameServer:
@@ -128,7 +129,8 @@ class FrameServer:
         welcome = pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(id=hello.id))
         frames.write(RESPONSE, welcome.SerializeToString())
         kind, payload = await frames.read()
-        slots = asyncio.Semaphore(INFLIGHT)
+        slots = asyncio.Semaphore(CONNECTION_INFLIGHT)
+        shares = ModelShares(self.servicer.budget)
         tasks: set[asyncio.Task[None]] = set()
         try:
             while True:
@@ -136,15 +138,22 @@ class FrameServer:
                     raise ConnectionError(f"unexpected frame kind {kind}")
                 await slots.acquire()
                 size = len(payload)
+                request = parse(pb.ModelInferRequest, payload)
+                del payload
+                try:
+                    shares.take(request.model_name, size)
+                except PipelineError as err:
+                    slots.release()
+                    frames.write(RESPONSE, _refused(request, err))
+                    kind, payload = await frames.read()
+                    continue
                 await self.servicer.budget.wait(size)  # not read further until its bytes fit
-                task = asyncio.create_task(
-                    self._answer(parse(pb.ModelInferRequest, payload), size, frames, slots)
-                )
+                task = asyncio.create_task(self._answer(request, size, frames, (slots, shares)))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 self._answering.add(task)
                 task.add_done_callback(self._answering.discard)
-                del payload
+                del request
                 kind, payload = await frames.read()
         except EOFError:
             # The caller has sent all it will: answer what it sent, then close.
@@ -155,9 +164,14 @@ class FrameServer:
                 task.cancel()
 
     async def _answer(
-        self, request: pb.ModelInferRequest, size: int, frames: FrameProtocol, slots: asyncio.Semaphore
+        self,
+        request: pb.ModelInferRequest,
+        size: int,
+        frames: FrameProtocol,
+        held: tuple[asyncio.Semaphore, ModelShares],
     ) -> None:
         budget = self.servicer.budget
+        model, taken = request.model_name, size
         try:
             timeout, metadata = hop_context(request, ())
             try:
@@ -166,9 +180,7 @@ class FrameServer:
                 reply = await self.servicer.infer(request, CallContext(timeout, metadata))
                 answer: tuple[bytes, ...] = stream_response(reply)
             except PipelineError as err:
-                answer = (
-                    error_response(request, err.code, err.message, rpc_status_of(err)).SerializeToString(),
-                )
+                answer = (_refused(request, err),)
             except Exception:
                 internal = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
                 answer = (internal.SerializeToString(),)
@@ -179,7 +191,13 @@ class FrameServer:
             await frames.drain()
         finally:
             budget.release(size)
-            slots.release()
+            held[1].free(model, taken)
+            held[0].release()
+
+
+def _refused(request: pb.ModelInferRequest, err: PipelineError) -> bytes:
+    """The response frame's payload of a request that failed with `err`."""
+    return error_response(request, err.code, err.message, rpc_status_of(err)).SerializeToString()
 
 
 def frame_server_of(

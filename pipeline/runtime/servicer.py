@@ -44,7 +44,7 @@ from pipeline.protocol.streams import (
     status_of,
     wants_empty_final,
 )
-from pipeline.runtime.admission import ByteBudget, StreamHold, cost_of
+from pipeline.runtime.admission import CONNECTION_INFLIGHT, ByteBudget, ModelShares, StreamHold, cost_of
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
 from pipeline.runtime.shared_memory import SharedMemoryRegistry
@@ -65,7 +65,8 @@ T = TypeVar("T")
 #: gRPC status code names by number.
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
-#: Requests of one `ModelStreamInfer` stream held at once, answered or not (see `ModelStreamInfer`).
+#: The responses of a stream's decoupled requests held at once, past each request's first (see
+#: `ModelStreamInfer`).
 STREAM_INFLIGHT = 64
 
 #: Metadata keys that belong to one hop and are not passed on to the next. The client's credentials are
@@ -472,19 +473,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests on a stream run concurrently; each response (or error, with its id and status) is sent
         as it completes, and a decoupled model's many responses to a request in the order it makes them.
-        A stream holds at most `STREAM_INFLIGHT` requests and responses, and its share of the budget of bytes
-        in flight (`pipeline.runtime.admission`), answered or not: a client that stops reading its responses
-        is not read from, and a decoupled model not run on, either (backpressure). `_Stream` reads and runs
+        A stream holds at most `CONNECTION_INFLIGHT` requests, `STREAM_INFLIGHT` decoupled responses past
+        each request's first, and its share of the budget of bytes in flight (`pipeline.runtime.admission`),
+        answered or not: a client that stops reading its responses is not read from, and a decoupled model
+        not run on, either (backpressure). The requests of one model hold at most their share of it
+        (`ModelShares`): past it they are refused at once, and the others still run. `_Stream` reads and runs
         the requests; this writes their responses."""
         stream = _Stream(self, CallContext.of(context))
-        done, hold, slots = stream.done, stream.hold, stream.slots
+        done, hold = stream.done, stream.hold
         reader = asyncio.create_task(stream.read(request_iterator))
         try:
             while (item := await done.get()) is not None:
-                response, size = item
+                response, size, slot = item
                 yield response
                 hold.free(size)
-                slots.release()
+                slot.release()
         finally:
             reader.cancel()
             stream.close()
@@ -495,14 +498,30 @@ class _Stream:
     own, its response put in `done` for the stream's writer. Each request takes a slot and its bytes when
     read; the writer gives them back once it has sent its response."""
 
-    __slots__ = ("call", "decoupled", "done", "hold", "sequences", "servicer", "slots", "tasks")
+    __slots__ = (
+        "call",
+        "decoupled",
+        "done",
+        "hold",
+        "responses",
+        "sequences",
+        "servicer",
+        "shares",
+        "slots",
+        "tasks",
+    )
 
     def __init__(self, servicer: InferenceServicer, call: CallContext) -> None:
         self.servicer = servicer
         self.call = call
-        self.done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int] | None] = asyncio.Queue()
-        self.hold = StreamHold(servicer.budget, self.done)
-        self.slots = asyncio.Semaphore(STREAM_INFLIGHT)
+        self.done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int, asyncio.Semaphore] | None] = (
+            asyncio.Queue()
+        )
+        self.slots = asyncio.Semaphore(CONNECTION_INFLIGHT)
+        #: A decoupled request's responses past its first, not sent yet.
+        self.responses = asyncio.Semaphore(STREAM_INFLIGHT)
+        self.hold = StreamHold(servicer.budget, self.done, self.slots)
+        self.shares = ModelShares(servicer.budget)
         self.tasks: set[asyncio.Task[None]] = set()
         self.decoupled = servicer.plane.decoupled
         #: Per sequence on this stream, its latest request: the next waits for it.
@@ -524,6 +543,11 @@ class _Stream:
                 await hold.wait_for_room()
                 request = await request_iterator.__anext__()
                 size = request.ByteSize()
+                try:
+                    self.shares.take(request.model_name, size)
+                except PipelineError as err:
+                    hold.put(error_response(request, err.code, err.message, rpc_status_of(err)))
+                    continue
                 await hold.take(size)
                 if decoupled and request.model_name in decoupled:
                     task = asyncio.create_task(self.many(request, size))
@@ -541,11 +565,15 @@ class _Stream:
                     task = asyncio.create_task(self.one(request, size))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
+                task.add_done_callback(functools.partial(self._answered, request.model_name, size))
         except StopAsyncIteration:
             pass
         while tasks:
             await asyncio.gather(*list(tasks), return_exceptions=True)
         self.done.put_nowait(None)
+
+    def _answered(self, model: str, size: int, _: asyncio.Task[None]) -> None:
+        self.shares.free(model, size)
 
     async def one(self, request: pb.ModelInferRequest, size: int) -> None:
         """A request for a model that answers once: its response, or its error as a response."""
@@ -579,16 +607,18 @@ class _Stream:
 
     async def many(self, request: pb.ModelInferRequest, size: int) -> None:
         """A decoupled request. The reader took a slot and `size` bytes for it; each response after its
-        first takes one more slot, which the writer gives back once it has sent it (the request's bytes go
-        back with its first response)."""
-        slots, hold = self.slots, self.hold
+        first takes one of the stream's `responses`, which the writer gives back once it has sent it (the
+        request's bytes and slot go back with its first response)."""
+        slots, responses, hold = self.slots, self.responses, self.hold
         sent = 0
 
         async def send(reply: pb.ModelStreamInferResponse) -> None:
             nonlocal sent
             if sent:
-                await slots.acquire()
-            hold.put(reply, 0 if sent else size)
+                await responses.acquire()
+                hold.put(reply, 0, responses)
+            else:
+                hold.put(reply, size)
             sent += 1
 
         try:
