@@ -12,8 +12,7 @@ A stage service serves its process's families on `/metrics` and, for the router,
 `FAMILIES_METHOD` (`families_handler`): the router asks each replica of each stage when it is scraped, adds up
 the series of equal labels (`merge`) and writes them on its own `/metrics` (`exposition`). The text is
 Triton's: `# HELP` and `# TYPE` lines, labels sorted by name, a histogram's `_count`, `_sum`, then its
-cumulative `_bucket`s, and numbers written as the shortest text that reads back to the same value (`5.5`,
-`17`, `1e+05`, `Nan`), as Triton's prometheus-cpp writes them.
+cumulative `_bucket`s, and numbers as Triton's prometheus-cpp writes them (`5.5`, `17`, `100000`, `Nan`).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import math
 import re
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from decimal import Decimal
 from typing import Any
 
 import grpc
@@ -253,29 +251,13 @@ def _labels(labels: Sequence[tuple[str, str]]) -> str:
 
 
 def number(value: float) -> str:
-    """`value` as prometheus-cpp writes it (C++'s `std::to_chars`): the fewest digits that read back to it, in
-    fixed or exponent notation, whichever is shorter (fixed on a tie); `Nan`, `+Inf`, `-Inf`."""
+    """`value` as prometheus-cpp writes it: C's `%.16g` (integers without a point, 16 significant digits at
+    most, trailing zeros dropped: `5.5`, `17`, `100000`, `1e+16`), and `Nan`, `+Inf`, `-Inf`."""
     if math.isnan(value):
         return "Nan"
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
-    if value == 0:
-        return "-0" if math.copysign(1.0, value) < 0 else "0"
-    sign, digits, exponent = Decimal(repr(float(value))).normalize().as_tuple()
-    assert isinstance(exponent, int)
-    text = "".join(map(str, digits))
-    point = len(text) + exponent  # where the decimal point goes in `text`
-    if point <= 0:
-        fixed = "0." + "0" * -point + text
-    elif point >= len(text):
-        fixed = text + "0" * (point - len(text))
-    else:
-        fixed = f"{text[:point]}.{text[point:]}"
-    power = point - 1
-    mantissa = text if len(text) == 1 else f"{text[0]}.{text[1:]}"
-    scientific = f"{mantissa}e{'-' if power < 0 else '+'}{abs(power):02d}"
-    shortest = fixed if len(fixed) <= len(scientific) else scientific
-    return ("-" if sign else "") + shortest
+    return format(value, ".16g")
 
 
 def families_handler(

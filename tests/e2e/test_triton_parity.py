@@ -1,8 +1,9 @@
 """Triton's answers, given by this project: the parity repository (`tests.parity.lay_out`: Python-backend
-models calling models with BLS, and a sequence-batching model), served by `pipeline run` (the stage services
-and the router as processes of their own) and asked the requests of `tests.parity.exchange` by tritonclient,
-answers what the real Triton server answered (`tests/parity/triton_answers.json`, recorded by
-`python -m tests.parity.record`).
+models calling models with BLS, a sequence-batching model, a model with custom metrics and one that completes
+its own config), served by `pipeline run` (the stage services and the router as processes of their own) and
+asked the requests of `tests.parity.exchange` by tritonclient (and its HTTP/REST JSON, and the models' metric
+families on the router's `/metrics`), answers what the real Triton server answered
+(`tests/parity/triton_answers.json`, recorded by `python -m tests.parity.record`).
 
 Outputs must be equal, error statuses too; of an error's message, the facts Triton's states (its wording may
 differ). Where this project answers otherwise on purpose, the test says how and why: the error codes of
@@ -73,14 +74,21 @@ HIDDEN = {"fail_raise", "bls_report_raise"}
 EXCEPTION = "ValueError: fail_raise is broken on purpose"
 
 
-#: Every port the OS picks, and no Prometheus port of the router's, so nothing clashes with a neighbour.
+#: The keys of a model configuration that Triton fills in with its defaults and this project leaves out
+#: (`http_config_auto_nobatch`), and those whose values differ: a Python model's platform (Triton: "",
+#: here "python", as its metadata says), its instance group's name (Triton: the model's name, here
+#: `<model>_<group>`) and the default file name (Triton: "model.py", here "": the backend knows its file).
+CONFIG_LEFT_OUT = {"version_policy", "optimization"}
+CONFIG_DIFFERENT = {"platform", "instance_group", "default_model_filename"}
+
+#: Every port the OS picks, so nothing clashes with a neighbour.
 PORTS = {
     "PIPELINE_ROUTER_PORT": "0",
-    "PIPELINE_HTTP_PORT": "off",
+    "PIPELINE_HTTP_PORT": "0",
     "PIPELINE_PREPROCESS_PORT": "0",
     "PIPELINE_MODEL_PORT": "0",
     "PIPELINE_POSTPROCESS_PORT": "0",
-    "PIPELINE_ROUTER_METRICS_PORT": "off",
+    "PIPELINE_ROUTER_METRICS_PORT": "0",
 }
 
 
@@ -114,18 +122,20 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         deadline = time.monotonic() + 120
         for line in process.stdout:  # type: ignore[union-attr]
             lines.append(line)
-            if line.startswith("pipeline: serving"):
+            if line.startswith("pipeline: Prometheus metrics:"):
                 break
             assert time.monotonic() < deadline, "".join(lines)
         else:
             raise AssertionError(f"pipeline run exited early:\n{''.join(lines)}")
-        match = re.search(r" on (\S+) \(gRPC", line)
-        assert match, line
+        serving = next(line for line in lines if line.startswith("pipeline: serving"))
+        match = re.search(r" on (\S+) \(gRPC.* and http://(\S+) \(HTTP/REST\)", serving)
+        metrics = re.search(r"router (http://\S+/metrics)", line)
+        assert match and metrics, "".join(lines)
         # Keep reading what the services log (the tracebacks of the failing models among it), so that a full
         # pipe never holds them up.
         reader.start()
         done = subprocess.run(
-            [sys.executable, "-m", "tests.parity.exchange", match.group(1), str(root)],
+            [sys.executable, "-m", "tests.parity.exchange", match[1], str(root), match[2], metrics[1]],
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -158,6 +168,9 @@ def test_same_answer_as_triton(answers: dict[str, Any], case: str) -> None:
         assert ours["error"]["status"] == "INVALID_ARGUMENT"
         assert "'text' is a string" in ours["error"]["message"] and "UINT64" in ours["error"]["message"]
         return
+    if case in ANSWERED_AS_JSON:
+        ANSWERED_AS_JSON[case](triton, ours)
+        return
     if isinstance(triton, list):  # a stream's answers, in the order sent
         assert ours == triton
         return
@@ -185,3 +198,48 @@ def test_same_answer_as_triton(answers: dict[str, Any], case: str) -> None:
         name, recorded, answered = DIFFERENT[case]
         assert (theirs.pop(name), mine.pop(name)) == (recorded, answered)
     assert mine == theirs
+
+
+def _families(lines: list[str]) -> list[tuple[str, str, list[str]]]:
+    """Each family's `# HELP` and `# TYPE` lines and its samples, sorted: Triton writes a family's series in
+    the order of their labels' hashes."""
+    families: list[tuple[str, str, list[str]]] = []
+    for line in lines:
+        if line.startswith("# HELP"):
+            families.append((line, "", []))
+        elif line.startswith("# TYPE"):
+            families[-1] = (families[-1][0], line, families[-1][2])
+        else:
+            families[-1][2].append(line)
+    return [(help_line, type_line, sorted(samples)) for help_line, type_line, samples in families]
+
+
+def _same_custom_metrics(triton: list[str], ours: list[str]) -> None:
+    assert _families(ours) == _families(triton)
+
+
+def _same_config(triton: dict[str, Any], ours: dict[str, Any]) -> None:
+    # Every field Triton writes is written, zeros and empty lists included (the auto_complete example's client
+    # reads max_batch_size 0), but for the defaults Triton adds in CONFIG_LEFT_OUT.
+    assert set(triton) - CONFIG_LEFT_OUT <= set(ours), set(triton) - set(ours)
+    for key in set(triton) - CONFIG_LEFT_OUT - CONFIG_DIFFERENT:
+        assert ours[key] == triton[key], key
+    assert ours["max_batch_size"] == 0
+
+
+def _same_index(triton: list[dict[str, Any]], ours: list[dict[str, Any]]) -> None:
+    assert sorted(ours, key=lambda m: m["name"]) == triton
+
+
+def _equal(triton: Any, ours: Any) -> None:
+    assert ours == triton
+
+
+#: Answers compared as a whole (HTTP/REST JSON, metrics), each in its own way.
+ANSWERED_AS_JSON = {
+    "metrics_custom": _same_custom_metrics,
+    "http_config_auto_nobatch": _same_config,
+    "http_metadata_auto_nobatch": _equal,
+    "http_stats_auto_nobatch": _equal,
+    "http_index": _same_index,
+}

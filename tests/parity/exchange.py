@@ -2,10 +2,12 @@
 (`tests.parity.lay_out`), with tritonclient over gRPC as Triton's users send them, and what the server
 answered to each.
 
-    python -m tests.parity.exchange HOST:PORT [REPOSITORY]     # prints the answers as JSON
+    python -m tests.parity.exchange HOST:PORT [REPOSITORY [HTTP_HOST:PORT METRICS_URL]]  # the answers as JSON
 
 Each answer is {"outputs": {name: nested list}, "datatypes": {name: "FP32"}} or
-{"error": {"status": "INVALID_ARGUMENT", "message": ...}}.
+{"error": {"status": "INVALID_ARGUMENT", "message": ...}}; with the server's HTTP/REST address and its
+Prometheus `/metrics`, also the JSON of some HTTP/REST answers (`http_*`) and the lines of the models' own
+metric families (`metrics_custom`: Triton's custom metrics).
 Messages that name the served repository's folder say `<repository>` instead (REPOSITORY: that folder).
 The requests run one after the other (a stream's requests in the order they were sent), so the answers are
 the same on every run.
@@ -17,6 +19,7 @@ import json
 import queue
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -110,6 +113,15 @@ class Exchange:
             sequence_end=end,
         )
 
+    def http(self, case: str, address: str, path: str, body: Any = None) -> None:
+        """The JSON a GET of `path` (a POST of `body`, where one is given) answers on the HTTP/REST port."""
+        data = None if body is None else json.dumps(body).encode()
+        with urllib.request.urlopen(
+            urllib.request.Request(f"http://{address}{path}", data), timeout=30
+        ) as reply:
+            assert case not in self.answers, case
+            self.answers[case] = json.loads(reply.read())
+
     def stream(self, case: str, sends: list[tuple[int, int, bool, bool]]) -> None:
         """Send (value, sequence id, start, end) requests on one stream; the answers by request, in order."""
         done: queue.Queue[tuple[Any, Any]] = queue.Queue()
@@ -145,9 +157,29 @@ def x(*rows: float) -> np.ndarray:
     return np.array([[r, r + 1, r + 2, r + 3] for r in rows], np.float32)
 
 
-def exchange(url: str, repository: str | None = None, *, sleep: Callable[[float], None] = time.sleep) -> dict:
-    """Send every request to the server at `url`; the answers by case name."""
+def custom_families(text: str, prefix: str) -> list[str]:
+    """The lines of a Prometheus exposition that belong to the families named `prefix`...: their `# HELP`,
+    `# TYPE` and samples, in the order written."""
+    return [
+        line
+        for line in text.splitlines()
+        if line.removeprefix("# HELP ").removeprefix("# TYPE ").startswith(prefix)
+    ]
+
+
+def exchange(
+    url: str,
+    repository: str | None = None,
+    *,
+    http: str | None = None,
+    metrics: str | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict:
+    """Send every request to the server at `url` (HTTP/REST ones to `http`, and read `metrics`, where given);
+    the answers by case name."""
     ex = Exchange(url, repository)
+    if http is not None and metrics is not None:
+        _http_and_metrics(ex, http, metrics)
 
     # ---- BLS ----
     ex.infer("bls_exec", "bls_exec", {"X": x(1, 5)})
@@ -232,5 +264,20 @@ def exchange(url: str, repository: str | None = None, *, sleep: Callable[[float]
     return ex.answers
 
 
+def _http_and_metrics(ex: Exchange, http: str, metrics: str) -> None:
+    # ---- custom metrics: two requests of parity_metrics (one of its two instances each, or both) ----
+    for row in (2, 1):
+        ex.infer(f"metrics_request_{row}", "parity_metrics", {"X": x(row)[0]})
+    with urllib.request.urlopen(metrics, timeout=30) as reply:
+        ex.answers["metrics_custom"] = custom_families(reply.read().decode(), "parity_")
+    # ---- HTTP/REST JSON of a model that does not batch (max_batch_size 0, from auto_complete_config) ----
+    ex.http("http_config_auto_nobatch", http, "/v2/models/auto_nobatch/config")
+    ex.http("http_metadata_auto_nobatch", http, "/v2/models/auto_nobatch")
+    ex.http("http_stats_auto_nobatch", http, "/v2/models/auto_nobatch/stats")
+    ex.http("http_index", http, "/v2/repository/index", body={})
+
+
 if __name__ == "__main__":
-    print(json.dumps(exchange(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)))
+    grpc_url, *rest = sys.argv[1:]
+    addresses = {"http": rest[1], "metrics": rest[2]} if len(rest) > 2 else {}
+    print(json.dumps(exchange(grpc_url, rest[0] if rest else None, **addresses)))

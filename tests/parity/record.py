@@ -56,8 +56,11 @@ def _python_version(home: Path) -> str:
 
 
 @contextlib.contextmanager
-def triton_server(home: Path, repository: Path, work: Path, timeout: float = 120) -> Iterator[str]:
-    """Serve `repository` with the `tritonserver` of the environment `home`; yields its gRPC host:port."""
+def triton_server(
+    home: Path, repository: Path, work: Path, timeout: float = 120
+) -> Iterator[tuple[str, str, str]]:
+    """Serve `repository` with the `tritonserver` of the environment `home`; yields its gRPC and HTTP/REST
+    host:port, and its Prometheus metrics URL."""
     version = _python_version(home)
     site = home / "lib" / f"python{version}" / "site-packages"
     server = site / "pytriton" / "tritonserver"
@@ -118,7 +121,7 @@ def triton_server(home: Path, repository: Path, work: Path, timeout: float = 120
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tritonserver not ready within {timeout} s:\n{log.read_text()}")
             time.sleep(0.5)
-        yield url
+        yield url, f"127.0.0.1:{http}", f"http://127.0.0.1:{metrics}/metrics"
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
@@ -137,9 +140,9 @@ def record(home: Path, out: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="triton-parity-") as scratch:
         work = Path(scratch)
         repository = lay_out(work / "repository")
-        with triton_server(home, repository, work) as url:
+        with triton_server(home, repository, work) as (url, http, metrics):
             metadata = triton.InferenceServerClient(url).get_server_metadata()
-            answers = exchange(url, str(repository))
+            answers = exchange(url, str(repository), http=http, metrics=metrics)
     report = {
         "server": metadata.name,
         "version": metadata.version,

@@ -58,7 +58,7 @@ def test_gauges_and_histograms() -> None:
         "# HELP unit_gauge A gauge\n"
         "# TYPE unit_gauge gauge\n"
         'unit_gauge{a="x\\"y\\\\z\\nw"} 5\n'
-        "unit_gauge 1e+05\n"
+        "unit_gauge 100000\n"
         "# HELP unit_hist A histogram\n"
         "# TYPE unit_hist histogram\n"
         'unit_hist_count{k="v"} 5\n'
@@ -185,12 +185,13 @@ def test_the_router_adds_up_the_series_of_a_stages_replicas() -> None:
     [
         (5.5, "5.5"),
         (17.0, "17"),
+        (100000.0, "100000"),  # Triton 2.51 wrote this one (tests/parity: metrics_custom)
         (123456789012.0, "123456789012"),
-        (100000.0, "1e+05"),
-        (1234567.0, "1234567"),
+        (1e16, "1e+16"),
+        (0.1 + 0.2, "0.3"),
         (0.797979797979798, "0.797979797979798"),
-        (0.0001, "1e-04"),
-        (0.25, "0.25"),
+        (0.0001, "0.0001"),
+        (0.00001, "1e-05"),
         (-3.0, "-3"),
         (0.0, "0"),
         (math.nan, "Nan"),
