@@ -3,12 +3,14 @@
 A model that calls another model from inside its `execute` waits, holding its instance, until the callee
 answers. Each such call carries a `CallChain` in its metadata (`CALL_CHAIN_HEADER`, beside the trace
 context, and like it on every hop: router, batch, stage): how deep it is nested, and which instances wait
-on it, directly or through the calls in between. Two rules follow from it:
+on it, directly or through the calls in between (each named by the request it runs: `Slot.key`). Two
+rules follow from it:
 
 - a call nested `MAX_DEPTH` deep is refused, so that a model calling itself (directly or through others)
   ends with an error instead of calling on until memory runs out;
-- a stage refuses a call at once when every instance of the callee is busy and waits on that very call
-  (a model calling itself with one instance): Triton's Python backend blocks there forever.
+- a stage refuses a call at once when every instance of the callee waits on that very call or on calls
+  waiting for an instance like it (a model calling itself with more callers at once than it has instances;
+  `pipeline.stage.pool`): Triton's Python backend blocks there forever.
 
 A batch that merges calls of several chains waits for every instance any of them waits for, and is as deep
 as the deepest (`CallChain.merged`).

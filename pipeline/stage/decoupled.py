@@ -119,17 +119,17 @@ async def replies(
     remaining = deadline.remaining()
     if remaining is not None:
         timer = loop.call_later(remaining, _expire, channel)
-    slot = await pool.idle.get()
+    slot = await pool.take()
     scope = None if scope_of is None else scope_of(slot)
     try:
         assert slot.executor is not None, "a decoupled instance runs on a thread of its own"
         running = loop.run_in_executor(slot.executor, slot.run_decoupled, arrays, deadline, channel, scope)
     except BaseException:
-        pool.idle.put_nowait(slot)
+        pool.give(slot)
         raise
 
     def returned(future: asyncio.Future[None]) -> None:
-        pool.idle.put_nowait(slot)
+        pool.give(slot)
         if future.cancelled():
             channel.fail(StageError("the model's call was cancelled", grpc.StatusCode.CANCELLED))
             return

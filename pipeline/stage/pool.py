@@ -1,5 +1,14 @@
 """The instances of one model version (Triton's `instance_group`), each on a thread of its own, and the
-queue of the idle ones that a request takes an instance from."""
+idle ones that a request takes an instance from, in turn.
+
+A model that calls models (BLS) holds its instance while it waits for its calls, so a call to a model
+whose every instance is held by requests waiting on calls like it could never run (a model calling itself
+with more callers at once than it has instances). The pool knows which requests wait on which instances
+(each request's `CallChain` names the instances waiting on it; an instance's `key` changes at each turn, so
+it names the request it runs now): it serves first the requests its own instances wait on, since only they
+can free an instance, and says when every instance waits on a request that waits for one (`wedged`), so
+that the call closing the circle is refused instead of waiting forever.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ import logging
 import time
 import types
 import uuid
+from collections import deque
 from collections.abc import Coroutine, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -15,6 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.errors import DeadlineExceeded
 from pipeline.stage.api import NO_DEADLINE, Deadline
 from pipeline.stage.backend import Instance, ResponseSink
@@ -48,8 +59,9 @@ class Slot:
 
     def __init__(self, instance: Instance, label: str, *, alone: bool = False) -> None:
         self.instance = instance
-        #: Names the instance in the chains of the calls its model makes (`pipeline.protocol.call_chain`).
-        self.key = uuid.uuid4().hex[:16]
+        self._id = uuid.uuid4().hex[:16]
+        #: How many times a request took the instance (`InstancePool.take`).
+        self.turn = 0
         self.executor = None if instance.inline else ThreadPoolExecutor(1, thread_name_prefix=label)
         #: Whether brief batches run on the event loop (see `BRIEF_S`); the first batch always goes to the
         #: thread, and is timed.
@@ -64,9 +76,11 @@ class Slot:
         self._running: asyncio.Task[tuple[dict[str, np.ndarray], int, int, int, int]] | None = None
 
     @property
-    def busy(self) -> bool:
-        """Whether the instance is running a batch."""
-        return self.started != self.finished
+    def key(self) -> str:
+        """Names the instance's request now in the chains of the calls its model makes
+        (`pipeline.protocol.call_chain`): unique across processes, and new at each turn, so that a call
+        made by an earlier request of the instance, and left behind, is not taken for one it waits on."""
+        return f"{self._id}.{self.turn}"
 
     def run(
         self, arrays: dict[str, np.ndarray], deadline: Deadline = NO_DEADLINE, scope: CallScope | None = None
@@ -196,17 +210,98 @@ def _timed(coroutine: Coroutine[Any, Any, T], held: list[float]) -> Generator[An
             value, error = None, exc
 
 
+class _Waiter:
+    """A request waiting for an instance: the chain of calls it belongs to, where its instance goes, and
+    whether it is still in line."""
+
+    __slots__ = ("chain", "future", "queued")
+
+    def __init__(self, chain: CallChain | None, future: asyncio.Future[Slot]) -> None:
+        self.chain = chain
+        self.future = future
+        self.queued = True
+
+
 @dataclass(eq=False)
 class InstancePool:
-    """The instances of a version, and a queue of the idle ones."""
+    """The instances of a version, the idle ones, and the requests waiting for one (see the module
+    docstring)."""
 
     slots: list[Slot]
-    idle: asyncio.Queue[Slot] = field(default_factory=asyncio.Queue)
     unloaded: bool = False
+    _idle: deque[Slot] = field(init=False, repr=False)
+    _waiting: deque[_Waiter] = field(init=False, repr=False)
+    #: How many of the waiters belong to a chain of calls (the others come from clients).
+    _chained: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for slot in self.slots:
-            self.idle.put_nowait(slot)
+        self._idle = deque(self.slots)
+        self._waiting = deque()
+
+    async def take(self, chain: CallChain | None = None, timeout: float | None = None) -> Slot:
+        """An idle instance, once it is this request's turn (`chain`: the chain of calls it belongs to, if a
+        model made it); a request that the pool's own instances wait on goes ahead of the others. Raises
+        `DeadlineExceeded` where none came within `timeout` seconds: the request was not started."""
+        if self._idle and not self._waiting:
+            return self._turn(self._idle.popleft())
+        future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(chain, future)
+        self._waiting.append(waiter)
+        self._chained += chain is not None
+        taken = False
+        try:
+            async with asyncio.timeout(timeout):
+                slot = await future
+            taken = True
+            return slot
+        except TimeoutError:
+            raise DeadlineExceeded(NOT_STARTED_MESSAGE) from None
+        finally:
+            if waiter.queued:
+                self._leave(waiter)
+            elif not taken and not future.cancelled():
+                self.give(future.result())  # given to it as it went away: the next one's
+
+    def give(self, slot: Slot) -> None:
+        """An instance is idle again: to the first request waiting that the pool's own instances wait on, else
+        to the first one waiting."""
+        while self._waiting:
+            waiter = self._next() if self._chained else self._waiting[0]
+            self._leave(waiter)
+            if not waiter.future.done():  # else cancelled, its task not yet told
+                waiter.future.set_result(self._turn(slot))
+                return
+        self._idle.append(slot)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        self._waiting.remove(waiter)
+        waiter.queued = False
+        self._chained -= waiter.chain is not None
+
+    def _next(self) -> _Waiter:
+        keys = {slot.key for slot in self.slots}
+        for waiter in self._waiting:
+            if waiter.chain is not None and not keys.isdisjoint(waiter.chain.waiting):
+                return waiter
+        return self._waiting[0]
+
+    @staticmethod
+    def _turn(slot: Slot) -> Slot:
+        slot.turn += 1
+        return slot
+
+    def wedged(self, chain: CallChain) -> bool:
+        """Whether a request of `chain` could never get an instance: none is idle, and each waits (through
+        the calls its request made) on this request or on a request waiting for an instance here. Only a
+        request that gives up could then free one."""
+        if self._idle:
+            return False
+        keys = {slot.key for slot in self.slots}
+        waited = keys & chain.waiting
+        for waiter in self._waiting:
+            if waiter.chain is not None and not waiter.future.done():
+                waited |= keys & waiter.chain.waiting
+        return waited == keys
 
     async def load(self) -> None:
         """Load the first instance alone (it may build and cache an engine the others reuse), then the rest

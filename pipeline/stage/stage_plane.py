@@ -43,7 +43,6 @@ from pipeline.protocol.errors import (
     InvalidInput,
     ModelNotFound,
     PipelineError,
-    ResourceExhausted,
     Unavailable,
     Unimplemented,
 )
@@ -282,8 +281,9 @@ class StagePlane(DataPlane):
         is answered DEADLINE_EXCEEDED and never run; one whose caller goes away while it runs has its
         deadline marked, so that a stage checking `expired()` stops early, and the calls its model made to
         other models cancelled. `chain`: the chain of model calls the request belongs to, if a model made
-        it; it is refused at once when every instance is busy waiting on it (`_check_waits`). A request of a
-        `sequence` goes through the version's sequence batcher instead."""
+        it; such a request goes ahead of clients' requests where the version's own instances wait on it, and
+        is refused at once where every instance waits on it or on requests like it (`InstancePool.wedged`).
+        A request of a `sequence` goes through the version's sequence batcher instead."""
         if served.retired:
             # Replaced between lookup and execution: use what serves that version now, if anything does.
             served = self._get(served.name, served.version)
@@ -299,9 +299,10 @@ class StagePlane(DataPlane):
                 wall_start = time.time_ns()
                 result, queue_ns, compute_ns = await served.sequences.infer(sequence, arrays, deadline)
                 return result, queue_ns, compute_ns, (wall_start, time.time_ns())
-            if chain is not None and served.pool.idle.empty():
-                _check_waits(served, chain)
-            slot = await served.pool.idle.get()
+            pool = served.pool
+            if chain is not None and pool.wedged(chain):
+                raise Unavailable(_wedged(served))
+            slot = await pool.take(chain, deadline.remaining())
             scope = None
             try:
                 if deadline.expired():
@@ -314,7 +315,7 @@ class StagePlane(DataPlane):
                     scope.cancel()
                 raise
             finally:
-                served.pool.idle.put_nowait(slot)
+                pool.give(slot)
         finally:
             model.pending -= 1
             served.inflight -= 1
@@ -366,16 +367,17 @@ def _timed(slot: Slot, scope: CallScope, work: Callable[..., Any], *args: Any) -
         CallScope.leave(entered)
 
 
-def _check_waits(served: ServedVersion, chain: CallChain) -> None:
-    """Refuse a call made by a model when every instance of its version is busy and waits for it: none
-    could ever run it (Triton's Python backend waits forever there)."""
-    slots = served.pool.slots
-    if all(slot.busy and slot.key in chain.waiting for slot in slots):
-        raise ResourceExhausted(
-            f"model '{served.name}': every instance ({len(slots)}) is waiting for this call, which a model "
-            f"made while running on it, so no instance could ever run it; give the model more instances "
-            "(instance_group count) or call it on another model"
-        )
+def _wedged(served: ServedVersion) -> str:
+    """Why a call made by a model is refused when every instance of its version waits on it, or on calls
+    like it (`InstancePool.wedged`): Triton's Python backend waits forever there. UNAVAILABLE, as Triton
+    refuses a request its model cannot queue, and not started: another replica may take it."""
+    count = len(served.pool.slots)
+    return (
+        f"model '{served.name}': every instance ({count}) is waiting for this call or for calls like it, "
+        "which wait for an instance of the model themselves, so none could ever run it (a model calling "
+        "itself with more callers at once than it has instances); give the model more instances "
+        "(instance_group count) or call another model"
+    )
 
 
 async def _stream(

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -360,6 +360,34 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse(reply.output_tensors())]
 """
 
+#: Set once both instances of `self_pair` hold a request that waits for the other (`BOTH_HELD`).
+BOTH_PASSED = threading.Event()
+#: The requests of `self_pair` that hold both its instances at once before calling (X[1] is 1).
+BOTH_HELD = threading.Barrier(2, action=BOTH_PASSED.set)
+
+#: Calls itself with X[0] - 1 until X[0] reaches 0 (then answers X); a request whose X[1] is 1 first waits
+#: until the model's two instances both hold such a request.
+SELF_PAIR = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from tests.integration.test_bls import BOTH_HELD
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
+        if x[0] <= 0:
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x.copy())])]
+        if x[1] == 1:
+            BOTH_HELD.wait(20)
+        inner = np.array([x[0] - 1, 0, 0, 0], np.float32)
+        reply = pb_utils.InferenceRequest(
+            model_name="self_pair", inputs=[pb_utils.Tensor("X", inner)], requested_output_names=["Y"]
+        ).exec()
+        if reply.has_error():
+            return [pb_utils.InferenceResponse(error=reply.error())]
+        return [pb_utils.InferenceResponse(reply.output_tensors())]
+"""
+
 #: `double` twice, as Triton's ensemble.
 QUADRUPLE = """
 name: "quadruple"
@@ -407,6 +435,7 @@ def write_repository(root: Path) -> Path:
         "async_but_blocking": (ASYNC_BUT_BLOCKING, 8, 1, ""),
         "double_late": (DOUBLE, 64, 1, "dynamic_batching { max_queue_delay_microseconds: 5000000 }"),
         "call_paired": (PAIRED, 8, 2, ""),
+        "self_pair": (SELF_PAIR, 0, 2, ""),
     }
     for name, (source, batch, count, extra) in models.items():
         write_model(root, name, source, XY.format(name=name, batch=batch, count=count, extra=extra))
@@ -423,18 +452,21 @@ async def pipeline(
     router_telemetry: Telemetry | None = None,
     router_options: dict[str, object] | None = None,
     router_metrics: Metrics | None = None,
+    stage_options: dict[str, object] | None = None,
+    stage_metrics: Metrics | None = None,
 ) -> AsyncIterator[Running]:
     """The repository's Python models on a stage service, and the router; the stage finds the router's
     port in a file written once the router listens, as a launcher does."""
     root = write_repository(tmp_path / "repository")
     port_file = tmp_path / "router.port"
-    options = {"router_port_file": port_file, "max_instances": MAX_DEPTH + 2}
+    options = {"router_port_file": port_file, "max_instances": MAX_DEPTH + 2, **(stage_options or {})}
     async with serving_stages(
         [],
         repository=ModelRepository(root),
         backends=[PythonBackend()],
         options=options,
         telemetry=stage_telemetry or Telemetry(),
+        metrics=stage_metrics,
     ) as stage:
         await wait_serving(stage.address)
         catalog = load_catalog(repository=root, stages={"python": stage.address})
@@ -574,6 +606,45 @@ async def test_recursion_is_bounded_by_depth_and_by_free_instances(tmp_path: Pat
         one = np.array([1, 0, 0, 0], np.float32)
         err = await rpc_error(stub.ModelInfer(request_for("recurse_alone", X=one)))
         assert "every instance (1) is waiting for this call" in (err.details() or "")
+
+
+async def test_a_model_whose_every_instance_waits_on_its_own_calls_refuses_one_and_serves_on(
+    tmp_path: Path,
+) -> None:
+    """More callers at once than the model has instances, each of its two instances held by a request that
+    calls the model: neither call could ever run. The call that closes the circle is refused at once,
+    naming the model; its caller answers that error, which frees an instance for the other call (a call the
+    model's own requests wait on goes ahead of a client's request), and the third caller is served after."""
+    held, plain = np.array([1, 1, 0, 0], np.float32), np.array([1, 0, 0, 0], np.float32)
+    BOTH_HELD.reset()
+    BOTH_PASSED.clear()
+    async with pipeline(tmp_path) as router, inference_stub(router.address) as stub:
+        calls = [asyncio.ensure_future(stub.ModelInfer(request_for("self_pair", X=held))) for _ in range(2)]
+        # Both instances hold a request before the third comes (it would take an instance first).
+        assert await asyncio.to_thread(BOTH_PASSED.wait, 20)
+        calls.append(asyncio.ensure_future(stub.ModelInfer(request_for("self_pair", X=plain))))
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
+        refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+        assert len(refused) == 1, outcomes
+        assert refused[0].code() == grpc.StatusCode.UNAVAILABLE
+        details = refused[0].details() or ""
+        assert "model 'self_pair'" in details and "every instance (2) is waiting" in details, details
+        for outcome in outcomes:
+            if not isinstance(outcome, BaseException):
+                assert response_tensors(outcome)["Y"].to_array().tolist() == [0.0] * 4
+        # The model serves on: a call that finds an instance free is never refused.
+        for _ in range(2):
+            reply = await stub.ModelInfer(request_for("self_pair", X=plain), timeout=30)
+            assert response_tensors(reply)["Y"].to_array().tolist() == [0.0] * 4
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait until `condition` holds (polled; at most 10 s, less than the test models hold a request)."""
+    for _ in range(200):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the condition did not come true in 10 s")
 
 
 @contextlib.asynccontextmanager
