@@ -3,8 +3,10 @@
 The digits CNN (TorchScript, trained by the examples' build) is quantized statically, calibrated on training
 images, compared on the held-out ones, then served: version 2 is an ONNX file that ONNX Runtime runs, and its
 accuracy on the held-out images is within half a point of the FP32 model's. A small ONNX model is quantized
-from its `model_warmup` data and without any (dynamic). Bad samples and models quantize cannot take are
-refused with the reason.
+from its `model_warmup` data and without any (dynamic), with the weights this CPU needs; acting as on a CPU
+with VNNI and as on one without, the version written agrees with FP32 on this CPU, or (8-bit weights on a CPU
+without VNNI, which saturate) is not written. A version that disagrees with FP32 is refused with the figure
+unless forced. Bad samples and models quantize cannot take are refused with the reason.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,10 +27,13 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.cli import main as pipeline_main
 from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
+from pipeline.protocol.errors import RepositoryError
 from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import Running, serving_router, serving_stages
+from services.model import quantize as quantize_module
 from services.model.backend import ModelBackend, ServiceSettings
+from services.model.int8_cpu import int8_saturates
 from services.model.quantize import QuantizeSettings, quantize
 from tests.conftest import inference_stub, request_for, wait_serving
 from tests.integration.test_model_service import infer, model_config, serving
@@ -184,10 +190,74 @@ async def test_an_onnx_model_quantizes_from_its_warmup_data_or_dynamically(
         version, outputs = await infer(stub, "tiny", X=x)
     assert version == "2"
     np.testing.assert_allclose(outputs["Y"], reference(folder / "2" / "model.onnx", {"X": x})["Y"], atol=1e-6)
-    assert report.max_abs_diff["Y"] < 0.1
+    # 7-bit weights where this CPU's 8-bit kernels saturate (no VNNI): the version agrees on any x86 CPU.
+    assert report.reduce_range is int8_saturates()
+    assert report.max_abs_diff["Y"] < 0.1 and report.agreement == {"Y": 1.0}
     if not warmup:  # dynamic quantization follows each batch's range: close on any input
         expected = reference(folder / "1" / "model.onnx", {"X": x})["Y"]
         assert np.max(np.abs(outputs["Y"] - expected)) < 0.05 * np.max(np.abs(expected))
+
+
+@pytest.mark.parametrize("vnni", [False, True], ids=["as_without_vnni", "as_with_vnni"])
+def test_the_weights_follow_the_cpu_and_a_saturated_version_is_not_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vnni: bool
+) -> None:
+    """Dynamic quantization, the case that saturates most (2.86 from FP32 with 8-bit weights on an AVX2-only
+    CPU), acting as on a CPU with VNNI or without; the version is compared on this CPU."""
+    saturates_here = int8_saturates()
+    monkeypatch.setattr(quantize_module, "int8_saturates", lambda: not vnni)
+    add_model(tmp_path, "onnx", "tiny", {"1": 1})
+    if vnni and saturates_here:  # 8-bit weights on this CPU without VNNI: wrong answers, not written
+        with pytest.raises(
+            RepositoryError, match=r"below --min-agreement 98\.00%: 'Y' \d+\.\d+%; version 2 not"
+        ):
+            quantize(tmp_path, "tiny", QuantizeSettings(runs=1))
+        assert not (tmp_path / "tiny" / "2").exists()
+        return
+    report = quantize(tmp_path, "tiny", QuantizeSettings(runs=1))
+    assert report.method == "dynamic" and report.reduce_range is not vnni
+    assert report.reduce_range_reason == (
+        "this CPU's 8-bit kernels do not saturate"
+        if vnni
+        else "this CPU lacks VNNI: its 8-bit kernels can saturate"
+    )
+    assert report.agreement == {"Y": 1.0} and report.max_abs_diff["Y"] < 0.1, report.text()
+    assert json.loads((tmp_path / "tiny" / "2" / "quantization.json").read_text())["reduce_range"] is not vnni
+
+
+def test_a_version_that_disagrees_with_fp32_is_written_only_when_forced(tmp_path: Path, capsys) -> None:
+    """Calibrated on inputs far smaller than those compared on: activations clip, on any CPU."""
+    add_model(tmp_path, "onnx", "tiny", {"1": 1})
+    rng = np.random.default_rng(2)
+    np.save(tmp_path / "narrow.npy", rng.standard_normal((32, 4)).astype(np.float32) * 0.05)
+    np.save(tmp_path / "wide.npy", rng.standard_normal((64, 4)).astype(np.float32) * 3)
+    command = [
+        "quantize",
+        "--model-dir",
+        str(tmp_path),
+        "tiny",
+        "--calibration",
+        str(tmp_path / "narrow.npy"),
+    ]
+    command += ["--evaluation", str(tmp_path / "wide.npy")]
+    assert pipeline_main(command) == 1
+    printed = capsys.readouterr().out
+    refusal = (
+        r"agrees with FP32 on \S+wide\.npy \(64 samples\) below --min-agreement 98\.00%: 'Y' (\d+\.\d+)%"
+    )
+    found = re.search(refusal, printed)
+    assert found and float(found.group(1)) < 90, printed
+    assert "version 2 not written" in printed and "--force writes it anyway" in printed
+    assert not (tmp_path / "tiny" / "2").exists()
+
+    assert pipeline_main([*command, "--force"]) == 0
+    printed = capsys.readouterr().out
+    assert "written by --force: agreement below 98.00%" in printed
+    report = json.loads((tmp_path / "tiny" / "2" / "quantization.json").read_text())
+    assert report["forced"] is True and report["agreement"]["Y"] == float(found.group(1)) / 100
+    # A lower bar lets it through without --force.
+    assert pipeline_main([*command, "--version", "1", "--min-agreement", "0.1"]) == 0
+    assert json.loads((tmp_path / "tiny" / "3" / "quantization.json").read_text())["forced"] is False
 
 
 def test_samples_that_do_not_fit_and_models_it_cannot_take_are_refused(tmp_path: Path, capsys) -> None:
