@@ -100,6 +100,13 @@ class Unavailable(PipelineError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Stopped(PipelineError):
+    """The server stopped while it still held the request: its grace period was over. The request may have
+    started (a model that never returned), so unlike `Unavailable` it is not marked NOT_STARTED."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class ResourceExhausted(PipelineError):
     """The request is larger than a configured limit allows."""
 

@@ -49,6 +49,7 @@ from pipeline.runtime.server import (
 )
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.settings_cli import add_arguments
+from pipeline.runtime.shutdown import ABANDON_S
 from pipeline.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,9 @@ class _RouterServer:
             metrics=metrics,
             max_inflight_bytes=settings.inflight_bytes_of(args),
         )
-        self.rest = RestServer(_front_door(self.servicer, args, policy), grace=args.grace_period)
+        # HTTP drains on gRPC's clock: its requests still held at the end of the grace period are answered
+        # 503 (`pipeline.runtime.shutdown`), and have `ABANDON_S` for it.
+        self.rest = RestServer(_front_door(self.servicer, args, policy), grace=args.grace_period + ABANDON_S)
         # The stages' models send their calls (BLS) here; every other call is gRPC's.
         self.frames = frame_server_of(self.servicer, args, policy)
         self.tasks: list[asyncio.Task[None]] = []
@@ -245,11 +248,15 @@ class _RouterServer:
             self.tasks.append(asyncio.create_task(_poll_ensembles(args, plane, interval)))
         _log_serving(plane, f"{args.host}:{port}")
 
+    async def drain(self, within: float) -> None:
+        """Drain the HTTP and frame ports as gRPC's drains: what they hold in flight gets `within` seconds."""
+        await asyncio.gather(self.rest.stop(), *(() if self.frames is None else (self.frames.close(within),)))
+
     async def stop(self, telemetry: Telemetry | None) -> None:
-        """Stop everything `start` started; `telemetry`: the tracing to shut down, where the router owns it."""
+        """Stop everything `start` started but the ports `drain` closed; `telemetry`: the tracing to shut
+        down, where the router owns it."""
         for task in self.tasks:
             task.cancel()
-        await self.rest.stop()
         if self.plane.peers is not None:
             await self.plane.peers.stop()
         await self.plane.close()
@@ -309,7 +316,8 @@ async def serve_router(
         stop=stop,
         stopping=stopping,
         drain_delay=getattr(args, "drain_delay", 0.0),
-        drain=None if router.frames is None else router.frames.close,
+        drain=router.drain,
+        held=router.servicer.held,
     )
 
 

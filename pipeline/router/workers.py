@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.runtime.server import write_port
+from pipeline.runtime.shutdown import child_environment
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,8 @@ def _start_workers(workers: int, folder: Path, argv: Sequence[str]) -> list[subp
     `folder`, and port files of its own."""
     children = []
     for index in range(workers):
-        env = {**os.environ, WORKER_DIR_ENV: str(folder), WORKER_INDEX_ENV: str(index)}
+        # A worker ends with the router's parent process, killed or not (`pipeline.runtime.shutdown`).
+        env = child_environment({**os.environ, WORKER_DIR_ENV: str(folder), WORKER_INDEX_ENV: str(index)})
         metrics = ["--metrics-port", "0", "--metrics-port-file", str(folder / f"worker-{index}.metrics")]
         # Each worker says where it listens in a file of its own; the parent writes the router's port files
         # once every worker listens, so that no client connects while only some of them take connections.

@@ -26,6 +26,13 @@ from pipeline.runtime import settings
 from pipeline.runtime.allocator import keep_freed_memory
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.servicer import InferenceServicer
+from pipeline.runtime.shutdown import (
+    ABANDON_S,
+    HeldRequests,
+    die_with_parent,
+    exit_deadline,
+    exit_within,
+)
 
 log = logging.getLogger(__name__)
 
@@ -162,12 +169,14 @@ async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool)
 
 
 def prepare_process(level: str, service: str) -> None:
-    """What every service process does first: its log format, and an allocator that keeps freed memory
-    for the next message (`pipeline.runtime.allocator`)."""
+    """What every service process does first: its log format, its end with the launcher that started it
+    (`pipeline.runtime.shutdown.die_with_parent`), and an allocator that keeps freed memory for the next
+    message (`pipeline.runtime.allocator`)."""
     logging.basicConfig(
         level=level.upper(),
         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
     )
+    die_with_parent()
     keep_freed_memory()
 
 
@@ -181,13 +190,17 @@ async def serve(
     stopping: asyncio.Event | None = None,
     drain_delay: float = 0.0,
     drain: Callable[[float], Awaitable[None]] | None = None,
+    held: HeldRequests | None = None,
 ) -> None:
     """Run a server until `stopping` is set (by default: SIGTERM or SIGINT), then drain.
 
     Draining reports NOT_SERVING first and keeps serving for `drain_delay` seconds, so that clients that
     watch health (the router does) move to other replicas before any call is refused; then it
     refuses new RPCs and gives in-flight ones `grace` seconds, those of the server's other ports too
-    (`drain(grace)`, at the same time); then `stop()`.
+    (`drain(seconds)`, at the same time); then answers the requests still `held` UNAVAILABLE and closes
+    every call and connection `ABANDON_S` later; then `stop()`. Where it stops on a signal (the process's
+    own server), the process exits within `exit_deadline` of it, whatever its threads do
+    (`pipeline.runtime.shutdown`).
     """
     loop = asyncio.get_running_loop()
     signals: tuple[signal.Signals, ...] = ()
@@ -210,16 +223,35 @@ async def serve(
         settle_garbage_collection()
         await stopping.wait()
     finally:
+        if signals:
+            exit_within(exit_deadline(drain_delay, grace))
         log.info("shutting down: draining in-flight requests (grace %.1fs)", grace)
         await health_servicer.enter_graceful_shutdown()
         if drain_delay > 0:
             await asyncio.sleep(drain_delay)
-        await asyncio.gather(server.stop(grace), *(() if drain is None else (drain(grace),)))
+        await _drain(server, grace, drain, held)
         if stop is not None:
             await stop()
         for sig in signals:
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
+
+
+async def _drain(
+    server: grpc.aio.Server,
+    grace: float,
+    drain: Callable[[float], Awaitable[None]] | None,
+    held: HeldRequests | None,
+) -> None:
+    """Refuse new calls and give those in flight `grace` seconds, on the server's other ports too (`drain`);
+    then answer what is still `held` UNAVAILABLE, and close every call and connection `ABANDON_S` later."""
+    closing = asyncio.gather(
+        server.stop(grace + ABANDON_S), *(() if drain is None else (drain(grace + ABANDON_S),))
+    )
+    done, _ = await asyncio.wait((closing,), timeout=grace)
+    if not done and held is not None and (count := held.abandon()):
+        log.warning("%d requests still held after the grace period: answered UNAVAILABLE", count)
+    await closing
 
 
 def settle_garbage_collection() -> None:

@@ -48,6 +48,7 @@ from pipeline.runtime.admission import CONNECTION_INFLIGHT, ByteBudget, ModelSha
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
 from pipeline.runtime.shared_memory import SharedMemoryRegistry
+from pipeline.runtime.shutdown import HeldRequests
 from pipeline.runtime.telemetry import (
     MODEL,
     NO_SPAN,
@@ -260,6 +261,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.shared_memory = SharedMemoryRegistry()
         #: The port this server takes frames on (`pipeline.runtime.frame_server`), once it listens there.
         self.frames_port: int | None = None
+        #: The requests being served, answered UNAVAILABLE where still held once a stop's grace period is over.
+        self.held = HeldRequests()
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
         """One inference through the plane: the request's server span (continuing the caller's trace)
@@ -281,7 +284,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 shared = self.shared_memory
                 shared.resolve_inputs(request)
                 placed = shared.requested_outputs(request)
-                response = await self.plane.infer(request, call)
+                with self.held:
+                    response = await self.plane.infer(request, call)
                 if placed:
                     shared.write_outputs(response, placed)
                 return response
@@ -322,21 +326,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
         with span_scope as span:
             try:
-                responses = self.plane.stream(request, CallContext(timeout, metadata))
-                async with contextlib.aclosing(responses):
-                    count, since = 0, time.time_ns()
-                    async for reply in responses:
-                        if count == 0:
-                            self.metrics.first_response.labels(model).observe(
-                                (time.perf_counter() - started) * 1e3
-                            )
-                        if reply.error_message:
-                            outcome = _CODE_NAMES.get(status_of(reply).code, "UNKNOWN")
-                        if span is not None:
-                            since = _response_span(telemetry, request.id, count, is_final(reply), since)
-                        count += 1
-                        if empty_final or reply.error_message or not _final_flag_alone(reply):
-                            await send(reply)
+                with self.held:
+                    responses = self.plane.stream(request, CallContext(timeout, metadata))
+                    async with contextlib.aclosing(responses):
+                        count, since = 0, time.time_ns()
+                        async for reply in responses:
+                            if count == 0:
+                                self.metrics.first_response.labels(model).observe(
+                                    (time.perf_counter() - started) * 1e3
+                                )
+                            if reply.error_message:
+                                outcome = _CODE_NAMES.get(status_of(reply).code, "UNKNOWN")
+                            if span is not None:
+                                since = _response_span(telemetry, request.id, count, is_final(reply), since)
+                            count += 1
+                            if empty_final or reply.error_message or not _final_flag_alone(reply):
+                                await send(reply)
             except PipelineError as err:
                 outcome = err.code.name
                 await send(

@@ -33,6 +33,7 @@ from pipeline.runtime.settings_cli import (
     read_variable,
     variable_text,
 )
+from pipeline.runtime.shutdown import EXIT_MARGIN_S
 
 T = TypeVar("T")
 
@@ -317,7 +318,9 @@ class Shutdown(BaseModel):
             "--grace-period",
             env="PIPELINE_GRACE_PERIOD",
             parse=float,
-            help="seconds in-flight requests get to finish on SIGTERM (env PIPELINE_GRACE_PERIOD)",
+            help="seconds in-flight requests get to finish on SIGTERM, after the drain delay; those still held "
+            f"then are answered UNAVAILABLE, and the process exits at most {EXIT_MARGIN_S:.0f} s later (env "
+            "PIPELINE_GRACE_PERIOD)",
         ),
     ] = 10.0
     drain_delay: Annotated[

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import grpc
 import uvloop
 from grpc_health.v1 import health
 
@@ -71,6 +72,20 @@ class _StageServer:
             max_inflight_bytes=settings.inflight_bytes_of(args),
         )
         self.frames = frame_server_of(self.servicer, args, policy)
+
+    async def listen(self, policy: AccessPolicy) -> tuple[grpc.aio.Server, int]:
+        """The service's gRPC server, NOT_SERVING, listening where its flags say with their TLS and access
+        policy (not started); and its port."""
+        args = self.args
+        await set_serving(self.health, False)
+        return await create_server(
+            f"{args.host}:{args.port}",
+            self.servicer,
+            self.health,
+            max_message_bytes=args.max_message_mb * 1024 * 1024,
+            credentials=server_credentials_of(args),
+            interceptors=interceptors_of(policy),
+        )
 
     async def start(self, port: int, bound: Callable[[int], None] | None) -> None:
         """Serve the frame and metrics ports, load the models, then report SERVING."""
@@ -135,15 +150,7 @@ async def serve_stages(
         router=_router_calls(args),
     )
     stage = _StageServer(plane, args, service, policy)
-    await set_serving(stage.health, False)
-    server, port = await create_server(
-        f"{args.host}:{args.port}",
-        stage.servicer,
-        stage.health,
-        max_message_bytes=args.max_message_mb * 1024 * 1024,
-        credentials=server_credentials_of(args),
-        interceptors=interceptors_of(policy),
-    )
+    server, port = await stage.listen(policy)
     # The metric families its models make (Triton's custom metrics) are the process's: shown on its /metrics,
     # and given to the router, which shows every stage's on its own.
     plane.metrics.export_families(_model_families)
@@ -164,6 +171,7 @@ async def serve_stages(
         stopping=stopping,
         drain_delay=getattr(args, "drain_delay", 0.0),
         drain=None if stage.frames is None else stage.frames.close,
+        held=stage.servicer.held,
     )
 
 

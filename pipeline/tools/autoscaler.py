@@ -92,7 +92,7 @@ class LocalAutoscaler:
         supervisor: Supervisor,
         metrics_url: Callable[[], str | None],
         interval: float,
-        grace: float,
+        stop_within: float,
         metrics_port: int | None = 0,
         host: str = "127.0.0.1",
     ) -> None:
@@ -103,7 +103,8 @@ class LocalAutoscaler:
         self.supervisor = supervisor
         self.metrics_url = metrics_url
         self.interval = interval
-        self.grace = grace
+        #: How long a replica that is stopped gets before it is killed (`pipeline.tools.supervisor.stop`).
+        self.stop_within = stop_within
         self._next_look = 0.0
         registry = CollectorRegistry()
         self.decisions = Counter(
@@ -219,7 +220,7 @@ class LocalAutoscaler:
         """Unlist the newest replica (a starting one first); it stops once the router no longer picks it."""
         if stage.starting:
             service = stage.starting.pop()
-            threading.Thread(target=stop, args=([service], self.grace), daemon=True).start()
+            threading.Thread(target=stop, args=([service], self.stop_within), daemon=True).start()
             return
         service = stage.serving.pop()
         self.supervisor.remove(service)
@@ -235,13 +236,13 @@ class LocalAutoscaler:
                 threading.Thread(target=self._stop, args=(service,), daemon=True).start()
 
     def _stop(self, service: Service) -> None:
-        stop([service], self.grace)
+        stop([service], self.stop_within)
         log.info("autoscaler: %s stopped", service.name)
 
     def close(self) -> None:
         """Stop the replicas still leaving (the pipeline is stopping)."""
-        stop([service for stage in self.stages.values() for service, _ in stage.leaving], self.grace)
-        stop([service for stage in self.stages.values() for service in stage.starting], self.grace)
+        stop([service for stage in self.stages.values() for service, _ in stage.leaving], self.stop_within)
+        stop([service for stage in self.stages.values() for service in stage.starting], self.stop_within)
 
 
 def _count_of(stage: ScaledStage) -> Callable[[], float]:

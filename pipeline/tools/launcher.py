@@ -5,7 +5,8 @@ healthy, then supervises them (`pipeline.tools.supervisor`): a process that dies
 ports while the others serve, and one that keeps dying stops the pipeline, named with its last lines of
 output. A process that dies before the pipeline first serves stops it at once (a configuration error, not a
 crash). Ctrl-C or SIGTERM stops the router first (it drains in-flight requests while the stages still
-serve), then the stages.
+serve), then the stages, all at once; each gets its drain delay, grace period and a margin before it is
+SIGKILLed. The services end with the launcher even when it is killed (`pipeline.runtime.shutdown`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pipeline.tools.supervisor import (
     Service,
     Supervisor,
     stop,
+    stop_within,
     wait_healthy,
 )
 
@@ -159,8 +161,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("stopping: router first, then the stages")
         if autoscaler is not None:
             autoscaler.close()
-        running = supervisor.services if supervisor is not None else everything
-        stop([router, *(s for s in running if s is not router)], args.grace_period)
+        _stop_all(router, supervisor.services if supervisor is not None else everything, args)
         shutil.rmtree(ports, ignore_errors=True)
 
 
@@ -214,10 +215,24 @@ def _autoscaler(
         supervisor=supervisor,
         metrics_url=metrics_url,
         interval=args.autoscale_interval,
-        grace=args.grace_period,
+        stop_within=_stop_within(args),
         metrics_port=args.autoscale_metrics_port,
         host=args.host,
     )
+
+
+def _stop_all(router: Service, services: list[Service], args: argparse.Namespace) -> None:
+    """Stop the router first (it drains while the stages still serve), then every other service at once."""
+    within = _stop_within(args)
+    stop([router], within)
+    stop([s for s in services if s is not router], within)
+
+
+def _stop_within(args: argparse.Namespace) -> float:
+    """How long a service gets to stop before it is killed: its drain delay (from the environment, as the
+    services read it), the grace period and margins (`pipeline.tools.supervisor.stop_within`)."""
+    given, delay = from_environment(settings.Shutdown, "drain_delay")
+    return stop_within(args.grace_period, delay if given else settings.Shutdown().drain_delay)
 
 
 def _pin_ports(services: list[Service], ports: Path, http_port_file: Path) -> None:

@@ -19,9 +19,10 @@ from pipeline.runtime.settings import (
     positive_int,
 )
 from pipeline.runtime.settings_cli import option, process_settings
+from pipeline.runtime.shutdown import EXIT_MARGIN_S
 from pipeline.tools.autoscaler import autoscale_bounds
 from pipeline.tools.scaling import COOLDOWN_S, INFLIGHT_PER_REPLICA, QUEUE_SECONDS_TARGET
-from pipeline.tools.supervisor import RestartPolicy
+from pipeline.tools.supervisor import KILL_MARGIN_S, RestartPolicy
 
 
 def replica_counts(text: str) -> dict[str, int]:
@@ -103,7 +104,13 @@ class Launcher(BaseModel):
         float, option("--startup-timeout", parse=float, help="seconds each service may take to start")
     ] = 180.0
     grace_period: Annotated[
-        float, option("--grace-period", parse=float, help="seconds to drain on shutdown")
+        float,
+        option(
+            "--grace-period",
+            parse=float,
+            help="seconds each service's in-flight requests get on shutdown (after its drain delay); a service "
+            f"still running {EXIT_MARGIN_S + KILL_MARGIN_S:.0f} s after that is killed",
+        ),
     ] = 10.0
 
 

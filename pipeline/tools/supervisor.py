@@ -28,12 +28,16 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pipeline.runtime.shutdown import child_environment, exit_deadline
+
 log = logging.getLogger("pipeline.launcher")
 
 #: Lines of each process's output kept to show when it is given up on.
 TAIL_LINES = 20
 #: One writer at a time on the launcher's output, so that the processes' lines do not interleave.
 _OUTPUT = threading.Lock()
+#: How long past its own bound of a stop a service that has not exited is given before it is SIGKILLed.
+KILL_MARGIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -100,10 +104,12 @@ class Service:
         command += ["--port-file", str(port_file), "--metrics-port-file", str(metrics_file(port_file))]
         # NOTE: a session of its own, so Ctrl-C in the terminal reaches only the launcher, which then stops
         # the services in order instead of all at once; and whatever the process leaves behind when it dies
-        # (router workers) is in its process group, to be stopped with it.
+        # (router workers) is in its process group, to be stopped with it. Out of the launcher's session, it
+        # still ends with the launcher, killed or not (`child_environment`): Linux signals it when the thread
+        # that started it ends, so services are started from the launcher's main thread only.
         self.process = subprocess.Popen(
             command,
-            env={**os.environ, **self.env},
+            env=child_environment({**os.environ, **self.env}),
             start_new_session=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -160,7 +166,8 @@ class Service:
         return None if self.process is None else self.process.poll()
 
     def kill_leftovers(self) -> None:
-        """SIGKILL what the dead process left in its process group (the workers of a router)."""
+        """SIGKILL the process's group: what a dead process left there (the workers of a router), and the
+        process too where it still runs."""
         if self.pid is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
@@ -210,19 +217,30 @@ def wait_healthy(
             time.sleep(0.2)
 
 
-def stop(services: Iterable[Service], grace: float) -> None:
-    """SIGTERM each running service in order and wait for it; SIGKILL what outlives the grace period."""
-    for service in services:
-        process = service.process
-        if process is None or process.poll() is not None:
-            continue
-        process.send_signal(signal.SIGTERM)
+def stop_within(grace: float, drain_delay: float) -> float:
+    """How long a service gets after SIGTERM before the launcher SIGKILLs it: its own bound (`drain_delay`,
+    `grace` and `EXIT_MARGIN_S`, `pipeline.runtime.shutdown.exit_deadline`) and `KILL_MARGIN_S`."""
+    return exit_deadline(drain_delay, grace) + KILL_MARGIN_S
+
+
+def stop(services: Iterable[Service], within: float) -> None:
+    """SIGTERM every running service at once and wait for them; SIGKILL what still runs `within` seconds
+    later, with its process group (a router's workers)."""
+    running = [s for s in services if s.process is not None and s.process.poll() is None]
+    for service in running:
+        assert service.process is not None
+        service.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + within
+    for service in running:
+        assert service.process is not None
         try:
-            process.wait(timeout=grace + 5)
+            service.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0fs; killing it", service.name, grace + 5)
-            process.kill()
-            process.wait()
+            log.warning(
+                "%s (pid %s) did not stop within %.0fs; killing it", service.name, service.pid, within
+            )
+            service.kill_leftovers()
+            service.process.wait()
 
 
 class Supervisor:
