@@ -13,7 +13,10 @@ Under TLS the two cost about the same CPU per request: encrypting and copying th
 A frame is a 5-byte header (the payload's length, 4 bytes little-endian, and its kind) and a serialized
 message: `HELLO` (a `ModelInferRequest` whose parameters carry the caller's `authorization`, where the
 server asks for a token), `REQUEST` (a `ModelInferRequest`) and `RESPONSE` (a `ModelStreamInferResponse`,
-matched to its request by `id`).
+matched to its request by `id`). `CANCEL` carries the `id` of a request its caller no longer waits for (its
+own caller went away, or its deadline passed), as UTF-8: the server stops it, as gRPC's cancellation stops a
+unary call, and answers nothing. A server that takes `CANCEL` says so in the answer to the hello
+(`CANCELS_PARAMETER`); a caller sends none to a server that does not.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from google.protobuf.message import Message
 FRAMES_EXTENSION = "pipeline_frames"
 #: The frame header: payload length, kind.
 HEADER = struct.Struct("<IB")
-HELLO, REQUEST, RESPONSE = 1, 2, 3
+HELLO, REQUEST, RESPONSE, CANCEL = 1, 2, 3, 4
+#: The parameter of the answer to a `HELLO` that says the server takes `CANCEL` frames.
+CANCELS_PARAMETER = "pipeline.cancels"
 #: The parameter of a `HELLO` that carries the caller's `authorization` metadata.
 AUTHORIZATION = "authorization"
 

@@ -7,7 +7,9 @@ over a long-lived stream tells errors apart exactly as it does over unary calls;
 usual `error_message`. Servers that do so list `STREAM_STATUS_EXTENSION` in `ServerMetadata.extensions`.
 
 A streamed request carries in its parameters what a unary call carries in its metadata and deadline: the
-time the caller still waits for it and the caller's trace context.
+time the caller still waits for it and the caller's trace context. A caller that stops waiting for a
+request sends a message naming its `id` with `CANCEL_PARAMETER`, which our servers take as a unary call's
+cancellation (it is no request of its own; a server that does not know it answers it as an unknown model).
 
 A decoupled model (Triton's `model_transaction_policy { decoupled: true }`) answers a streamed request with
 any number of responses, each carrying its request's `id` and Triton's `triton_final_response` parameter,
@@ -40,7 +42,9 @@ TRACE_PARAMETERS = ("traceparent", "tracestate", CALL_CHAIN_HEADER)
 FINAL_PARAMETER = "triton_final_response"
 #: Request parameter: send the final flag as an empty response where the model sends it alone (Triton's).
 EMPTY_FINAL_PARAMETER = "triton_enable_empty_final_response"
-#: Every parameter above: a server takes them off a request before its model sees it.
+#: Request parameter: the caller no longer waits for the request of this message's `id` on the stream.
+CANCEL_PARAMETER = "pipeline.cancel"
+#: Every parameter above but `CANCEL_PARAMETER`: a server takes them off a request before its model sees it.
 HOP_PARAMETERS = frozenset({STATUS_PARAMETER, TIMEOUT_PARAMETER, EMPTY_FINAL_PARAMETER, *TRACE_PARAMETERS})
 
 #: What `ModelInfer` answers for a decoupled model (Triton's words), and an HTTP infer alike.

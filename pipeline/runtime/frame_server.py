@@ -8,6 +8,9 @@ requests of one model hold at most their share of both (`ModelShares`): past it,
 answered UNAVAILABLE at once and the connection goes on reading, so a model whose requests wait (a slow one, a
 stuck one, a flood) never holds up the others on the same connection.
 
+A `CANCEL` frame cancels the request it names, as gRPC's cancellation does a unary call's: the request
+answers nothing, and its model's instance and the calls the model made are freed down the chain.
+
 A server with TLS takes frames with the same TLS as gRPC (`tls`: its certificate, and with `--tls-ca` client
 certificates required and verified), never in plaintext. A connection's first frame is a `HELLO`, which the
 server answers: with an error where its access policy asks for credentials and neither the hello's bearer
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import ssl
 from collections.abc import Callable, Coroutine
@@ -29,6 +33,8 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import PipelineError, Unavailable
 from pipeline.protocol.frames import (
     AUTHORIZATION,
+    CANCEL,
+    CANCELS_PARAMETER,
     HELLO,
     REQUEST,
     RESPONSE,
@@ -112,7 +118,9 @@ class FrameServer:
             frames.close()
             await frames.closed
 
-    async def _serve(self, frames: FrameProtocol) -> None:
+    async def _hello(self, frames: FrameProtocol) -> bool:
+        """Answer the connection's `HELLO`: welcome (saying that it takes `CANCEL` frames), or refuse a
+        caller that may not infer; whether it was welcome."""
         kind, payload = await frames.read()
         if kind != HELLO:
             raise ConnectionError("a frame connection must begin with a HELLO")
@@ -125,15 +133,29 @@ class FrameServer:
         if self.policy.enabled and self.policy.scope(metadata, names) is None:
             refusal = error_response(hello, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, None)
             frames.write(RESPONSE, refusal.SerializeToString())
-            return
+            return False
         welcome = pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(id=hello.id))
+        welcome.infer_response.parameters[CANCELS_PARAMETER].bool_param = True
         frames.write(RESPONSE, welcome.SerializeToString())
+        return True
+
+    async def _serve(self, frames: FrameProtocol) -> None:
+        if not await self._hello(frames):
+            return
         kind, payload = await frames.read()
         slots = asyncio.Semaphore(CONNECTION_INFLIGHT)
         shares = ModelShares(self.servicer.budget)
         tasks: set[asyncio.Task[None]] = set()
+        #: The requests being answered, by their ids on this connection (for `CANCEL`).
+        ids: dict[str, asyncio.Task[None]] = {}
         try:
             while True:
+                if kind == CANCEL:  # read however many requests it holds: it frees what it stops
+                    stopped = ids.get(bytes(payload).decode(errors="replace"))
+                    if stopped is not None:
+                        stopped.cancel()
+                    kind, payload = await frames.read()
+                    continue
                 if kind != REQUEST:
                     raise ConnectionError(f"unexpected frame kind {kind}")
                 await slots.acquire()
@@ -151,6 +173,8 @@ class FrameServer:
                 task = asyncio.create_task(self._answer(request, size, frames, (slots, shares)))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
+                ids[request.id] = task
+                task.add_done_callback(functools.partial(_forget, ids, request.id))
                 self._answering.add(task)
                 task.add_done_callback(self._answering.discard)
                 del request
@@ -193,6 +217,12 @@ class FrameServer:
             budget.release(size)
             held[1].free(model, taken)
             held[0].release()
+
+
+def _forget(tasks: dict[str, asyncio.Task[None]], key: str, done: asyncio.Task[None]) -> None:
+    """Drop a request's task once it is done, unless a later request of the same id came since."""
+    if tasks.get(key) is done:
+        del tasks[key]
 
 
 def _refused(request: pb.ModelInferRequest, err: PipelineError) -> bytes:

@@ -34,6 +34,7 @@ from pipeline.protocol.errors import (
 from pipeline.protocol.frames import extension as frames_extension
 from pipeline.protocol.sequences import SEQUENCE_ID
 from pipeline.protocol.streams import (
+    CANCEL_PARAMETER,
     EMPTY_FINAL_PARAMETER,
     STREAM_STATUS_EXTENSION,
     add_hop_parameters,
@@ -501,13 +502,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 class _Stream:
     """The requests of one `ModelStreamInfer` stream: read while it has room, each run as a task of its
     own, its response put in `done` for the stream's writer. Each request takes a slot and its bytes when
-    read; the writer gives them back once it has sent its response."""
+    read; the writer gives them back once it has sent its response. A message with `CANCEL_PARAMETER`
+    cancels the request of its `id`, as a unary call's cancellation would: it answers nothing, and gives
+    back what it holds."""
 
     __slots__ = (
         "call",
+        "closed",
         "decoupled",
         "done",
         "hold",
+        "ids",
         "responses",
         "sequences",
         "servicer",
@@ -528,6 +533,9 @@ class _Stream:
         self.hold = StreamHold(servicer.budget, self.done, self.slots)
         self.shares = ModelShares(servicer.budget)
         self.tasks: set[asyncio.Task[None]] = set()
+        #: The requests running, by their `id` (those that have one), for their cancellation.
+        self.ids: dict[str, asyncio.Task[None]] = {}
+        self.closed = False
         self.decoupled = servicer.plane.decoupled
         #: Per sequence on this stream, its latest request: the next waits for it.
         self.sequences: dict[str, asyncio.Task[None]] = {}
@@ -547,6 +555,12 @@ class _Stream:
                 await slots.acquire()
                 await hold.wait_for_room()
                 request = await request_iterator.__anext__()
+                if request.parameters and CANCEL_PARAMETER in request.parameters:
+                    slots.release()  # no request of its own
+                    stopped = self.ids.get(request.id)
+                    if stopped is not None:
+                        stopped.cancel()
+                    continue
                 size = request.ByteSize()
                 try:
                     self.shares.take(request.model_name, size)
@@ -570,6 +584,9 @@ class _Stream:
                     task = asyncio.create_task(self.one(request, size))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
+                if request.id:
+                    self.ids[request.id] = task
+                    task.add_done_callback(functools.partial(_forget, self.ids, request.id))
                 task.add_done_callback(functools.partial(self._answered, request.model_name, size))
         except StopAsyncIteration:
             pass
@@ -588,6 +605,9 @@ class _Stream:
         own = call if timeout is None and metadata is call.metadata else CallContext(timeout, metadata)
         try:
             response = pb.ModelStreamInferResponse(infer_response=await self.servicer.infer(request, own))
+        except asyncio.CancelledError:
+            self._dropped(size)
+            raise
         except Unimplemented as err:
             if request.model_name in self.decoupled:
                 # Its model was learnt to be decoupled while this request waited for it (its first
@@ -607,14 +627,25 @@ class _Stream:
 
     async def after(self, previous: asyncio.Task[None], request: pb.ModelInferRequest, size: int) -> None:
         """A sequence's request, once the one before it on this stream is done."""
-        await asyncio.wait((previous,))
+        try:
+            await asyncio.wait((previous,))
+        except asyncio.CancelledError:
+            self._dropped(size)
+            raise
         await self.one(request, size)
+
+    def _dropped(self, size: int) -> None:
+        """A request cancelled before its response: give back its slot and bytes (the stream's end gives
+        back everything at once)."""
+        if not self.closed:
+            self.slots.release()
+            self.hold.free(size)
 
     async def many(self, request: pb.ModelInferRequest, size: int) -> None:
         """A decoupled request. The reader took a slot and `size` bytes for it; each response after its
         first takes one of the stream's `responses`, which the writer gives back once it has sent it (the
         request's bytes and slot go back with its first response)."""
-        slots, responses, hold = self.slots, self.responses, self.hold
+        responses, hold = self.responses, self.hold
         sent = 0
 
         async def send(reply: pb.ModelStreamInferResponse) -> None:
@@ -630,11 +661,11 @@ class _Stream:
             await self.servicer.stream(request, self.call, send)
         finally:
             if not sent:
-                slots.release()
-                hold.free(size)
+                self._dropped(size)
 
     def close(self) -> None:
         """The stream ended (or its client went): cancel what still runs, give back what it holds."""
+        self.closed = True
         for task in list(self.tasks):
             task.cancel()
         self.hold.close()
@@ -654,7 +685,7 @@ def _response_span(telemetry: Telemetry, request_id: str, index: int, final: boo
     return now
 
 
-def _forget(sequences: dict[str, asyncio.Task[None]], key: str, done: asyncio.Task[None]) -> None:
-    """Drop a sequence's finished request unless a later one of it came since."""
-    if sequences.get(key) is done:
-        del sequences[key]
+def _forget(tasks: dict[str, asyncio.Task[None]], key: str, done: asyncio.Task[None]) -> None:
+    """Drop a finished request (of a sequence, or of an id) unless a later one of it came since."""
+    if tasks.get(key) is done:
+        del tasks[key]

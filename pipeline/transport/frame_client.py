@@ -6,12 +6,14 @@ this way, and the stages send their models' calls (BLS) to the router this way.
 It behaves as a `ModelStreamInfer` stream does (`pipeline.transport.matched`), down to the errors: a failed
 request raises the `grpc.aio.AioRpcError` a unary call would have raised, with the same status details, and
 a connection that breaks fails what it carried as UNAVAILABLE, so retries and error mapping do not know the
-difference.
+difference. A request its caller stops waiting for is cancelled at the server with a `CANCEL` frame, where
+the server takes them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 from collections.abc import Sequence
@@ -19,7 +21,16 @@ from collections.abc import Sequence
 import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.protocol.frames import AUTHORIZATION, HELLO, REQUEST, RESPONSE, FrameProtocol, parse
+from pipeline.protocol.frames import (
+    AUTHORIZATION,
+    CANCEL,
+    CANCELS_PARAMETER,
+    HELLO,
+    REQUEST,
+    RESPONSE,
+    FrameProtocol,
+    parse,
+)
 from pipeline.transport.matched import MatchedRequests, rpc_error
 
 log = logging.getLogger(__name__)
@@ -33,9 +44,11 @@ class FrameConnection(MatchedRequests):
 
     PREFIX = "f"
 
-    def __init__(self, frames: FrameProtocol) -> None:
+    def __init__(self, frames: FrameProtocol, *, cancels: bool = False) -> None:
+        """`cancels`: whether the server takes `CANCEL` frames (its answer to the hello says so)."""
         super().__init__()
         self._frames = frames
+        self._cancels = cancels
         self._reason: str | None = None
         frames.deliver_to(self._response, self._ended)
 
@@ -81,7 +94,8 @@ class FrameConnection(MatchedRequests):
         if answer.error_message:
             frames.close()
             raise ConnectionError(f"the frame port refused its hello: {answer.error_message}")
-        return cls(frames)
+        cancels = answer.infer_response.parameters.get(CANCELS_PARAMETER)
+        return cls(frames, cancels=cancels is not None and cancels.bool_param)
 
     @property
     def usable(self) -> bool:
@@ -96,6 +110,11 @@ class FrameConnection(MatchedRequests):
             raise rpc_error(
                 grpc.StatusCode.UNAVAILABLE, self._reason or "the frame connection ended"
             ) from None
+
+    def _stop(self, key: str) -> None:
+        if self._cancels and self.broken is None:
+            with contextlib.suppress(ConnectionError):  # closing: the server stops what it carried
+                self._frames.write(CANCEL, key.encode())
 
     def _response(self, kind: int, payload: bytearray) -> None:
         if kind != RESPONSE:

@@ -9,11 +9,16 @@ are matched with their responses by `id`, which the stream assigns (`pipeline.tr
 A stream takes new requests for `MAX_AGE_S`: servers recycle their connections (`max_connection_age`), and a
 stream opened afterwards travels on the new connection while the old one finishes what it carries. A stream
 without requests for `IDLE_S` is closed, so that a server that stops is not kept waiting for it.
+
+A request its caller stops waiting for is cancelled at the server by a message naming it
+(`CANCEL_PARAMETER`); on a stream that takes no more requests, by cancelling the stream once no request on
+it is waited for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -22,7 +27,7 @@ import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.protocol.streams import EMPTY_FINAL_PARAMETER, is_final
+from pipeline.protocol.streams import CANCEL_PARAMETER, EMPTY_FINAL_PARAMETER, is_final
 from pipeline.transport.matched import MatchedRequests, rpc_error
 
 log = logging.getLogger(__name__)
@@ -86,6 +91,26 @@ class GrpcStream(MatchedRequests):
                 raise StreamBroken("the server's stream ended") from None
             except grpc.aio.AioRpcError as err:  # the call failed as a whole: its status
                 raise self._broken(err) from None
+
+    def _stop(self, key: str) -> None:
+        if self.broken is not None:
+            return
+        if self._retired:  # done writing, or about to be: only the whole stream can be cancelled
+            if not self._pending:
+                self._call.cancel()
+            return
+        cancel = pb.ModelInferRequest(id=key)
+        cancel.parameters[CANCEL_PARAMETER].bool_param = True
+        task = asyncio.get_running_loop().create_task(self._send_quietly(cancel))
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+
+    async def _send_quietly(self, message: pb.ModelInferRequest) -> None:
+        """Write `message` unless the stream has ended meanwhile (its server then stops what it carried)."""
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            async with self._writing:
+                if self.broken is None:
+                    await self._call.write(message)
 
     def _settled(self) -> None:
         if not self._pending and self.broken is None and not self._retired:
@@ -154,7 +179,8 @@ class GrpcStream(MatchedRequests):
         self._reader.cancel()
 
 
-#: Idle streams being closed (held so that their tasks are not collected before they end).
+#: Idle streams being closed, and cancellations being sent (held so that their tasks are not collected
+#: before they end).
 _closing: set[asyncio.Task[None]] = set()
 
 

@@ -2,7 +2,10 @@
 
 The caller's deadline and trace context travel in each request's parameters (`pipeline.protocol.streams`),
 and a failure comes back as the `grpc.aio.AioRpcError` a unary call would have raised, with the same status
-details, so retries and error mapping do not know the difference.
+details, so retries and error mapping do not know the difference. A request whose caller stops waiting for
+it (its own caller went away) is cancelled at the server too, as a unary call's cancellation would be
+(`_stop`): its model's instance, and the calls the model made, are freed down the chain. One whose deadline
+passes is left to the server, which has the deadline too and answers as for a request out of time.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.streams import add_hop_parameters, remove_hop_parameters, status_of
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+#: A request given up this close to its deadline (or past it) is not cancelled at the server: its caller's
+#: deadline passed, and the server's copy of it ends the request a moment later, as out of time.
+DEADLINE_MARGIN_S = 0.05
 
 
 def rpc_error(
@@ -69,6 +76,12 @@ class MatchedRequests(abc.ABC):
         try:
             await self._send(request)
             response = await future
+        except asyncio.CancelledError:
+            if self._pending.pop(key, None) is not None and (
+                timer is None or timer.when() - loop.time() > DEADLINE_MARGIN_S
+            ):
+                self._stop(key)
+            raise
         finally:
             self._pending.pop(key, None)
             if timer is not None:
@@ -83,6 +96,11 @@ class MatchedRequests(abc.ABC):
 
     def _settled(self) -> None:
         """A request has left (answered, failed or given up on): a subclass may close an idle connection."""
+        return None
+
+    def _stop(self, key: str) -> None:
+        """The caller no longer waits for the request sent as `key` (it may not have gone yet): a subclass
+        tells the server to stop it, where it can."""
         return None
 
     def _expire(self, key: str) -> None:

@@ -388,6 +388,25 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse(reply.output_tensors())]
 """
 
+#: What `gate` ran: each request's X[0], in order.
+GATE_RAN: list[float] = []
+
+#: Calls `slow` when X[0] is 1 (answering the call's error where it fails), and answers X.
+GATE = """
+import triton_python_backend_utils as pb_utils
+from tests.integration.test_bls import GATE_RAN
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X")
+        GATE_RAN.append(float(x.as_numpy()[0]))
+        if x.as_numpy()[0] == 1:
+            reply = pb_utils.InferenceRequest(model_name="slow", inputs=[x], requested_output_names=["Y"]).exec()
+            if reply.has_error():
+                return [pb_utils.InferenceResponse(error=reply.error())]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x.as_numpy())])]
+"""
+
 #: `double` twice, as Triton's ensemble.
 QUADRUPLE = """
 name: "quadruple"
@@ -436,6 +455,7 @@ def write_repository(root: Path) -> Path:
         "double_late": (DOUBLE, 64, 1, "dynamic_batching { max_queue_delay_microseconds: 5000000 }"),
         "call_paired": (PAIRED, 8, 2, ""),
         "self_pair": (SELF_PAIR, 0, 2, ""),
+        "gate": (GATE, 0, 1, ""),
     }
     for name, (source, batch, count, extra) in models.items():
         write_model(root, name, source, XY.format(name=name, batch=batch, count=count, extra=extra))
@@ -671,6 +691,38 @@ async def test_cancelling_the_outer_request_cancels_its_calls(tmp_path: Path, ca
         assert not SLOW["release"].is_set()
         code, message = SLOW["reply"]
         assert code == pb_utils.TritonError.CANCELLED, message
+
+
+@pytest.mark.parametrize("frames", [True, False], ids=["frames", "streams"])
+async def test_when_its_callers_leave_a_held_model_serves_again(tmp_path: Path, frames: bool) -> None:
+    """The calls whose callers went away are cancelled down the chain, on the frame connections and on the
+    shared streams alike (between router and stage, both ways): `gate` is held by a request waiting on
+    `slow`, and another request waits for its instance. Their clients leave (no deadline: nothing else would
+    end them); the waiting request is dropped unrun, the held one's call to `slow` answers CANCELLED, and
+    `gate` serves the next request while `slow` still holds."""
+    options: dict[str, object] = {"frames_port": 0 if frames else None}
+    metrics = Metrics()
+
+    def queued() -> float:
+        return metrics.registry.get_sample_value("pipeline_queue_depth", {"model": "gate"}) or 0.0
+
+    GATE_RAN.clear()
+    async with (
+        pipeline(tmp_path, router_options=options, stage_options=options, stage_metrics=metrics) as router,
+        slow_calls(),
+        inference_stub(router.address) as stub,
+    ):
+        held = stub.ModelInfer(request_for("gate", X=np.ones(4, np.float32)))
+        assert await asyncio.to_thread(SLOW["entered"].wait, 20)
+        waiting = stub.ModelInfer(request_for("gate", X=np.full(4, 2, np.float32)))
+        await until(lambda: queued() == 1)
+        waiting.cancel()
+        await until(lambda: queued() == 0)
+        held.cancel()
+        reply = await stub.ModelInfer(request_for("gate", X=np.full(4, 3, np.float32)), timeout=10)
+        assert response_tensors(reply)["Y"].to_array().tolist() == [3.0] * 4
+        assert not SLOW["release"].is_set()
+        assert GATE_RAN == [1.0, 3.0]
 
 
 async def test_a_model_that_stops_waiting_for_its_call_goes_on(tmp_path: Path) -> None:
