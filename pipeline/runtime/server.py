@@ -28,6 +28,7 @@ from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.shutdown import (
     ABANDON_S,
+    CLOSE_S,
     HeldRequests,
     die_with_parent,
     exit_deadline,
@@ -223,13 +224,18 @@ async def serve(
         settle_garbage_collection()
         await stopping.wait()
     finally:
-        if signals:
-            exit_within(exit_deadline(drain_delay, grace))
+        bound = exit_deadline(drain_delay, grace)
+        watchdog = exit_within(bound, f"stopping ({bound:.0f}s allowed)") if signals else None
         log.info("shutting down: draining in-flight requests (grace %.1fs)", grace)
         await health_servicer.enter_graceful_shutdown()
         if drain_delay > 0:
             await asyncio.sleep(drain_delay)
         await _drain(server, grace, drain, held)
+        if watchdog is not None:
+            # Nothing is held any more: closing (and the threads' end) gets what is left of the margin, from
+            # now, however soon the drain ended.
+            watchdog.cancel()
+            exit_within(CLOSE_S, "closing after the drain")
         if stop is not None:
             await stop()
         for sig in signals:

@@ -5,8 +5,8 @@ delay, then new calls are refused and those in flight get the grace period. What
 request waiting on a model instance that never returns, on a sequence's slot, on a BLS call, on a stage) is
 answered UNAVAILABLE (`HeldRequests.abandon`, `Stopped`), and those answers get `ABANDON_S` to go out before
 every call, stream and connection is closed. The process exits at the latest `EXIT_MARGIN_S` after the grace
-period, whatever its threads do: the thread of a model instance that never returns cannot be joined, so a
-watchdog ends the process (`exit_within`).
+period, and `CLOSE_S` after a drain that ended sooner, whatever its threads do: the thread of a model instance
+that never returns cannot be joined, so a watchdog ends the process (`exit_within`).
 
 A service that a launcher started (`pipeline run`'s services, a router's workers) dies with it, even when
 the launcher is killed: the launcher names itself in the child's environment (`child_environment`), and the
@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 #: out before every call, stream and connection is closed.
 ABANDON_S = 1.0
 #: How long after its grace period a stopping server process exits at the latest: `ABANDON_S`, then the
-#: rest to unload its models and close what it opened.
+#: rest to unload its models and close what it opened (`CLOSE_S`, from the end of the drain).
 EXIT_MARGIN_S = 5.0
+CLOSE_S = EXIT_MARGIN_S - ABANDON_S
 #: The exit code of a process that the watchdog ended (something in it did not stop in time).
 FORCED_EXIT_CODE = 1
 
@@ -96,24 +97,24 @@ class HeldRequests:
         return len(held)
 
 
-def exit_within(seconds: float) -> threading.Timer:
-    """End the process `seconds` from now (`FORCED_EXIT_CODE`) unless it has exited by then: a stopping
-    server whose threads (a model that never returns) or closing outlive its bound."""
-    timer = threading.Timer(seconds, _exit_now, args=(seconds,))
+def exit_within(seconds: float, what: str) -> threading.Timer:
+    """End the process `seconds` from now (`FORCED_EXIT_CODE`) unless it has exited by then, or the timer is
+    cancelled: a stopping server whose threads (a model that never returns) or closing outlive its bound.
+    `what`: the stage of the stop that took too long, for the log."""
+    timer = threading.Timer(seconds, _exit_now, args=(seconds, what))
     timer.name = "exit watchdog"
     timer.daemon = True
     timer.start()
     return timer
 
 
-def _exit_now(seconds: float) -> None:
+def _exit_now(seconds: float, what: str) -> None:
     main = threading.main_thread()
     running = [t.name for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
     log.error(
-        "still running %.1fs after it began to stop (the drain delay, the grace period and %.0fs to close): "
-        "exiting without waiting for %s",
+        "%s took more than %.1fs: exiting without waiting for %s",
+        what,
         seconds,
-        EXIT_MARGIN_S,
         f"its threads {', '.join(running)}" if running else "what it was closing",
     )
     for handler in logging.getLogger().handlers:
