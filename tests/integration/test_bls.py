@@ -407,6 +407,28 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x.as_numpy())])]
 """
 
+#: Batched; calls itself with X - 1 for each request whose X[0] is above 0 (then answers X).
+SELF_BATCHED = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if x[0, 0] <= 0:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x.copy())]))
+                continue
+            reply = pb_utils.InferenceRequest(
+                model_name="self_batched", inputs=[pb_utils.Tensor("X", x - 1)], requested_output_names=["Y"]
+            ).exec()
+            if reply.has_error():
+                responses.append(pb_utils.InferenceResponse(error=reply.error()))
+            else:
+                responses.append(pb_utils.InferenceResponse(reply.output_tensors()))
+        return responses
+"""
+
 #: `double` twice, as Triton's ensemble.
 QUADRUPLE = """
 name: "quadruple"
@@ -456,6 +478,14 @@ def write_repository(root: Path) -> Path:
         "call_paired": (PAIRED, 8, 2, ""),
         "self_pair": (SELF_PAIR, 0, 2, ""),
         "gate": (GATE, 0, 1, ""),
+        # Every batch goes through the router's queue (none runs in its caller's task), one at a time.
+        "self_batched": (
+            SELF_BATCHED,
+            4,
+            1,
+            "dynamic_batching { max_queue_delay_microseconds: 1000 }\n"
+            'parameters { key: "pipeline.idle_dispatch" value: { string_value: "false" } }',
+        ),
     }
     for name, (source, batch, count, extra) in models.items():
         write_model(root, name, source, XY.format(name=name, batch=batch, count=count, extra=extra))
@@ -559,7 +589,8 @@ async def test_a_callees_error_reaches_the_caller_with_its_message(tmp_path: Pat
 
         err = await rpc_error(stub.ModelInfer(request_for("call_missing", X=xs(1)), timeout=30))
         assert err.code() == grpc.StatusCode.NOT_FOUND
-        assert "no_such_model" in (err.details() or "")
+        # Triton 2.51's words for a call to a model it does not serve (tests/parity: bls_report_missing).
+        assert "Model 'no_such_model' is not ready" in (err.details() or ""), err.details()
 
         # The service goes on serving.
         reply = await stub.ModelInfer(request_for("call_double", X=xs(1)), timeout=30)
@@ -723,6 +754,43 @@ async def test_when_its_callers_leave_a_held_model_serves_again(tmp_path: Path, 
         assert response_tensors(reply)["Y"].to_array().tolist() == [3.0] * 4
         assert not SLOW["release"].is_set()
         assert GATE_RAN == [1.0, 3.0]
+
+
+async def test_a_batched_model_held_by_its_call_to_itself_serves_again_when_its_caller_leaves(
+    tmp_path: Path,
+) -> None:
+    """A batched model calling itself: its call waits in the router's queue of the model, behind the one
+    batch in flight that waits on it, where no stage sees it (nothing refuses it). When the caller leaves,
+    the batch none of whose requests is waited for has its stage call cancelled, the model's call with it,
+    and the model serves again."""
+    frames = {"frames_port": 0}
+    router_metrics, stage_metrics = Metrics(), Metrics()
+
+    def queued_at_router() -> float:
+        return (
+            router_metrics.registry.get_sample_value("pipeline_queue_depth", {"model": "self_batched"}) or 0.0
+        )
+
+    def running_on_stage() -> float:
+        sample = stage_metrics.registry.get_sample_value
+        return sample("pipeline_inflight_batches", {"model": "self_batched"}) or 0.0
+
+    async with (
+        pipeline(
+            tmp_path,
+            router_options=frames,
+            stage_options=frames,
+            router_metrics=router_metrics,
+            stage_metrics=stage_metrics,
+        ) as router,
+        inference_stub(router.address) as stub,
+    ):
+        held = stub.ModelInfer(request_for("self_batched", X=xs(1)))  # no deadline: nothing else ends it
+        await until(lambda: running_on_stage() == 1 and queued_at_router() == 1)
+        held.cancel()
+        reply = await stub.ModelInfer(request_for("self_batched", X=xs(0)), timeout=10)
+        assert response_tensors(reply)["Y"].to_array().tolist() == xs(0).tolist()
+        assert running_on_stage() == 0
 
 
 async def test_a_model_that_stops_waiting_for_its_call_goes_on(tmp_path: Path) -> None:

@@ -273,6 +273,28 @@ async def test_cancelled_requests_are_dropped():
     await batcher.aclose()
 
 
+async def test_a_batch_in_flight_is_cancelled_once_none_of_its_callers_waits():
+    stage = Stage(gated=True)
+    config = BatchingConfig(
+        max_batch_size=2, max_queue_delay_microseconds=10**6, idle_dispatch=False, max_inflight_batches=2
+    )
+    batcher = make(config, stage)
+    first = await submit_all(batcher, [1, 2])  # one batch, held by the stage
+    second = await submit_all(batcher, [3, 4])
+    assert stage.batches == [[1, 2], [3, 4]]
+    first[0].cancel()
+    await settle()
+    assert not stage.gates[0].is_set() and batcher.inflight_batches == 2  # its other caller still waits
+    first[1].cancel()
+    second[0].cancel()
+    await settle()
+    assert batcher.inflight_batches == 1  # the first batch's execution was cancelled, the second's was not
+    stage.release(1)
+    await settle()
+    assert second[1].result() == 40
+    await batcher.aclose()
+
+
 async def test_a_full_queue_answers_unavailable_at_once_naming_the_stage():
     stage = Stage(gated=True)
     config = BatchingConfig(max_batch_size=1, max_queue_size=2, max_inflight_batches=1)

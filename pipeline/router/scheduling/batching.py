@@ -61,6 +61,8 @@ class _Pending(Generic[In, Out]):
     span: Span | None = None
     state: int = _QUEUED
     timer: Timer | None = None
+    #: The batch it was taken into, and the task that runs it.
+    batch: tuple[list[_Pending[In, Out]], asyncio.Task[None]] | None = None
 
 
 class _KeyQueue(Generic[In, Out]):
@@ -358,10 +360,16 @@ class DynamicBatcher(Generic[In, Out]):
         try:
             return await future
         except asyncio.CancelledError:
-            # The caller went away (the client cancelled): drop the request before the stage sees it.
+            # The caller went away (the client cancelled): drop the request before the stage sees it, or
+            # cancel its batch's stage call once no member's caller waits for it (the stage then frees its
+            # instance, and cancels the calls its model made, as for an unbatched call).
             if pending.state == _QUEUED:
                 self._waiting.drop(pending)
                 self.counters.dropped_cancelled += 1
+            elif pending.batch is not None:
+                members, running = pending.batch
+                if all(member.future.cancelled() for member in members):
+                    running.cancel()
             raise
 
     def _admit(self, size: int) -> None:
@@ -449,6 +457,8 @@ class DynamicBatcher(Generic[In, Out]):
 
     def _dispatch(self, batch: list[_Pending[In, Out]], now: float) -> None:
         task = asyncio.create_task(self._execute_batch(batch, now, *self._chain()))
+        for pending in batch:
+            pending.batch = (batch, task)
         self._busy += 1
         self._inflight.add(task)
         task.add_done_callback(self._batch_finished)
@@ -481,6 +491,7 @@ class DynamicBatcher(Generic[In, Out]):
         except asyncio.CancelledError:
             for pending in batch:
                 pending.future.cancel()
+                pending.batch = None
             done.set_result(None)
             raise
         except Exception as err:  # every member must hear of the failure
@@ -493,6 +504,8 @@ class DynamicBatcher(Generic[In, Out]):
         finally:
             if not done.done():
                 done.set_result(None)
+            for pending in batch:
+                pending.batch = None  # no cycle keeps the batch's tensors
 
     async def _execute_one(self, pending: _Pending[In, Out], now: float) -> Out:
         """Run a batch of one request in the caller's task: its result, or its error raised."""
