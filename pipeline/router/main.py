@@ -224,8 +224,9 @@ class _RouterServer:
     ) -> None:
         """Serve the HTTP, frame and metrics ports, wait for the stages, then report live and ready."""
         args, plane = self.args, self.plane
-        if plane.peers is not None:
-            await plane.peers.start(plane.local_statistics)
+        peers = plane.model_statistics.peers
+        if peers is not None:
+            await peers.start(plane.model_statistics.local, plane.model_statistics.local_cache_hits)
         start_metrics(self.metrics, args)
         await self.rest.start(args, http_bound)
         if self.frames is not None:
@@ -257,8 +258,8 @@ class _RouterServer:
         down, where the router owns it."""
         for task in self.tasks:
             task.cancel()
-        if self.plane.peers is not None:
-            await self.plane.peers.stop()
+        if self.plane.model_statistics.peers is not None:
+            await self.plane.model_statistics.peers.stop()
         await self.plane.close()
         self.metrics.close()
         if telemetry is not None:
@@ -295,9 +296,9 @@ async def serve_router(
         resolve=resolve,
         admin_configured=policy.admin_configured,
     )
-    plane.peers = WorkerPeers.from_env()
+    plane.model_statistics.peers = WorkerPeers.from_env()
     # A worker of `--workers N` shares its ports with the others.
-    args.reuse_port = plane.peers is not None
+    args.reuse_port = plane.model_statistics.peers is not None
     router = _RouterServer(args, plane, policy, metrics)
     await set_serving(router.health, False)
     server, port = await _listen(args, router.servicer, router.health, policy)

@@ -34,12 +34,12 @@ from pipeline.router.execution.availability import EnsembleAvailability
 from pipeline.router.execution.executor import Executor
 from pipeline.router.execution.streaming import EnsembleStreams
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
+from pipeline.router.router_statistics import RouterStatistics
 from pipeline.router.scheduling.calls import StageCalls, int_parameter
 from pipeline.router.stages.discovery import StageDiscovery
 from pipeline.router.stages.fleet import FleetControl
 from pipeline.router.stages.stage_client import StageClient
 from pipeline.router.stages.targets import Resolve
-from pipeline.router.workers import WorkerPeers, merge_statistics
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_statistics import ModelStats
 from pipeline.runtime.security import ClientTls
@@ -110,8 +110,8 @@ class RouterPlane(DataPlane):
         self.streams = EnsembleStreams(self.executor)
         #: The ensembles with a decoupled step and the decoupled stage models: served by `stream` only.
         self.decoupled: set[str] = set()
-        #: The other router workers on this port (`--workers`), whose statistics are summed with ours.
-        self.peers: WorkerPeers | None = None
+        #: The answers to `ModelStatistics`: the router's own figures, and its stage models' replicas'.
+        self.model_statistics = RouterStatistics(self.stages, self.registry, self._versions)
         self._count_models((*catalog.ensembles, *self.stages.stage_of_model))
 
     async def reload(self, catalog: Catalog) -> None:
@@ -316,21 +316,9 @@ class RouterPlane(DataPlane):
     # --- statistics and repository -------------------------------------------------------------------
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
-        """This router's statistics; with several workers, every worker's summed (one view)."""
-        own = await self.local_statistics(name, version)
-        if self.peers is None:
-            return own
-        return merge_statistics([own, *await self.peers.peer_statistics(name, version)])
-
-    async def local_statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
-        """This process's own statistics."""
-        served = self.stages.repository_models
-        if not name:
-            # As Triton does: every model's statistics, at its default version, whatever version is asked.
-            return self.registry.statistics(
-                sorted({*self.registry.stats, *served}), "", served, self._versions
-            )
-        return self.registry.statistics([name], version, served, self._versions)
+        """Every router worker's figures summed; a stage model's are its replicas' own
+        (`pipeline.router.router_statistics`)."""
+        return await self.model_statistics.answer(name, version)
 
     def _versions(self, model: str) -> Sequence[str]:
         """The versions of a model served here, oldest first: an ensemble's one; a stage model's as its stage's

@@ -7,8 +7,9 @@ serves no request; it forwards SIGTERM/SIGINT, and serves the router's Prometheu
 metrics, each sample labelled `worker`.
 
 `ModelStatistics` lands on one worker, which must answer for all: every worker also serves its own figures
-on a Unix socket in a folder private to the router's user (`pipeline.RouterWorker/Statistics`), and the
-worker that is asked sums its peers' figures with its own.
+on a Unix socket in a folder private to the router's user (`pipeline.RouterWorker/Statistics`, and
+`CacheHits`: what its response cache answered for stage models, whose other figures come from their
+stages), and the worker that is asked sums its peers' figures with its own.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
@@ -35,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.runtime.model_statistics import add_statistics
 from pipeline.runtime.server import write_port
 from pipeline.runtime.shutdown import child_environment
 
@@ -45,6 +47,10 @@ WORKER_DIR_ENV = "PIPELINE_ROUTER_WORKER_DIR"
 WORKER_INDEX_ENV = "PIPELINE_ROUTER_WORKER"
 
 STATISTICS_METHOD = "/pipeline.RouterWorker/Statistics"
+CACHE_HITS_METHOD = "/pipeline.RouterWorker/CacheHits"
+
+#: A worker's own figures: `(name, version)` -> its `ModelStatistics` answer.
+LocalStatistics = Callable[[str, str], Awaitable[pb.ModelStatisticsResponse]]
 
 
 def socket_path(folder: Path, index: int) -> Path:
@@ -69,21 +75,23 @@ class WorkerPeers:
             return None
         return cls(Path(folder), int(os.environ.get(WORKER_INDEX_ENV, "0")))
 
-    async def start(self, local_statistics) -> None:
-        """Serve `local_statistics(name, version)` (this worker's own figures) on this worker's socket."""
+    async def start(self, local_statistics: LocalStatistics, local_cache_hits: LocalStatistics) -> None:
+        """Serve `local_statistics(name, version)` (this worker's own figures) and `local_cache_hits(name,
+        version)` (what its response cache answered for stage models) on this worker's socket."""
 
-        async def statistics(request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext):
-            return await local_statistics(request.name, request.version)
+        def method(answer: LocalStatistics) -> grpc.RpcMethodHandler:
+            async def handle(request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext):
+                return await answer(request.name, request.version)
+
+            return grpc.unary_unary_rpc_method_handler(
+                handle,
+                request_deserializer=pb.ModelStatisticsRequest.FromString,
+                response_serializer=pb.ModelStatisticsResponse.SerializeToString,
+            )
 
         handler = grpc.method_handlers_generic_handler(
             "pipeline.RouterWorker",
-            {
-                "Statistics": grpc.unary_unary_rpc_method_handler(
-                    statistics,
-                    request_deserializer=pb.ModelStatisticsRequest.FromString,
-                    response_serializer=pb.ModelStatisticsResponse.SerializeToString,
-                )
-            },
+            {"Statistics": method(local_statistics), "CacheHits": method(local_cache_hits)},
         )
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((handler,))
@@ -93,15 +101,19 @@ class WorkerPeers:
         await server.start()
         self._server = server
 
-    async def peer_statistics(self, name: str, version: str) -> list[pb.ModelStatisticsResponse]:
-        """The other workers' own figures (a worker that cannot answer now is left out, and logged)."""
+    async def peer_statistics(
+        self, name: str, version: str, *, cache_hits: bool = False
+    ) -> list[pb.ModelStatisticsResponse]:
+        """The other workers' own figures, or (`cache_hits`) what their response caches answered for stage
+        models; a worker that cannot answer now is left out, and logged."""
+        method = CACHE_HITS_METHOD if cache_hits else STATISTICS_METHOD
         replies = []
         for path in sorted(self.folder.glob("worker-*.sock")):
             if path == socket_path(self.folder, self.index):
                 continue
             async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
                 call = channel.unary_unary(
-                    STATISTICS_METHOD,
+                    method,
                     request_serializer=pb.ModelStatisticsRequest.SerializeToString,
                     response_deserializer=pb.ModelStatisticsResponse.FromString,
                 )
@@ -120,31 +132,18 @@ class WorkerPeers:
 
 
 def merge_statistics(replies: Sequence[pb.ModelStatisticsResponse]) -> pb.ModelStatisticsResponse:
-    """Several processes' `ModelStatistics` as one: counts and durations summed per model (and per batch
-    size), the latest `last_inference`, in the first reply's model order."""
+    """Several processes' `ModelStatistics` as one: each model's figures summed (`add_statistics`) per
+    version, in the first reply's model order."""
     merged: dict[tuple[str, str], pb.ModelStatistics] = {}
     for reply in replies:
         for stats in reply.model_stats:
             key = (stats.name, stats.version)
             into = merged.get(key)
             if into is None:
-                merged[key] = pb.ModelStatistics()
-                merged[key].CopyFrom(stats)
-                continue
-            into.last_inference = max(into.last_inference, stats.last_inference)
-            into.inference_count += stats.inference_count
-            into.execution_count += stats.execution_count
-            for field in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
-                mine, theirs = getattr(into.inference_stats, field), getattr(stats.inference_stats, field)
-                mine.count += theirs.count
-                mine.ns += theirs.ns
-            sizes = {b.batch_size: (b.compute_infer.count, b.compute_infer.ns) for b in into.batch_stats}
-            for batch in stats.batch_stats:
-                count, ns = sizes.get(batch.batch_size, (0, 0))
-                sizes[batch.batch_size] = (count + batch.compute_infer.count, ns + batch.compute_infer.ns)
-            del into.batch_stats[:]
-            for size, (count, ns) in sorted(sizes.items()):
-                into.batch_stats.add(batch_size=size, compute_infer=pb.StatisticDuration(count=count, ns=ns))
+                merged[key] = into = pb.ModelStatistics()
+                into.CopyFrom(stats)
+            else:
+                add_statistics(into, stats)
     return pb.ModelStatisticsResponse(model_stats=list(merged.values()))
 
 

@@ -72,6 +72,9 @@ class ModelStats:
     cache_miss: _Duration = field(default_factory=_Duration)
     #: A decoupled model's responses, by their index in their request (Triton's `response_stats`).
     responses: dict[int, _ResponseStats] = field(default_factory=dict)
+    #: Of `inference_count` and `success`: what the response cache answered (`cache_proto`).
+    cache_hit_items: int = 0
+    cache_hit_success: _Duration = field(default_factory=_Duration)
 
     def response_done(self, index: int, *, infer_ns: int, output_ns: int = 0, empty: bool = False) -> None:
         """Response `index` of a request to a decoupled model was made (`empty`: the final flag alone)."""
@@ -112,6 +115,8 @@ class ModelStats:
         self.inference_count += items
         self.success.add(total_ns)
         self.cache_hit.add(cache_ns)
+        self.cache_hit_items += items
+        self.cache_hit_success.add(total_ns)
         self.last_inference_ms = int(time.time() * 1000)
 
     def cache_missed(self, cache_ns: int) -> None:
@@ -150,3 +155,61 @@ class ModelStats:
             ],
             response_stats={str(index): r.proto() for index, r in sorted(self.responses.items())},
         )
+
+    def cache_proto(self, name: str, version: str) -> pb.ModelStatistics:
+        """Only what the response cache did: the requests it answered (their items and their time, as
+        inferences and successes), its hits and its misses. A router adds them to a stage model's figures,
+        which its replicas give and which never see a hit."""
+        return pb.ModelStatistics(
+            name=name,
+            version=version,
+            # The last inference it knows of, once it answered one (a hit's is not kept apart).
+            last_inference=self.last_inference_ms if self.cache_hit_items else 0,
+            inference_count=self.cache_hit_items,
+            inference_stats=pb.InferStatistics(
+                success=self.cache_hit_success.proto(),
+                cache_hit=self.cache_hit.proto(),
+                cache_miss=self.cache_miss.proto(),
+            ),
+        )
+
+
+#: The durations of `pb.InferStatistics`, each a count and a sum of nanoseconds.
+_INFER_DURATIONS = (
+    "success",
+    "fail",
+    "queue",
+    "compute_input",
+    "compute_infer",
+    "compute_output",
+    "cache_hit",
+    "cache_miss",
+)
+_RESPONSE_DURATIONS = ("compute_infer", "compute_output", "success", "fail", "empty_response")
+
+
+def add_statistics(into: pb.ModelStatistics, other: pb.ModelStatistics) -> None:
+    """Add `other`'s figures to `into` (one model's, counted by several processes): counts and durations
+    summed, executions per batch size and responses per index too, the latest `last_inference`; `into`
+    keeps its name and version."""
+    into.last_inference = max(into.last_inference, other.last_inference)
+    into.inference_count += other.inference_count
+    into.execution_count += other.execution_count
+    for name in _INFER_DURATIONS:
+        _add_duration(getattr(into.inference_stats, name), getattr(other.inference_stats, name))
+    sizes = {b.batch_size: (b.compute_infer.count, b.compute_infer.ns) for b in into.batch_stats}
+    for batch in other.batch_stats:
+        count, ns = sizes.get(batch.batch_size, (0, 0))
+        sizes[batch.batch_size] = (count + batch.compute_infer.count, ns + batch.compute_infer.ns)
+    del into.batch_stats[:]
+    for size, (count, ns) in sorted(sizes.items()):
+        into.batch_stats.add(batch_size=size, compute_infer=pb.StatisticDuration(count=count, ns=ns))
+    for index, theirs in other.response_stats.items():
+        mine = into.response_stats[index]
+        for name in _RESPONSE_DURATIONS:
+            _add_duration(getattr(mine, name), getattr(theirs, name))
+
+
+def _add_duration(into: pb.StatisticDuration, other: pb.StatisticDuration) -> None:
+    into.count += other.count
+    into.ns += other.ns

@@ -8,9 +8,11 @@ out into many calls fills the callee's batches. Each call carries what its calle
 - the time the caller's request has left (and the request's own `timeout`, if shorter);
 - the caller's trace context, so the call's spans sit under the caller's;
 - the chain of calls it belongs to (`pipeline.protocol.call_chain`): nested too deep, it is refused; and the
-  stage refuses at once a call that only an instance waiting on it could run, instead of hanging;
+  callee's stage refuses at once a call that no instance could ever run, every instance waiting on it or
+  on calls like it (`pipeline.stage.pool`), instead of hanging;
 - cancellation: when the caller's request is cancelled (its client went away), its calls are cancelled
-  (they answer CANCELLED at once; the router, which got them on a shared stream, finishes them).
+  (they answer CANCELLED at once), and the router cancels them at their callees in turn, whichever
+  transport carried them (`pipeline.transport.matched`).
 
 The calls run on the service's event loop, whatever thread the model runs on (`pipeline.stage.router_link`
 carries them, over the router's frame port where it has one): `exec` waits for the answer on the model's

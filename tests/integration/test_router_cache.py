@@ -201,6 +201,8 @@ async def test_what_changes_the_answer_changes_the_key(served):
 async def test_a_stage_model_that_asks_for_it_is_cached_too(served):
     x = np.full((1, 4), 3.0, np.float32)
     before = await statistics(served.stage, "double")
+    async with inference_stub(served.stage) as direct:  # a call that the router does not see
+        await direct.ModelInfer(request_for("double", X=x + 0.25), timeout=10)
     async with inference_stub(served.router) as stub:
         for _ in range(3):
             reply = await stub.ModelInfer(request_for("double", X=x), timeout=10)
@@ -210,9 +212,15 @@ async def test_a_stage_model_that_asks_for_it_is_cached_too(served):
     np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), x * 2)
     assert [out.name for out in neg.outputs] == ["NEG"]
     after = await statistics(served.stage, "double")
-    assert after.inference_count - before.inference_count == 2
+    assert after.inference_count - before.inference_count == 3
     router = await statistics(served.router, "double")
     assert router.inference_stats.cache_hit.count >= 2
+    # The model's figures at the router are its stage's own (the calls the router did not make too), and the
+    # requests the router's cache answered (a row each) on top.
+    hits = router.inference_stats.cache_hit.count
+    assert router.inference_count == after.inference_count + hits
+    assert router.execution_count == after.execution_count
+    assert router.inference_stats.success.count == after.inference_stats.success.count + hits
 
 
 async def test_memory_stays_within_the_bound_under_unique_inputs(served):

@@ -18,11 +18,13 @@ from pipeline.cli import build_parser
 from pipeline.ensemble.catalog import load_catalog, load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.router.stages.replicas import rendezvous
+from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.model_statistics import add_statistics
 from pipeline.runtime.repository import ModelRepository
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
-from tests.integration.test_sequences import ACCUMULATOR, CONFIG
+from tests.integration.test_sequences import ACCUMULATOR, CONFIG, OLDEST
 from tests.stages import write_model
 
 #: Room on one replica for every sequence of a test (a sequence past its slots waits for one to end).
@@ -434,3 +436,58 @@ async def test_an_ensemble_that_gives_a_sequence_model_dynamic_batching_is_refus
             assert state == "UNAVAILABLE" and "model 'accumulate' has sequence_batching" in reason, reason
             reply = await stub.ModelInfer(sequence_request("accumulate", 3, 5, True, True), timeout=30)
             assert int(response_tensors(reply)["OUTPUT"].to_array()[0, 0]) == 3
+
+
+async def test_a_sequence_models_statistics_at_the_router_are_its_replicas_own(tmp_path: Path) -> None:
+    """Triton's statistics of a model are its own executions, whatever batched them: eight sequences on two
+    replicas whose sequence batchers run their steps together, and the router answers with the sum of the
+    replicas' own figures (40 inferences in fewer executions), not with its 40 calls of one request each."""
+    root = tmp_path / "models"
+    write_model(
+        root,
+        "accumulate",
+        ACCUMULATOR,
+        CONFIG.format(strategy=OLDEST, idle=600_000_000, initial="zero_data: true"),
+    )
+    backends = [PythonBackend()]
+    async with (
+        serving_stages([], repository=ModelRepository(root), backends=backends) as first,
+        serving_stages([], repository=ModelRepository(root), backends=backends) as second,
+    ):
+        await wait_serving(first.address, timeout=60)
+        await wait_serving(second.address, timeout=60)
+        addresses = [first.address, second.address]
+        catalog = load_catalog(repository=root, stages={"python": f"ipv4:{first.address},{second.address}"})
+        metrics = Metrics()
+        async with serving_router(catalog, metrics=metrics) as router, inference_stub(router.address) as stub:
+            await wait_serving(router.address)
+            # The sequences spread over both replicas once both are seen serving.
+            ready = "pipeline_stage_replicas_ready"
+            while metrics.registry.get_sample_value(ready, {"stage": "python"}) != 2:
+                await asyncio.sleep(0.05)
+
+            async def run(sequence: int) -> None:
+                for step in range(5):
+                    request = sequence_request("accumulate", step, sequence, step == 0, step == 4)
+                    await stub.ModelInfer(request, timeout=30)
+
+            await asyncio.gather(*(run(s) for s in range(1, 9)))
+            (model,) = (await stub.ModelStatistics(pb.ModelStatisticsRequest(name="accumulate"))).model_stats
+            every = await stub.ModelStatistics(pb.ModelStatisticsRequest())
+        replicas = [await statistics(address, "accumulate") for address in addresses]
+    assert (model.name, model.version) == ("accumulate", "1")
+    summed = pb.ModelStatistics()
+    summed.CopyFrom(replicas[0])
+    add_statistics(summed, replicas[1])
+    assert min(r.inference_count for r in replicas) > 0  # both replicas ran sequences
+    assert (model.inference_count, model.execution_count) == (40, summed.execution_count)
+    assert model.execution_count < 40  # steps of several sequences ran as one batch
+    assert sum(b.batch_size * b.compute_infer.count for b in model.batch_stats) == 40
+    assert list(model.batch_stats) == list(summed.batch_stats)
+    assert model.inference_stats == summed.inference_stats
+    assert [s for s in every.model_stats if s.name == "accumulate"] == [model]
+
+
+async def statistics(address: str, model: str) -> pb.ModelStatistics:
+    async with inference_stub(address) as stub:
+        return (await stub.ModelStatistics(pb.ModelStatisticsRequest(name=model))).model_stats[0]

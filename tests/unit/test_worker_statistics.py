@@ -33,3 +33,21 @@ def test_counts_durations_and_batch_sizes_add_up_per_model():
         (3, 1, 70),
     ]
     assert f.inference_count == 1
+
+
+def test_cache_lookups_and_a_decoupled_models_responses_add_up_too():
+    a, b = ModelStats(), ModelStats()
+    a.cache_hit_done(items=2, total_ns=40, cache_ns=10)
+    a.cache_missed(5)
+    b.cache_hit_done(items=1, total_ns=30, cache_ns=20)
+    a.response_done(0, infer_ns=100, output_ns=1)
+    b.response_done(0, infer_ns=200, output_ns=2)
+    b.response_done(1, infer_ns=0, empty=True)
+    (e,) = merge_statistics([reply(("e", a)), reply(("e", b))]).model_stats
+    assert (e.inference_stats.cache_hit.count, e.inference_stats.cache_hit.ns) == (2, 30)
+    assert (e.inference_stats.cache_miss.count, e.inference_stats.cache_miss.ns) == (1, 5)
+    assert (e.response_stats["0"].compute_infer.count, e.response_stats["0"].compute_infer.ns) == (2, 300)
+    assert e.response_stats["1"].empty_response.count == 1
+    # What the cache answered, apart: a router adds it to a stage model's figures from its replicas.
+    cached = a.cache_proto("e", "1")
+    assert (cached.inference_count, cached.inference_stats.success.ns, cached.execution_count) == (2, 40, 0)

@@ -4,7 +4,7 @@ The interface comes from the model's `ModelMetadata` and, where the stage has it
 (batching, padding, caching, decoupled, sequence batching); a plain OIP server without `ModelConfig` batches
 where every tensor's shape leads with -1. A replica's `RepositoryIndex` tells which models it serves, as
 replicas of one stage may serve different ones; where it writes a state other than Triton's, the model's
-`ModelReady` says whether it is READY.
+`ModelReady` says whether it is READY. A replica's `ModelStatistics` are its models' own figures.
 """
 
 from __future__ import annotations
@@ -98,6 +98,29 @@ async def _confirm_ready(
         client.metrics.stage_calls.labels(client.endpoint.name, "OK").inc()
     if reply.ready:
         model.state = "READY"
+
+
+async def replica_statistics(
+    client: StageCaller, replica: Replica, name: str, version: str
+) -> list[pb.ModelStatistics]:
+    """One replica's own `ModelStatistics` of `name` (every model where ""), at `version`; none where it
+    cannot give them (no `ModelStatistics`, as a plain OIP server or MLServer; a model it does not serve; or
+    it cannot answer now)."""
+    try:
+        reply = await replica.stub.ModelStatistics(
+            pb.ModelStatisticsRequest(name=name, version=version), timeout=2.0, metadata=client.auth
+        )
+    except grpc.aio.AioRpcError as err:
+        # NOTE: not counted in the stage calls' metric: a scrape of Triton's metrics asks for statistics.
+        log.debug(
+            "stage '%s' (%s) gives no statistics of '%s': %s",
+            client.endpoint.name,
+            replica.address,
+            name,
+            err.details(),
+        )
+        return []
+    return list(reply.model_stats)
 
 
 async def model_signature(client: StageCaller, model: str) -> ModelSignature:
