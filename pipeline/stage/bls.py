@@ -446,7 +446,7 @@ class CallScope:
         try:
             reply = await self.router.infer(call.request(), self._timeout(call), context)
         except grpc.aio.AioRpcError as err:
-            return Reply.failed(err.code(), err.details() or err.code().name)
+            return _refused(call, err.code(), err.details() or err.code().name)
         except ConnectionError as err:
             return Reply.failed(grpc.StatusCode.UNAVAILABLE, f"call to model '{call.model}': {err}")
         return Reply.of(reply)
@@ -458,11 +458,11 @@ class CallScope:
             async for reply in self.router.stream(call.request(), self._timeout(call), self._metadata(call)):
                 if reply.error_message:
                     status = status_of(reply)
-                    put(Reply.failed(_status_code(status.code), status.message))
+                    put(_refused(call, _status_code(status.code), status.message))
                 else:
                     put(Reply.of(reply.infer_response))
         except grpc.aio.AioRpcError as err:
-            put(Reply.failed(err.code(), err.details() or err.code().name))
+            put(_refused(call, err.code(), err.details() or err.code().name))
         except ConnectionError as err:
             put(Reply.failed(grpc.StatusCode.UNAVAILABLE, f"call to model '{call.model}': {err}"))
         except asyncio.CancelledError:
@@ -471,6 +471,21 @@ class CallScope:
         finally:
             put(None)
         return Reply()
+
+
+#: How the router's messages begin where it serves no model of that name, or no such version of it.
+_NOT_SERVED = ("unknown model '{model}'", "model '{model}' has no version '")
+
+
+def _refused(call: Call, code: grpc.StatusCode, message: str) -> Reply:
+    """A call the router answered with an error. Where the router serves no such model (or version), the
+    message begins as Triton's begins for a BLS call there, "Model 'x' is not ready" (callers match on it),
+    and goes on with the router's reason; any other error is passed on as it is."""
+    if code == grpc.StatusCode.NOT_FOUND and message.startswith(
+        tuple(prefix.format(model=call.model) for prefix in _NOT_SERVED)
+    ):
+        message = f"Model '{call.model}' is not ready: {message}"
+    return Reply.failed(code, message)
 
 
 def _status_code(number: int) -> grpc.StatusCode:

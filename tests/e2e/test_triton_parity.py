@@ -49,7 +49,7 @@ FACTS = {
 MESSAGE_FACTS = {
     "bls_report_raise": ["fail_raise"],
     "bls_report_error": ["fail_error is broken on purpose"],
-    "bls_report_missing": ["'no_such_model'"],
+    "bls_report_missing": ["Model 'no_such_model' is not ready"],
     "bls_report_too_big": ["'add_one'", "8"],
     "bls_report_wrong_input": ["'Z'", "'add_one'"],
     "bls_sequence_no_start": ["sequence 78 to model 'running_sum' must specify the START flag"],
