@@ -22,6 +22,7 @@ from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ConfigError
 from pipeline.router.frontdoor.codec_pool import CodecPool
 from pipeline.router.frontdoor.http import RestFrontDoor, RestServer
+from pipeline.router.frontdoor.torchserve_api import TorchServeApi
 from pipeline.router.router_plane import RouterPlane
 from pipeline.router.stages.targets import Resolve
 from pipeline.router.workers import WorkerPeers, run_workers
@@ -146,6 +147,9 @@ def _front_door(servicer: InferenceServicer, args: argparse.Namespace, policy: A
         max_body_bytes=args.max_message_mb * 1024 * 1024,
         max_json_output_bytes=getattr(args, "max_json_output_mb", settings.Http().max_json_output_mb) << 20,
         codec=CodecPool(getattr(args, "http_codec_processes", settings.Http().http_codec_processes)),
+        torchserve=TorchServeApi(
+            servicer, getattr(args, "model_dir", None), getattr(args, "model_store", None)
+        ),
     )
 
 

@@ -655,6 +655,22 @@ class Http(BaseModel):
     ] = 2
 
 
+class TorchServeStore(BaseModel):
+    """TorchServe's model store: the folder of `.mar` archives that TorchServe's management API at the router
+    registers models from (`pipeline.router.frontdoor.torchserve_api`)."""
+
+    model_store: Annotated[
+        Path | None,
+        option(
+            "--model-store",
+            env="PIPELINE_MODEL_STORE",
+            parse=Path,
+            help="folder of TorchServe model archives (.mar): TorchServe's Inference and Management APIs are "
+            "served on the HTTP port, POST /models?url=NAME.mar registers one (env PIPELINE_MODEL_STORE)",
+        ),
+    ] = None
+
+
 #: What each of a client's TLS files is for (the router's `--stage-tls-*`, the clients' `--tls-*`).
 CLIENT_TLS_HELP = {
     "ca": "PEM CA that signed the server's certificate (turns TLS on)",
@@ -861,6 +877,7 @@ RouterSettings = process_settings(
         RouterOptions,
         ModelControl,
         Http,
+        TorchServeStore,
         StageTls,
     ),
 )

@@ -26,6 +26,7 @@ import grpc
 
 from pipeline.ensemble.catalog import load_sources
 from pipeline.ensemble.plan import EnsemblePlan
+from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
 from pipeline.runtime.security import channel_credentials
 from pipeline.runtime.settings_cli import add_arguments, from_environment
@@ -36,6 +37,7 @@ from pipeline.tools.autoscaler import (
     write_addresses,
 )
 from pipeline.tools.launcher_settings import LauncherSettings
+from pipeline.tools.model_store import model_store_repository
 from pipeline.tools.supervisor import (
     RestartPolicy,
     Service,
@@ -111,6 +113,13 @@ def run(args: argparse.Namespace) -> int:
     if refused := _refusal(args):
         log.error("%s", refused)
         return 2
+    try:
+        store_repository = model_store_repository(args)
+    except ConfigError as err:
+        log.error("%s", err.message)
+        return 2
+    if store_repository is not None:
+        args.model_dir = store_repository  # the store's archives, as a model repository (this run's)
     stage_token = stage_token_env(os.environ)
     tls_dir: Path | None = getattr(args, "tls_dir", None)
     tls = _tls(tls_dir, args.mtls) if tls_dir is not None else _Tls()
@@ -163,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
             autoscaler.close()
         _stop_all(router, supervisor.services if supervisor is not None else everything, args)
         shutil.rmtree(ports, ignore_errors=True)
+        if store_repository is not None:
+            shutil.rmtree(store_repository, ignore_errors=True)
 
 
 def _refusal(args: argparse.Namespace) -> str | None:
@@ -319,6 +330,8 @@ def _router_service(
     )
     router.args += ["--model-dir", str(args.model_dir)]  # its config.pbtxt ensembles, the stages' models
     router.args += ["--workers", str(max(1, args.router_workers))]
+    if getattr(args, "model_store", None) is not None:
+        router.args += ["--model-store", str(args.model_store)]  # TorchServe's register reads it
     return router
 
 

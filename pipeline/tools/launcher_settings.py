@@ -21,6 +21,7 @@ from pipeline.runtime.settings import (
 from pipeline.runtime.settings_cli import option, process_settings
 from pipeline.runtime.shutdown import EXIT_MARGIN_S
 from pipeline.tools.autoscaler import autoscale_bounds
+from pipeline.tools.model_store import LauncherModelStore
 from pipeline.tools.scaling import COOLDOWN_S, INFLIGHT_PER_REPLICA, QUEUE_SECONDS_TARGET
 from pipeline.tools.supervisor import KILL_MARGIN_S, RestartPolicy
 
@@ -242,5 +243,14 @@ class LauncherSecurity(BaseModel):
 
 #: `pipeline run`.
 LauncherSettings = process_settings(
-    "LauncherSettings", (LauncherPorts, LauncherStagePorts, Launcher, Restarts, Autoscaling, LauncherSecurity)
+    "LauncherSettings",
+    (
+        LauncherPorts,
+        LauncherStagePorts,
+        Launcher,
+        Restarts,
+        Autoscaling,
+        LauncherSecurity,
+        LauncherModelStore,
+    ),
 )

@@ -46,6 +46,8 @@ from pipeline.router.frontdoor.rest_codec import (
     json_field,
     metadata_json,
 )
+from pipeline.router.frontdoor.torchserve_api import OPEN_PATHS as TS_OPEN_PATHS
+from pipeline.router.frontdoor.torchserve_api import TorchServeApi
 from pipeline.runtime.admission import REQUEST_COST, cost_of
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
@@ -111,13 +113,15 @@ class RestFrontDoor:
         max_body_bytes: int = 64 * 1024 * 1024,
         max_json_output_bytes: int = 64 * 1024 * 1024,
         codec: CodecPool | None = None,
+        torchserve: TorchServeApi | None = None,
     ) -> None:
         """`max_body_bytes`: the largest request body, decompressed, and the most its inputs may hold;
         `max_json_output_bytes`: the largest JSON a response's outputs may take (0: no limit; binary data
         has none); `codec`: where large bodies and responses are decoded and encoded; `policy`: who may
         call what, as on the gRPC side (bearer tokens, and client certificates where the server requires
-        them)."""
+        them); `torchserve`: TorchServe's inference and management APIs beside the protocol's."""
         self.servicer = servicer
+        self.torchserve = torchserve
         self.plane = servicer.plane
         self.policy = policy or AccessPolicy()
         self.max_body_bytes = max_body_bytes
@@ -149,6 +153,8 @@ class RestFrontDoor:
                 post(base + "/generate", self.generate),
                 post(base + "/generate_stream", self.generate_stream),
             ]
+        if self.torchserve is not None:
+            routes += self.torchserve.routes()
         app.add_routes(routes)
         return app
 
@@ -189,6 +195,7 @@ class RestFrontDoor:
         if (
             not policy.enabled
             or request.path in OPEN_PATHS
+            or (self.torchserve is not None and request.path in TS_OPEN_PATHS)
             or request.match_info.http_exception is not None  # no such endpoint: 404 or 405 as it is
         ):
             return await handler(request)
@@ -201,7 +208,8 @@ class RestFrontDoor:
             response = error_response(401, UNAUTHENTICATED_MESSAGE)
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
-        if request.match_info.route.name in _ADMIN_ROUTES and scope < Scope.ADMIN:
+        route = request.match_info.route.name
+        if (route in _ADMIN_ROUTES or TorchServeApi.is_admin_route(route)) and scope < Scope.ADMIN:
             return error_response(
                 403,
                 "changing the model repository needs an admin token (or a client certificate listed in "

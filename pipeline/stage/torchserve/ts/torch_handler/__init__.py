@@ -1,0 +1,1 @@
+"""TorchServe's handlers: `base_handler.BaseHandler`, which custom handlers subclass."""

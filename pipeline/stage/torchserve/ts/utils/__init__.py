@@ -1,0 +1,1 @@
+"""TorchServe's helpers for handlers."""
