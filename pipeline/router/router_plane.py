@@ -73,7 +73,9 @@ class RouterPlane(DataPlane):
     ) -> None:
         """`max_message_bytes`, `stage_tls`, `stage_token`, `resolve_interval` and `resolve`: how the stages
         are called (see `_stage_clients`). `max_inflight_requests`: inference requests the router holds at
-        once (more are refused UNAVAILABLE at once, so memory stays bounded under overload; 0: no limit).
+        once (more are refused UNAVAILABLE at once, so memory stays bounded under overload; 0: no limit), and
+        those of one model (ensemble or stage model) at most three quarters of them, so a model flooded with
+        requests leaves room for the others.
         `max_batch_items`: items (dimension 0) one request may carry (0: no limit). `cache_size`: bytes of
         the response cache, for the models and ensembles that enable it (0: off). `strict_readiness`: ready
         only while every ensemble is available and every stage healthy (Triton's `--strict-readiness`, its
@@ -228,10 +230,10 @@ class RouterPlane(DataPlane):
                     f"the router is saturated: {self._inflight} requests in flight (max_inflight_requests "
                     f"{limit}); retry later"
                 )
-            if held >= max(1, limit // 2):
+            if held >= limit - limit // 4:
                 raise Unavailable(
-                    f"model '{name}' has {held} requests in flight at the router, half of what it holds "
-                    f"(max_inflight_requests {limit}); retry later"
+                    f"model '{name}' has {held} requests in flight at the router, three quarters of what it "
+                    f"holds (max_inflight_requests {limit}): the rest is kept for the other models; retry later"
                 )
         self._inflight += 1
         models[name] = held + 1

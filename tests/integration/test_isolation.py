@@ -157,7 +157,7 @@ async def test_a_model_past_its_share_of_a_connection_is_refused_at_once_and_the
             frames.close()
 
 
-async def test_a_model_holds_at_most_half_of_the_routers_door(tmp_path: Path) -> None:
+async def test_a_model_holds_at_most_three_quarters_of_the_routers_door(tmp_path: Path) -> None:
     stuck = Stuck()
     async with serving_stages([stuck, Scale()], options=FRAMES) as stage:
         await _ready(stage.address, "stuck", "scale")
@@ -171,16 +171,16 @@ async def test_a_model_holds_at_most_half_of_the_routers_door(tmp_path: Path) ->
                     asyncio.ensure_future(
                         stub.ModelInfer(request_for("stuck", f"s{i}", X=_row(i)), timeout=60)
                     )
-                    for i in range(4)
+                    for i in range(6)
                 ]
-                await _calls_in_flight(metrics, 4)
-                # The fifth is refused at the door; the other model's requests are not.
+                await _calls_in_flight(metrics, 6)
+                # The seventh is refused at the door; the other model's requests are not.
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await stub.ModelInfer(request_for("stuck", "fifth", X=_row(9)), timeout=60)
+                    await stub.ModelInfer(request_for("stuck", "seventh", X=_row(9)), timeout=60)
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert "model 'stuck' has 4 requests in flight at the router" in (
+                assert "model 'stuck' has 6 requests in flight at the router" in (
                     refused.value.details() or ""
                 )
                 await _scaled(stub, 2.0)
                 stuck.release.set()
-                assert len(await asyncio.gather(*held)) == 4
+                assert len(await asyncio.gather(*held)) == 6
