@@ -27,6 +27,11 @@ TOLERANCE = 0.05
 MIN_AGREEMENT = 0.98
 
 
+#: A dynamically quantized file less than this many times smaller than FP32 had next to nothing quantized
+#: (everything quantized: about 4x).
+LITTLE_SHRINK = 2.0
+
+
 @dataclass
 class Timing:
     """One file's speed in ONNX Runtime at one batch size."""
@@ -105,6 +110,14 @@ class Report:
             kind = "top-1" if name in self.top1_agreement else f"within {TOLERANCE:.0%} of the spread"
             lines.append(
                 f"    {name}: agreement {self.agreement[name]:.2%} ({kind}), max abs difference {diff:.4g}"
+            )
+        shrunk = self.fp32_bytes / max(self.int8_bytes, 1)
+        if self.method == "dynamic" and shrunk < LITTLE_SHRINK:
+            lines.append(
+                f"  note: next to nothing was quantized ({shrunk:.2f}x smaller): without calibration samples, "
+                "dynamic quantization takes only MatMul, Gemm, attention, LSTM and GRU, not convolutions; "
+                "give samples for static quantization of the whole model: --calibration FILE (.npy, or .npz "
+                "by input name, batch first), or model_warmup samples with data in its config.pbtxt"
             )
         if self.forced:
             lines.append(f"  written by --force: agreement below {self.min_agreement:.2%}")
