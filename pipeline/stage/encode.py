@@ -20,8 +20,15 @@ def stage_response(
     result: Mapping[str, np.ndarray],
     specs: Mapping[str, TensorSpec],
     batch: int | None,
+    *,
+    model_order: bool = False,
 ) -> pb.ModelInferResponse:
-    """Check a stage's result against its declared outputs and build the response."""
+    """Check a stage's result against its declared outputs and build the response: its outputs in the
+    order of `wanted`, or (`model_order`, as Triton answers for a decoupled model) in the order the model
+    set them."""
+    if model_order:
+        position = {name: index for index, name in enumerate(result)}
+        wanted = sorted(wanted, key=lambda name: position.get(name, len(position)))
     tensors = []
     for name in wanted:
         if name not in result:

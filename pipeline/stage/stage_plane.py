@@ -405,7 +405,9 @@ async def _stream(
             request,
             arrays,
             deadline,
-            lambda outputs: stage_response(name, version, request.id, wanted, outputs, specs, batch),
+            lambda outputs: stage_response(
+                name, version, request.id, wanted, outputs, specs, batch, model_order=True
+            ),
             model.stats,
             scope_of,
         ):

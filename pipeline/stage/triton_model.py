@@ -319,7 +319,9 @@ class TritonInstance:
                 f"{self._path}: TritonPythonModel returned no output {', '.join(missing)} "
                 f"(it returned: {', '.join(outputs) or 'none'})"
             )
-        return {name: np.asarray(outputs[name]) for name in self._outputs}
+        # In the order the model set them: a decoupled model's responses list them so, as Triton's do.
+        declared = set(self._outputs)
+        return {name: np.asarray(array) for name, array in outputs.items() if name in declared}
 
     def run_decoupled(self, inputs: Mapping[str, np.ndarray], deadline: Deadline, sink: ResponseSink) -> None:
         """A decoupled model's `execute`: it answers through the request's sender, on this thread or any

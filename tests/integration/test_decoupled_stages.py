@@ -282,4 +282,59 @@ async def test_a_triton_decoupled_model_sends_from_its_own_thread_after_execute_
         assert err.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+SWAPPED_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            sender = request.get_response_sender()
+            # The outputs in another order than the config's.
+            tensors = [pb_utils.Tensor("SECOND", x * 2), pb_utils.Tensor("FIRST", x + 1)]
+            sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+SWAPPED_CONFIG = """
+name: "swapped"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [
+  { name: "FIRST" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "SECOND" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+model_transaction_policy { decoupled: true }
+"""
+
+
+async def test_a_decoupled_response_lists_its_outputs_in_the_order_the_model_set_them(tmp_path: Path) -> None:
+    """As Triton answers: the model's order, not the config's (clients that read outputs by position see it);
+    outputs a request names are given in the model's order too."""
+    write_model(tmp_path, "swapped", SWAPPED_MODEL, SWAPPED_CONFIG)
+    async with (
+        serving_stages([], repository=ModelRepository(tmp_path), backends=[PythonBackend()]) as stage,
+        inference_stub(stage.address) as stub,
+    ):
+        await wait_serving(stage.address)
+        call = stub.ModelStreamInfer(timeout=30)
+        await call.write(streamed("swapped", "all", X=np.array([3], np.int32)))
+        named = streamed("swapped", "named", X=np.array([3], np.int32))
+        named.outputs.add(name="FIRST")
+        named.outputs.add(name="SECOND")
+        await call.write(named)
+        got = await collect(call, {"all", "named"})
+        await call.done_writing()
+    for key in ("all", "named"):
+        reply, final = got[key]
+        assert is_final(final) and not final.infer_response.outputs
+        assert [output.name for output in reply.infer_response.outputs] == ["SECOND", "FIRST"]
+        tensors = response_tensors(reply.infer_response)
+        assert (tensors["SECOND"].to_array().tolist(), tensors["FIRST"].to_array().tolist()) == ([6], [4])
+
+
 pytestmark = pytest.mark.timeout(60)
