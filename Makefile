@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 EXAMPLES := model_repository
 MODEL_DIR ?= $(EXAMPLES)
 
-.PHONY: install run model test fuzz lint format protos k8s docs docs-reference clean
+.PHONY: install front front-check run model test fuzz lint format protos k8s docs docs-reference clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,9 +15,24 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+## front: build the compiled front door (front/: pipeline-front, C++ on grpc++) into $(BIN); as root on Debian
+## its packages are installed first with apt; where it cannot be built, one line says so and the router's Python
+## ingress serves the gRPC port (`pipeline run --front auto`)
+FRONT_BUILD ?= front/build
+front: $(STAMP)
+	scripts/build-front.sh $(FRONT_BUILD) $(BIN)
+
+## front-check: the front's tests once with pipeline-front built with AddressSanitizer and
+## UndefinedBehaviorSanitizer; a finding fails them
+front-check: $(STAMP)
+	scripts/build-front.sh front/build-sanitize front/build-sanitize -DFRONT_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
+	PIPELINE_FRONT_BINARY=$(abspath front/build-sanitize/pipeline-front) \
+		ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+		$(BIN)/python -m pytest -q tests/e2e/test_front.py
+
 ## run: serve the repository MODEL_DIR (router on 127.0.0.1:8001); the examples' missing models are built first
 ## when it is the examples' own
-run: $(STAMP)
+run: $(STAMP) front
 ifeq ($(MODEL_DIR),$(EXAMPLES))
 	$(BIN)/python -m examples.models.build --model-dir $(MODEL_DIR) --missing
 endif
@@ -29,7 +44,7 @@ model: $(STAMP)
 
 ## test: lint, type and architecture checks, the documentation site built strictly, then every test (unit,
 ## integration, end to end with real processes; the docs' runnable examples among them)
-test: $(STAMP)
+test: $(STAMP) front
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m mypy
@@ -74,5 +89,5 @@ k8s: $(STAMP)
 	$(BIN)/python -m tests.deploy.test_k8s_manifests --write
 
 clean:
-	rm -rf $(VENV) $(MODEL_DIR)/.engines .pytest_cache .ruff_cache $(DOCS_SITE)
+	rm -rf $(VENV) $(FRONT_BUILD) front/build-sanitize $(MODEL_DIR)/.engines .pytest_cache .ruff_cache $(DOCS_SITE)
 	rm -f $(MODEL_DIR)/*/[0-9]*/model.pt $(MODEL_DIR)/*/[0-9]*/model.pt2 $(MODEL_DIR)/*/[0-9]*/model.onnx

@@ -38,6 +38,11 @@ HELLO, REQUEST, RESPONSE, CANCEL = 1, 2, 3, 4
 CANCELS_PARAMETER = "pipeline.cancels"
 #: The parameter of a `HELLO` that carries the caller's `authorization` metadata.
 AUTHORIZATION = "authorization"
+#: The parameter of a `HELLO` that carries a door's secret (`pipeline.runtime.frame_server`: the router's
+#: compiled front), and the request parameter that carries, on a door, the identities of the caller's verified
+#: client certificate (one a line) beside its `AUTHORIZATION`.
+DOOR_PARAMETER = "pipeline.door"
+IDENTITIES_PARAMETER = "pipeline.peer_identities"
 
 
 def frame(kind: int, payload: bytes) -> bytes:

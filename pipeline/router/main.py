@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2
 from pipeline.ensemble.catalog import load_catalog, sources_digest
 from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ConfigError
+from pipeline.router.front import CompiledFront, FrontProcess, compiled, front_of, new_secret
 from pipeline.router.frontdoor.codec_pool import CodecPool
 from pipeline.router.frontdoor.http import RestFrontDoor, RestServer
 from pipeline.router.frontdoor.torchserve_api import TorchServeApi
@@ -158,15 +159,17 @@ async def _listen(
     servicer: InferenceServicer,
     health_servicer: health.aio.HealthServicer,
     policy: AccessPolicy,
+    front: CompiledFront | None,
 ) -> tuple[grpc.aio.Server, int]:
-    """The router's gRPC server, listening where its flags say, with their TLS and access policy."""
+    """The router's gRPC server, listening where its flags say, with their TLS and access policy; behind a
+    `front`, on loopback in plaintext (the front serves the public port, with the TLS)."""
     return await create_server(
-        f"{args.host}:{args.port}",
+        f"{args.host}:{args.port}" if front is None else front.router_address,
         servicer,
         health_servicer,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
-        credentials=server_credentials_of(args),
-        interceptors=interceptors_of(policy),
+        credentials=server_credentials_of(args) if front is None else None,
+        interceptors=interceptors_of(policy, None if front is None else front.secret),
         reuse_port=args.reuse_port,
     )
 
@@ -221,6 +224,8 @@ class _RouterServer:
         self.rest = RestServer(_front_door(self.servicer, args, policy), grace=args.grace_period + ABANDON_S)
         # The stages' models send their calls (BLS) here; every other call is gRPC's.
         self.frames = frame_server_of(self.servicer, args, policy)
+        #: The compiled front that serves the gRPC port, where `--front` asks for it.
+        self.front = front_of(args, self.servicer, policy)
         self.tasks: list[asyncio.Task[None]] = []
 
     async def start(
@@ -237,6 +242,8 @@ class _RouterServer:
             self.servicer.frames_port = await self.frames.start(
                 args.host, args.frames_port, reuse_port=args.reuse_port
             )
+        if self.front is not None:
+            port = await self.front.start(args, port)
         write_port(args.port_file, port)
         if bound is not None:
             bound(port)
@@ -255,7 +262,8 @@ class _RouterServer:
 
     async def drain(self, within: float) -> None:
         """Drain the HTTP and frame ports as gRPC's drains: what they hold in flight gets `within` seconds."""
-        await asyncio.gather(self.rest.stop(), *(() if self.frames is None else (self.frames.close(within),)))
+        ports = [self.rest.stop(), *(() if self.frames is None else (self.frames.close(within),))]
+        await asyncio.gather(*ports, *(() if self.front is None else (self.front.stop(within),)))
 
     async def stop(self, telemetry: Telemetry | None) -> None:
         """Stop everything `start` started but the ports `drain` closed; `telemetry`: the tracing to shut
@@ -305,7 +313,7 @@ async def serve_router(
     args.reuse_port = plane.model_statistics.peers is not None
     router = _RouterServer(args, plane, policy, metrics)
     await set_serving(router.health, False)
-    server, port = await _listen(args, router.servicer, router.health, policy)
+    server, port = await _listen(args, router.servicer, router.health, policy, router.front)
 
     async def start() -> None:
         await router.start(port, bound, http_bound)
@@ -329,9 +337,11 @@ async def serve_router(
 def run_router(args: argparse.Namespace) -> int:
     """Entry point of the router process."""
     prepare_process(args.log_level, "router")
-    if args.workers > 1:
-        return run_workers(args, sys.argv[1:])
     try:
+        if args.workers > 1:
+            path = compiled(args.front)
+            front = None if path is None else FrontProcess(path, new_secret())
+            return run_workers(args, sys.argv[1:], front)
         uvloop.run(serve_router(args))
     except (ConfigError, SecurityConfigError) as err:
         log.error("%s", err)

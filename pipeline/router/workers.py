@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.router.front import DOOR_FILE_ENV, LOOPBACK, SECRET_ENV, FrontProcess
 from pipeline.runtime.model_statistics import add_statistics
 from pipeline.runtime.server import write_port
 from pipeline.runtime.shutdown import child_environment
@@ -190,11 +191,14 @@ def _reserve(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _wait_listening(folder: Path, children: list[subprocess.Popen], http: bool) -> bool:
-    """Wait until every worker has written its port files (it listens); False if one exits first."""
+def _wait_listening(folder: Path, children: list[subprocess.Popen], http: bool, doors: bool) -> bool:
+    """Wait until every worker has written its port files (it listens; `doors`: its door too); False if one
+    exits first."""
     names = [f"worker-{i}.port" for i in range(len(children))]
     if http:
         names += [f"worker-{i}.http-port" for i in range(len(children))]
+    if doors:
+        names += [f"worker-{i}.door" for i in range(len(children))]
     while not all((folder / name).exists() for name in names):
         if any(child.poll() is not None for child in children):
             return False
@@ -220,13 +224,17 @@ def _serve_metrics(args: argparse.Namespace, folder: Path) -> WSGIServer | None:
     return server
 
 
-def _start_workers(workers: int, folder: Path, argv: Sequence[str]) -> list[subprocess.Popen]:
+def _start_workers(
+    workers: int, folder: Path, argv: Sequence[str], front: FrontProcess | None
+) -> list[subprocess.Popen]:
     """Start `workers` router processes running the command line `argv`, each with its index, the shared
-    `folder`, and port files of its own."""
+    `folder`, and port files of its own (behind a `front`, its door's too)."""
     children = []
     for index in range(workers):
         # A worker ends with the router's parent process, killed or not (`pipeline.runtime.shutdown`).
         env = child_environment({**os.environ, WORKER_DIR_ENV: str(folder), WORKER_INDEX_ENV: str(index)})
+        if front is not None:
+            env.update({SECRET_ENV: front.secret, DOOR_FILE_ENV: str(folder / f"worker-{index}.door")})
         metrics = ["--metrics-port", "0", "--metrics-port-file", str(folder / f"worker-{index}.metrics")]
         # Each worker says where it listens in a file of its own; the parent writes the router's port files
         # once every worker listens, so that no client connects while only some of them take connections.
@@ -237,19 +245,29 @@ def _start_workers(workers: int, folder: Path, argv: Sequence[str]) -> list[subp
     return children
 
 
-def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def _start_front(front: FrontProcess, args: argparse.Namespace, port: int, folder: Path) -> int:
+    """Start the compiled front on the router's public address, before the workers' doors and their shared
+    gRPC port on loopback (`port`); returns the port it serves."""
+    doors = [int((folder / f"worker-{i}.door").read_text()) for i in range(args.workers)]
+    front.launch(args, port, doors)
+    return front.wait_listening()
+
+
+def run_workers(args: argparse.Namespace, argv: Sequence[str], front: FrontProcess | None = None) -> int:
     """Run `args.workers` router processes on one port; `argv` is the router command line they repeat
-    (each with its own port overrides appended, which argparse lets win). Returns when they have stopped:
-    on SIGTERM/SIGINT (forwarded to each), or when one fails (the others are stopped)."""
+    (each with its own port overrides appended, which argparse lets win). With a compiled `front`, the front
+    serves the gRPC port and spreads the requests over the workers one by one, their own gRPC port shared
+    on loopback behind it. Returns when they have stopped: on SIGTERM/SIGINT (forwarded to each, and to
+    the front), or when one fails (the others are stopped)."""
     folder = Path(tempfile.mkdtemp(prefix="pipeline-router-"))  # mode 0700: the workers' sockets are private
-    reserved = [_reserve(args.host, args.port)]
+    reserved = [_reserve(args.host, args.port) if front is None else _reserve(LOOPBACK, 0)]
     port = reserved[0].getsockname()[1]
     overrides = ["--workers", "1", "--port", str(port)]
     if args.http_port is not None:
         reserved.append(_reserve(args.host, args.http_port))
         overrides += ["--http-port", str(reserved[-1].getsockname()[1])]
     metrics_server = _serve_metrics(args, folder)
-    children = _start_workers(args.workers, folder, [*argv, *overrides])
+    children = _start_workers(args.workers, folder, [*argv, *overrides], front)
     log.info("router: %d workers on %s:%d (SO_REUSEPORT)", args.workers, args.host, port)
 
     stopping = False
@@ -257,14 +275,16 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     def forward(signum: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
-        for child in children:
+        for child in (*children, *(() if front is None or front.process is None else (front.process,))):
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     try:
-        if _wait_listening(folder, children, http=args.http_port is not None):
+        if _wait_listening(folder, children, http=args.http_port is not None, doors=front is not None):
+            if front is not None:
+                port = _start_front(front, args, port, folder)
             # The HTTP port first, as one router process writes them: whoever waits for the gRPC port's file
             # then finds the HTTP one.
             if args.http_port is not None:

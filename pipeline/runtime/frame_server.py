@@ -16,6 +16,13 @@ certificates required and verified), never in plaintext. A connection's first fr
 server answers: with an error where its access policy asks for credentials and neither the hello's bearer
 token nor the connection's client certificate may infer (then it closes the connection), as gRPC refuses a
 call (`AccessPolicy.scope`).
+
+A door (`door`: the router's frame port for its compiled front, `pipeline.router.front`) takes the
+connections whose hello carries its secret, and checks each request's own credentials instead, as gRPC
+checks each call's: the caller's `authorization` and the identities of its verified client certificate
+travel in the request's parameters (`AUTHORIZATION`, `IDENTITIES_PARAMETER`), which the front always sets.
+Its connections carry every client's requests, so a request past the budget of bytes in flight is refused
+(UNAVAILABLE) as gRPC's door refuses it, where a stage's connection waits.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import hmac
 import logging
 import ssl
 from collections.abc import Callable, Coroutine
@@ -35,7 +43,9 @@ from pipeline.protocol.frames import (
     AUTHORIZATION,
     CANCEL,
     CANCELS_PARAMETER,
+    DOOR_PARAMETER,
     HELLO,
+    IDENTITIES_PARAMETER,
     REQUEST,
     RESPONSE,
     FrameProtocol,
@@ -66,11 +76,14 @@ class FrameServer:
         max_frame_bytes: int,
         policy: AccessPolicy,
         tls: ssl.SSLContext | None = None,
+        door: str | None = None,
     ) -> None:
+        """`door`: the secret of a door's hello (its requests then carry their callers' credentials)."""
         self.servicer = servicer
         self.max_frame_bytes = max_frame_bytes
         self.policy = policy
         self.tls = tls
+        self.door = door
         self._server: asyncio.AbstractServer | None = None
         self._connections: dict[asyncio.Task[None], FrameProtocol] = {}
         #: The requests being answered, on every connection.
@@ -125,12 +138,7 @@ class FrameServer:
         if kind != HELLO:
             raise ConnectionError("a frame connection must begin with a HELLO")
         hello = parse(pb.ModelInferRequest, payload)
-        metadata: tuple[tuple[str, str | bytes], ...] = ()
-        if AUTHORIZATION in hello.parameters:
-            metadata = ((AUTHORIZATION, hello.parameters[AUTHORIZATION].string_param),)
-        assert frames.transport is not None
-        names = certificate_names(frames.transport.get_extra_info("peercert"))
-        if self.policy.enabled and self.policy.scope(metadata, names) is None:
+        if not self._welcome(hello, frames):
             refusal = error_response(hello, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, None)
             frames.write(RESPONSE, refusal.SerializeToString())
             return False
@@ -162,14 +170,12 @@ class FrameServer:
                 size = len(payload)
                 request = parse(pb.ModelInferRequest, payload)
                 del payload
-                try:
-                    shares.take(request.model_name, size)
-                except PipelineError as err:
+                refusal = await self._admit(request, size, shares)
+                if refusal is not None:
                     slots.release()
-                    frames.write(RESPONSE, _refused(request, err))
+                    frames.write(RESPONSE, _refused(request, refusal))
                     kind, payload = await frames.read()
                     continue
-                await self.servicer.budget.wait(size)  # not read further until its bytes fit
                 task = asyncio.create_task(self._answer(request, size, frames, (slots, shares)))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -186,6 +192,42 @@ class FrameServer:
         finally:
             for task in tasks:
                 task.cancel()
+
+    def _welcome(self, hello: pb.ModelInferRequest, frames: FrameProtocol) -> bool:
+        """Whether a connection's hello may go on: a door's carries its secret; another's, credentials that
+        may infer where the access policy asks for them (its bearer token, its client certificate)."""
+        parameters = hello.parameters
+        if self.door is not None:
+            presented = parameters[DOOR_PARAMETER].string_param if DOOR_PARAMETER in parameters else ""
+            return hmac.compare_digest(presented.encode(), self.door.encode())
+        metadata: tuple[tuple[str, str | bytes], ...] = ()
+        if AUTHORIZATION in parameters:
+            metadata = ((AUTHORIZATION, parameters[AUTHORIZATION].string_param),)
+        assert frames.transport is not None
+        names = certificate_names(frames.transport.get_extra_info("peercert"))
+        return not self.policy.enabled or self.policy.scope(metadata, names) is not None
+
+    async def _admit(
+        self, request: pb.ModelInferRequest, size: int, shares: ModelShares
+    ) -> PipelineError | None:
+        """Take what a request holds (its model's share, its bytes in the budget), or say why it is refused:
+        a door's request without credentials that may infer, or past the budget."""
+        try:
+            if self.door is not None:
+                _check_caller(request, self.policy)
+            shares.take(request.model_name, size)
+        except PipelineError as err:
+            return err
+        budget = self.servicer.budget
+        if self.door is None:
+            await budget.wait(size)  # not read further until its bytes fit
+            return None
+        try:
+            budget.admit(size)
+        except PipelineError as err:
+            shares.free(request.model_name, size)
+            return err
+        return None
 
     async def _answer(
         self,
@@ -223,6 +265,24 @@ def _forget(tasks: dict[str, asyncio.Task[None]], key: str, done: asyncio.Task[N
     """Drop a request's task once it is done, unless a later request of the same id came since."""
     if tasks.get(key) is done:
         del tasks[key]
+
+
+class _Unauthenticated(PipelineError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+def _check_caller(request: pb.ModelInferRequest, policy: AccessPolicy) -> None:
+    """Check the credentials a door's request carries (taken off it), as gRPC checks a call's: raises
+    `_Unauthenticated` where the access policy asks for credentials and they may not infer."""
+    parameters = request.parameters
+    token = parameters[AUTHORIZATION].string_param if AUTHORIZATION in parameters else ""
+    names = parameters[IDENTITIES_PARAMETER].string_param if IDENTITIES_PARAMETER in parameters else ""
+    for key in (AUTHORIZATION, IDENTITIES_PARAMETER):
+        if key in parameters:
+            del parameters[key]
+    metadata = ((AUTHORIZATION, token),) if token else ()
+    if policy.enabled and policy.scope(metadata, filter(None, names.split("\n"))) is None:
+        raise _Unauthenticated(UNAUTHENTICATED_MESSAGE)
 
 
 def _refused(request: pb.ModelInferRequest, err: PipelineError) -> bytes:

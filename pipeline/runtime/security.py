@@ -54,6 +54,12 @@ OPEN_METHODS = frozenset(
     }
 )
 
+#: Metadata the router's compiled front adds to a call it forwards (`pipeline.router.front`): the door's
+#: secret, and the identities of the client's verified certificate (an entry each), which the router's gRPC
+#: port, on loopback behind the front, cannot see itself. Never passed on to a stage.
+DOOR_HEADER = "pipeline-door"
+IDENTITIES_HEADER = "pipeline-peer-identities"
+
 #: Management RPCs: they change what is served, so they need the admin scope.
 ADMIN_METHODS = frozenset({_INFERENCE + "RepositoryModelLoad", _INFERENCE + "RepositoryModelUnload"})
 
@@ -467,10 +473,13 @@ def _checked(
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without valid credentials (UNAUTHENTICATED) and management calls without the admin
-    scope (PERMISSION_DENIED), as an `AccessPolicy` says; health and liveness/readiness stay open."""
+    scope (PERMISSION_DENIED), as an `AccessPolicy` says; health and liveness/readiness stay open. With
+    `door` (the compiled front's secret), a call that carries it has the client certificate whose identities
+    it names."""
 
-    def __init__(self, policy: AccessPolicy | TokenAuthenticator) -> None:
+    def __init__(self, policy: AccessPolicy | TokenAuthenticator, door: str | None = None) -> None:
         self.policy = policy if isinstance(policy, AccessPolicy) else AccessPolicy(policy)
+        self.door = door
 
     async def intercept_service(
         self,
@@ -488,6 +497,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         refusal = _refusal(method, token)
         if refusal is None:
             return handler
+        names = self._door_identities(handler_call_details.invocation_metadata)
+        if names:
+            refusal = _refusal(method, highest(token, policy.identity_scope(names)))
+            return handler if refusal is None else _refusing(handler, *refusal)
         if not policy.client_certificates:
             return _refusing(handler, *refusal)
 
@@ -497,10 +510,21 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
         return _checked(handler, check)
 
+    def _door_identities(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> list[str]:
+        """The client certificate's identities the front names, where the call carries the door's secret."""
+        door = self.door
+        if door is None or not metadata:
+            return []
+        presented = next((value for key, value in metadata if key == DOOR_HEADER), None)
+        if not isinstance(presented, str) or not hmac.compare_digest(presented.encode(), door.encode()):
+            return []
+        return [value for key, value in metadata if key == IDENTITIES_HEADER and isinstance(value, str)]
 
-def interceptors_of(policy: AccessPolicy) -> list[grpc.aio.ServerInterceptor]:
-    """The interceptors that enforce `policy` (none where it asks for no credential)."""
-    return [AuthInterceptor(policy)] if policy.enabled else []
+
+def interceptors_of(policy: AccessPolicy, door: str | None = None) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptors that enforce `policy` (none where it asks for no credential); `door`: the compiled
+    front's secret, with which a forwarded call names its client's certificate."""
+    return [AuthInterceptor(policy, door)] if policy.enabled else []
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -47,6 +47,7 @@ from pipeline.protocol.streams import (
 )
 from pipeline.runtime.admission import CONNECTION_INFLIGHT, ByteBudget, ModelShares, StreamHold, cost_of
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.security import DOOR_HEADER, IDENTITIES_HEADER
 from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
 from pipeline.runtime.shared_memory import SharedMemoryRegistry
 from pipeline.runtime.shutdown import HeldRequests
@@ -75,7 +76,17 @@ STREAM_INFLIGHT = 64
 #: the router's to check; the router calls its stages with credentials of its own (its stage token or its
 #: client certificate), so a client's token never travels further.
 _HOP_HEADERS = frozenset(
-    {"user-agent", "content-type", "te", "grpc-timeout", "grpc-encoding", "host", "authorization"}
+    {
+        "user-agent",
+        "content-type",
+        "te",
+        "grpc-timeout",
+        "grpc-encoding",
+        "host",
+        "authorization",
+        DOOR_HEADER,
+        IDENTITIES_HEADER,
+    }
 )
 
 

@@ -612,6 +612,34 @@ class RouterOptions(BaseModel):
     ] = 0.0
 
 
+#: `--front`: who serves the router's public gRPC port.
+FRONTS = ("auto", "compiled", "python")
+
+
+def front_choice(value: str) -> str:
+    if value not in FRONTS:
+        raise argparse.ArgumentTypeError(f"{value!r}: one of {', '.join(FRONTS)}")
+    return value
+
+
+class Front(BaseModel):
+    """Who serves the router's public gRPC port (`pipeline.router.front`)."""
+
+    front: Annotated[
+        str,
+        option(
+            "--front",
+            env="PIPELINE_FRONT",
+            parse=front_choice,
+            metavar="{auto,compiled,python}",
+            help="compiled: the gRPC port is served by pipeline-front (C++, grpc++), which hands each ModelInfer "
+            "to the router as a frame and forwards every other RPC to the router's own gRPC server on loopback; "
+            "python: the router's own gRPC server serves it; auto: compiled where the binary is there "
+            "(make front), else python, said in one line (env PIPELINE_FRONT; default %(default)s)",
+        ),
+    ] = "auto"
+
+
 def http_port_option(help: str) -> Option:
     """`--http-port` (env `PIPELINE_HTTP_PORT`): the router's HTTP/REST port, 'off' for none."""
     return option("--http-port", env="PIPELINE_HTTP_PORT", parse=port_or_off, help=help)
@@ -875,6 +903,7 @@ RouterSettings = process_settings(
         Logging,
         Catalog,
         RouterOptions,
+        Front,
         ModelControl,
         Http,
         TorchServeStore,

@@ -1,0 +1,365 @@
+#include "calls.h"
+
+#include <grpcpp/security/auth_context.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string_view>
+#include <vector>
+
+#include "wire.h"
+
+namespace front {
+
+namespace {
+
+constexpr std::string_view kModelInfer = "/inference.GRPCInferenceService/ModelInfer";
+// Metadata the router takes from the front alone: a client's own is dropped.
+constexpr char kSecretHeader[] = "pipeline-door";
+constexpr char kIdentitiesHeader[] = "pipeline-peer-identities";
+// Request parameters of the hop (pipeline/protocol/streams.py and the frame server's door): the deadline as
+// time left, the trace context and call chain, and the caller's credentials.
+constexpr char kTimeoutParameter[] = "pipeline.timeout_us";
+constexpr char kAuthorization[] = "authorization";
+constexpr char kIdentitiesParameter[] = "pipeline.peer_identities";
+constexpr const char* kTraceHeaders[] = {"traceparent", "tracestate", "pipeline-call-chain"};
+// The response parameter carrying a failed request's google.rpc.Status, base64.
+constexpr char kStatusParameter[] = "pipeline.status";
+
+std::string_view View(const grpc::string_ref& ref) { return {ref.data(), ref.size()}; }
+
+// The identities of the call's verified client certificate (subject CN and alternative names).
+std::vector<std::string> IdentitiesOf(const grpc::ServerContextBase& context) {
+  std::vector<std::string> names;
+  auto auth = context.auth_context();
+  if (!auth || !auth->IsPeerAuthenticated()) return names;
+  for (const char* property : {"x509_common_name", "x509_subject_alternative_name"})
+    for (const auto& value : auth->FindPropertyValues(property)) names.emplace_back(value.data(), value.size());
+  return names;
+}
+
+// The time the client still waits, in microseconds; 0 where it set no deadline.
+int64_t TimeLeftUs(const grpc::ServerContextBase& context) {
+  auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return 0;
+  auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - std::chrono::system_clock::now());
+  return std::max<int64_t>(1, left.count());
+}
+
+// A ModelInfer, handed to the router as a frame: its bytes as they came, followed by the hop's parameters
+// and an id of the connection's own, the client's id written back into the answer.
+class InferCall final : public grpc::ServerGenericBidiReactor, public Waiter {
+ public:
+  InferCall(grpc::GenericCallbackServerContext* context, Door& door, const Settings& settings)
+      : context_(context), door_(door), settings_(settings) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      FinishOnce(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ModelInfer: the call ended before its request came"));
+      return;
+    }
+    std::vector<grpc::Slice> body;
+    if (!request_.Dump(&body).ok()) {
+      FinishOnce(grpc::Status(grpc::StatusCode::INTERNAL, "the front could not read the request"));
+      return;
+    }
+    size_t size = 0;
+    for (const auto& slice : body) size += slice.size();
+    // The client's id, to be given back in the answer (the last of the field, as protobuf reads it).
+    std::string joined;
+    std::string_view message;
+    if (body.size() == 1) {
+      message = {reinterpret_cast<const char*>(body[0].begin()), body[0].size()};
+    } else {
+      joined.reserve(size);
+      for (const auto& slice : body) joined.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+      message = joined;
+    }
+    wire::Reader fields(message);
+    wire::Field field;
+    while (fields.Next(field))
+      if (field.number == 3 && field.type == wire::kLengthDelimited) id_ = std::string(field.bytes);
+    if (fields.failed()) {
+      FinishOnce(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ModelInfer: the request is not a valid ModelInferRequest message"));
+      return;
+    }
+    if (!joined.empty()) body = {grpc::Slice(joined)};
+    auto connection = door_.Pick();
+    if (!connection) {
+      FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is not reachable (its door has no connection)"));
+      return;
+    }
+    std::string key = connection->Send(body, HopParameters(), this);
+    if (key.empty()) {
+      FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router's frame connection broke"));
+      return;
+    }
+    bool cancelled;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      connection_ = connection;
+      key_ = key;
+      cancelled = cancelled_;
+    }
+    if (cancelled && connection->Forget(key)) FinishOnce(grpc::Status::CANCELLED);
+  }
+
+  void OnCancel() override {
+    std::shared_ptr<Connection> connection;
+    std::string key;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      cancelled_ = true;
+      connection = connection_;
+      key = key_;
+    }
+    if (connection && connection->Forget(key)) FinishOnce(grpc::Status::CANCELLED);
+  }
+
+  void OnDone() override { delete this; }
+
+  void Answer(grpc::Slice payload) override {
+    std::string_view bytes(reinterpret_cast<const char*>(payload.begin()), payload.size());
+    auto error = wire::FindField(bytes, 1);
+    auto reply = wire::FindField(bytes, 2);
+    if (error && !error->bytes.empty()) {
+      FinishOnce(StatusOf(error->bytes, reply ? reply->bytes : std::string_view{}));
+      return;
+    }
+    if (!reply) {
+      FinishOnce(grpc::Status(grpc::StatusCode::INTERNAL, "the router answered without a response"));
+      return;
+    }
+    // The response as the router made it but for its id, which becomes the client's again.
+    size_t base = static_cast<size_t>(reply->bytes.data() - bytes.data());
+    std::vector<grpc::Slice> pieces;
+    size_t from = 0;
+    bool placed = false;
+    wire::Reader fields(reply->bytes);
+    wire::Field field;
+    while (fields.Next(field)) {
+      if (field.number != 3 || field.type != wire::kLengthDelimited) continue;
+      if (field.begin > from) pieces.push_back(payload.sub(base + from, base + field.begin));
+      if (!placed && !id_.empty()) {
+        std::string id;
+        wire::PutBytes(id, 3, id_);
+        pieces.emplace_back(id);
+      }
+      placed = true;
+      from = field.end;
+    }
+    if (from < reply->bytes.size()) pieces.push_back(payload.sub(base + from, base + reply->bytes.size()));
+    if (!placed && !id_.empty()) {
+      std::string id;
+      wire::PutBytes(id, 3, id_);
+      pieces.emplace_back(id);
+    }
+    if (finished_.exchange(true)) return;
+    response_ = grpc::ByteBuffer(pieces.data(), pieces.size());
+    StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+
+  void Fail(const grpc::Status& status) override { FinishOnce(status); }
+
+ private:
+  void FinishOnce(const grpc::Status& status) {
+    if (finished_.exchange(true)) return;
+    Finish(status);  // the last thing done here: the call may be gone once it returns
+  }
+
+  // What the router needs of the call beyond its message: the deadline, trace context and credentials. The
+  // credentials are always written, empty or not, so that a client's own parameters of those names never
+  // count.
+  std::string HopParameters() const {
+    std::string tail;
+    if (int64_t left = TimeLeftUs(*context_); left > 0) wire::PutInt64Parameter(tail, kTimeoutParameter, left);
+    const auto& metadata = context_->client_metadata();
+    for (const char* key : kTraceHeaders) {
+      auto found = metadata.find(key);
+      if (found != metadata.end()) wire::PutStringParameter(tail, key, View(found->second));
+    }
+    auto authorization = metadata.find(kAuthorization);
+    wire::PutStringParameter(tail, kAuthorization,
+                             authorization == metadata.end() ? std::string_view{} : View(authorization->second));
+    std::string identities;
+    if (settings_.client_certificates) {
+      for (const auto& name : IdentitiesOf(*context_)) {
+        if (!identities.empty()) identities.push_back('\n');
+        identities += name;
+      }
+    }
+    wire::PutStringParameter(tail, kIdentitiesParameter, identities);
+    return tail;
+  }
+
+  // A failed request's status: the google.rpc.Status its response carries (code, message and details, the
+  // details sent as grpc-status-details-bin), else UNKNOWN with its error message.
+  static grpc::Status StatusOf(std::string_view message, std::string_view reply) {
+    auto parameter = wire::FindParameter(reply, 4, kStatusParameter);
+    auto decoded = parameter ? wire::Base64Decode(wire::StringParameter(*parameter)) : std::nullopt;
+    if (decoded) {
+      wire::Reader fields(*decoded);
+      wire::Field field;
+      int code = static_cast<int>(grpc::StatusCode::UNKNOWN);
+      std::string text(message);
+      while (fields.Next(field)) {
+        if (field.number == 1 && field.type == wire::kVarint) code = static_cast<int>(field.varint);
+        if (field.number == 2 && field.type == wire::kLengthDelimited) text = std::string(field.bytes);
+      }
+      if (!fields.failed() && code > 0 && code <= 16) {
+        bool details = wire::FindField(*decoded, 3).has_value();
+        return grpc::Status(static_cast<grpc::StatusCode>(code), text, details ? *decoded : std::string());
+      }
+    }
+    return grpc::Status(grpc::StatusCode::UNKNOWN, std::string(message));
+  }
+
+  grpc::GenericCallbackServerContext* context_;
+  Door& door_;
+  const Settings& settings_;
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer response_;
+  std::string id_;
+  std::atomic<bool> finished_{false};
+  std::mutex mutex_;
+  bool cancelled_ = false;
+  std::shared_ptr<Connection> connection_;
+  std::string key_;
+};
+
+// Any other RPC, forwarded as it is to the router's gRPC port: messages both ways, metadata, the deadline,
+// cancellation, and the router's status with its details.
+class ProxyCall final : public grpc::ServerGenericBidiReactor {
+ public:
+  ProxyCall(grpc::GenericCallbackServerContext* context, grpc::GenericStub& stub, const Settings& settings)
+      : context_(context), upstream_(this) {
+    for (const auto& [key, value] : context->client_metadata()) {
+      std::string name(key.data(), key.size());
+      if (name == kSecretHeader || name == kIdentitiesHeader || name == "user-agent" || name == "te" ||
+          name == "content-type" || name.rfind("grpc-", 0) == 0 || name.rfind(":", 0) == 0)
+        continue;
+      client_.AddMetadata(name, std::string(value.data(), value.size()));
+    }
+    if (settings.client_certificates) {
+      auto names = IdentitiesOf(*context);
+      if (!names.empty()) {
+        client_.AddMetadata(kSecretHeader, settings.secret);
+        for (const auto& name : names) client_.AddMetadata(kIdentitiesHeader, name);
+      }
+    }
+    if (context->deadline() != std::chrono::system_clock::time_point::max())
+      client_.set_deadline(context->deadline());
+    stub.PrepareBidiStreamingCall(&client_, context->method(), grpc::StubOptions(), &upstream_);
+    upstream_.StartRead(&from_router_);
+    upstream_.StartCall();
+    StartRead(&from_client_);
+  }
+
+  // The client's messages, on to the router.
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      upstream_.StartWritesDone();
+      return;
+    }
+    upstream_.StartWrite(&from_client_);
+  }
+  void WroteToRouter(bool ok) {
+    if (ok) StartRead(&from_client_);
+  }
+
+  // The router's messages, back to the client.
+  void ReadFromRouter(bool ok) {
+    if (!ok) return;  // the router's status follows (RouterDone)
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!sent_metadata_) CopyInitialMetadata();
+      writing_ = true;
+    }
+    StartWrite(&from_router_);
+  }
+  void OnWriteDone(bool ok) override {
+    bool finish;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      writing_ = false;
+      finish = router_done_;
+    }
+    if (finish) FinishWithRouter();
+    else if (ok) upstream_.StartRead(&from_router_);
+    else client_.TryCancel();
+  }
+
+  void RouterDone(const grpc::Status& status) {
+    bool finish;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      router_status_ = status;
+      router_done_ = true;
+      finish = !writing_;
+    }
+    if (finish) FinishWithRouter();
+    Release();
+  }
+
+  void OnCancel() override { client_.TryCancel(); }
+  void OnDone() override { Release(); }
+
+ private:
+  class Upstream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    explicit Upstream(ProxyCall* call) : call_(call) {}
+    void OnReadDone(bool ok) override { call_->ReadFromRouter(ok); }
+    void OnWriteDone(bool ok) override { call_->WroteToRouter(ok); }
+    void OnDone(const grpc::Status& status) override { call_->RouterDone(status); }
+
+   private:
+    ProxyCall* call_;
+  };
+
+  void CopyInitialMetadata() {
+    sent_metadata_ = true;
+    for (const auto& [key, value] : client_.GetServerInitialMetadata())
+      context_->AddInitialMetadata(std::string(key.data(), key.size()), std::string(value.data(), value.size()));
+  }
+
+  void FinishWithRouter() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (finished_) return;
+      finished_ = true;
+      if (!sent_metadata_) CopyInitialMetadata();
+    }
+    for (const auto& [key, value] : client_.GetServerTrailingMetadata()) {
+      std::string name(key.data(), key.size());
+      if (name == "grpc-status-details-bin") continue;  // the status carries its details itself
+      context_->AddTrailingMetadata(name, std::string(value.data(), value.size()));
+    }
+    Finish(router_status_);
+  }
+
+  // Both sides are done with the call: the client's (OnDone) and the router's (RouterDone).
+  void Release() {
+    if (owners_.fetch_sub(1) == 1) delete this;
+  }
+
+  grpc::GenericCallbackServerContext* context_;
+  grpc::ClientContext client_;
+  Upstream upstream_;
+  grpc::ByteBuffer from_client_, from_router_;
+  std::mutex mutex_;
+  bool writing_ = false, router_done_ = false, finished_ = false, sent_metadata_ = false;
+  grpc::Status router_status_;
+  std::atomic<int> owners_{2};
+};
+
+}  // namespace
+
+grpc::ServerGenericBidiReactor* Service::CreateReactor(grpc::GenericCallbackServerContext* context) {
+  if (context->method() == kModelInfer) return new InferCall(context, door_, settings_);
+  return new ProxyCall(context, stub_, settings_);
+}
+
+}  // namespace front

@@ -1,0 +1,36 @@
+// The calls the front serves: each ModelInfer handed to the router's door as a frame (InferCall), every other
+// RPC forwarded as it is to the router's own gRPC port (ProxyCall).
+#pragma once
+
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/channel.h>
+#include <grpcpp/generic/generic_stub.h>
+
+#include <memory>
+#include <string>
+
+#include "door.h"
+
+namespace front {
+
+struct Settings {
+  // Verified client certificates' identities are passed on (the router checks them as it checks its own
+  // clients'): only where the front asks for client certificates.
+  bool client_certificates = false;
+  // The secret that lets the router take the identities the front passes on in metadata.
+  std::string secret;
+};
+
+class Service final : public grpc::CallbackGenericService {
+ public:
+  Service(Door& door, std::shared_ptr<grpc::Channel> router, Settings settings)
+      : door_(door), stub_(std::move(router)), settings_(std::move(settings)) {}
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override;
+
+ private:
+  Door& door_;
+  grpc::GenericStub stub_;
+  Settings settings_;
+};
+
+}  // namespace front

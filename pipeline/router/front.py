@@ -1,0 +1,226 @@
+"""The compiled front door: `pipeline-front` (the `front/` folder, C++ on grpc++) owns the router's public gRPC
+port, and the router's own gRPC server listens on loopback behind it.
+
+Accepting a gRPC call costs Python several times what it costs grpc++, so the front takes the calls and moves
+bytes: each `ModelInfer` goes to the router's door (a frame port on loopback, `pipeline.protocol.frames`, that
+only the front may use: its hello carries a secret made at each start) with the request's bytes unparsed and
+the call's deadline, trace context and credentials appended as parameters; every other RPC is forwarded as it
+is to the router's own gRPC port. Every check stays in the router, in one place: the door's requests go
+through the servicer's `infer` as gRPC's do, their credentials checked by the same access policy
+(`FrameServer`, `AuthInterceptor`: a verified client certificate's identities travel with the secret).
+
+`--front auto` (the default) serves with the front where its binary is there (`pipeline-front` beside the
+interpreter or on `PATH`, or `PIPELINE_FRONT_BINARY`), and says in one line that the Python ingress serves
+where it is not; `compiled` requires it; `python` never uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.protocol.errors import ConfigError
+from pipeline.runtime.frame_server import FrameServer
+from pipeline.runtime.security import AccessPolicy
+from pipeline.runtime.server import write_port
+from pipeline.runtime.servicer import InferenceServicer
+from pipeline.runtime.shutdown import child_environment
+
+log = logging.getLogger(__name__)
+
+#: The binary's name, and the variable naming another one.
+BINARY = "pipeline-front"
+BINARY_ENV = "PIPELINE_FRONT_BINARY"
+#: The variable that hands the door's secret to the front (never its command line, which anyone may read).
+SECRET_ENV = "PIPELINE_FRONT_SECRET"
+#: Set by the parent of `--workers N` (`pipeline.router.workers`) in each worker's environment, with the
+#: secret: the file where the worker writes its door's port.
+DOOR_FILE_ENV = "PIPELINE_FRONT_DOOR_FILE"
+#: Where the router's gRPC server and door listen when the front serves: loopback only.
+LOOPBACK = "127.0.0.1"
+#: Seconds the front gets to open its door connections and listen.
+START_TIMEOUT_S = 30.0
+#: Frame connections the front opens to each router process.
+CONNECTIONS = 2
+#: Bytes a door's frame may carry past the largest message: the hop's parameters the front appends.
+HOP_BYTES = 64 * 1024
+
+
+def binary() -> Path | None:
+    """The front's binary: `PIPELINE_FRONT_BINARY`, else `pipeline-front` beside the interpreter (where the
+    project's commands install it into the virtual environment), else on `PATH`; None where there is none."""
+    named = os.environ.get(BINARY_ENV)
+    if named:
+        return Path(named) if os.access(named, os.X_OK) else None
+    beside = Path(sys.executable).parent / BINARY
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(BINARY)
+    return Path(found) if found else None
+
+
+def compiled(choice: str) -> Path | None:
+    """The binary to serve with for `--front choice`, or None where the Python ingress serves: `auto` says so
+    in one line where there is no binary; `compiled` without one is a configuration error."""
+    if choice == "python":
+        return None
+    found = binary()
+    if found is None:
+        if choice == "compiled":
+            raise ConfigError(
+                f"--front compiled: no {BINARY} binary (build it with `make front`, or name it in {BINARY_ENV})"
+            )
+        log.info("no %s binary (make front builds it): the Python ingress serves the gRPC port", BINARY)
+    return found
+
+
+def new_secret() -> str:
+    """A door secret, made at each start."""
+    return secrets.token_urlsafe(32)
+
+
+class FrontProcess:
+    """The front's process: started once the router's gRPC server and door listen, stopped (drained) first.
+    It is started from the thread that runs the router (Linux ends it with that thread: `child_environment`)."""
+
+    def __init__(self, path: Path, secret: str) -> None:
+        self.path, self.secret = path, secret
+        self.process: subprocess.Popen[bytes] | None = None
+        self._folder = Path(tempfile.mkdtemp(prefix="pipeline-front-"))
+        self._port_file = self._folder / "port"
+
+    def command(self, args: argparse.Namespace, router_port: int, doors: list[int]) -> list[str]:
+        """The front's command line: the public address, the router's loopback ports, limits and TLS files."""
+        command = [
+            str(self.path),
+            "--listen",
+            f"{args.host}:{args.port}",
+            "--router",
+            f"{LOOPBACK}:{router_port}",
+        ]
+        for door in doors:
+            command += ["--door", f"{LOOPBACK}:{door}"]
+        command += ["--connections", str(CONNECTIONS), "--port-file", str(self._port_file)]
+        command += ["--max-message-bytes", str(args.max_message_mb * 1024 * 1024)]
+        command += ["--grace-seconds", str(args.grace_period)]
+        for flag in ("tls_cert", "tls_key", "tls_ca"):
+            value = getattr(args, flag, None)
+            if value:
+                command += [f"--{flag.replace('_', '-')}", str(value)]
+        return command
+
+    def launch(self, args: argparse.Namespace, router_port: int, doors: list[int]) -> None:
+        """Start the front on the router's public address (`listening` then says when it listens)."""
+        environment = child_environment({**os.environ, SECRET_ENV: self.secret})
+        self.process = subprocess.Popen(self.command(args, router_port, doors), env=environment)
+
+    def listening(self) -> int | None:
+        """The port the front listens on, once it does; raises `ConfigError` where it exited instead."""
+        assert self.process is not None
+        if self._port_file.exists():
+            port = int(self._port_file.read_text())
+            shutil.rmtree(self._folder, ignore_errors=True)
+            log.info("%s serves the gRPC port %d", BINARY, port)
+            return port
+        if self.process.poll() is not None:
+            raise ConfigError(f"{BINARY} exited ({self.process.returncode}) before it listened")
+        return None
+
+    def wait_listening(self, timeout: float = START_TIMEOUT_S) -> int:
+        """`listening`, waited for (a process that starts the front and serves nothing itself)."""
+        deadline = time.monotonic() + timeout
+        while (port := self.listening()) is None:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"{BINARY} did not listen within {timeout:.0f} s")
+            time.sleep(0.02)
+        return port
+
+    async def start(self, args: argparse.Namespace, router_port: int, doors: list[int]) -> int:
+        """Start the front and wait until it listens, without holding up the event loop; returns its port."""
+        self.launch(args, router_port, doors)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + START_TIMEOUT_S
+        while (port := self.listening()) is None:
+            if loop.time() > deadline:
+                raise ConfigError(f"{BINARY} did not listen within {START_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(0.02)
+        return port
+
+    async def stop(self, within: float) -> None:
+        """Drain the front (SIGTERM: no new call, those in flight get its grace period) and wait for it,
+        `within` seconds at most, then kill it."""
+        process = self.process
+        shutil.rmtree(self._folder, ignore_errors=True)
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(process.wait), within)
+        except TimeoutError:
+            process.kill()
+            await asyncio.to_thread(process.wait)
+
+
+class CompiledFront:
+    """A router process's side of the front: its door (a frame port on loopback that takes the front's
+    connections alone) and, where this process starts it, the front's process. A worker of `--workers N`
+    (`door_file`: where it writes its door's port) opens its door only: the parent starts the front, in front
+    of every worker's door and of their shared gRPC port (`args.port`, on loopback)."""
+
+    def __init__(
+        self,
+        path: Path,
+        servicer: InferenceServicer,
+        args: argparse.Namespace,
+        policy: AccessPolicy,
+        *,
+        secret: str | None = None,
+        door_file: Path | None = None,
+    ):
+        #: The door's secret: made at each start, or the parent's.
+        self.secret = secret or new_secret()
+        max_frame_bytes = args.max_message_mb * 1024 * 1024 + HOP_BYTES
+        self.door = FrameServer(servicer, max_frame_bytes=max_frame_bytes, policy=policy, door=self.secret)
+        self.door_file = door_file
+        self.process = None if door_file is not None else FrontProcess(path, self.secret)
+        #: Where the router's own gRPC server listens: the port the parent shares out, else one the OS picks.
+        self.router_address = f"{LOOPBACK}:{args.port if door_file is not None else 0}"
+
+    async def start(self, args: argparse.Namespace, router_port: int) -> int:
+        """Open the door, then start the front before the router's gRPC server on `router_port`; returns
+        the public port (a worker: its door's, written to its file, and `router_port`)."""
+        door = await self.door.start(LOOPBACK, 0)
+        if self.process is None:
+            write_port(self.door_file, door)
+            return router_port
+        return await self.process.start(args, router_port, [door])
+
+    async def stop(self, within: float) -> None:
+        """Drain the front, then the door: what the front holds in flight is answered through it."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + within
+        if self.process is not None:
+            await self.process.stop(within)
+        await self.door.close(max(0.0, until - loop.time()))
+
+
+def front_of(
+    args: argparse.Namespace, servicer: InferenceServicer, policy: AccessPolicy
+) -> CompiledFront | None:
+    """The router's compiled front as `--front` says, or None where its own gRPC server serves; in a worker
+    of `--workers N` behind the parent's front, its door alone."""
+    door_file, secret = os.environ.get(DOOR_FILE_ENV), os.environ.get(SECRET_ENV)
+    if door_file and secret:
+        return CompiledFront(Path(BINARY), servicer, args, policy, secret=secret, door_file=Path(door_file))
+    path = compiled(getattr(args, "front", "python"))
+    return None if path is None else CompiledFront(path, servicer, args, policy)
