@@ -119,6 +119,9 @@ def model_config(model: ArchiveModel) -> mc.ModelConfig:
     config.output.add(name=RESPONSE_TENSOR, data_type=mc.TYPE_STRING, dims=[1])
     if model.batch_size > 1:
         config.dynamic_batching.max_queue_delay_microseconds = model.max_batch_delay_ms * 1000
+        # TorchServe's batching: a batch waits for batch_size requests or max_batch_delay, even when the
+        # worker is idle (the router's default would send a lone request at once).
+        config.parameters["pipeline.idle_dispatch"].string_value = "false"
     config.instance_group.add(count=max(1, model.min_workers), kind=mc.ModelInstanceGroup.KIND_CPU)
     values = {
         ARCHIVE_PARAMETER: str(model.archive),

@@ -12,8 +12,6 @@ Bodies that begin with a command test the other paths:
 - "header:": a response header and the content type are set with the context.
 """
 
-import json
-
 import torch
 from ts.torch_handler.base_handler import BaseHandler
 from word_vocabulary import WEIGHTS  # an extra file of the archive
@@ -48,8 +46,12 @@ class WordHandler(BaseHandler):
     def postprocess(self, inference_output):
         counts, scores = inference_output
         out = []
-        for i, (count, score) in enumerate(zip(counts.tolist(), scores.tolist())):
-            answer = {"words": int(count), "score": round(score, 3), "model": self.manifest["model"]["modelName"]}
+        for i, (count, score) in enumerate(zip(counts.tolist(), scores.tolist(), strict=True)):
+            answer = {
+                "words": int(count),
+                "score": round(score, 3),
+                "model": self.manifest["model"]["modelName"],
+            }
             text = self.texts[i]
             if text.startswith("bytes:"):
                 out.append(text.encode("utf-8"))

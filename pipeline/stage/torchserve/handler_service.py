@@ -38,7 +38,7 @@ from pipeline.protocol.errors import RepositoryError
 from pipeline.runtime.torchserve_store import pack, unpack
 from pipeline.stage.torchserve import ts as ts_package
 from pipeline.stage.torchserve.ts import context as ts_context
-from pipeline.stage.torchserve.ts import metrics as ts_metrics
+from pipeline.stage.torchserve.ts import metrics_store as ts_metrics
 from pipeline.stage.torchserve.ts import torch_handler, utils
 from pipeline.stage.torchserve.ts.torch_handler import base_handler
 from pipeline.stage.torchserve.ts.utils import util
@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 TS_MODULES: dict[str, types.ModuleType] = {
     "ts": ts_package,
     "ts.context": ts_context,
-    "ts.metrics": ts_metrics,
     "ts.torch_handler": torch_handler,
     "ts.torch_handler.base_handler": base_handler,
     "ts.utils": utils,
