@@ -16,6 +16,7 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.ensemble.compiler import compile_ensemble
 from pipeline.ensemble.loader import StrictLoader
 from pipeline.ensemble.plan import EnsemblePlan
+from pipeline.protocol.config_fields import acted_on
 from pipeline.protocol.errors import ConfigError, RepositoryError
 from pipeline.protocol.model_config import log_ignored, model_config, tensor_specs
 from pipeline.protocol.types import TensorSpec
@@ -23,20 +24,9 @@ from pipeline.runtime.repository import ModelRepository
 
 log = logging.getLogger(__name__)
 
-#: The fields of an ensemble's `config.pbtxt` that the router acts on; any other is logged as ignored.
-ENSEMBLE_FIELDS = frozenset(
-    {
-        "name",
-        "platform",
-        "backend",
-        "max_batch_size",
-        "input",
-        "output",
-        "ensemble_scheduling",
-        "response_cache",
-        "parameters",
-    }
-)
+#: The fields of an ensemble's `config.pbtxt` that the router acts on (`pipeline.protocol.config_fields`);
+#: any other is logged as ignored.
+ENSEMBLE_FIELDS = acted_on("ensemble")
 
 
 #: `parameters` of an ensemble's `config.pbtxt` that carry what Triton's ensembles cannot say, each value a

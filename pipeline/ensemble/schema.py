@@ -48,8 +48,11 @@ class _Schema(BaseModel):
 class TensorConfig(_Schema):
     """An ensemble input or output as written in YAML."""
 
+    #: The tensor's name, as clients send it and as steps' `input_map` / `output_map` values name it.
     name: Name
+    #: The protocol's datatype: `FP32`, `INT64`, `BYTES`, ... (not Triton's `TYPE_FP32`).
     datatype: Name
+    #: Dimensions, the batch dimension first (-1 where a dimension varies).
     shape: tuple[Annotated[int, Field(strict=True)], ...]
     #: Outputs only: a request may lack it, because no step produces it on some path of the conditions.
     optional: bool = False
@@ -114,7 +117,10 @@ class StageConfig(_Schema):
     (see `DynamicBatchingConfig`: only for models whose config sets none).
     """
 
+    #: `host:port`, `[ipv6]:port`, `unix:path`, a gRPC target (`dns:///name:port`, ...) or `file:PATH`, a file
+    #: of replica addresses the router reads again and again.
     address: Name
+    #: Batching for the steps of this file that call the stage (only for models whose config sets none).
     dynamic_batching: DynamicBatchingConfig | None = None
     #: Stage calls in flight at once (a batch counts as one); 0 = no limit. Bounds the router's memory and
     #: the stage's load for unbatched steps as `max_inflight_batches` does for batched ones.
@@ -146,11 +152,17 @@ class _ComparisonConfig(_Schema):
     """Exactly one comparison of a request's single value with a constant. Strings compare for equality
     only (a BYTES tensor's element, as UTF-8); numbers compare every way."""
 
+    #: The value equals this number or string.
     equals: Operand | None = None
+    #: The value differs from this number or string.
     not_equals: Operand | None = None
+    #: The value is greater than this number.
     greater_than: Number | None = None
+    #: The value is greater than or equal to this number.
     greater_equal: Number | None = None
+    #: The value is less than this number.
     less_than: Number | None = None
+    #: The value is less than or equal to this number.
     less_equal: Number | None = None
 
     def comparisons(self) -> list[Comparison]:
@@ -172,8 +184,11 @@ class WhenConfig(_ComparisonConfig):
     """When a step runs: `{tensor: T, <comparison>: value}`, or `{switch: S, case: C}` (a case of a switch
     declared under `switches`, or its `default`)."""
 
+    #: The ensemble tensor (of one element) whose value the comparison reads.
     tensor: Name | None = None
+    #: A switch declared under `switches`.
     switch: Name | None = None
+    #: A case of that switch, or `default`.
     case: Name | None = None
 
     @model_validator(mode="after")
@@ -196,6 +211,7 @@ class WhenConfig(_ComparisonConfig):
 class CaseConfig(_ComparisonConfig):
     """A switch's case: its name and one comparison."""
 
+    #: The case's name, which steps' `when: {switch, case}` give (not `default`).
     name: Name
 
     @model_validator(mode="after")
@@ -210,7 +226,9 @@ class SwitchConfig(_Schema):
     """A switch on one tensor's single value: the cases are tried in order, the first that holds is taken,
     `default` when none does. Steps choose a branch with `when: {switch: NAME, case: CASE}`."""
 
+    #: The ensemble tensor (of one element) whose value the cases compare.
     tensor: Name
+    #: The cases, tried in order.
     cases: tuple[CaseConfig, ...] = Field(min_length=1)
 
     @field_validator("cases")
@@ -226,19 +244,23 @@ class SwitchConfig(_Schema):
 class ResponseCacheConfig(_Schema):
     """Triton's `response_cache { enable: true }`."""
 
+    #: Cache the ensemble's responses in the router.
     enable: bool = False
 
 
 class StepConfig(_Schema):
     """An ensemble step as written in YAML."""
 
+    #: The model the step calls.
     model_name: Name
     #: -1 = the stage's default version. A string is accepted too (OIP versions are strings on the wire),
     #: but only a numeric one: Triton's `ensemble_scheduling.step.model_version` is an int64.
     model_version: int | str = -1
     #: A key of `stages`; without it the router finds the stage that serves the model (`RepositoryIndex`).
     stage: Name | None = None
+    #: The model's input name: the ensemble tensor it is given.
     input_map: dict[Name, Name]
+    #: The model's output name: the ensemble tensor it becomes.
     output_map: dict[Name, Name]
     #: Overrides the stage's `dynamic_batching` for this step's model; `false` turns batching off. Only for
     #: a model whose config sets none, as every ensemble that calls the model shares one batcher.
@@ -286,11 +308,15 @@ class EnsembleConfig(_Schema):
 
     #: Defaults to the file's stem.
     name: Name | None = None
+    #: The largest batch a request may carry (the first dimension of its inputs); 0: no batch dimension.
     max_batch_size: Annotated[int, Field(strict=True, ge=0)] = 64
     #: May be left out when no step names a stage (the router's own stages, `--stage`, serve them).
     stages: dict[Name, StageConfig] = Field(default_factory=dict)
+    #: The tensors a request carries.
     inputs: tuple[TensorConfig, ...]
+    #: The tensors a response carries.
     outputs: tuple[TensorConfig, ...]
+    #: The steps; they run as their inputs become available, not in the order written.
     steps: tuple[StepConfig, ...]
     #: Switches that steps' `when` name, by name.
     switches: dict[Name, SwitchConfig] = Field(default_factory=dict)

@@ -151,31 +151,16 @@ def check_response_cache(config: mc.ModelConfig, source: str) -> None:
         )
 
 
-#: Config fields every service acts on (the router acts on `dynamic_batching` and `response_cache`); a backend
-#: adds its own and logs the rest as ignored at load (`log_ignored`).
-SERVED_FIELDS = frozenset(
-    {
-        "name",
-        "platform",
-        "backend",
-        "max_batch_size",
-        "input",
-        "output",
-        "instance_group",
-        "version_policy",
-        "default_model_filename",
-        "parameters",
-        "dynamic_batching",
-        "response_cache",
-    }
-)
+#: The warning a service logs at load for the top-level fields of a config it does not act on
+#: (`pipeline.protocol.config_fields` lists those each kind of model acts on).
+IGNORED_MESSAGE = "%s: ignoring field(s) this service does not act on: %s"
 
 
 def log_ignored(config: mc.ModelConfig, acted_on: Collection[str], source: str) -> list[str]:
     """Log (and return) the top-level fields a config sets that the service does not act on."""
     ignored = sorted(field.name for field, _ in config.ListFields() if field.name not in acted_on)
     if ignored:
-        log.warning("%s: ignoring field(s) this service does not act on: %s", source, ", ".join(ignored))
+        log.warning(IGNORED_MESSAGE, source, ", ".join(ignored))
     return ignored
 
 

@@ -41,8 +41,11 @@ class TensorSpec:
 class BatchingConfig:
     """Triton's `dynamic_batching` settings for one stage model (times in microseconds)."""
 
+    #: The largest batch sent to the stage.
     max_batch_size: int = 64
+    #: How long the first request of a batch may wait for others.
     max_queue_delay_microseconds: int = 1000
+    #: Batch sizes to send as soon as they are reached.
     preferred_batch_size: tuple[int, ...] = ()
     #: Requests that may wait at once; a request beyond it is refused with UNAVAILABLE. 0 = no limit.
     max_queue_size: int = 1024
@@ -52,6 +55,7 @@ class BatchingConfig:
     allow_timeout_override: bool = True
     #: 0 = one level. Otherwise requests carry the parameter `priority`, 1 (highest) .. priority_levels.
     priority_levels: int = 0
+    #: The level of a request that names none (or one out of range).
     default_priority_level: int = 0
     #: Complete requests in the order they arrived, even when a later batch finishes first.
     preserve_ordering: bool = False

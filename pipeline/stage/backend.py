@@ -29,17 +29,11 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import PipelineError
 from pipeline.protocol.model_config import (
     DETERMINISTIC_PARAMETER,
-    SERVED_FIELDS,
     check_response_cache,
     set_tensor_specs,
 )
 from pipeline.runtime.repository import BACKEND_PLATFORMS, RepositoryEntry
 from pipeline.stage.api import NO_DEADLINE, Deadline, Stage
-
-#: Config fields the stage runtime acts on whatever the backend: those every service does, the warm-up
-#: samples (`pipeline.stage.warmup`) and the sequence batcher (`pipeline.stage.sequence_batcher`). A backend
-#: adds its own and logs the rest as ignored.
-RUNTIME_FIELDS = SERVED_FIELDS | {"model_warmup", "sequence_batching"}
 
 
 @runtime_checkable

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.config_fields import acted_on
 from pipeline.protocol.errors import PipelineError, RepositoryError
 from pipeline.protocol.model_config import (
     DETERMINISTIC_PARAMETER,
@@ -57,7 +58,6 @@ from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.repository import RepositoryEntry
 from pipeline.stage.api import NO_DEADLINE, Deadline, Stage
 from pipeline.stage.backend import (
-    RUNTIME_FIELDS,
     PreparedVersion,
     ResponseSink,
     StageInstance,
@@ -75,9 +75,8 @@ from pipeline.stage.triton_model import prepare_triton
 
 log = logging.getLogger(__name__)
 
-#: Config fields the python backend acts on: those the stage runtime does, and the transaction policy (a
-#: decoupled model answers with any number of responses, `pipeline.stage.decoupled`); others are logged.
-ACTED_ON = RUNTIME_FIELDS | {"model_transaction_policy"}
+#: Config fields the python backend acts on (`pipeline.protocol.config_fields`); others are logged.
+ACTED_ON = acted_on("python")
 
 
 class PythonBackend:

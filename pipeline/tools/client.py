@@ -70,12 +70,15 @@ class InferenceClient:
         self.close()
 
     def close(self) -> None:
+        """Close the channel (also on leaving a `with` block)."""
         self.channel.close()
 
     def server_ready(self, timeout: float | None = None) -> bool:
+        """The server's `ServerReady` answer."""
         return self.stub.ServerReady(pb.ServerReadyRequest(), timeout=timeout).ready
 
     def model_metadata(self, model: str, timeout: float | None = None) -> pb.ModelMetadataResponse:
+        """The model's `ModelMetadata`: its versions, platform, inputs and outputs."""
         return self.stub.ModelMetadata(
             pb.ModelMetadataRequest(name=model), timeout=timeout, metadata=self.auth
         )

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline._gen.inference import model_config_pb2 as mc
+from pipeline.protocol.config_fields import acted_on
 from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import PAD_VALUE_PARAMETER, datatype_of_config, log_ignored
 from pipeline.runtime.repository import DEFAULT_FILENAMES, RepositoryEntry
-from pipeline.stage.backend import RUNTIME_FIELDS, Instance, PreparedVersion
+from pipeline.stage.backend import Instance, PreparedVersion
 from pipeline.stage.sequence_config import sequence_tensors
 from services.model import tensorrt
 from services.model.artifacts import (
@@ -59,9 +60,9 @@ log = logging.getLogger(__name__)
 
 RUNNERS = ("auto", "onnxruntime", "torch", "tensorrt")
 DEVICES = ("auto", "cpu", "cuda")
-#: Top-level config fields this backend acts on: those the stage runtime does, and `optimization` (TensorRT,
-#: FP16); the rest are logged as ignored at load.
-ACTED_ON = RUNTIME_FIELDS | {"optimization"}
+#: Top-level config fields this backend acts on (`pipeline.protocol.config_fields`); the rest are logged as
+#: ignored at load.
+ACTED_ON = acted_on("model")
 #: `parameters` keys this backend reads (besides the router's `pad_value.<TENSOR>`). Triton's own spellings of
 #: the thread count are accepted: the ONNX Runtime backend's and the PyTorch backend's.
 PARAMETER_KEYS = (
