@@ -5,15 +5,21 @@ A client sends a sequence's requests with the request parameters `sequence_id` (
 `sequence_start` on the first and `sequence_end` on the last. Every instance of the model has a number of
 sequence slots (its `max_batch_size`, or `oldest.max_candidate_sequences`); a starting sequence takes a free
 slot, on the instance with the most free ones, and keeps it to its end; a sequence that finds none waits in a
-backlog, in order, until one frees. Each instance runs one batch at a time, made of at most one request of
-each sequence holding one of its slots, so that a sequence's requests run in order, one at a time, on one
-instance:
+backlog, in order, until one frees (at most `pipeline.max_sequence_backlog` sequences wait, a config
+parameter; a START past them is refused at once with UNAVAILABLE). Each instance runs one batch at a time,
+made of at most one request of each sequence holding one of its slots, so that a sequence's requests run in
+order, one at a time, on one instance:
 
 - `direct`: a sequence's request always takes its slot's row of the batch; rows of slots without a request
   are padding (READY false, inputs zero) up to the last row in use. The batch waits up to
   `max_queue_delay_microseconds` for `minimum_slot_utilization` of the slots to have a request.
-- `oldest`: the oldest requests of the instance's sequences, as many as `max_batch_size` takes; the batch
-  waits up to `max_queue_delay_microseconds` for a `preferred_batch_size` (or the largest).
+- `oldest`: Triton's dynamic batcher over the requests of the instance's sequences that may run (`take`):
+  the next batch forms while the instance runs one, from the time each request may run (after the one before
+  it in its sequence), up to a `preferred_batch_size` within `max_queue_delay_microseconds`, and takes what
+  comes while it waits for the instance.
+
+A request whose deadline passes before it runs is answered then, wherever it waits, and ends its sequence,
+as a cancelled request ends one in Triton: the sequence leaves its slot or the backlog at once.
 
 Requests of different shapes never share a batch. The model gets the control inputs its config names
 (`CONTROL_SEQUENCE_START`, `_END`, `_READY` in their `int32_false_true`, `fp32_false_true` or
@@ -30,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -46,9 +52,17 @@ from pipeline.protocol.errors import (
 )
 from pipeline.protocol.sequences import SequenceId
 from pipeline.stage.api import Deadline
-from pipeline.stage.sequence_config import CONTROL, Control, SequenceSettings
+from pipeline.stage.sequence_config import CONTROL, MAX_BACKLOG_PARAMETER, Control, SequenceSettings
 
 log = logging.getLogger(__name__)
+
+#: The answer to a request whose deadline passed while it waited.
+NOT_RUN = "deadline exceeded before sequence {sequence}'s request to model '{model}' started: it was not run"
+#: Logged for a START of a sequence that has not ended (Triton's warning).
+CONFLICT = (
+    "sequence %s for model '%s' has a conflict: the previous sequence did not end before this sequence start; "
+    "the previous sequence is ended early"
+)
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,12 @@ class _Pending:
     future: asyncio.Future[tuple[dict[str, np.ndarray], int, int]]
     #: Requests of the same shapes may share a batch.
     key: tuple[tuple[str, tuple[int, ...]], ...]
+    #: When it became the next request of its sequence to run (`time.perf_counter_ns`): the oldest strategy's
+    #: delay counts from here, as Triton's does (a request queued behind its sequence's running one waits
+    #: for that one first).
+    eligible: int = 0
+    #: Answers it when its deadline passes while it waits.
+    timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(eq=False)
@@ -89,14 +109,20 @@ class _Sequence:
     slot: tuple[int, int] | None = None
     state: dict[str, np.ndarray] | None = None
     last: float = 0.0
-    #: Its END request is queued: it leaves its slot once that has run.
+    #: Its END request is queued (or it was ended early): it leaves its slot once nothing of it is left.
     ended: bool = False
+    #: One of its requests is in the batch an instance runs.
+    running: bool = False
 
 
 @dataclass(eq=False)
 class _Instance:
     slots: list[_Sequence | None]
     busy: bool = False
+    #: The oldest strategy's next batch, chosen while the instance runs one (Triton's waiting payload): it
+    #: takes the requests that come until it is `full`, and runs as soon as the instance is idle.
+    next: list[_Sequence] = field(default_factory=list)
+    full: bool = False
 
 
 class SequenceBatcher:
@@ -121,7 +147,8 @@ class SequenceBatcher:
         self._instances = [_Instance([None] * settings.slots) for _ in range(instances)]
         #: The sequences that take requests: holding a slot or in the backlog, by id.
         self._sequences: dict[int | str, _Sequence] = {}
-        self._backlog: deque[_Sequence] = deque()
+        #: The sequences waiting for a slot, oldest first.
+        self._backlog: OrderedDict[_Sequence, None] = OrderedDict()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
@@ -141,7 +168,7 @@ class SequenceBatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for sequence in [*self._sequences.values(), *self._backlog]:
-            self._fail_queue(sequence, Unavailable(f"model '{self.model}' was unloaded"))
+            _fail_queue(sequence, Unavailable(f"model '{self.model}' was unloaded"))
 
     async def infer(
         self, sequence: SequenceId, arrays: dict[str, np.ndarray], deadline: Deadline
@@ -150,59 +177,59 @@ class SequenceBatcher:
         if self._closed:
             raise Unavailable(f"model '{self.model}' is not loaded")
         self.start()
-        now = self._clock()
-        held = self._sequences.get(sequence.value)
         for control in self.settings.controls:
             if control.kind == CONTROL.CONTROL_SEQUENCE_CORRID:
                 _corrid(control, sequence, self.model)  # refuse an id the model cannot take, before queuing
-        if held is None:
-            if not sequence.start:
-                raise InvalidInput(
-                    f"inference request for sequence {sequence.value} to model '{self.model}' must specify the "
-                    "START flag on the first request of the sequence"
-                )
-            held = _Sequence(sequence.value)
-            self._sequences[sequence.value] = held
-            self._place(held)
-        elif sequence.start:
-            log.warning(
-                "sequence %s for model '%s' has a conflict: the previous sequence did not end before this "
-                "sequence start; the previous sequence is ended early",
-                sequence.value,
-                self.model,
-            )
-        held.last = now
+        held = self._sequence_of(sequence)
+        held.last = self._clock()
         if sequence.end:
             # Its next request, if any, starts a new sequence.
             held.ended = True
             del self._sequences[sequence.value]
         key = tuple((name, array.shape) for name, array in arrays.items())
-        future: asyncio.Future[tuple[dict[str, np.ndarray], int, int]] = (
-            asyncio.get_running_loop().create_future()
+        now = time.perf_counter_ns()
+        # A request behind its sequence's others may run once they have (`eligible` is set then).
+        eligible = 0 if held.queue or held.running else now
+        pending = _Pending(
+            arrays, sequence, deadline, now, asyncio.get_running_loop().create_future(), key, eligible
         )
-        pending = _Pending(arrays, sequence, deadline, time.perf_counter_ns(), future, key)
         held.queue.append(pending)
+        _arm(pending, self._expire, held)
         self._wake.set()
         try:
-            return await future
+            return await pending.future
         except asyncio.CancelledError:
+            # As Triton: a request given up before it ran ends its sequence (its state would miss a step).
             if pending in held.queue:
-                held.queue.remove(pending)
+                self._end(held, pending, None)
             raise
 
-    def _place(self, sequence: _Sequence) -> None:
-        """Give a starting sequence a free slot, on the instance with the most, else the backlog."""
-        best: tuple[int, int] | None = None
-        most = 0
-        for index, instance in enumerate(self._instances):
-            free = [i for i, s in enumerate(instance.slots) if s is None]
-            if len(free) > most:
-                best, most = (index, free[0]), len(free)
-        if best is None:
-            self._backlog.append(sequence)
-            return
-        sequence.slot = best
-        self._instances[best[0]].slots[best[1]] = sequence
+    def _sequence_of(self, sequence: SequenceId) -> _Sequence:
+        """The sequence a request belongs to; a START without one starts it, in a free slot or the backlog
+        (refused with UNAVAILABLE where the backlog is full)."""
+        held = self._sequences.get(sequence.value)
+        if held is not None:
+            if sequence.start:
+                log.warning(CONFLICT, sequence.value, self.model)
+            return held
+        if not sequence.start:
+            raise InvalidInput(
+                f"inference request for sequence {sequence.value} to model '{self.model}' must specify the "
+                "START flag on the first request of the sequence"
+            )
+        slot = _free_slot(self._instances)
+        if slot is None and len(self._backlog) >= self.settings.max_backlog:
+            raise _backlog_full(
+                self.model, sequence, self.settings.slots * len(self._instances), len(self._backlog)
+            )
+        held = _Sequence(sequence.value)
+        self._sequences[sequence.value] = held
+        if slot is None:
+            self._backlog[held] = None
+        else:
+            held.slot = slot
+            self._instances[slot[0]].slots[slot[1]] = held
+        return held
 
     def _release(self, sequence: _Sequence) -> None:
         """Free a sequence's slot and give it to the first sequence of the backlog."""
@@ -210,19 +237,49 @@ class SequenceBatcher:
             return
         index, slot = sequence.slot
         sequence.slot = None
-        self._instances[index].slots[slot] = None
-        while self._backlog:
-            waiting = self._backlog.popleft()
-            if waiting.queue or not waiting.ended:
-                waiting.slot = (index, slot)
-                self._instances[index].slots[slot] = waiting
-                return
+        instance = self._instances[index]
+        instance.slots[slot] = None
+        if sequence in instance.next:
+            instance.next.remove(sequence)
+        if self._backlog:
+            waiting, _ = self._backlog.popitem(last=False)
+            waiting.slot = (index, slot)
+            instance.slots[slot] = waiting
+            waiting.queue[0].eligible = time.perf_counter_ns()  # its requests may run from now
 
-    def _fail_queue(self, sequence: _Sequence, error: PipelineError) -> None:
-        while sequence.queue:
-            pending = sequence.queue.popleft()
-            if not pending.future.done():
-                pending.future.set_exception(error)
+    def _expire(self, sequence: _Sequence, pending: _Pending) -> None:
+        """A waiting request's deadline came: answer it now, wherever it waits, and end its sequence."""
+        pending.timer = None
+        if pending not in sequence.queue:
+            return  # it runs, or was answered
+        if not pending.deadline.expired():
+            _arm(pending, self._expire, sequence)  # the deadline's clock is behind the loop's
+            return
+        self._end(
+            sequence, pending, DeadlineExceeded(NOT_RUN.format(sequence=sequence.value, model=self.model))
+        )
+
+    def _end(self, sequence: _Sequence, given_up: _Pending, error: PipelineError | None) -> None:
+        """End a sequence one of whose requests was given up before it ran (Triton ends a sequence whose
+        request is cancelled): that request gets `error`, the ones queued after it an error that says why,
+        and the sequence leaves its slot or the backlog; its next request without START is refused."""
+        if error is not None and not given_up.future.done():
+            given_up.future.set_exception(error)
+        sequence.queue.remove(given_up)
+        _fail_queue(
+            sequence,
+            Unavailable(
+                f"sequence {sequence.value} of model '{self.model}' was ended: a request of it before this one "
+                "was given up before it ran; start the sequence again (sequence_start)"
+            ),
+        )
+        if self._sequences.get(sequence.value) is sequence:
+            del self._sequences[sequence.value]
+        sequence.ended = True
+        self._backlog.pop(sequence, None)
+        if not sequence.running:
+            self._release(sequence)
+        self._wake.set()
 
     # ---- scheduling ------------------------------------------------------------------------------------------
 
@@ -238,106 +295,107 @@ class SequenceBatcher:
                     await self._wake.wait()
 
     def _reap(self) -> float:
-        """Release sequences idle longer than `max_sequence_idle_microseconds`; seconds until the next may be."""
+        """Release every sequence that has held a slot idle longer than `max_sequence_idle_microseconds`, at
+        once; seconds until the next may be. (A sequence in the backlog has a request waiting: never idle.)"""
         now = self._clock()
         idle = self.settings.idle_s
         soonest = idle
-        for value, sequence in list(self._sequences.items()):
-            if sequence.queue or self._in_flight(sequence):
-                continue
-            left = sequence.last + idle - now
-            if left > 0:
-                soonest = min(soonest, left)
-                continue
-            log.info(
-                "sequence %s of model '%s' idle for %.3f s (max_sequence_idle_microseconds): released",
-                value,
-                self.model,
-                now - sequence.last,
-            )
-            del self._sequences[value]
-            sequence.ended = True
-            if sequence in self._backlog:
-                self._backlog.remove(sequence)
-            self._release(sequence)
+        for instance in self._instances:
+            for sequence in list(instance.slots):
+                if sequence is None or sequence.queue or sequence.running:
+                    continue
+                left = sequence.last + idle - now
+                if left > 0:
+                    soonest = min(soonest, left)
+                    continue
+                log.info(
+                    "sequence %s of model '%s' idle for %.3f s (max_sequence_idle_microseconds): released",
+                    sequence.value,
+                    self.model,
+                    now - sequence.last,
+                )
+                if self._sequences.get(sequence.value) is sequence:
+                    del self._sequences[sequence.value]
+                sequence.ended = True
+                self._release(sequence)
         return soonest
-
-    def _in_flight(self, sequence: _Sequence) -> bool:
-        return sequence.slot is not None and self._instances[sequence.slot[0]].busy
 
     def _dispatch(self) -> float:
         """Start a batch on each idle instance that has one ready; seconds until one may become ready."""
         soonest = float("inf")
         now = time.perf_counter_ns()
         for index, instance in enumerate(self._instances):
-            if instance.busy:
+            if self.settings.strategy == "oldest":
+                wait = self._gather(instance, now)
+                picked: list[_Sequence | None] | None = list(instance.next) if instance.next else None
+            elif instance.busy:
                 continue
-            self._drop_expired(instance)
-            picked, wait = self._form(instance, now)
-            if picked is None:
+            else:
+                picked, wait = _direct(instance, self.settings, now)
+            if instance.busy or picked is None:
                 soonest = min(soonest, wait)
                 continue
             instance.busy = True
-            task = asyncio.get_running_loop().create_task(self._execute(index, instance, picked))
+            instance.next, instance.full = [], False
+            taken = [None if sequence is None else _take_head(sequence) for sequence in picked]
+            task = asyncio.get_running_loop().create_task(self._execute(index, instance, taken))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
+            if self.settings.strategy == "oldest":
+                soonest = min(
+                    soonest, self._gather(instance, now)
+                )  # the next batch forms while this one runs
         return soonest
 
-    def _drop_expired(self, instance: _Instance) -> None:
-        for sequence in instance.slots:
-            while sequence is not None and sequence.queue and sequence.queue[0].deadline.expired():
-                pending = sequence.queue.popleft()
-                if not pending.future.done():
-                    pending.future.set_exception(
-                        DeadlineExceeded(
-                            f"deadline exceeded before sequence {pending.sequence.value}'s request to model "
-                            f"'{self.model}' started: it was not run"
-                        )
-                    )
-            if sequence is not None and not sequence.queue and sequence.ended:
-                self._release(sequence)
-
-    def _form(self, instance: _Instance, now: int) -> tuple[list[_Sequence | None] | None, float]:
-        """The rows of the next batch of an idle instance (a sequence per row, None for padding), or None
-        and the seconds to wait for one."""
+    def _gather(self, instance: _Instance, now: int) -> float:
+        """The oldest strategy: add to the instance's next batch what Triton's dynamic batcher would
+        (`take`), from its sequences' requests that may run, oldest first; seconds until that may change."""
         settings = self.settings
-        ready = [s for s in instance.slots if s is not None and s.queue]
-        if not ready:
-            return None, float("inf")
-        oldest = min(ready, key=lambda s: s.queue[0].enqueued)
-        key = oldest.queue[0].key
-        fitting = [s for s in ready if s.queue[0].key == key]
-        waited = (now - oldest.queue[0].enqueued) / 1e9
-        left = settings.delay_s - waited
-        rows = settings.max_batch_size
-        if settings.strategy == "oldest":
-            fitting.sort(key=lambda s: s.queue[0].enqueued)
-            # As Triton's dynamic batcher: a preferred size reached goes at once (past the largest, that size).
-            largest = max(settings.preferred, default=rows)
-            if len(fitting) >= largest:
-                return list[_Sequence | None](fitting[:largest]), 0.0
-            if len(fitting) in settings.preferred or left <= 0:
-                return list[_Sequence | None](fitting[:rows]), 0.0
-            return None, left
-        # direct: each sequence in its own slot's row.
-        used = len(fitting) / len(instance.slots)
-        if left > 0 and used < settings.minimum_slot_utilization:
-            return None, left
-        chosen = set(map(id, fitting))
-        last = max(i for i, s in enumerate(instance.slots) if s is not None and id(s) in chosen)
-        return [s if s is not None and id(s) in chosen else None for s in instance.slots[: last + 1]], 0.0
+        wait = float("inf")
+        while not instance.full:
+            ready = _ready(instance)
+            if not ready:
+                return float("inf")
+            # Requests of other shapes than the batch's wait for a batch of their own.
+            key = instance.next[0].queue[0].key if instance.next else ready[0].queue[0].key
+            fitting = [s for s in ready if s.queue[0].key == key]
+            left = settings.delay_s - (now - fitting[0].queue[0].eligible) / 1e9
+            # A busy instance's batch sees the requests one at a time, as they come (Triton's batcher looks at
+            # its queue as each one comes, while its instance runs); an idle instance's, all that wait.
+            count, instance.full, wait = take(
+                len(instance.next),
+                1 if instance.busy else len(fitting),
+                settings.preferred,
+                settings.max_batch_size,
+                settings.delay_s,
+                left,
+            )
+            instance.next.extend(fitting[:count])
+            if not count or not instance.busy:
+                break  # an idle instance runs the batch now; a busy one's grows until it is idle
+        return wait
 
-    async def _execute(self, index: int, instance: _Instance, picked: list[_Sequence | None]) -> None:
-        taken: list[tuple[_Sequence, _Pending] | None] = []
-        for sequence in picked:
-            taken.append(None if sequence is None else (sequence, sequence.queue.popleft()))
+    async def _execute(
+        self, index: int, instance: _Instance, taken: list[tuple[_Sequence, _Pending] | None]
+    ) -> None:
         try:
             await self._run_batch(index, taken)
         finally:
-            instance.busy = False
+            now = time.perf_counter_ns()
             for item in taken:
-                if item is not None and item[0].ended and not item[0].queue:
-                    self._release(item[0])
+                if item is None:
+                    continue
+                sequence = item[0]
+                sequence.running = False
+                if sequence.queue:
+                    sequence.queue[0].eligible = now
+                elif sequence.ended:
+                    self._release(sequence)
+            if self.settings.strategy == "oldest":
+                # The batch's sequences' next requests come to the waiting batch before the instance takes it,
+                # as Triton's come while its instance releases the requests it ran.
+                self._gather(instance, now)
+            instance.busy = False
             self._wake.set()
 
     async def _run_batch(self, index: int, taken: list[tuple[_Sequence, _Pending] | None]) -> None:
@@ -348,21 +406,17 @@ class SequenceBatcher:
         for item in taken:
             if item is None:
                 arrays = {name: np.zeros_like(array) for name, array in first.arrays.items()}
-                rows.append(Row(self._add_inputs(arrays, None, None), 0, 0))
+                rows.append(Row(_add_inputs(settings, self.model, arrays, None, None), 0, 0))
                 continue
             sequence, pending = item
             if pending.sequence.start or sequence.state is None:
                 sequence.state = {s.input_name: s.initial for s in settings.states}
-            arrays = self._add_inputs(dict(pending.arrays), pending.sequence, sequence.state)
+            arrays = _add_inputs(settings, self.model, dict(pending.arrays), pending.sequence, sequence.state)
             rows.append(Row(arrays, pending.sequence.value, pending.sequence.flags))
         live = [item for item in taken if item is not None]
         merged = _merge([row.inputs for row in rows], settings.batching)
-        latest = max((p.deadline.at for _, p in live if p.deadline.at is not None), default=None)
-        deadline = Deadline(
-            latest if len(live) == sum(1 for _, p in live if p.deadline.at is not None) else None
-        )
         try:
-            results, compute_ns = await self._run(index, merged, rows, deadline)
+            results, compute_ns = await self._run(index, merged, rows, _batch_deadline(live))
         except Exception as exc:
             for _, pending in live:
                 if not pending.future.done():
@@ -380,12 +434,7 @@ class SequenceBatcher:
                 continue
             missing = [s.output_name for s in settings.states if s.output_name not in result]
             if missing:
-                pending.future.set_exception(
-                    PipelineError(
-                        f"model '{self.model}' returned no state output {', '.join(missing)} for sequence "
-                        f"{pending.sequence.value}"
-                    )
-                )
+                pending.future.set_exception(_no_state(self.model, missing, pending.sequence))
                 continue
             sequence.state = {
                 s.input_name: _one(result[s.output_name], settings.batching) for s in settings.states
@@ -393,32 +442,161 @@ class SequenceBatcher:
             sequence.last = self._clock()
             pending.future.set_result((result, started - pending.enqueued, compute_ns))
 
-    def _add_inputs(
-        self,
-        arrays: dict[str, np.ndarray],
-        sequence: SequenceId | None,
-        state: Mapping[str, np.ndarray] | None,
-    ) -> dict[str, np.ndarray]:
-        """A row's inputs with its control inputs and its state (`sequence` None: a padding row)."""
-        lead = (1, 1) if self.settings.batching else (1,)
-        for control in self.settings.controls:
-            if control.kind == CONTROL.CONTROL_SEQUENCE_CORRID:
-                arrays[control.name] = _corrid(control, sequence, self.model).reshape(lead)
-                continue
-            if sequence is None:
-                on = False
-            elif control.kind == CONTROL.CONTROL_SEQUENCE_START:
-                on = sequence.start
-            elif control.kind == CONTROL.CONTROL_SEQUENCE_END:
-                on = sequence.end
-            else:
-                on = True
-            value = control.values[1 if on else 0]
-            arrays[control.name] = np.full(lead, value, DATATYPES[control.datatype])
-        for spec in self.settings.states:
-            current = state[spec.input_name] if state is not None else spec.initial
-            arrays[spec.input_name] = current[np.newaxis] if self.settings.batching else current
-        return arrays
+
+def _direct(
+    instance: _Instance, settings: SequenceSettings, now: int
+) -> tuple[list[_Sequence | None] | None, float]:
+    """The direct strategy: each sequence in its own slot's row, None for padding; or None and the
+    seconds to wait (for `minimum_slot_utilization` of the slots, at most the delay)."""
+    ready = [s for s in instance.slots if s is not None and s.queue]
+    if not ready:
+        return None, float("inf")
+    oldest = min(ready, key=lambda s: s.queue[0].enqueued)
+    key = oldest.queue[0].key
+    fitting = [s for s in ready if s.queue[0].key == key]
+    left = settings.delay_s - (now - oldest.queue[0].enqueued) / 1e9
+    used = len(fitting) / len(instance.slots)
+    if left > 0 and used < settings.minimum_slot_utilization:
+        return None, left
+    chosen = set(map(id, fitting))
+    last = max(i for i, s in enumerate(instance.slots) if s is not None and id(s) in chosen)
+    return [s if s is not None and id(s) in chosen else None for s in instance.slots[: last + 1]], 0.0
+
+
+def _take_head(sequence: _Sequence) -> tuple[_Sequence, _Pending]:
+    pending = sequence.queue.popleft()
+    if pending.timer is not None:
+        pending.timer.cancel()
+        pending.timer = None
+    sequence.running = True
+    return sequence, pending
+
+
+def _fail_queue(sequence: _Sequence, error: PipelineError) -> None:
+    while sequence.queue:
+        pending = sequence.queue.popleft()
+        if pending.timer is not None:
+            pending.timer.cancel()
+        if not pending.future.done():
+            pending.future.set_exception(error)
+
+
+def _free_slot(instances: list[_Instance]) -> tuple[int, int] | None:
+    """A free slot, on the instance with the most (None: every slot is held)."""
+    best: tuple[int, int] | None = None
+    most = 0
+    for index, instance in enumerate(instances):
+        free = [i for i, s in enumerate(instance.slots) if s is None]
+        if len(free) > most:
+            best, most = (index, free[0]), len(free)
+    return best
+
+
+def _add_inputs(
+    settings: SequenceSettings,
+    model: str,
+    arrays: dict[str, np.ndarray],
+    sequence: SequenceId | None,
+    state: Mapping[str, np.ndarray] | None,
+) -> dict[str, np.ndarray]:
+    """A row's inputs with its control inputs and its state (`sequence` None: a padding row)."""
+    lead = (1, 1) if settings.batching else (1,)
+    for control in settings.controls:
+        if control.kind == CONTROL.CONTROL_SEQUENCE_CORRID:
+            arrays[control.name] = _corrid(control, sequence, model).reshape(lead)
+            continue
+        if sequence is None:
+            on = False
+        elif control.kind == CONTROL.CONTROL_SEQUENCE_START:
+            on = sequence.start
+        elif control.kind == CONTROL.CONTROL_SEQUENCE_END:
+            on = sequence.end
+        else:
+            on = True
+        value = control.values[1 if on else 0]
+        arrays[control.name] = np.full(lead, value, DATATYPES[control.datatype])
+    for spec in settings.states:
+        current = state[spec.input_name] if state is not None else spec.initial
+        arrays[spec.input_name] = current[np.newaxis] if settings.batching else current
+    return arrays
+
+
+def _no_state(model: str, missing: list[str], sequence: SequenceId) -> PipelineError:
+    return PipelineError(
+        f"model '{model}' returned no state output {', '.join(missing)} for sequence {sequence.value}"
+    )
+
+
+def _arm(pending: _Pending, expire: Callable[[_Sequence, _Pending], None], sequence: _Sequence) -> None:
+    """Have `expire` called when the deadline of a waiting request passes."""
+    left = pending.deadline.remaining()
+    if left is not None:
+        pending.timer = asyncio.get_running_loop().call_later(left, expire, sequence, pending)
+
+
+def _ready(instance: _Instance) -> list[_Sequence]:
+    """The sequences of an instance whose next request may join its next batch, oldest first."""
+    taken = set(map(id, instance.next))
+    ready = [
+        s
+        for s in instance.slots
+        if s is not None and s.queue and not s.running and id(s) not in taken and s.queue[0].eligible
+    ]
+    ready.sort(key=lambda s: s.queue[0].eligible)
+    return ready
+
+
+def _backlog_full(model: str, sequence: SequenceId, slots: int, waiting: int) -> Unavailable:
+    return Unavailable(
+        f"Exceeds maximum queue size: sequence {sequence.value} cannot start on model '{model}': its {slots} "
+        f"sequence slot(s) are held and {waiting} sequence(s) wait for one ({MAX_BACKLOG_PARAMETER}); retry later"
+    )
+
+
+def _batch_deadline(live: list[tuple[_Sequence, _Pending]]) -> Deadline:
+    """A batch's deadline: its latest request's (none where one of them has none)."""
+    ats = [p.deadline.at for _, p in live]
+    return Deadline(None if None in ats else max(a for a in ats if a is not None))
+
+
+def take(
+    held: int, waiting: int, preferred: tuple[int, ...], max_batch: int, delay_s: float, left: float
+) -> tuple[int, bool, float]:
+    """How Triton's dynamic batcher (the oldest strategy's, one per instance) grows an instance's next
+    batch, which holds `held` requests, from `waiting` ones of the same shapes, oldest first, the oldest of
+    which has `left` seconds of the delay `delay_s` to go: how many join it, whether it is then full, and the
+    seconds to wait where none joins yet.
+
+    Counting the requests in turn, the batch takes the largest preferred size it can reach (before the
+    oldest has waited the delay), else all of them up to `max_batch` once the largest preferred size is
+    reached or passed or the delay is over. A batch that waits for a busy instance takes the requests that
+    come, one at a time, while its size is not a preferred one, and becomes full with the request that takes
+    it past the largest preferred size. So an instance that has run for longer than the delay finds a batch
+    of everything that waited, and a batch of the preferred size may run one larger (as Triton's do).
+    """
+    sizes = preferred or (max_batch,)
+    largest = max(sizes)
+    waited_out = delay_s > 0 and left <= 0
+    best, count, full, over = 0, 0, False, False
+    while count < waiting:
+        if held + count:
+            if held + count + 1 > largest and not best:
+                best, full = count, True
+            if held + count + 1 > max_batch:
+                over = True
+                break
+        count += 1
+        if held + count in sizes:
+            best = count
+    if best and not waited_out:
+        return best, full or delay_s == 0, 0.0
+    if not count:
+        return 0, full or over, float("inf")
+    if over or held + count >= largest:
+        return count, True, 0.0
+    if waited_out or delay_s == 0 or (held and held not in sizes):
+        return count, full, 0.0
+    return 0, full, left
 
 
 def _corrid(control: Control, sequence: SequenceId | None, model: str) -> np.ndarray:

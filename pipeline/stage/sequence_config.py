@@ -18,6 +18,12 @@ from pipeline.protocol.model_config import datatype_of_config
 
 #: Triton's default `max_sequence_idle_microseconds`.
 DEFAULT_IDLE_S = 1.0
+#: The config parameter that bounds the sequences waiting for a slot (Triton has no bound); a START past it
+#: is refused at once with UNAVAILABLE, as a request past a full `max_queue_size` is.
+MAX_BACKLOG_PARAMETER = "pipeline.max_sequence_backlog"
+#: Sequences that may wait for a slot, per model version, where the config does not say (the router's
+#: default `max_queue_size` too).
+DEFAULT_MAX_BACKLOG = 1024
 #: The kinds of control signal.
 CONTROL = mc.ModelSequenceBatching.Control
 _CORRID_TYPES = {
@@ -65,6 +71,8 @@ class SequenceSettings:
     preferred: tuple[int, ...]
     minimum_slot_utilization: float
     idle_s: float
+    #: Sequences that may wait for a slot (`MAX_BACKLOG_PARAMETER`).
+    max_backlog: int
     controls: tuple[Control, ...]
     states: tuple[StateSpec, ...]
 
@@ -119,9 +127,23 @@ class SequenceSettings:
             preferred=preferred,
             minimum_slot_utilization=utilization,
             idle_s=idle / 1e6 if idle else DEFAULT_IDLE_S,
+            max_backlog=_max_backlog(config, source),
             controls=controls,
             states=states,
         )
+
+
+def _max_backlog(config: mc.ModelConfig, source: str) -> int:
+    if MAX_BACKLOG_PARAMETER not in config.parameters:
+        return DEFAULT_MAX_BACKLOG
+    text = config.parameters[MAX_BACKLOG_PARAMETER].string_value
+    value = text.strip()
+    if not (value.isascii() and value.isdigit() and int(value) >= 1):
+        raise RepositoryError(
+            f"{source}: parameters: {MAX_BACKLOG_PARAMETER} is {text!r}; expected an integer >= 1 (the sequences "
+            "that may wait for a sequence slot)"
+        )
+    return int(value)
 
 
 def _controls(batching: mc.ModelSequenceBatching, declared: set[str], where: str) -> list[Control]:

@@ -491,3 +491,82 @@ async def test_a_sequence_models_statistics_at_the_router_are_its_replicas_own(t
 async def statistics(address: str, model: str) -> pb.ModelStatistics:
     async with inference_stub(address) as stub:
         return (await stub.ModelStatistics(pb.ModelStatisticsRequest(name=model))).model_stats[0]
+
+
+#: A plain Python model beside the sequence model on the same stage.
+ECHO = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy())])
+            for r in requests
+        ]
+"""
+ECHO_CONFIG = """
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+#: Two slots, sequences idle for a second released, and at most 8 sequences waiting for a slot.
+SMALL = "oldest { max_candidate_sequences: 2 max_queue_delay_microseconds: 1000 }"
+BACKLOG = 8
+
+
+async def test_abandoned_starts_give_their_places_back_at_their_deadlines_and_a_full_backlog_refuses_at_once(
+    tmp_path: Path,
+) -> None:
+    """Sequences started and never ended, with short deadlines, through a router (the stage learns a deadline,
+    not that the caller went): the starts past the backlog are refused at once, those waiting are answered
+    at their deadlines, the slots held go at the idle time all at once, and then a new sequence starts at
+    once while the other model of the stage answers throughout."""
+    root = tmp_path / "models"
+    config = CONFIG.format(strategy=SMALL, idle=1_000_000, initial="zero_data: true")
+    config += f'parameters {{ key: "pipeline.max_sequence_backlog" value {{ string_value: "{BACKLOG}" }} }}\n'
+    write_model(root, "accumulate", ACCUMULATOR, config)
+    write_model(root, "echo", ECHO, ECHO_CONFIG)
+    async with serving_stages([], repository=ModelRepository(root), backends=[PythonBackend()]) as stage:
+        await wait_serving(stage.address, timeout=60)
+        catalog = load_catalog(repository=root, stages={"python": f"ipv4:{stage.address}"})
+        async with serving_router(catalog) as router, inference_stub(router.address) as stub:
+            await wait_serving(router.address)
+            for sequence in (1, 2):  # they hold both slots until they are idle
+                await stub.ModelInfer(sequence_request("accumulate", 1, sequence, True, False), timeout=30)
+            waiting = [
+                asyncio.ensure_future(
+                    rpc_error(stub.ModelInfer(sequence_request("accumulate", 1, n, True, False), timeout=0.3))
+                )
+                for n in range(100, 100 + BACKLOG)
+            ]
+            await asyncio.sleep(0)
+            refused = await asyncio.gather(
+                *(
+                    rpc_error(stub.ModelInfer(sequence_request("accumulate", 1, n, True, False), timeout=30))
+                    for n in range(200, 204)
+                )
+            )
+            assert not any(task.done() for task in waiting)  # the refusals did not wait for them
+            for error in refused:
+                assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+                assert "Exceeds maximum queue size" in error.details()
+                assert f"{BACKLOG} sequence(s) wait" in error.details(), error.details()
+            echo = request_for("echo", INPUT=np.array([[7]], np.int32))
+            assert response_tensors(await stub.ModelInfer(echo, timeout=5))["OUTPUT"].to_array().tolist() == [
+                [7]
+            ]
+            for error in await asyncio.gather(*waiting):
+                assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+            # The stage answered each at its deadline: nothing of them is left, and once the two sequences that
+            # hold the slots have been idle a second, a new sequence has the first slot.
+            reply = await stub.ModelInfer(sequence_request("accumulate", 5, 300, True, False), timeout=5)
+            assert int(response_tensors(reply)["OUTPUT"].to_array()[0, 0]) == 5
+            refused_later = await rpc_error(
+                stub.ModelInfer(sequence_request("accumulate", 1, 100, False, False))
+            )
+            assert "must specify the START flag" in refused_later.details()
+            assert response_tensors(await stub.ModelInfer(echo, timeout=5))["OUTPUT"].to_array().tolist() == [
+                [7]
+            ]

@@ -11,11 +11,11 @@ import pytest
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import RepositoryError
+from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, RepositoryError
 from pipeline.protocol.sequences import SequenceId
 from pipeline.router.stages.replicas import rendezvous
-from pipeline.stage.api import NO_DEADLINE
-from pipeline.stage.sequence_batcher import Row, SequenceBatcher, split_rows
+from pipeline.stage.api import NO_DEADLINE, Deadline
+from pipeline.stage.sequence_batcher import Row, SequenceBatcher, split_rows, take
 from pipeline.stage.sequence_config import SequenceSettings
 
 CONFIG = """
@@ -120,5 +120,52 @@ def test_what_sequence_batching_cannot_serve_is_refused_naming_the_field() -> No
     with pytest.raises(
         RepositoryError,
         match=re.escape("config.pbtxt: sequence_batching: iterative_sequence is not supported"),
+    ):
+        SequenceSettings.of(config, "config.pbtxt")
+
+
+def test_the_oldest_strategy_grows_a_batch_as_tritons_dynamic_batcher_does() -> None:
+    """`take(held, waiting, preferred, max_batch, delay, left)`: how many join the next batch, whether it is
+    then full, and how long to wait (preferred size 4, at most 8 rows, a 2 ms delay)."""
+    rules = (4,), 8, 0.002
+    # An idle instance: the largest preferred size while the oldest is within the delay; after it, all.
+    assert take(0, 6, *rules, 0.001) == (4, False, 0.0)
+    assert take(0, 6, *rules, -0.001) == (6, True, 0.0)
+    assert take(0, 2, *rules, 0.001) == (0, False, 0.001)
+    assert take(0, 2, *rules, -0.001) == (2, False, 0.0)
+    # A batch waiting for a busy instance: a request joins one of no preferred size at once; one of the
+    # preferred size takes one more and is full; a full batch takes none, and no batch passes 8 rows.
+    assert take(2, 1, *rules, 0.001) == (1, False, 0.0)
+    assert take(4, 1, *rules, 0.001) == (1, True, 0.0)
+    assert take(4, 3, *rules, 0.001) == (1, True, 0.0)
+    assert take(7, 3, *rules, -0.001) == (1, True, 0.0)
+    assert take(8, 1, *rules, -0.001) == (0, True, float("inf"))
+
+
+async def test_a_start_waiting_for_a_slot_is_answered_at_its_deadline_and_forgotten() -> None:
+    config = CONFIG % "oldest { max_candidate_sequences: 1 }"
+    settings = SequenceSettings.of(text_format.Parse(config, mc.ModelConfig()), "config.pbtxt")
+
+    async def run(index, merged, rows, deadline):
+        return split_rows({"Y": merged["X"]}, len(rows), True), 1
+
+    sequences = SequenceBatcher("m", settings, 1, run)
+    await sequences.infer(SequenceId(1, True, False), x(1), NO_DEADLINE)  # holds the only slot
+    with pytest.raises(DeadlineExceeded, match="sequence 2's request to model 'm' started: it was not run"):
+        await sequences.infer(SequenceId(2, True, False), x(2), Deadline.after(0.05))
+    # Sequence 2 never started: its next request is refused as Triton refuses one without START, and sequence
+    # 1 goes on in its slot.
+    with pytest.raises(InvalidInput, match="must specify the START flag"):
+        await sequences.infer(SequenceId(2, False, False), x(3), NO_DEADLINE)
+    (result, _, _) = await sequences.infer(SequenceId(1, False, True), x(4), NO_DEADLINE)
+    await sequences.close()
+    assert result["Y"].tolist() == [[4]]
+
+
+def test_a_backlog_bound_that_is_not_a_number_is_refused_naming_the_parameter() -> None:
+    extra = 'parameters { key: "pipeline.max_sequence_backlog" value { string_value: "many" } }'
+    config = text_format.Parse(CONFIG % "direct { }" + extra, mc.ModelConfig())
+    with pytest.raises(
+        RepositoryError, match=re.escape("pipeline.max_sequence_backlog is 'many'; expected an integer >= 1")
     ):
         SequenceSettings.of(config, "config.pbtxt")

@@ -261,6 +261,8 @@ class StageClient:
         version = request.model_version or self.fleet_versions.get(model, "")
         ranked, up = self._sequences.candidates(self.replicas, sequence, model, version)
         refused: StageError | None = None
+        # What the last replica that did not start the request said (a START past its backlog, say).
+        declined = ""
         for replica in up:
             started = time.monotonic()
             try:
@@ -274,7 +276,9 @@ class StageClient:
                     continue
                 if refusal is not None:
                     raise refusal from None
-                if not not_started(err) and not isinstance(err, StreamBroken):
+                if not_started(err):
+                    declined = err.details() or ""
+                elif not isinstance(err, StreamBroken):
                     self.replicas.set_state(replica, DOWN)
                 if sequence.start and self.budget.try_retry():
                     continue  # nothing of a sequence that starts is lost: the next replica takes it
@@ -289,7 +293,7 @@ class StageClient:
             if gone:
                 raise self._sequences.lost(sequence, model, gone[0].address, "is down")
             raise refused
-        raise self._unavailable(what, _none_serving(model))
+        raise self._unavailable(what, declined or _none_serving(model))
 
     def _remaining(self, deadline: float | None, what: str) -> float | None:
         """The seconds left to `deadline` (None: no deadline); `DeadlineExceeded` where none are."""
