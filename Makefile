@@ -6,14 +6,17 @@ STAMP := $(VENV)/.installed
 EXAMPLES := model_repository
 MODEL_DIR ?= $(EXAMPLES)
 
-.PHONY: install front front-check run model test fuzz lint format protos k8s docs docs-reference clean
+.PHONY: install front front-check run model test fuzz lint format protos k8s docs docs-assets docs-reference clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -e ".[test,bench,docs]"
 	touch $(STAMP)
 
+## install: the virtual environment, and the documentation's JavaScript (docs-assets; where npm is missing, one
+## line says so and `make docs` fetches it later)
 install: $(STAMP)
+	-@scripts/docs-assets.sh
 
 ## front: build the compiled front door (front/: pipeline-front, C++ on grpc++) into $(BIN); as root on Debian
 ## its packages are installed first with apt; where it cannot be built, one line says so and the router's Python
@@ -55,8 +58,13 @@ test: $(STAMP) front
 ## docs: build the documentation site from docs/ into $(DOCS_SITE), strictly: a broken link or anchor, or a
 ## page left out of mkdocs.yml's navigation, fails the build
 DOCS_SITE ?= site
-docs: $(STAMP)
+docs: $(STAMP) docs-assets
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean --site-dir $(abspath $(DOCS_SITE))
+
+## docs-assets: Mermaid's minified file from its npm package, pinned and checked, into docs/assets/javascripts/
+## (git-ignored): the site serves it, no CDN; fetched once, then every build is offline
+docs-assets:
+	scripts/docs-assets.sh
 
 ## docs-reference: regenerate docs/reference/ from the commands' argument parsers (a test fails when it is stale)
 docs-reference: $(STAMP)
