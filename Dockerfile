@@ -79,9 +79,24 @@ COPY pipeline/ pipeline/
 COPY services/ services/
 RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
 
+# --- the router's compiled front door (front/: pipeline-front, C++ on Debian's grpc++) ------------------
+FROM python AS front
+RUN apt-get update -q \
+    && apt-get install -y -q --no-install-recommends g++ cmake pkg-config libgrpc++-dev >/dev/null \
+    && rm -rf /var/lib/apt/lists/*
+COPY front/ /src/front/
+RUN cmake -S /src/front -B /src/front/build -DCMAKE_BUILD_TYPE=Release >/dev/null \
+    && cmake --build /src/front/build --parallel >/dev/null \
+    && install -m 0755 /src/front/build/pipeline-front /opt/pipeline-front
+
 # --- router, preprocess, postprocess: one image's layers, three commands -------------------------------
 FROM python AS serve
+# grpc++'s libraries, for the router's front (`pipeline router --front auto` serves with it).
+RUN apt-get update -q \
+    && apt-get install -y -q --no-install-recommends libgrpc++1.51 >/dev/null \
+    && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/venv /opt/venv
+COPY --from=front /opt/pipeline-front /opt/venv/bin/pipeline-front
 COPY ensembles/ /app/ensembles/
 COPY scripts/healthcheck.py /app/healthcheck.py
 WORKDIR /app

@@ -31,7 +31,7 @@ front-check: $(STAMP)
 	scripts/build-front.sh front/build-sanitize front/build-sanitize -DFRONT_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 	PIPELINE_FRONT_BINARY=$(abspath front/build-sanitize/pipeline-front) \
 		ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-		$(BIN)/python -m pytest -q tests/e2e/test_front.py
+		$(BIN)/python -m pytest -q tests/integration/test_front.py tests/e2e/test_front.py
 
 ## run: serve the repository MODEL_DIR (router on 127.0.0.1:8001); the examples' missing models are built first
 ## when it is the examples' own

@@ -330,6 +330,7 @@ def _router_service(
     )
     router.args += ["--model-dir", str(args.model_dir)]  # its config.pbtxt ensembles, the stages' models
     router.args += ["--workers", str(max(1, args.router_workers))]
+    router.args += ["--front", args.front]
     if getattr(args, "model_store", None) is not None:
         router.args += ["--model-store", str(args.model_store)]  # TorchServe's register reads it
     return router

@@ -13,6 +13,7 @@ from pipeline.runtime.settings import (
     MODEL_DIR,
     PORTS,
     STAGES,
+    Front,
     http_port_option,
     model_dir_option,
     port_or_off,
@@ -252,5 +253,6 @@ LauncherSettings = process_settings(
         Autoscaling,
         LauncherSecurity,
         LauncherModelStore,
+        Front,
     ),
 )
