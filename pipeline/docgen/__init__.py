@@ -99,10 +99,10 @@ def _default(action: argparse.Action) -> str:
     value = action.default
     if value is None or value is argparse.SUPPRESS:
         return ""
-    if isinstance(value, (list, tuple, dict)):
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
         if not value:
             return ""
-        value = " ".join(map(str, value))
+        value = " ".join(map(str, sorted(value) if isinstance(value, (set, frozenset)) else value))
     return f"`{value}`" if str(value) != "" else ""
 
 
@@ -173,7 +173,9 @@ def variables(groups: list[list[Command]]) -> dict[str, dict[str, list[str]]]:
             declared = {name: option.env for name, option, _ in model.options()} if model is not None else {}
             for action in _options(command):
                 flag = action.option_strings[0] if action.option_strings else action.dest
-                named = _VARIABLE.findall(_help(action, command.parser.prog))
+                # A positional argument reads no variable, whatever its help names (`pipeline trace`'s file).
+                help_text = _help(action, command.parser.prog) if action.option_strings else ""
+                named = _VARIABLE.findall(help_text)
                 for name in filter(None, [declared.get(action.dest), *named]):
                     commands = found.setdefault(name, {}).setdefault(flag, [])
                     if command.name not in commands:
@@ -234,10 +236,26 @@ def environment_page(groups: list[list[Command]]) -> str:
         "| variable | default | read by |",
         "|---|---|---|",
     ]
-    for name in sorted(read_by.keys() | defaults.keys()):
-        where = _read_by(read_by.get(name, {}), servers) or "the processes' settings"
-        lines.append(f"| `{name}` | {defaults.get(name, '')} | {where} |")
+    tracing = _tracing_variables()
+    for name in sorted(read_by.keys() | defaults.keys() | tracing.keys()):
+        default, where = tracing.get(name, (defaults.get(name, ""), ""))
+        where = _read_by(read_by.get(name, {}), servers) or where or "the processes' settings"
+        lines.append(f"| `{name}` | {default} | {where} |")
     return "\n".join(lines) + "\n"
+
+
+def _tracing_variables() -> dict[str, tuple[str, str]]:
+    """The variables tracing reads beside OpenTelemetry's (`pipeline.runtime.telemetry`): {name: (default,
+    read by)}."""
+    from pipeline.runtime import telemetry
+
+    return {
+        "PIPELINE_TRACE_FILE": (
+            f"`{telemetry.DEFAULT_TRACE_FILE}`",
+            "the `jsonl` trace exporter of every server (`OTEL_TRACES_EXPORTER=jsonl`): the file it appends "
+            "spans to",
+        )
+    }
 
 
 def generate() -> dict[str, str]:

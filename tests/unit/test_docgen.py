@@ -36,6 +36,10 @@ def test_every_subcommand_flag_and_variable_is_in_the_reference(monkeypatch):
                     for option in action.option_strings:
                         assert f"`{option}" in pages[page], (command.name, option)
     assert "/somewhere/else" not in "".join(pages.values())
+    assert "frozenset" not in "".join(pages.values())  # an empty set's default is shown empty
+    # `pipeline trace`'s file is a positional: it reads no variable, the services' trace exporter does.
+    [trace_file] = [line for line in pages["environment.md"].splitlines() if "`PIPELINE_TRACE_FILE`" in line]
+    assert "`traces.jsonl`" in trace_file and "exporter" in trace_file and "pipeline trace" not in trace_file
     assert "| `PIPELINE_MODEL_DIR` | `model_repository` |" in pages["environment.md"]
     for variable in (
         "PIPELINE_ROUTER_PORT",
