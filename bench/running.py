@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,13 @@ from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 _SERVING = re.compile(r"pipeline: serving .* on (\S+) \(gRPC")
+_HTTP = re.compile(r" and (http\S+) \(HTTP/REST\)")
 _STAGE = re.compile(r"(\w+) (\S+:\d+) \(pid \d+\)")
 _METRICS = re.compile(r"pipeline: Prometheus metrics: (.*)")
 _METRIC_URL = re.compile(r"([\w-]+) (http://\S+/metrics)")
 #: Process names by what their command line runs.
 _KINDS = (("pipeline router", "router"), ("services.preprocess", "preprocess"), ("services.model", "model"))
-_KINDS += (("services.postprocess", "postprocess"),)
+_KINDS += (("services.postprocess", "postprocess"), ("pipeline-front", "front"))
 
 
 class Pipeline:
@@ -34,11 +35,18 @@ class Pipeline:
     their metrics endpoints and their process ids."""
 
     def __init__(
-        self, model_dir: Path, log: Path, *, env: Mapping[str, str] | None = None, timeout: float = 240.0
+        self,
+        model_dir: Path | Sequence[str],
+        log: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 240.0,
     ) -> None:
-        """`pipeline run --model-dir model_dir`: the repository decides what is served."""
+        """`pipeline run --model-dir model_dir`: the repository decides what is served (or, where `model_dir`
+        is a list of flags, they do: e.g. `--model-store DIR`)."""
         self.log = log
-        command = [sys.executable, "-m", "pipeline", "run", "--model-dir", str(model_dir), "--port", "0"]
+        served = ["--model-dir", str(model_dir)] if isinstance(model_dir, Path) else list(model_dir)
+        command = [sys.executable, "-m", "pipeline", "run", *served, "--port", "0"]
         for flag in (
             "--preprocess-port",
             "--model-port",
@@ -58,6 +66,8 @@ class Pipeline:
             if found:
                 self.router = found.group(1)
                 line = text[found.start() :].splitlines()[0]
+                http = _HTTP.search(line)
+                self.http = http.group(1) if http else None
                 self.stages = dict(_STAGE.findall(line.split("stages:", 1)[1]))
                 while (metrics := _METRICS.search(log.read_text(errors="replace"))) is None:
                     if time.monotonic() > deadline:

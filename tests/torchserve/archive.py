@@ -1,5 +1,6 @@
-"""The word handler's archive (`words.mar`): made by `torch-model-archiver` where it is installed, else by
-`zipfile` in the same layout (MAR-INF/MANIFEST.json, the handler file, the extra file), as the tests say."""
+"""The word handler's archive (`words.mar`), or another handler's (the benchmark's): made by
+`torch-model-archiver` where it is installed, else by `zipfile` in the same layout (MAR-INF/MANIFEST.json, the
+handler file, the extra files), as the tests say."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import shutil
 import subprocess
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -14,43 +16,37 @@ HANDLER = HERE / "word_handler.py"
 EXTRA = HERE / "word_vocabulary.py"
 
 
-def archive_with_archiver(archiver: Path | str, store: Path, name: str = "words") -> Path:
-    """`torch-model-archiver`'s archive of the word handler, in `store`."""
+def archive_with_archiver(
+    archiver: Path | str,
+    store: Path,
+    name: str = "words",
+    handler: Path = HANDLER,
+    extras: Sequence[Path] = (EXTRA,),
+) -> Path:
+    """`torch-model-archiver`'s archive of the word handler (or of `handler` with `extras`), in `store`."""
     store.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            str(archiver),
-            "--model-name",
-            name,
-            "--version",
-            "1.0",
-            "--handler",
-            str(HANDLER),
-            "--extra-files",
-            str(EXTRA),
-            "--export-path",
-            str(store),
-            "--force",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    command = [str(archiver), "--model-name", name, "--version", "1.0", "--handler", str(handler)]
+    if extras:
+        command += ["--extra-files", ",".join(str(extra) for extra in extras)]
+    subprocess.run([*command, "--export-path", str(store), "--force"], check=True, capture_output=True)
     return store / f"{name}.mar"
 
 
-def archive_with_zipfile(store: Path, name: str = "words") -> Path:
+def archive_with_zipfile(
+    store: Path, name: str = "words", handler: Path = HANDLER, extras: Sequence[Path] = (EXTRA,)
+) -> Path:
     """The same archive written with `zipfile`: the layout `torch-model-archiver` writes."""
     store.mkdir(parents=True, exist_ok=True)
     manifest = {
         "createdOn": "01/01/2026 00:00:00",
         "runtime": "python",
-        "model": {"modelName": name, "handler": HANDLER.name, "modelVersion": "1.0"},
+        "model": {"modelName": name, "handler": handler.name, "modelVersion": "1.0"},
         "archiverVersion": "0.12.0",
     }
     path = store / f"{name}.mar"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as mar:
-        mar.write(HANDLER, HANDLER.name)
-        mar.write(EXTRA, EXTRA.name)
+        for file in (handler, *extras):
+            mar.write(file, file.name)
         mar.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest, indent=2))
     return path
 
