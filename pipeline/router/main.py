@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2
 
 from pipeline.ensemble.catalog import load_catalog, sources_digest
 from pipeline.ensemble.plan import Catalog
+from pipeline.ensemble.selection import selected
 from pipeline.protocol.errors import ConfigError
 from pipeline.router.front import CompiledFront, FrontProcess, compiled, front_of, new_secret
 from pipeline.router.frontdoor.codec_pool import CodecPool
@@ -70,7 +71,7 @@ def router_catalog(args: argparse.Namespace, *, exit_on_error: bool | None = Non
     (`--ensembles`, default `ensembles/` where it holds any), and the stages. Without `--stage`, a router
     given a repository calls the three stages at their `<STAGE>_ADDRESS`. An ensemble that fails to load
     raises `ConfigError` with `exit_on_error` (default: `--exit-on-error`), else the catalog lists it as
-    failed."""
+    failed. With `--load-model`, only the ensembles it selects are served (`pipeline.ensemble.selection`)."""
     ensembles, model_dir = router_sources(args)
     if model_dir is not None and not model_dir.is_dir():
         raise ConfigError(f"--model-dir {model_dir}: no such folder")
@@ -83,7 +84,11 @@ def router_catalog(args: argparse.Namespace, *, exit_on_error: bool | None = Non
         stages = {stage: settings.stage_address(stage).get() for stage in settings.STAGES}
     if exit_on_error is None:
         exit_on_error = getattr(args, "exit_on_error", True)
-    return load_catalog(ensembles, repository=model_dir, stages=stages, exit_on_error=exit_on_error)
+    catalog = load_catalog(ensembles, repository=model_dir, stages=stages, exit_on_error=False)
+    catalog = selected(catalog, getattr(args, "load_model", ()))
+    if catalog.failed and exit_on_error:
+        raise ConfigError("\n".join(catalog.failed.values()))
+    return catalog
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -336,7 +341,7 @@ async def serve_router(
 
 def run_router(args: argparse.Namespace) -> int:
     """Entry point of the router process."""
-    prepare_process(args.log_level, "router")
+    prepare_process(settings.log_level_of(args), "router")
     try:
         if args.workers > 1:
             path = compiled(args.front)

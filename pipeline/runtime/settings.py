@@ -95,6 +95,27 @@ def flag(text: str) -> bool:
     return text.strip().lower() not in ("0", "false", "no", "off")
 
 
+#: A boolean's spellings, as Triton reads its boolean flags (`--exit-on-error=false`).
+BOOLEANS = {
+    "true": True,
+    "1": True,
+    "on": True,
+    "yes": True,
+    "false": False,
+    "0": False,
+    "off": False,
+    "no": False,
+}
+
+
+def boolean(text: str) -> bool:
+    """An argparse type: a boolean as Triton's flags take it (true, false, 1, 0; on, off, yes, no)."""
+    try:
+        return BOOLEANS[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"expected true or false (or 1 or 0), got {text!r}") from None
+
+
 def _optional(text: str) -> str | None:
     return text
 
@@ -431,6 +452,22 @@ class Logging(BaseModel):
     log_level: Annotated[
         str, option("--log-level", env="PIPELINE_LOG_LEVEL", help="logging level (env PIPELINE_LOG_LEVEL)")
     ] = "INFO"
+    log_verbose: Annotated[
+        int,
+        option(
+            "--log-verbose",
+            env="PIPELINE_LOG_VERBOSE",
+            parse=non_negative_int,
+            metavar="N",
+            help="Triton's verbose logging: 1 or more logs at DEBUG level whatever --log-level says, 0 does not "
+            "(env PIPELINE_LOG_VERBOSE; default %(default)s)",
+        ),
+    ] = 0
+
+
+def log_level_of(args: argparse.Namespace) -> str:
+    """The logging level a server's flags ask for: DEBUG with `--log-verbose` 1 or more, else `--log-level`."""
+    return "DEBUG" if getattr(args, "log_verbose", 0) > 0 else str(args.log_level)
 
 
 class ModelControl(BaseModel):
@@ -572,32 +609,6 @@ class RouterOptions(BaseModel):
             "%(default)s)",
         ),
     ] = RESOLVE_INTERVAL_S.default
-    strict_readiness: Annotated[
-        bool,
-        option(
-            "--strict-readiness",
-            env="PIPELINE_STRICT_READINESS",
-            parse=flag,
-            metavar="BOOL",
-            help="true: ready (ServerReady, the health of inference.GRPCInferenceService, /v2/health/ready) "
-            "only while every ensemble is available and every stage healthy, as Triton's default; false: "
-            "ready once started, each model's readiness its own (env PIPELINE_STRICT_READINESS; default "
-            "%(default)s)",
-        ),
-    ] = True
-    exit_on_error: Annotated[
-        bool,
-        option(
-            "--exit-on-error",
-            env="PIPELINE_EXIT_ON_ERROR",
-            parse=flag,
-            metavar="BOOL",
-            help="true: an ensemble that fails to load or to check against its models stops the router at "
-            "start-up, as Triton's default; false: the router serves the others, and lists the failed one as "
-            "UNAVAILABLE with the reason (RepositoryIndex; ModelReady false; requests get UNAVAILABLE) "
-            "(env PIPELINE_EXIT_ON_ERROR; default %(default)s)",
-        ),
-    ] = True
     repository_poll_secs: Annotated[
         float,
         option(
@@ -610,6 +621,56 @@ class RouterOptions(BaseModel):
             "default %(default)s)",
         ),
     ] = 0.0
+
+
+class Readiness(BaseModel):
+    """When the router is ready, and whether an ensemble that fails stops it: Triton's `--strict-readiness` and
+    `--exit-on-error` (`pipeline run` passes them on)."""
+
+    strict_readiness: Annotated[
+        bool,
+        option(
+            "--strict-readiness",
+            env="PIPELINE_STRICT_READINESS",
+            parse=boolean,
+            metavar="BOOL",
+            help="true: ready (ServerReady, the health of inference.GRPCInferenceService, /v2/health/ready) "
+            "only while every ensemble is available and every stage healthy, as Triton's default; false: "
+            "ready once started, each model's readiness its own (env PIPELINE_STRICT_READINESS; default "
+            "%(default)s)",
+        ),
+    ] = True
+    exit_on_error: Annotated[
+        bool,
+        option(
+            "--exit-on-error",
+            env="PIPELINE_EXIT_ON_ERROR",
+            parse=boolean,
+            metavar="BOOL",
+            help="true: an ensemble that fails to load or to check against its models stops the router at "
+            "start-up, as Triton's default; false: the router serves the others, and lists the failed one as "
+            "UNAVAILABLE with the reason (RepositoryIndex; ModelReady false; requests get UNAVAILABLE) "
+            "(env PIPELINE_EXIT_ON_ERROR; default %(default)s)",
+        ),
+    ] = True
+
+
+class EnsembleLoading(BaseModel):
+    """The router's `--load-model`: Triton's explicit model control at start-up, for the ensembles."""
+
+    load_model: Annotated[
+        list[str],
+        option(
+            "--load-model",
+            env="PIPELINE_ROUTER_LOAD_MODEL",
+            env_parse=names,
+            action="append",
+            metavar="NAME",
+            help="serve only the ensembles named and those their steps call, as Triton loads a named ensemble "
+            "with its models (repeatable; env PIPELINE_ROUTER_LOAD_MODEL, comma-separated; '*' or none: every "
+            "ensemble); the stages' models are served as their stages load them (their own --load-model)",
+        ),
+    ] = []
 
 
 #: `--front`: who serves the router's public gRPC port.
@@ -755,7 +816,8 @@ def loading(service: str) -> type[BaseModel]:
                 action="append",
                 metavar="NAME",
                 help=f"serve only this repository model (repeatable; env {env}, comma-separated); without "
-                "it, the models of the repository that run in this service",
+                "it, or with '*' (Triton's), the models of the repository that run in this service; a blank NAME "
+                "alone, none of them",
             ),
         ] = []
 
@@ -904,7 +966,9 @@ RouterSettings = process_settings(
         Catalog,
         RouterOptions,
         Front,
+        Readiness,
         ModelControl,
+        EnsembleLoading,
         Http,
         TorchServeStore,
         StageTls,

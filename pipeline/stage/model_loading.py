@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
@@ -56,6 +56,7 @@ class ModelLoading:
         models: Sequence[str] | None,
         control: ModelControl,
         sequences: SequencesOf,
+        own: Collection[str] | None = None,
     ) -> None:
         names = [stage.name for stage in stages]
         if len(set(names)) != len(names):
@@ -63,13 +64,11 @@ class ModelLoading:
         self.repository = repository
         self.backends = {name: backend for backend in backends for name in backend.names}
         self._only = set(models) if models is not None else None
-        #: The folders the repository held at start-up that this service was not given: other services'
+        mine = self._only if own is None else set(own)  # `StagePlane`'s `own`: loaded at start-up or not
+        #: The folders the repository held at start-up that are not this service's: other services'
         #: (`pipeline.stage.placement`). A folder that appears later is anyone's who runs its backend.
-        self._others = (
-            frozenset(n for n in repository.names() if n not in self._only)
-            if repository is not None and self._only is not None
-            else frozenset()
-        )
+        held = repository.names() if repository is not None and mine is not None else []
+        self._others = frozenset(n for n in held if n not in (mine or ()))
         self.control = control
         self._sequences = sequences
         self._stages = list(stages)

@@ -14,6 +14,7 @@ import uvloop
 from grpc_health.v1 import health
 
 from pipeline.ensemble.catalog import ensemble_plans
+from pipeline.ensemble.selection import EVERYTHING
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
 from pipeline.runtime.frame_server import frame_server_of
@@ -52,8 +53,13 @@ log = logging.getLogger(__name__)
 
 
 def repository_models(args: argparse.Namespace) -> list[str] | None:
-    """The models `--load-model` (or its environment variable) names, or None for all of them."""
-    return [name.strip() for name in args.load_model] or None
+    """The models `--load-model` (or its environment variable) names, or None for all of them (none given, or
+    Triton's `*`); a blank name alone names none (`pipeline run` gives it to a stage that runs none of the
+    models its `--load-model` selects)."""
+    if not args.load_model:
+        return None
+    names = [name.strip() for name in args.load_model if name.strip()]
+    return None if EVERYTHING in names else names
 
 
 class _StageServer:
@@ -128,11 +134,13 @@ async def serve_stages(
     repository: ModelRepository | None = None,
     backends: Sequence[Backend] = (),
     models: Sequence[str] | None = None,
+    own: Sequence[str] | None = None,
 ) -> None:
     """Serve stage models until a signal (or `stopping`): listen first, load the models, then SERVING.
 
     The models are the `stages` objects, and the entries of `repository` whose backend is one of
-    `backends` (`models`: only those named). `bound` is called with the port once the server listens
+    `backends` (`models`: only those named at start-up; `own`: those the service runs, loaded at start-up
+    or not, default `models`). `bound` is called with the port once the server listens
     (tests and launchers ask for port 0). `telemetry` defaults to tracing configured by the environment
     (`Telemetry.from_env`), `metrics` to a registry of this server's own.
     """
@@ -144,6 +152,7 @@ async def serve_stages(
         repository=repository,
         backends=backends,
         models=models,
+        own=own,
         telemetry=telemetry,
         metrics=Metrics() if metrics is None else metrics,
         control=model_control_of(args, policy),
@@ -208,14 +217,21 @@ def run_stage_service(
     repository: ModelRepository | None = None,
     backends: Sequence[Backend] = (),
     models: Sequence[str] | None = None,
+    own: Sequence[str] | None = None,
 ) -> None:
     """Entry point of a stage service process: serve `stages` and the repository models of `backends` until
-    SIGTERM or SIGINT."""
-    prepare_process(args.log_level, service)
+    SIGTERM or SIGINT (`models` and `own` as `serve_stages`')."""
+    prepare_process(settings.log_level_of(args), service)
     try:
         uvloop.run(
             serve_stages(
-                stages, args, service=service, repository=repository, backends=backends, models=models
+                stages,
+                args,
+                service=service,
+                repository=repository,
+                backends=backends,
+                models=models,
+                own=own,
             )
         )
     except SecurityConfigError as err:
@@ -239,13 +255,18 @@ def python_service_main(service: str, argv: Sequence[str] | None = None) -> None
     """The `preprocess` and `postprocess` services: serve the repository's Python models that run there
     (`pipeline.stage.placement`, or those `--load-model` names) until SIGTERM or SIGINT."""
     args = python_service_parser(service).parse_args(argv)
-    prepare_process(args.log_level, service)
+    prepare_process(settings.log_level_of(args), service)
     repository = ModelRepository(args.model_dir)
-    models = repository_models(args)
-    if models is None:
-        models = _placed_models(service, repository, args.ensembles)
+    placed = _placed_models(service, repository, args.ensembles)
+    named = repository_models(args)
     run_stage_service(
-        [], args, service=service, repository=repository, backends=[PythonBackend()], models=models
+        [],
+        args,
+        service=service,
+        repository=repository,
+        backends=[PythonBackend()],
+        models=placed if named is None else named,
+        own=sorted({*placed, *(named or ())}),  # it runs those placed here, and loads those named at start-up
     )
 
 

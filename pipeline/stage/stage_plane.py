@@ -78,13 +78,15 @@ class StagePlane(DataPlane):
         repository: ModelRepository | None = None,
         backends: Sequence[Backend] = (),
         models: Sequence[str] | None = None,
+        own: Sequence[str] | None = None,
         telemetry: Telemetry | None = None,
         metrics: Metrics | None = None,
         control: ModelControl | None = None,
         router: RouterCalls | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`models` limits the repository models served to those named (Triton's `--load-model`); `control`
+        """`models` limits the repository models loaded at start-up to those named (Triton's `--load-model`),
+        `own` names those the service runs, loaded at start-up or not (default: `models`); `control`
         says whether `RepositoryModelLoad`/`Unload` may run (by default they are refused) and caps the
         instances of every repository model. `router` is where the models' calls to other models go
         (`pipeline.stage.bls`). `clock` times the calls' deadlines (a test may give its own)."""
@@ -98,6 +100,7 @@ class StagePlane(DataPlane):
             models=models,
             control=control or ModelControl(),
             sequences=self._sequence_batcher,
+            own=own,
         )
         self._models = self.loading.models
         #: The models that answer on streams only.

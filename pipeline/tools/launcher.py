@@ -26,6 +26,7 @@ import grpc
 
 from pipeline.ensemble.catalog import load_sources
 from pipeline.ensemble.plan import EnsemblePlan
+from pipeline.ensemble.selection import named, selection
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import settings
 from pipeline.runtime.security import channel_credentials
@@ -37,6 +38,7 @@ from pipeline.tools.autoscaler import (
     write_addresses,
 )
 from pipeline.tools.launcher_settings import LauncherSettings
+from pipeline.tools.model_selection import load_model_flags, stage_models, unknown_names
 from pipeline.tools.model_store import model_store_repository
 from pipeline.tools.supervisor import (
     RestartPolicy,
@@ -92,12 +94,16 @@ def stage_admin_env(environ: Mapping[str, str], token_env: Mapping[str, str]) ->
     return {settings.ADMIN_TOKENS.variable: f"{listed},{token}" if listed else token}
 
 
-def _ensembles(folder: Path, model_dir: Path) -> list[str]:
+def _ensembles(folder: Path, model_dir: Path, load_model: list[str]) -> list[str]:
     """The ensembles the router serves: the repository's and those of the YAML files of `folder` (one that
-    does not load is named so; the router says why, and stops unless PIPELINE_EXIT_ON_ERROR is false)."""
+    does not load is named so; the router says why, and stops unless --exit-on-error is false), those
+    `load_model` selects where it names any."""
+    loaded = load_sources([folder], repository=model_dir)
+    if (wanted := named(load_model)) is not None:
+        chosen, _ = selection(wanted, {item.name: item for item in loaded if isinstance(item, EnsemblePlan)})
+        loaded = [item for item in loaded if item.name in chosen or item.name in wanted]
     return sorted(
-        item.name if isinstance(item, EnsemblePlan) else f"{item.name} (does not load)"
-        for item in load_sources([folder], repository=model_dir)
+        item.name if isinstance(item, EnsemblePlan) else f"{item.name} (does not load)" for item in loaded
     )
 
 
@@ -128,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
     # The models' calls to other models (BLS) go to the router, whose port the stages read where it writes it.
     router_port = ["--router-port-file", str(ports / "router")]
-    stage_flags = ["--model-dir", str(args.model_dir), *grace, *tls.stage, *router_port]
+    stage_flags = _stage_flags(args, [*grace, *tls.stage, *router_port])
     stages = _stage_services(args, stage_flags)
     http_port_file = ports / "router.http"
     router = _router_service(args, grace, tls.router, http_port_file)
@@ -177,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _refusal(args: argparse.Namespace) -> str | None:
-    """Why the flags cannot run the pipeline, if they cannot: missing TLS files, autoscaling that cannot work."""
+    """Why the flags cannot run the pipeline, if they cannot: missing TLS files, autoscaling that cannot work,
+    `--load-model` names that are not there."""
     tls_dir: Path | None = getattr(args, "tls_dir", None)
     if tls_dir is not None and (missing := _missing_tls_files(tls_dir)):
         return f"--tls-dir: missing {', '.join(missing)} (make them with scripts/make-certs.sh)"
@@ -186,6 +193,11 @@ def _refusal(args: argparse.Namespace) -> str | None:
         return "--autoscale reads the router's metrics: it needs --metrics-port (not 'off')"
     if unknown := sorted(set(autoscale) - set(STAGES)):
         return f"--autoscale: unknown stage(s) {', '.join(unknown)} (stages: {', '.join(STAGES)})"
+    if unknown := unknown_names(args.load_model, args.model_dir, args.ensembles):
+        return (
+            f"--load-model: no model or ensemble named {', '.join(map(repr, unknown))} in the model "
+            f"repository {args.model_dir} or the ensembles of {args.ensembles}"
+        )
     return None
 
 
@@ -195,7 +207,7 @@ def _autoscaler(
     stages: list[Service],
     router: Service,
     supervisor: Supervisor,
-    flags: list[str],
+    flags: Mapping[str, list[str]],
     env: dict[str, str],
 ) -> LocalAutoscaler:
     """The autoscaler of `pipeline run --autoscale`, its stages' first replicas those started."""
@@ -283,9 +295,26 @@ def _tls(tls_dir: Path, mtls: bool) -> _Tls:
     return _Tls(stage=[*served, "--tls-ca", ca], router=router, credentials=credentials)
 
 
-def _stage_services(args: argparse.Namespace, flags: list[str]) -> list[Service]:
-    """Every stage service, `--replicas` processes of each (at least an autoscaled stage's minimum), all with
-    `flags`."""
+def _triton_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of Triton's that every service takes, as `pipeline run` was given them."""
+    return [
+        f"--model-control-mode={args.model_control_mode}",
+        f"--log-level={args.log_level}",
+        f"--log-verbose={args.log_verbose}",
+    ]
+
+
+def _stage_flags(args: argparse.Namespace, shared: list[str]) -> dict[str, list[str]]:
+    """Each kind of stage's flags: `shared`, the model repository, Triton's flags, and where `--load-model`
+    selects the models, those of them it runs (`pipeline.tools.model_selection`)."""
+    loads = stage_models(args.load_model, args.model_dir, args.ensembles)
+    flags = ["--model-dir", str(args.model_dir), *shared, *_triton_flags(args)]
+    return {kind: [*flags, *([] if loads is None else load_model_flags(loads[kind]))] for kind in STAGES}
+
+
+def _stage_services(args: argparse.Namespace, flags: Mapping[str, list[str]]) -> list[Service]:
+    """Every stage service, `--replicas` processes of each (at least an autoscaled stage's minimum), each with
+    its kind's `flags`."""
     ports = {
         "preprocess": args.preprocess_port,
         "model": args.model_port,
@@ -303,8 +332,9 @@ def _stage_services(args: argparse.Namespace, flags: list[str]) -> list[Service]
     return stages
 
 
-def _stage_service(kind: str, number: int, port: int, flags: list[str]) -> Service:
-    """One stage process: `kind-number` (just `kind` for number 0), on `port` (0: one the OS picks)."""
+def _stage_service(kind: str, number: int, port: int, flags: Mapping[str, list[str]]) -> Service:
+    """One stage process: `kind-number` (just `kind` for number 0), on `port` (0: one the OS picks), with its
+    kind's `flags`."""
     # Further replicas take ports the OS picks: the default ports of the stages are adjacent.
     name = f"{kind}-{number}" if number else kind
     # Metrics: where the environment says for the first replica, else a port the OS picks, so that stages
@@ -312,7 +342,7 @@ def _stage_service(kind: str, number: int, port: int, flags: list[str]) -> Servi
     given, port_given = from_environment(settings.listening(kind), "metrics_port")
     wanted = port_given if number <= 1 and given else 0
     metrics = ["--metrics-port", "off" if wanted is None else str(wanted)]
-    return Service(name, ["-m", f"services.{kind}"], port, [*flags, *metrics])
+    return Service(name, ["-m", f"services.{kind}"], port, [*flags[kind], *metrics])
 
 
 def _router_service(
@@ -329,8 +359,11 @@ def _router_service(
         ["--ensembles", str(args.ensembles), *grace, *router_metrics, *router_http, *tls],
     )
     router.args += ["--model-dir", str(args.model_dir)]  # its config.pbtxt ensembles, the stages' models
-    router.args += ["--workers", str(max(1, args.router_workers))]
+    router.args += ["--workers", str(max(1, args.router_workers)), *_triton_flags(args)]
     router.args += ["--front", args.front]
+    router.args += [f"--strict-readiness={str(args.strict_readiness).lower()}"]
+    router.args += [f"--exit-on-error={str(args.exit_on_error).lower()}"]
+    router.args += [f"--load-model={name}" for name in named(args.load_model) or ()]
     if getattr(args, "model_store", None) is not None:
         router.args += ["--model-store", str(args.model_store)]  # TorchServe's register reads it
     return router
@@ -398,9 +431,7 @@ def _announce(
     if http_port_file.exists():  # written before the router's gRPC port, so there by now
         scheme = "https" if secure else "http"
         http = f" and {scheme}://{connect}:{int(http_port_file.read_text())} (HTTP/REST)"
-    ensembles = (
-        ", ".join(_ensembles(args.ensembles, args.model_dir)) or "no ensemble (the repository has none)"
-    )
+    ensembles = ", ".join(_ensembles(args.ensembles, args.model_dir, args.load_model)) or "no ensemble"
     print(
         f"pipeline: serving {ensembles} on "
         f"{connect}:{router.port} (gRPC{' over TLS' if secure else ''}){http}, Open Inference Protocol; "

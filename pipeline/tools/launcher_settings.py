@@ -14,8 +14,12 @@ from pipeline.runtime.settings import (
     PORTS,
     STAGES,
     Front,
+    Logging,
+    ModelControl,
+    Readiness,
     http_port_option,
     model_dir_option,
+    names,
     port_or_off,
     positive_int,
 )
@@ -242,7 +246,27 @@ class LauncherSecurity(BaseModel):
     ] = 1
 
 
-#: `pipeline run`.
+class LauncherLoading(BaseModel):
+    """`pipeline run --load-model`: Triton's explicit model control at start-up, for every service
+    (`pipeline.tools.model_selection`)."""
+
+    load_model: Annotated[
+        list[str],
+        option(
+            "--load-model",
+            env="PIPELINE_LOAD_MODEL",
+            env_parse=names,
+            action="append",
+            metavar="NAME",
+            help="load only this model or ensemble at start-up, an ensemble with the models its steps call, as "
+            "Triton's --load-model (repeatable; env PIPELINE_LOAD_MODEL, comma-separated; '*' or none: every "
+            "one): each stage service loads those of them it runs, the router serves the ensembles among them",
+        ),
+    ] = []
+
+
+#: `pipeline run`. Its last groups are Triton's flags, which it passes on: to the router (`Readiness`), to every
+#: service (`ModelControl`, `Logging`), and `--load-model` resolved for each (`pipeline.tools.model_selection`).
 LauncherSettings = process_settings(
     "LauncherSettings",
     (
@@ -254,5 +278,9 @@ LauncherSettings = process_settings(
         LauncherSecurity,
         LauncherModelStore,
         Front,
+        Readiness,
+        ModelControl,
+        LauncherLoading,
+        Logging,
     ),
 )

@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except ValueError as exc:
         parser.error(str(exc))
-    prepare_process(args.log_level, SERVICE)
+    prepare_process(settings.log_level_of(args), SERVICE)
     repository = ModelRepository(args.model_dir)
     backend = ModelBackend(options, repository_root=repository.root)
     run_stage_service(
@@ -56,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         repository=repository,
         backends=[backend, PythonBackend()],
         models=served_models(repository, args),
+        # It runs its own models, loaded at start-up or not (explicit model control), and those named.
+        own=sorted({*model_service_models(repository), *(repository_models(args) or ())}),
     )
 
 

@@ -68,8 +68,11 @@ class Launched(NamedTuple):
     addresses: dict[str, str]  # by stage process name
 
 
-def launch(tmp_path, model_dir, *extra: str, env: dict[str, str] | None = None) -> Launched:
-    """`pipeline run` on ports the OS picks, as far as its "serving" line (`env`: more environment)."""
+def launch(
+    tmp_path, model_dir, *extra: str, env: dict[str, str] | None = None, output: list[str] | None = None
+) -> Launched:
+    """`pipeline run` on ports the OS picks, as far as its "serving" line (`env`: more environment; `output`
+    gets the lines it wrote until then)."""
     process = subprocess.Popen(
         [
             sys.executable,
@@ -98,7 +101,7 @@ def launch(tmp_path, model_dir, *extra: str, env: dict[str, str] | None = None) 
         stderr=subprocess.STDOUT,
         text=True,
     )
-    lines = []
+    lines = [] if output is None else output
     deadline = time.monotonic() + 180
     for line in process.stdout:  # type: ignore[union-attr]
         lines.append(line)
