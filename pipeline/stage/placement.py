@@ -6,7 +6,9 @@ model service, which has the devices. Each Python model is loaded by exactly one
 - a Python model whose config asks for devices (`instance_group [ { kind: KIND_GPU } ]`, which on Triton
   puts its instances on GPUs) is the model service's, beside the ONNX, PyTorch and TensorRT models, so it
   runs where the GPUs are (on the CPU where there are none: `pipeline.stage.model_file.instance_placements`).
-  Its config alone decides, so the model service needs no ensembles to know it;
+  Its config alone decides, so the model service needs no ensembles to know it. So is a TorchServe archive's
+  model (`pipeline.runtime.torchserve_store`): its handler runs torch, which the model service's image has
+  and the Python services' images do not;
 - a step whose ensemble names its stage `preprocess` or `postprocess` (a YAML ensemble) is served there;
 - otherwise (a `config.pbtxt` ensemble names no stage) a step that runs after a step of the model service
   (a model that is not a Python model of the repository: ONNX, PyTorch, TensorRT, or another server's; or
@@ -28,6 +30,7 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.ensemble.plan import EnsemblePlan, PlanStep
 from pipeline.protocol.errors import RepositoryError
 from pipeline.runtime.repository import BACKEND_PLATFORMS, ModelRepository, RepositoryEntry
+from pipeline.runtime.torchserve_store import ARCHIVE_PARAMETER
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,11 @@ MODEL_SERVICE = "model"
 def asks_for_devices(config: mc.ModelConfig) -> bool:
     """Whether a config's `instance_group` asks for GPU instances (`KIND_GPU`)."""
     return any(group.kind == mc.ModelInstanceGroup.KIND_GPU for group in config.instance_group)
+
+
+def on_model_service(config: mc.ModelConfig) -> bool:
+    """Whether the model service serves a Python model: it asks for devices, or runs a TorchServe archive."""
+    return asks_for_devices(config) or ARCHIVE_PARAMETER in config.parameters
 
 
 def place_python_models(
@@ -124,7 +132,7 @@ def python_models_of(service: str, repository: ModelRepository, plans: Iterable[
     backends = {name: entry.backend for name, entry in entries.items()}
     python = [name for name, backend in backends.items() if backend == "python"]
     decoupled = {name for name in python if entries[name].config.model_transaction_policy.decoupled}
-    devices = {name for name in python if asks_for_devices(entries[name].config)}
+    devices = {name for name in python if on_model_service(entries[name].config)}
     placement = place_python_models(python, backends, plans, decoupled, devices)
     return [name for name, placed in placement.items() if placed == service]
 
@@ -140,7 +148,7 @@ def _in_model_service(entry: RepositoryEntry | RepositoryError) -> bool:
     if isinstance(entry, RepositoryError):
         return True
     if entry.backend == "python":
-        return asks_for_devices(entry.config)
+        return on_model_service(entry.config)
     return entry.backend != "ensemble"
 
 
@@ -149,5 +157,5 @@ def unplaced_python_models(repository: ModelRepository) -> list[str]:
     model service runs (and any model it cannot read, which it reports)."""
     python = repository.entries(("python",))
     return [
-        n for n, e in python.items() if not (isinstance(e, RepositoryEntry) and asks_for_devices(e.config))
+        n for n, e in python.items() if not (isinstance(e, RepositoryEntry) and on_model_service(e.config))
     ]

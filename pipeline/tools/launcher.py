@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         store_repository = model_store_repository(args)
     except ConfigError as err:
-        log.error("%s", err.message)
+        log.error("%s", err)
         return 2
     if store_repository is not None:
         args.model_dir = store_repository  # the store's archives, as a model repository (this run's)

@@ -6,19 +6,39 @@ run (`pipeline.runtime.torchserve_store`), with the settings TorchServe's `confi
 (`--ts-config`: its `models` JSON, `default_workers_per_model`, and `load_models` where `--models` is not
 given). Every service serves that repository; the router answers TorchServe's APIs on its HTTP port and
 registers further archives of the store into it.
+
+Where the services run apart (compose.torchserve.yaml), a one-shot process writes those folders into the
+repository that every service mounts, before they start:
+
+    python -m pipeline.tools.model_store --model-store /model-store --models all --model-dir /models
+
+It writes (or rewrites) the folder of each archive named and removes those of archives no longer named (a
+restart serves what it is told, as TorchServe without its configuration snapshots), leaving every other
+model of the repository alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 import tempfile
 from pathlib import Path
 from typing import Annotated
 
 from pipeline.protocol.errors import ConfigError, PipelineError
-from pipeline.runtime.settings import TorchServeStore
-from pipeline.runtime.settings_cli import option
-from pipeline.runtime.torchserve_store import read_properties, startup_models, write_model
+from pipeline.runtime.settings import Repository, TorchServeStore
+from pipeline.runtime.settings_cli import add_arguments, option, process_settings
+from pipeline.runtime.torchserve_store import (
+    ArchiveModel,
+    archive_models,
+    read_properties,
+    remove_model,
+    startup_models,
+    write_model,
+)
+
+log = logging.getLogger(__name__)
 
 
 class LauncherModelStore(TorchServeStore):
@@ -49,9 +69,18 @@ class LauncherModelStore(TorchServeStore):
 def model_store_repository(args: argparse.Namespace) -> Path | None:
     """The repository of the run's archives (a new folder the caller removes), None without --model-store;
     `ConfigError` naming what is wrong with the store, the archives or the configuration."""
-    store: Path | None = getattr(args, "model_store", None)
-    if store is None:
+    if getattr(args, "model_store", None) is None:
         return None
+    repository = Path(tempfile.mkdtemp(prefix="pipeline-model-store-"))
+    write_store_models(args, repository)
+    return repository
+
+
+def write_store_models(args: argparse.Namespace, repository: Path) -> list[ArchiveModel]:
+    """Write the folders of the archives `args` names (`--models`, else config.properties' `load_models`)
+    into `repository`, and remove the folders of archives it no longer names; `ConfigError` naming what is
+    wrong with the store, the archives or the configuration (then nothing is written)."""
+    store: Path = args.model_store
     if not store.is_dir():
         raise ConfigError(f"--model-store {store}: no such folder")
     properties = read_properties(args.ts_config) if getattr(args, "ts_config", None) else {}
@@ -60,7 +89,39 @@ def model_store_repository(args: argparse.Namespace) -> Path | None:
         archives = startup_models(store, models, properties)
     except (PipelineError, ValueError) as exc:
         raise ConfigError(f"--model-store {store}: {getattr(exc, 'message', exc)}") from None
-    repository = Path(tempfile.mkdtemp(prefix="pipeline-model-store-"))
+    named = {archive.name for archive in archives}
+    for stale in archive_models(repository):
+        if stale.name not in named:
+            remove_model(repository, stale.name)
     for archive in archives:
         write_model(repository, archive)
-    return repository
+    return archives
+
+
+#: `python -m pipeline.tools.model_store`: the archives' folders written into a repository.
+ModelStoreSettings = process_settings("ModelStoreSettings", (LauncherModelStore, Repository))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the archives' folders into `--model-dir`; 2 where the store or the configuration is wrong."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.tools.model_store",
+        description="Write the folders of a TorchServe model store's archives into a model repository.",
+    )
+    add_arguments(parser, ModelStoreSettings)
+    args = parser.parse_args(argv)
+    if args.model_store is None:
+        parser.error("--model-store (env PIPELINE_MODEL_STORE) is required")
+    try:
+        archives = write_store_models(args, args.model_dir)
+    except ConfigError as err:
+        log.error("%s", err)
+        return 2
+    names = ", ".join(f"{a.name} ({a.url})" for a in archives) or "none"
+    log.info("%s: archives served: %s", args.model_dir, names)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,9 @@
 """Which stage service serves which Python model: decided once, from the ensembles and the models' own
-instance_group (a Python model that asks for GPUs is the model service's)."""
+instance_group (a Python model that asks for GPUs is the model service's, and a TorchServe archive's)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from pipeline.ensemble.catalog import repository_ensembles
@@ -13,7 +14,9 @@ from pipeline.stage.placement import (
     python_models_of,
     unplaced_python_models,
 )
+from pipeline.tools.model_store import write_store_models
 from tests.stages import EXAMPLE_REPOSITORY, write_model
+from tests.torchserve.archive import archive_with_zipfile
 
 PYTHON = "class M:\n    pass\n"
 
@@ -128,3 +131,17 @@ def test_a_python_model_that_asks_for_gpus_is_the_model_services_and_what_follow
     assert model_service_models(repository) == ["cnn", "generate", "spare_gpu"]
     # Where the ensembles cannot be read, a Python service serves every Python model but the model service's.
     assert unplaced_python_models(repository) == ["detokenize", "spare", "tokenize"]
+
+
+def test_a_torchserve_archives_model_is_the_model_services(tmp_path: Path) -> None:
+    """Its handler runs torch, which the model service's image has and the Python services' do not."""
+    root = tmp_path / "repository"
+    store = tmp_path / "store"
+    archive_with_zipfile(store)
+    write_store_models(argparse.Namespace(model_store=store, models="words.mar", ts_config=None), root)
+    write_model(root, "spare", PYTHON, 'backend: "python"\n')
+    repository = ModelRepository(root)
+    assert python_models_of("preprocess", repository, []) == ["spare"]
+    assert python_models_of("model", repository, []) == ["words"]
+    assert model_service_models(repository) == ["words"]
+    assert unplaced_python_models(repository) == ["spare"]
