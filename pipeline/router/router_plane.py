@@ -33,6 +33,7 @@ from pipeline.router.caching.cache_policy import ResponseCaching
 from pipeline.router.execution.availability import EnsembleAvailability
 from pipeline.router.execution.executor import Executor
 from pipeline.router.execution.streaming import EnsembleStreams
+from pipeline.router.inflight import InflightDoor
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.router_statistics import RouterStatistics
 from pipeline.router.scheduling.calls import StageCalls, int_parameter
@@ -73,9 +74,7 @@ class RouterPlane(DataPlane):
     ) -> None:
         """`max_message_bytes`, `stage_tls`, `stage_token`, `resolve_interval` and `resolve`: how the stages
         are called (see `_stage_clients`). `max_inflight_requests`: inference requests the router holds at
-        once (more are refused UNAVAILABLE at once, so memory stays bounded under overload; 0: no limit), and
-        those of one model (ensemble or stage model) at most three quarters of them, so a model flooded with
-        requests leaves room for the others.
+        once, in all and per model (`pipeline.router.inflight`; 0: no limit).
         `max_batch_items`: items (dimension 0) one request may carry (0: no limit). `cache_size`: bytes of
         the response cache, for the models and ensembles that enable it (0: off). `strict_readiness`: ready
         only while every ensemble is available and every stage healthy (Triton's `--strict-readiness`, its
@@ -85,12 +84,9 @@ class RouterPlane(DataPlane):
         `RepositoryModelLoad`/`Unload` across the stages' replicas (`pipeline.router.stages.fleet`)."""
         self.telemetry = telemetry = telemetry or Telemetry()
         self.metrics = metrics = metrics or Metrics()
-        self.max_inflight_requests = max_inflight_requests
+        self.door = InflightDoor(max_inflight_requests)
         self.exit_on_error = exit_on_error
         self.max_batch_items = max_batch_items
-        self._inflight = 0
-        #: Per model, its inference requests in flight.
-        self._inflight_models: dict[str, int] = {}
         self.registry = ModelRegistry(metrics)
         self.caching = ResponseCaching(self.registry, cache_size, telemetry=telemetry, metrics=metrics)
         clients = _stage_clients(
@@ -220,31 +216,12 @@ class RouterPlane(DataPlane):
     # --- inference -----------------------------------------------------------------------------------
 
     async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
-        limit, name, models = self.max_inflight_requests, request.model_name, self._inflight_models
-        held = models.get(name, 0)
-        if limit:
-            # NOTE: refused before anything is kept or queued: under overload the router sheds load at the
-            # door instead of holding every request's tensors until it runs out of memory.
-            if self._inflight >= limit:
-                raise Unavailable(
-                    f"the router is saturated: {self._inflight} requests in flight (max_inflight_requests "
-                    f"{limit}); retry later"
-                )
-            if held >= limit - limit // 4:
-                raise Unavailable(
-                    f"model '{name}' has {held} requests in flight at the router, three quarters of what it "
-                    f"holds (max_inflight_requests {limit}): the rest is kept for the other models; retry later"
-                )
-        self._inflight += 1
-        models[name] = held + 1
+        door, name = self.door, request.model_name
+        door.enter(name)
         try:
             return await self._infer(request, _prioritized(request, call))
         finally:
-            self._inflight -= 1
-            if models[name] == 1:
-                del models[name]
-            else:
-                models[name] -= 1
+            door.leave(name)
 
     def _check_items(self, request: pb.ModelInferRequest, batching: bool) -> None:
         """Refuse a request carrying more items (dimension 0) than `max_batch_items` allows."""
