@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
 from pipeline.protocol.types import BatchingConfig
-from pipeline.router.scheduling.batching import DynamicBatcher
+from pipeline.router.scheduling.batching import DynamicBatcher, priority_index
 from pipeline.router.scheduling.clock import ManualClock
 
 
@@ -318,8 +318,8 @@ async def test_priorities_go_first():
     )
     batcher = make(config, stage)
     await submit_all(batcher, [0])  # occupies the slot
-    low = await submit_all(batcher, [1, 2], priority=batcher.priority_of(None))
-    high = await submit_all(batcher, [3], priority=batcher.priority_of(1))
+    low = await submit_all(batcher, [1, 2], priority=priority_index(batcher.config, None))
+    high = await submit_all(batcher, [3], priority=priority_index(batcher.config, 1))
     stage.release(0)
     await settle()
     assert stage.batches[1] == [3, 1]
@@ -329,10 +329,10 @@ async def test_priorities_go_first():
     await settle()
     assert [t.result() for t in high + low] == [30, 10, 20]
     # As Triton takes a request's priority: none, 0, or one outside 1..priority_levels is the default level.
-    assert [batcher.priority_of(p) for p in (None, 0, 1, 2, 3, 9, -1)] == [1, 1, 0, 1, 1, 1, 1]
+    assert [priority_index(batcher.config, p) for p in (None, 0, 1, 2, 3, 9, -1)] == [1, 1, 0, 1, 1, 1, 1]
     await batcher.aclose()
     one_level = make(BatchingConfig(max_batch_size=2), Stage())
-    assert one_level.priority_of(1) == 0
+    assert priority_index(one_level.config, 1) == 0
     await one_level.aclose()
 
 

@@ -199,6 +199,17 @@ class QueueCounters:
     rejected_full: int = 0
 
 
+def priority_index(config: BatchingConfig, requested: int | None) -> int:
+    """The queue index for a request's `priority` (1 is highest) at a batcher of `config`: as Triton takes it,
+    none, 0 or one outside 1..priority_levels is the default level."""
+    levels = config.priority_levels
+    if levels == 0:
+        return 0
+    if requested is None or not 1 <= requested <= levels:
+        return config.default_priority_level - 1
+    return requested - 1
+
+
 class DynamicBatcher(Generic[In, Out]):
     """Queues requests for one stage model and runs them in batches through `execute`.
 
@@ -287,16 +298,6 @@ class DynamicBatcher(Generic[In, Out]):
         """An expected request will not be submitted after all (its request failed, or skipped the step)."""
         self._upcoming -= 1
         self._wake()
-
-    def priority_of(self, requested: int | None) -> int:
-        """The queue index for a request's `priority` (1 is highest): as Triton takes it, none, 0 or one
-        outside 1..priority_levels is the default level."""
-        levels = self.config.priority_levels
-        if levels == 0:
-            return 0
-        if requested is None or not 1 <= requested <= levels:
-            return self.config.default_priority_level - 1
-        return requested - 1
 
     def deadline_of(self, grpc_deadline: float | None, timeout_us: int | None) -> float | None:
         """The earlier of the gRPC deadline and the queue timeout (the request's `timeout` or the default)."""

@@ -38,7 +38,7 @@ from pipeline.protocol.errors import ConfigError, DeadlineExceeded, InvalidInput
 from pipeline.protocol.types import BatchingConfig
 from pipeline.router.caching.cache_policy import ResponseCaching
 from pipeline.router.registry import ModelRegistry, batch_items
-from pipeline.router.scheduling.batching import DynamicBatcher
+from pipeline.router.scheduling.batching import DynamicBatcher, priority_index
 from pipeline.router.scheduling.callees import Callees
 from pipeline.router.scheduling.merge import StageCall, TensorBatching
 from pipeline.router.stages.stage_client import StageClient
@@ -261,7 +261,7 @@ class StageCalls:
             requested = int_parameter(parameters, "priority") if parameters else None
             if requested is None and stage_call.chain is not None:
                 requested = stage_call.chain.priority  # what the request whose model calls asked for
-            priority = batcher.priority_of(requested)
+            priority = priority_index(batcher.config, requested)
             queue_deadline = batcher.deadline_of(
                 deadline, int_parameter(parameters, "timeout") if parameters else None
             )
