@@ -361,17 +361,20 @@ class DynamicBatcher(Generic[In, Out]):
         try:
             return await future
         except asyncio.CancelledError:
-            # The caller went away (the client cancelled): drop the request before the stage sees it, or
-            # cancel its batch's stage call once no member's caller waits for it (the stage then frees its
-            # instance, and cancels the calls its model made, as for an unbatched call).
-            if pending.state == _QUEUED:
-                self._waiting.drop(pending)
-                self.counters.dropped_cancelled += 1
-            elif pending.batch is not None:
-                members, running = pending.batch
-                if all(member.future.cancelled() for member in members):
-                    running.cancel()
+            self._abandon(pending)
             raise
+
+    def _abandon(self, pending: _Pending[In, Out]) -> None:
+        """The caller went away (the client cancelled): drop the request before the stage sees it, or cancel
+        its batch's stage call once no member's caller waits for it (the stage then frees its instance, and
+        cancels the calls its model made, as for an unbatched call)."""
+        if pending.state == _QUEUED:
+            self._waiting.drop(pending)
+            self.counters.dropped_cancelled += 1
+        elif pending.batch is not None:
+            members, running = pending.batch
+            if all(member.future.cancelled() for member in members):
+                running.cancel()
 
     def _admit(self, size: int) -> None:
         """Refuse a request of more items than a batch holds, or one that the full queue has no room for."""
