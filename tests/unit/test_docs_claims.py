@@ -29,7 +29,7 @@ CODE = (
     "tests",
 )
 CODE_FILES = ("Makefile", "Dockerfile", "pyproject.toml", "compose.yaml", "compose.observability.yaml",
-              "compose.swarm.yaml", "compose.gpu.yaml")  # fmt: skip
+              "compose.swarm.yaml", "compose.gpu.yaml", "compose.torchserve.yaml")  # fmt: skip
 #: Where the metrics are defined: the code that exports them.
 METRICS_CODE = ("pipeline", "services")
 #: Flags of other tools that pages name on their own, by tool.
