@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import grpc
 
 from pipeline.runtime import settings
+from pipeline.runtime.call_abort import abort
 
 log = logging.getLogger(__name__)
 
@@ -388,27 +389,23 @@ Response = TypeVar("Response")
 def _refusing(
     handler: grpc.RpcMethodHandler[Request, Response], code: grpc.StatusCode, message: str
 ) -> grpc.RpcMethodHandler[Request, Response]:
-    """A handler of the same kind as `handler` that answers every call with `code`."""
+    """A handler in `handler`'s place that answers every call with `code` before reading its request: it takes
+    the request as a stream (the same bytes on the wire) and reads none of it, so a refused call's message,
+    however large, is never parsed nor kept."""
 
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, message)
+    async def unary(requests: Any, context: grpc.aio.ServicerContext) -> None:
+        await abort(context, code, message)
 
-    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await context.abort(code, message)
-        yield  # pragma: no cover - abort raises; the yield makes this an async generator
+    async def streaming(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await abort(context, code, message)
+        return
+        yield  # pragma: no cover - makes this an async generator that yields nothing
 
-    kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    kind = (bool(handler.request_streaming), bool(handler.response_streaming))
-    return kinds[kind](
-        streaming if kind[1] else unary,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(
+            streaming, response_serializer=handler.response_serializer
+        )
+    return grpc.stream_unary_rpc_method_handler(unary, response_serializer=handler.response_serializer)
 
 
 #: What a refused caller is told: the same words whether the token was missing, malformed or unknown.
@@ -448,13 +445,15 @@ def _checked(
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         refusal = check(context)
         if refusal is not None:
-            await context.abort(*refusal)
+            await abort(context, *refusal)
+            return None
         return await behaviour(request, context)
 
     async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         refusal = check(context)
         if refusal is not None:
-            await context.abort(*refusal)
+            await abort(context, *refusal)
+            return
         async for reply in behaviour(request, context):
             yield reply
 

@@ -46,6 +46,7 @@ from pipeline.protocol.streams import (
     wants_empty_final,
 )
 from pipeline.runtime.admission import CONNECTION_INFLIGHT, ByteBudget, ModelShares, StreamHold, cost_of
+from pipeline.runtime.call_abort import abort
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.security import DOOR_HEADER, IDENTITIES_HEADER
 from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
@@ -63,6 +64,7 @@ from pipeline.runtime.telemetry import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 #: gRPC status code names by number.
@@ -170,17 +172,24 @@ class DataPlane(abc.ABC):
         raise Unimplemented("this server has no model repository")
 
 
-async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
-    """Await `work`, turning a `PipelineError` into its status and anything else into INTERNAL."""
+async def _guarded(
+    context: grpc.aio.ServicerContext, work: Awaitable[T], reply: Callable[[T], R] | None = None
+) -> R | T | None:
+    """The response of a unary RPC: `work`'s result (made one by `reply`). A `PipelineError` ends the call
+    with its status, anything else with INTERNAL, and None is returned for the handler to return (gRPC
+    discards it); the call is aborted outside the `except` block, so that nothing keeps the request
+    (`pipeline.runtime.call_abort`)."""
     try:
-        return await work
-    except PipelineError as err:
-        await context.abort(err.code, err.message, trailing_metadata=status_details(err))
+        done = await work
+        return done if reply is None else reply(done)
     except grpc.aio.AbortError:
         raise
+    except PipelineError as err:
+        code, message, trailing = err.code, err.message, status_details(err)
     except Exception:
-        await context.abort(grpc.StatusCode.INTERNAL, internal_error())
-    raise AssertionError("unreachable: abort raises")
+        code, message, trailing = grpc.StatusCode.INTERNAL, internal_error(), ()
+    await abort(context, code, message, trailing)
+    return None
 
 
 async def _now(function: Callable[..., T], *args: object) -> T:
@@ -378,8 +387,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.plane.ready())
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext):
-        ready = await _guarded(context, self.plane.model_ready(request.name, request.version))
-        return pb.ModelReadyResponse(ready=ready)
+        ready = self.plane.model_ready(request.name, request.version)
+        return await _guarded(context, ready, lambda ready: pb.ModelReadyResponse(ready=ready))
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext):
         extensions = list(self.plane.extensions)
@@ -393,8 +402,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext):
         call = CallContext.of(context)
-        config = await _guarded(context, self.plane.model_config(request.name, request.version, call))
-        return pb.ModelConfigResponse(config=config)
+        config = self.plane.model_config(request.name, request.version, call)
+        return await _guarded(context, config, lambda config: pb.ModelConfigResponse(config=config))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
         return await _guarded(context, self._admitted(request, CallContext.of(context)))
@@ -446,11 +455,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
             for k, v in request.parameters.items()
         }
-        await _guarded(
-            context,
-            self.plane.repository_load(request.model_name, params, CallContext.of(context, credentials=True)),
+        load = self.plane.repository_load(
+            request.model_name, params, CallContext.of(context, credentials=True)
         )
-        return pb.RepositoryModelLoadResponse()
+        return await _guarded(context, load, lambda _: pb.RepositoryModelLoadResponse())
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
@@ -459,13 +467,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
             for k, v in request.parameters.items()
         }
-        await _guarded(
-            context,
-            self.plane.repository_unload(
-                request.model_name, params, CallContext.of(context, credentials=True)
-            ),
+        unload = self.plane.repository_unload(
+            request.model_name, params, CallContext.of(context, credentials=True)
         )
-        return pb.RepositoryModelUnloadResponse()
+        return await _guarded(context, unload, lambda _: pb.RepositoryModelUnloadResponse())
 
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: grpc.aio.ServicerContext
@@ -476,14 +481,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.SystemSharedMemoryRegisterRequest, context: grpc.aio.ServicerContext
     ):
         register = self.shared_memory.register
-        await _guarded(context, _now(register, request.name, request.key, request.offset, request.byte_size))
-        return pb.SystemSharedMemoryRegisterResponse()
+        registered = _now(register, request.name, request.key, request.offset, request.byte_size)
+        return await _guarded(context, registered, lambda _: pb.SystemSharedMemoryRegisterResponse())
 
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: grpc.aio.ServicerContext
     ):
-        await _guarded(context, _now(self.shared_memory.unregister, request.name))
-        return pb.SystemSharedMemoryUnregisterResponse()
+        unregistered = _now(self.shared_memory.unregister, request.name)
+        return await _guarded(context, unregistered, lambda _: pb.SystemSharedMemoryUnregisterResponse())
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
