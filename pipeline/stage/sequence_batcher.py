@@ -16,7 +16,8 @@ order, one at a time, on one instance:
 - `oldest`: Triton's dynamic batcher over the requests of the instance's sequences that may run (`take`):
   the next batch forms while the instance runs one, from the time each request may run (after the one before
   it in its sequence), up to a `preferred_batch_size` within `max_queue_delay_microseconds`, and takes what
-  comes while it waits for the instance.
+  comes while it waits for the instance, in the order the requests may run (the next requests of a batch in
+  the batch's order: the one a full batch leaves out is first in the next).
 
 A request whose deadline passes before it runs is answered then, wherever it waits, and ends its sequence,
 as a cancelled request ends one in Triton: the sequence leaves its slot or the backlog at once.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import OrderedDict, deque
@@ -55,6 +57,9 @@ from pipeline.stage.api import Deadline
 from pipeline.stage.sequence_config import CONTROL, MAX_BACKLOG_PARAMETER, Control, SequenceSettings
 
 log = logging.getLogger(__name__)
+
+#: The order requests become eligible to run in (`_Pending.turn`).
+_TURNS = itertools.count(1)
 
 #: The answer to a request whose deadline passed while it waited.
 NOT_RUN = "deadline exceeded before sequence {sequence}'s request to model '{model}' started: it was not run"
@@ -97,6 +102,10 @@ class _Pending:
     #: delay counts from here, as Triton's does (a request queued behind its sequence's running one waits
     #: for that one first).
     eligible: int = 0
+    #: Its place among the requests that may run (Triton's dynamic batcher's queue): the order they became
+    #: eligible in, a batch's next requests in the batch's order, so the one a full batch leaves out is
+    #: first in the next.
+    turn: int = 0
     #: Answers it when its deadline passes while it waits.
     timer: asyncio.TimerHandle | None = None
 
@@ -188,11 +197,9 @@ class SequenceBatcher:
             del self._sequences[sequence.value]
         key = tuple((name, array.shape) for name, array in arrays.items())
         now = time.perf_counter_ns()
-        # A request behind its sequence's others may run once they have (`eligible` is set then).
-        eligible = 0 if held.queue or held.running else now
-        pending = _Pending(
-            arrays, sequence, deadline, now, asyncio.get_running_loop().create_future(), key, eligible
-        )
+        pending = _Pending(arrays, sequence, deadline, now, asyncio.get_running_loop().create_future(), key)
+        if not (held.queue or held.running):
+            _may_run(pending, now)  # one behind its sequence's others may run once they have
         held.queue.append(pending)
         _arm(pending, self._expire, held)
         self._wake.set()
@@ -245,7 +252,7 @@ class SequenceBatcher:
             waiting, _ = self._backlog.popitem(last=False)
             waiting.slot = (index, slot)
             instance.slots[slot] = waiting
-            waiting.queue[0].eligible = time.perf_counter_ns()  # its requests may run from now
+            _may_run(waiting.queue[0], time.perf_counter_ns())  # its requests may run from now
 
     def _expire(self, sequence: _Sequence, pending: _Pending) -> None:
         """A waiting request's deadline came: answer it now, wherever it waits, and end its sequence."""
@@ -361,15 +368,19 @@ class SequenceBatcher:
             fitting = [s for s in ready if s.queue[0].key == key]
             left = settings.delay_s - (now - fitting[0].queue[0].eligible) / 1e9
             # A busy instance's batch sees the requests one at a time, as they come (Triton's batcher looks at
-            # its queue as each one comes, while its instance runs); an idle instance's, all that wait.
-            count, instance.full, wait = take(
-                len(instance.next),
-                1 if instance.busy else len(fitting),
-                settings.preferred,
-                settings.max_batch_size,
-                settings.delay_s,
-                left,
-            )
+            # its queue as each one comes, while its instance runs): it takes the first that make it grow;
+            # an idle instance's sees all that wait.
+            for seen in range(1 if instance.busy else len(fitting), len(fitting) + 1):
+                count, instance.full, wait = take(
+                    len(instance.next),
+                    seen,
+                    settings.preferred,
+                    settings.max_batch_size,
+                    settings.delay_s,
+                    left,
+                )
+                if count or instance.full:
+                    break
             instance.next.extend(fitting[:count])
             if not count or not instance.busy:
                 break  # an idle instance runs the batch now; a busy one's grows until it is idle
@@ -388,7 +399,7 @@ class SequenceBatcher:
                 sequence = item[0]
                 sequence.running = False
                 if sequence.queue:
-                    sequence.queue[0].eligible = now
+                    _may_run(sequence.queue[0], now)
                 elif sequence.ended:
                     self._release(sequence)
             if self.settings.strategy == "oldest":
@@ -461,6 +472,12 @@ def _direct(
     chosen = set(map(id, fitting))
     last = max(i for i, s in enumerate(instance.slots) if s is not None and id(s) in chosen)
     return [s if s is not None and id(s) in chosen else None for s in instance.slots[: last + 1]], 0.0
+
+
+def _may_run(pending: _Pending, now: int) -> None:
+    """`pending` is its sequence's next request to run from `now`: it joins the line of those that may."""
+    pending.eligible = now
+    pending.turn = next(_TURNS)
 
 
 def _take_head(sequence: _Sequence) -> tuple[_Sequence, _Pending]:
@@ -542,7 +559,7 @@ def _ready(instance: _Instance) -> list[_Sequence]:
         for s in instance.slots
         if s is not None and s.queue and not s.running and id(s) not in taken and s.queue[0].eligible
     ]
-    ready.sort(key=lambda s: s.queue[0].eligible)
+    ready.sort(key=lambda s: s.queue[0].turn)
     return ready
 
 

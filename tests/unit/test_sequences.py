@@ -142,6 +142,35 @@ def test_the_oldest_strategy_grows_a_batch_as_tritons_dynamic_batcher_does() -> 
     assert take(8, 1, *rules, -0.001) == (0, True, float("inf"))
 
 
+async def test_the_oldest_strategy_forms_tritons_batches_of_sequences_sent_up_front() -> None:
+    """Six sequences of twelve requests, all queued at once (as on one stream), preferred size 4, at most 8
+    rows: as Triton 2.51 does, the batch that waits for the busy instance takes the next requests of the
+    batch that runs as they come, in the batch's order, up to 4 and one more; the one it leaves out is first
+    in the next, so 15 batches, mostly of 5. (Before, the waiting batch took no request before the instance
+    was idle, and the same sequences went first every time, leaving the others to end in small batches.)"""
+    config = CONFIG.replace("max_batch_size: 4", "max_batch_size: 8") % (
+        "oldest { max_candidate_sequences: 8 preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 500000 }"
+    )
+    settings = SequenceSettings.of(text_format.Parse(config, mc.ModelConfig()), "config.pbtxt")
+    batches: list[str] = []
+
+    async def run(index, merged, rows: list[Row], deadline):
+        batches.append("".join(str(row.correlation_id) for row in rows))
+        await asyncio.sleep(0)
+        return split_rows({"Y": merged["X"]}, len(rows), True), 1
+
+    sequences = SequenceBatcher("m", settings, 1, run)
+    steps = [
+        sequences.infer(SequenceId(n, step == 0, step == 11), x(step), NO_DEADLINE)
+        for step in range(12)
+        for n in range(1, 7)
+    ]
+    await asyncio.gather(*steps)
+    await sequences.close()
+    rotation = ["56123", "45612", "34561", "23456", "12345", "61234"]
+    assert batches == ["1234", *rotation, *rotation, "56123", "456"]
+
+
 async def test_a_start_waiting_for_a_slot_is_answered_at_its_deadline_and_forgotten() -> None:
     config = CONFIG % "oldest { max_candidate_sequences: 1 }"
     settings = SequenceSettings.of(text_format.Parse(config, mc.ModelConfig()), "config.pbtxt")
