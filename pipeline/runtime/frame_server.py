@@ -52,6 +52,7 @@ from pipeline.protocol.frames import (
     parse,
     stream_response,
 )
+from pipeline.protocol.sequence_line import SequenceLine, Turn
 from pipeline.protocol.streams import error_response, hop_context
 from pipeline.runtime.admission import CONNECTION_INFLIGHT, ModelShares
 from pipeline.runtime.security import (
@@ -156,6 +157,8 @@ class FrameServer:
         tasks: set[asyncio.Task[None]] = set()
         #: The requests being answered, by their ids on this connection (for `CANCEL`).
         ids: dict[str, asyncio.Task[None]] = {}
+        #: Each sequence's requests go on in the order they came, each once the one before it is in line.
+        sequences = SequenceLine()
         try:
             while True:
                 if kind == CANCEL:  # read however many requests it holds: it frees what it stops
@@ -176,7 +179,10 @@ class FrameServer:
                     frames.write(RESPONSE, _refused(request, refusal))
                     kind, payload = await frames.read()
                     continue
-                task = asyncio.create_task(self._answer(request, size, frames, (slots, shares)))
+                turn = sequences.turn(request)
+                task = asyncio.create_task(self._answer(request, size, frames, (slots, shares), turn))
+                if turn is not None:
+                    task.add_done_callback(turn.done)
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 ids[request.id] = task
@@ -235,10 +241,13 @@ class FrameServer:
         size: int,
         frames: FrameProtocol,
         held: tuple[asyncio.Semaphore, ModelShares],
+        turn: Turn | None,
     ) -> None:
         budget = self.servicer.budget
         model, taken = request.model_name, size
         try:
+            if turn is not None:
+                await turn.wait()
             timeout, metadata = hop_context(request, ())
             try:
                 if self._closing:

@@ -32,7 +32,7 @@ from pipeline.protocol.errors import (
     Unimplemented,
 )
 from pipeline.protocol.frames import extension as frames_extension
-from pipeline.protocol.sequences import SEQUENCE_ID
+from pipeline.protocol.sequence_line import SequenceLine, Turn
 from pipeline.protocol.streams import (
     CANCEL_PARAMETER,
     EMPTY_FINAL_PARAMETER,
@@ -553,8 +553,9 @@ class _Stream:
         self.ids: dict[str, asyncio.Task[None]] = {}
         self.closed = False
         self.decoupled = servicer.plane.decoupled
-        #: Per sequence on this stream, its latest request: the next waits for it.
-        self.sequences: dict[str, asyncio.Task[None]] = {}
+        #: The requests of each sequence on this stream, in order: each waits for the one before it to be
+        #: in line.
+        self.sequences = SequenceLine()
 
     async def read(self, request_iterator: AsyncIterator[pb.ModelInferRequest]) -> None:
         """Start each request as it comes, while the stream has room; once the client is done and every
@@ -586,16 +587,11 @@ class _Stream:
                 await hold.take(size)
                 if decoupled and request.model_name in decoupled:
                     task = asyncio.create_task(self.many(request, size))
-                elif SEQUENCE_ID in request.parameters:
-                    # A sequence's requests run one after the other, in the order they came (as Triton's
-                    # sequence batcher takes them); other requests run concurrently.
-                    key = f"{request.model_name}\0{request.parameters[SEQUENCE_ID]}"
-                    previous = sequences.get(key)
-                    work = (
-                        self.one(request, size) if previous is None else self.after(previous, request, size)
-                    )
-                    task = sequences[key] = asyncio.create_task(work)
-                    task.add_done_callback(functools.partial(_forget, sequences, key))
+                elif (turn := sequences.turn(request)) is not None:
+                    # A sequence's requests go on in the order they came, each once the one before it is in
+                    # line (as Triton's sequence batcher takes them); other requests run concurrently.
+                    task = asyncio.create_task(self.after(turn, request, size))
+                    task.add_done_callback(turn.done)
                 else:
                     task = asyncio.create_task(self.one(request, size))
                 tasks.add(task)
@@ -641,10 +637,10 @@ class _Stream:
             response = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
         self.hold.put(response, size)
 
-    async def after(self, previous: asyncio.Task[None], request: pb.ModelInferRequest, size: int) -> None:
-        """A sequence's request, once the one before it on this stream is done."""
+    async def after(self, turn: Turn, request: pb.ModelInferRequest, size: int) -> None:
+        """A sequence's request, once the one before it on this stream is in line."""
         try:
-            await asyncio.wait((previous,))
+            await turn.wait()
         except asyncio.CancelledError:
             self._dropped(size)
             raise
@@ -702,6 +698,6 @@ def _response_span(telemetry: Telemetry, request_id: str, index: int, final: boo
 
 
 def _forget(tasks: dict[str, asyncio.Task[None]], key: str, done: asyncio.Task[None]) -> None:
-    """Drop a finished request (of a sequence, or of an id) unless a later one of it came since."""
+    """Drop a finished request of an id unless a later one of it came since."""
     if tasks.get(key) is done:
         del tasks[key]

@@ -52,6 +52,7 @@ from pipeline.protocol.errors import (
     PipelineError,
     Unavailable,
 )
+from pipeline.protocol.sequence_line import in_line
 from pipeline.protocol.sequences import SequenceId
 from pipeline.stage.api import Deadline
 from pipeline.stage.sequence_config import CONTROL, MAX_BACKLOG_PARAMETER, Control, SequenceSettings
@@ -201,6 +202,7 @@ class SequenceBatcher:
         if not (held.queue or held.running):
             _may_run(pending, now)  # one behind its sequence's others may run once they have
         held.queue.append(pending)
+        in_line()  # the stream's next request of the sequence may come now: it queues behind this one
         _arm(pending, self._expire, held)
         self._wake.set()
         try:

@@ -43,6 +43,7 @@ class FrameConnection(MatchedRequests):
     """One connection to a server's frame port."""
 
     PREFIX = "f"
+    KEEPS_ORDER = True
 
     def __init__(self, frames: FrameProtocol, *, cancels: bool = False) -> None:
         """`cancels`: whether the server takes `CANCEL` frames (its answer to the hello says so)."""

@@ -19,6 +19,8 @@ import grpc
 from grpc_status import rpc_status
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.protocol.sequence_line import in_line
+from pipeline.protocol.sequences import SEQUENCE_ID
 from pipeline.protocol.streams import add_hop_parameters, remove_hop_parameters, status_of
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -49,6 +51,10 @@ class MatchedRequests(abc.ABC):
 
     #: What the ids of this kind of connection begin with (in logs, which hop a request took).
     PREFIX = ""
+    #: Whether requests written in turn reach the server in that order (`in_line`): a frame connection lasts
+    #: as long as the server, while a gRPC stream is replaced at its age, and a request written on the next
+    #: one may overtake one on the last.
+    KEEPS_ORDER = False
 
     def __init__(self) -> None:
         self._pending: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
@@ -75,6 +81,8 @@ class MatchedRequests(abc.ABC):
         timer = loop.call_later(timeout, self._expire, key) if timeout is not None else None
         try:
             await self._send(request)
+            if self.KEEPS_ORDER and SEQUENCE_ID in request.parameters:
+                in_line()  # written in turn: the stream's next request of its sequence may go
             response = await future
         except asyncio.CancelledError:
             if self._pending.pop(key, None) is not None and (

@@ -570,3 +570,49 @@ async def test_abandoned_starts_give_their_places_back_at_their_deadlines_and_a_
             assert response_tensors(await stub.ModelInfer(echo, timeout=5))["OUTPUT"].to_array().tolist() == [
                 [7]
             ]
+
+
+async def test_a_streams_next_request_of_a_sequence_waits_at_the_stage_while_the_one_before_runs(
+    tmp_path: Path,
+) -> None:
+    """Three sequences of two requests each, sent up front on one stream through the router, to a model that
+    takes 0.2 s a batch (preferred size 2): as in Triton, the second requests of the first batch's sequences
+    reach the stage while it runs and join the third sequence's first in the next batch (batches of 2, 3
+    and 1). Before, the router sent a sequence's next request only once the one before it was answered, and
+    the stage's next batch could not wait for them (batches of 2 only)."""
+    slow = ACCUMULATOR.replace(
+        "        responses = []\n", "        time.sleep(0.2)\n        responses = []\n"
+    )
+    strategy = "oldest { max_candidate_sequences: 4 preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 300000 }"
+    root = tmp_path / "models"
+    write_model(
+        root,
+        "accumulate",
+        "import time\n" + slow,
+        CONFIG.format(strategy=strategy, idle=600_000_000, initial="zero_data: true"),
+    )
+    # The router calls the stage on its frame port (as `pipeline run` has it): one connection, in order.
+    options = {"frames_port": 0}
+    async with serving_stages(
+        [], repository=ModelRepository(root), backends=[PythonBackend()], options=options
+    ) as stage:
+        await wait_serving(stage.address, timeout=60)
+        catalog = load_catalog(repository=root, stages={"python": stage.address})
+        async with serving_router(catalog) as router, inference_stub(router.address) as stub:
+            await wait_serving(router.address)
+            sends = [
+                sequence_request("accumulate", 10 * sequence + step, sequence, step == 0, step == 1)
+                for step in range(2)
+                for sequence in (1, 2, 3)
+            ]
+            for index, request in enumerate(sends):
+                request.id = str(index)
+            answers: dict[str, dict[str, int]] = {}
+            async for reply in stub.ModelStreamInfer(iter(sends), timeout=30):
+                assert not reply.error_message, reply.error_message
+                tensors = response_tensors(reply.infer_response)
+                answers[reply.infer_response.id] = {
+                    name: int(tensors[name].to_array()[0, 0]) for name in ("OUTPUT", "BATCH")
+                }
+    assert [answers[str(index)]["OUTPUT"] for index in range(6)] == [10, 20, 30, 21, 41, 61]
+    assert sorted(answer["BATCH"] for answer in answers.values()) == [1, 2, 2, 3, 3, 3]
