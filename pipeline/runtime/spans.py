@@ -1,23 +1,27 @@
-"""Spans at a fraction of the OpenTelemetry SDK's CPU, made from an SDK tracer provider's own parts.
+"""Spans at a fraction of the OpenTelemetry SDK's CPU, made from an SDK tracer provider's public parts.
 
-With every request traced, the SDK's span (`opentelemetry.sdk.trace.Span`) costs 30–35 µs of CPU to make,
+With every request traced, the SDK's span (`opentelemetry.sdk.trace.Span`) costs 20–35 µs of CPU to make,
 make current, end and hand on on this machine: a lock and bounded, validating containers per span, a
 generator-based context manager, the tracer's own metrics and a `ReadableSpan` copied at the end. A request
 through a three-step ensemble makes four or five spans in the router alone, which made tracing cost a third
 of the throughput. `Tracer` here implements the same API (`opentelemetry.trace.Tracer` and `Span`) for this
-project's servers at about a third of that:
+project's servers at under a third of that, through the SDK's public API only:
 
-- sampling, ids, resource, instrumentation scope, span limits and span processors (and so the exporters and
-  `OTEL_BSP_*`) are the SDK tracer's: what the environment configures for the SDK configures these spans.
-  Where the sampler is the SDK's parent-based one with its default delegates (every `parentbased_*` value
-  of OTEL_TRACES_SAMPLER, and the default), a span with a parent takes its parent's decision without asking
-  it, as it would have decided. Processors hear of a span when it starts (`on_start`: a processor that
-  copies baggage or adds attributes there still can) and when it ends (`on_end`); the SDK's own batch and
-  simple processors, which do nothing at the start, are not called there. The SDK's own metrics about
-  spans (off unless OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED) are not kept;
-- a span is its own `ReadableSpan` (processors and exporters get it as they get the SDK's copy), with plain
-  containers and the SDK's count limits; values are not validated as they are set: an attribute OTLP cannot
-  carry is dropped, with a log line, when the span is encoded (`pipeline.runtime.otlp`);
+- the sampler, ids, resource and span processors (and so the exporters and `OTEL_BSP_*`) are those of the
+  SDK tracer the provider hands out (its public attributes): what the environment configures for the SDK
+  configures these spans. The sampler decides each span, as the SDK asks it, but where it is one of the
+  SDK's parent-based samplers with their default delegates (`DEFAULT_ON`, `DEFAULT_OFF` or a
+  `ParentBasedTraceIdRatio`: what every `parentbased_*` value of OTEL_TRACES_SAMPLER, and the default, make)
+  a span with a parent takes its parent's decision without asking it, as it would have decided: asking
+  costs more than the rest of a span. Processors hear of a span when
+  it starts (`on_start`, with the running span: a processor that copies baggage or adds attributes there
+  still can) and when it ends (`on_end`, with an SDK `ReadableSpan` made by its public constructor). The
+  instrumentation scope is the one the tracer was asked for; span limits are the SDK's `SpanLimits`, read
+  from the `OTEL_*_LIMIT` environment variables as a provider made without limits reads them, unless given.
+  The SDK's own metrics about spans (off unless OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED) are not kept;
+- a running span keeps plain containers within the limits' counts; values are not validated as they are
+  set: an attribute OTLP cannot carry is dropped, with a log line, when the span is encoded
+  (`pipeline.runtime.otlp`);
 - `start_as_current_span` returns a plain context manager that makes the span current, records an exception
   (a subclass of `Exception`, as the SDK does) and ends the span.
 
@@ -39,15 +43,9 @@ from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import (
-    ConcurrentMultiSpanProcessor,
-    Event,
-    ReadableSpan,
-    SpanProcessor,
-    SynchronousMultiSpanProcessor,
-)
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace import Tracer as SdkTracer
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.sampling import DEFAULT_OFF, DEFAULT_ON, ParentBasedTraceIdRatio
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
     Link,
@@ -71,45 +69,48 @@ _FLAGS = {
     for sampled in (False, True)
     for random in (False, True)
 }
-#: How the SDK's parent-based sampler describes itself when a child follows its parent's decision (its
-#: default delegates, which its `parentbased_*` settings of OTEL_TRACES_SAMPLER keep).
-_FOLLOWS_PARENT = (
-    ",remoteParentSampled:AlwaysOnSampler,remoteParentNotSampled:AlwaysOffSampler,"
-    "localParentSampled:AlwaysOnSampler,localParentNotSampled:AlwaysOffSampler}"
-)
 _UNSET = Status(StatusCode.UNSET)
 
 
-#: Processors whose `on_start` does nothing (these exact classes, not their subclasses): not called there.
-_QUIET_AT_START = (BatchSpanProcessor, SimpleSpanProcessor)
-
-
 class Tracer(trace.Tracer):
-    """Makes `RecordingSpan`s with an SDK tracer's sampler, ids, resource, scope, limits and processors."""
+    """Makes `RecordingSpan`s with an SDK tracer's sampler, ids, resource and processors."""
 
-    def __init__(self, sdk_tracer: SdkTracer) -> None:
+    def __init__(
+        self, sdk_tracer: SdkTracer, scope: InstrumentationScope, limits: SpanLimits | None = None
+    ) -> None:
         self.sampler = sdk_tracer.sampler
         self.resource = sdk_tracer.resource
-        #: The provider's multi-processor: it hands each span on to the processors added to the provider.
-        self.processor: SynchronousMultiSpanProcessor | ConcurrentMultiSpanProcessor = (
-            sdk_tracer.span_processor
-        )
-        #: The processors to call at a span's start, and the provider's processors they were picked from (a
-        #: processor added to the provider later is seen at the next span).
-        self._starters: tuple[SpanProcessor, ...] = ()
-        self._starters_of: object = None
+        #: The provider's multi-processor: it hands each span on to the processors added to the provider
+        #: (one added later included).
+        self.processor = sdk_tracer.span_processor
         self.ids = sdk_tracer.id_generator
         self._random_ids = self.ids.is_trace_id_random()
-        description = self.sampler.get_description()
-        self._children_follow_parent = description.startswith("ParentBased{") and description.endswith(
-            _FOLLOWS_PARENT
+        sampler = self.sampler
+        self._children_follow_parent = (
+            sampler is DEFAULT_ON or sampler is DEFAULT_OFF or type(sampler) is ParentBasedTraceIdRatio
         )
-        # NOTE: the SDK keeps its tracer's scope and limits in attributes without a public accessor.
-        self.scope = sdk_tracer._instrumentation_scope
-        limits = sdk_tracer._span_limits
+        self.scope = scope
+        limits = limits if limits is not None else SpanLimits()
         self.max_attributes = _limit(limits.max_span_attributes)
         self.max_events = _limit(limits.max_events)
         self.max_links = _limit(limits.max_links)
+
+    @classmethod
+    def of(
+        cls,
+        provider: TracerProvider,
+        name: str,
+        version: str | None = None,
+        schema_url: str | None = None,
+        *,
+        limits: SpanLimits | None = None,
+    ) -> Tracer | None:
+        """The tracer of instrumentation scope `name` over `provider`; None where the provider hands out a
+        no-op tracer (the SDK disabled by OTEL_SDK_DISABLED)."""
+        sdk_tracer = provider.get_tracer(name, version, schema_url)
+        if not isinstance(sdk_tracer, SdkTracer):
+            return None
+        return cls(sdk_tracer, InstrumentationScope(name, version, schema_url), limits)
 
     def start_span(
         self,
@@ -143,23 +144,12 @@ class Tracer(trace.Tracer):
         if not recording:
             return NonRecordingSpan(span_context)
         span = RecordingSpan(self, name, span_context, parent, kind, attributes, links, start_time)
-        for processor in self._starting():
-            processor.on_start(span, parent_context=context)  # type: ignore[arg-type]  # (SDK's span type)
+        self.processor.on_start(span, parent_context=context)  # type: ignore[arg-type]  # (SDK's span type)
         if not record_exception:
             span.record_exceptions = False
         if not set_status_on_exception:
             span.status_on_exception = False
         return span
-
-    def _starting(self) -> tuple[SpanProcessor, ...]:
-        """The processors whose `on_start` may do something, of those the provider has now."""
-        # NOTE: the SDK's multi-processors keep their processors in an attribute without a public accessor; a
-        # processor added to the provider replaces the tuple.
-        processors = self.processor._span_processors
-        if processors is not self._starters_of:
-            self._starters = tuple(p for p in processors if type(p) not in _QUIET_AT_START)
-            self._starters_of = processors
-        return self._starters
 
     def start_as_current_span(  # type: ignore[override]  # (a context manager object, not a generator's)
         self,
@@ -212,17 +202,49 @@ class Current:
             span.end()
 
 
-class RecordingSpan(trace.Span, ReadableSpan):
-    """A recording span: the API's span while it runs, and the `ReadableSpan` processors get when it ends."""
+class FinishedSpan(ReadableSpan):
+    """An ended span as processors and exporters read it: the SDK's `ReadableSpan` with what the limits
+    dropped counted."""
 
-    # NOTE: ReadableSpan's properties read these fields; its __init__ is not called (it would make a resource
-    # when none is given). What most spans keep as it starts is a class attribute until a span changes it.
-    _status = _UNSET
-    _end_time: int | None = None
-    _instrumentation_info = None
-    _events: Sequence[Event] = ()
-    _links: Sequence[Link] = ()
-    _dropped_attributes = _dropped_events = _dropped_links = 0
+    def __init__(self, span: RecordingSpan) -> None:
+        super().__init__(
+            name=span.name,
+            context=span.context,
+            parent=span.parent,
+            resource=span.resource,
+            attributes=span.attributes,
+            events=span.events,
+            links=span.links,
+            kind=span.kind,
+            status=span.status,
+            start_time=span.start_time,
+            end_time=span.end_time,
+            instrumentation_scope=span.instrumentation_scope,
+        )
+        self._dropped = (span.dropped_attributes, span.dropped_events, span.dropped_links)
+
+    @property
+    def dropped_attributes(self) -> int:
+        return self._dropped[0]
+
+    @property
+    def dropped_events(self) -> int:
+        return self._dropped[1]
+
+    @property
+    def dropped_links(self) -> int:
+        return self._dropped[2]
+
+
+class RecordingSpan(trace.Span):
+    """A recording span while it runs; processors get a `FinishedSpan` of it when it ends."""
+
+    # NOTE: what most spans keep as they start is a class attribute until a span changes it.
+    status: Status = _UNSET
+    end_time: int | None = None
+    events: Sequence[Event] = ()
+    links: Sequence[Link] = ()
+    dropped_attributes = dropped_events = dropped_links = 0
     record_exceptions = True
     status_on_exception = True
 
@@ -238,29 +260,35 @@ class RecordingSpan(trace.Span, ReadableSpan):
         start_time: int | None,
     ) -> None:
         self._tracer = tracer
-        self._name = name
-        self._context = context
-        self._parent = parent
-        self._kind = kind
-        self._start_time = start_time if start_time is not None else time.time_ns()
-        self._attributes: dict[str, Any] = {}
+        self.name = name
+        self.context = context
+        self.parent = parent
+        self.kind = kind
+        self.start_time = start_time if start_time is not None else time.time_ns()
+        self.attributes: dict[str, Any] = {}
         if attributes:
             self.set_attributes(attributes)
         for link in links:
             self._add_link(link)
 
-    # --- the API's span --------------------------------------------------------------------------------
+    @property
+    def resource(self) -> Resource:
+        return self._tracer.resource
+
+    @property
+    def instrumentation_scope(self) -> InstrumentationScope:
+        return self._tracer.scope
 
     def get_span_context(self) -> SpanContext:
-        return self._context  # type: ignore[return-value]  # (ReadableSpan's field allows None; ours is set)
+        return self.context
 
     def is_recording(self) -> bool:
-        return self._end_time is None
+        return self.end_time is None
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
-        if self._end_time is not None:
+        if self.end_time is not None:
             return
-        mine = self._attributes
+        mine = self.attributes
         if len(mine) + len(attributes) <= self._tracer.max_attributes:
             mine.update(attributes)
             return
@@ -268,48 +296,48 @@ class RecordingSpan(trace.Span, ReadableSpan):
             self.set_attribute(key, value)
 
     def set_attribute(self, key: str, value: Any) -> None:
-        if self._end_time is not None:
+        if self.end_time is not None:
             return
-        mine = self._attributes
+        mine = self.attributes
         if key in mine or len(mine) < self._tracer.max_attributes:
             mine[key] = value
         else:
-            self._dropped_attributes += 1
+            self.dropped_attributes += 1
 
     def add_event(self, name: str, attributes: Attributes = None, timestamp: int | None = None) -> None:
-        if self._end_time is not None:
+        if self.end_time is not None:
             return
-        if len(self._events) < self._tracer.max_events:
-            if not self._events:
-                self._events = []
-            self._events.append(Event(name, attributes, timestamp))  # type: ignore[attr-defined]
+        if len(self.events) < self._tracer.max_events:
+            if not self.events:
+                self.events = []
+            self.events.append(Event(name, attributes, timestamp))  # type: ignore[attr-defined]
         else:
-            self._dropped_events += 1
+            self.dropped_events += 1
 
     def add_link(self, context: SpanContext, attributes: Attributes = None) -> None:
-        if self._end_time is None and context.is_valid:
+        if self.end_time is None and context.is_valid:
             self._add_link(Link(context, attributes))
 
     def _add_link(self, link: Link) -> None:
-        if len(self._links) < self._tracer.max_links:
-            if not self._links:
-                self._links = []
-            self._links.append(link)  # type: ignore[attr-defined]
+        if len(self.links) < self._tracer.max_links:
+            if not self.links:
+                self.links = []
+            self.links.append(link)  # type: ignore[attr-defined]
         else:
-            self._dropped_links += 1
+            self.dropped_links += 1
 
     def update_name(self, name: str) -> None:
-        if self._end_time is None:
-            self._name = name
+        if self.end_time is None:
+            self.name = name
 
     def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
         # As the SDK: an OK status is final, and UNSET changes nothing.
-        if self._end_time is not None or self._status.status_code is StatusCode.OK:
+        if self.end_time is not None or self.status.status_code is StatusCode.OK:
             return
         if isinstance(status, StatusCode):
             status = Status(status, description)
         if status.status_code is not StatusCode.UNSET:
-            self._status = status
+            self.status = status
 
     def record_exception(
         self,
@@ -334,42 +362,8 @@ class RecordingSpan(trace.Span, ReadableSpan):
         self.add_event("exception", event, timestamp)
 
     def end(self, end_time: int | None = None) -> None:
-        if self._end_time is not None:
-            log.warning("span '%s' ended twice", self._name)
+        if self.end_time is not None:
+            log.warning("span '%s' ended twice", self.name)
             return
-        self._end_time = end_time if end_time is not None else time.time_ns()
-        self._tracer.processor.on_end(self)
-
-    # --- the readable span (ReadableSpan's other properties read the fields above) ---------------------
-
-    @property
-    def attributes(self) -> Mapping[str, Any]:
-        return self._attributes
-
-    @property
-    def events(self) -> Sequence[Event]:
-        return self._events
-
-    @property
-    def links(self) -> Sequence[Link]:
-        return self._links
-
-    @property
-    def dropped_attributes(self) -> int:
-        return self._dropped_attributes
-
-    @property
-    def dropped_events(self) -> int:
-        return self._dropped_events
-
-    @property
-    def dropped_links(self) -> int:
-        return self._dropped_links
-
-    @property
-    def _resource(self) -> Resource:  # type: ignore[override]  # (the tracer's, read by ReadableSpan)
-        return self._tracer.resource
-
-    @property
-    def _instrumentation_scope(self) -> InstrumentationScope | None:  # type: ignore[override]
-        return self._tracer.scope
+        self.end_time = end_time if end_time is not None else time.time_ns()
+        self._tracer.processor.on_end(FinishedSpan(self))

@@ -34,7 +34,6 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -96,12 +95,8 @@ class Telemetry:
 
     def __init__(self, tracer_provider: TracerProvider | None = None, *, owns_provider: bool = False):
         self.provider = tracer_provider
-        self.tracer: Tracer | None = None
-        if tracer_provider is not None:
-            sdk_tracer = tracer_provider.get_tracer("pipeline")
-            # NOTE: a provider the SDK disabled (OTEL_SDK_DISABLED) hands out a no-op tracer: tracing is off.
-            if isinstance(sdk_tracer, SdkTracer):
-                self.tracer = Tracer(sdk_tracer)
+        # NOTE: a provider the SDK disabled (OTEL_SDK_DISABLED) hands out a no-op tracer: tracing is off.
+        self.tracer = Tracer.of(tracer_provider, "pipeline") if tracer_provider is not None else None
         self.enabled = self.tracer is not None
         self._owns_provider = owns_provider
 

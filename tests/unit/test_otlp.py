@@ -4,6 +4,7 @@ the SDK's spans and this project's (`pipeline.runtime.spans`)."""
 from __future__ import annotations
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -38,10 +39,12 @@ def _spans(lean: bool = False) -> list[ReadableSpan]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": "test", "deployment": "a"}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracer = provider.get_tracer("pipeline", "1.0", schema_url="https://opentelemetry.io/schemas/1.11.0")
-    other = provider.get_tracer("other")
+    schema = "https://opentelemetry.io/schemas/1.11.0"
+    tracer: trace.Tracer | None = provider.get_tracer("pipeline", "1.0", schema_url=schema)
+    other: trace.Tracer | None = provider.get_tracer("other")
     if lean:
-        tracer, other = Tracer(tracer), Tracer(other)  # type: ignore[arg-type]
+        tracer, other = Tracer.of(provider, "pipeline", "1.0", schema), Tracer.of(provider, "other")
+    assert tracer is not None and other is not None
     with tracer.start_as_current_span(
         "ModelInfer refcnn",
         context=set_span_in_context(NonRecordingSpan(REMOTE)),

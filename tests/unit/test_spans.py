@@ -4,19 +4,22 @@ its exporters can tell: sampling, parents, exceptions, status, limits, ended spa
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
     ALWAYS_ON,
+    DEFAULT_OFF,
     Decision,
     ParentBased,
+    ParentBasedTraceIdRatio,
     Sampler,
     SamplingResult,
     TraceIdRatioBased,
@@ -38,11 +41,13 @@ from pipeline.runtime.telemetry import Telemetry
 REMOTE = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
 
 
-def _tracer(**provider_args) -> tuple[Tracer, InMemorySpanExporter]:
+def _tracer(limits: SpanLimits | None = None, **provider_args) -> tuple[Tracer, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider(**provider_args)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return Tracer(provider.get_tracer("pipeline")), exporter  # type: ignore[arg-type]
+    tracer = Tracer.of(provider, "pipeline", limits=limits)
+    assert tracer is not None
+    return tracer, exporter
 
 
 def test_children_share_the_trace_and_name_their_parent():
@@ -109,18 +114,28 @@ def test_a_samplers_attributes_are_the_spans_as_in_the_sdk():
 @pytest.mark.parametrize(
     "sampler",
     [
-        None,  # the SDK's default: parent-based, always on at the root
+        None,  # the SDK's default: parent-based, always on at the root (DEFAULT_ON)
+        DEFAULT_OFF,
+        ParentBasedTraceIdRatio(0.5),
         ParentBased(TraceIdRatioBased(0.5)),
         ParentBased(ALWAYS_ON, local_parent_sampled=ALWAYS_OFF),  # a child is asked about
         TraceIdRatioBased(0.5),
     ],
-    ids=["default", "parent-based ratio", "parent-based, children off", "ratio"],
+    ids=[
+        "default",
+        "parent-based off",
+        "parent-based ratio (the SDK's class)",
+        "parent-based ratio",
+        "parent-based, children off",
+        "ratio",
+    ],
 )
 def test_decisions_and_flags_are_the_sdks(sampler):
     """Children of sampled and unsampled, local and remote parents: the same decisions and trace flags as the
-    SDK's spans (which a child that follows its parent makes without asking the sampler)."""
+    SDK's spans (a child of the SDK's own parent-based samplers follows its parent without asking them)."""
     provider = TracerProvider(sampler=sampler, id_generator=_Ids())
-    sdk, lean = provider.get_tracer("pipeline"), Tracer(provider.get_tracer("pipeline"))  # type: ignore[arg-type]
+    sdk, lean = provider.get_tracer("pipeline"), Tracer.of(provider, "pipeline")
+    assert lean is not None
     parents = [
         None,
         NonRecordingSpan(REMOTE),
@@ -191,7 +206,7 @@ def test_status_ok_is_final_and_unset_changes_nothing():
 
 
 def test_limits_drop_and_count():
-    tracer, exporter = _tracer(span_limits=SpanLimits(max_span_attributes=2, max_events=1, max_links=1))
+    tracer, exporter = _tracer(limits=SpanLimits(max_span_attributes=2, max_events=1, max_links=1))
     other = SpanContext(0x1, 0x2, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
     span = tracer.start_span("s", attributes={"a": 1, "b": 2, "c": 3}, links=[Link(REMOTE), Link(other)])
     span.set_attribute("a", 10)  # an existing key is replaced, not dropped
@@ -245,8 +260,8 @@ def test_a_processor_hears_of_each_span_at_its_start(lean):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    sdk_tracer = provider.get_tracer("pipeline")
-    tracer = Tracer(sdk_tracer) if lean else sdk_tracer  # type: ignore[arg-type]
+    tracer = Tracer.of(provider, "pipeline") if lean else provider.get_tracer("pipeline")
+    assert tracer is not None
     with tracer.start_as_current_span("before"):
         pass
     stamp = _Stamp()
@@ -259,40 +274,43 @@ def test_a_processor_hears_of_each_span_at_its_start(lean):
     assert stamp.parents == [REMOTE]
 
 
-def test_the_sdk_fields_the_lean_spans_read_are_where_they_were():
-    """The lean tracer reads a few fields of the SDK's tracer and span processors that have no public
-    accessor, and `ReadableSpan`'s properties read a span's own fields: a new SDK release that moves any of
-    them fails here (pyproject.toml pins the SDK to the tested minor release)."""
-    import inspect
+def test_limits_from_the_environment_as_the_sdks_provider_reads_them(monkeypatch):
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "1")
+    monkeypatch.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", "0")
+    tracer, exporter = _tracer()
+    span = tracer.start_span("s", attributes={"a": 1, "b": 2})
+    span.add_event("dropped")
+    span.end()
+    [done] = exporter.get_finished_spans()
+    assert dict(done.attributes) == {"a": 1}
+    assert (done.dropped_attributes, done.dropped_events, list(done.events)) == (1, 1, [])
 
-    from opentelemetry.sdk.trace import ReadableSpan
 
-    provider = TracerProvider(span_limits=SpanLimits(max_attributes=3, max_events=4, max_links=5))
-    sdk_tracer = provider.get_tracer("pipeline", "1.2")
-    assert sdk_tracer._instrumentation_scope.name == "pipeline"  # type: ignore[attr-defined]
-    assert sdk_tracer._instrumentation_scope.version == "1.2"  # type: ignore[attr-defined]
-    limits = sdk_tracer._span_limits  # type: ignore[attr-defined]
-    assert (limits.max_span_attributes, limits.max_events, limits.max_links) == (3, 4, 5)
-    processor = SimpleSpanProcessor(InMemorySpanExporter())
-    provider.add_span_processor(processor)
-    assert sdk_tracer.span_processor._span_processors == (processor,)  # type: ignore[attr-defined]
-    # ReadableSpan's properties read these fields, which RecordingSpan sets instead of calling its __init__.
-    for field in (
-        "_name",
-        "_context",
-        "_parent",
-        "_kind",
-        "_start_time",
-        "_end_time",
-        "_status",
-        "_resource",
-    ):
-        assert f"self.{field}" in inspect.getsource(ReadableSpan), field
-    # And a lean span reads back through them as the SDK's own span does.
-    lean = Tracer(sdk_tracer)  # type: ignore[arg-type]
-    with lean.start_as_current_span("s", attributes={"a": 1}) as span:
+def test_an_ended_span_reaches_processors_as_the_sdks_readable_span():
+    """What processors and exporters get is the SDK's own `ReadableSpan`, made through its constructor: every
+    property and `to_json` (the console exporter's) read as the SDK's spans do."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = Tracer.of(provider, "pipeline", "1.2", "https://opentelemetry.io/schemas/1.11.0")
+    assert tracer is not None
+    parent = set_span_in_context(NonRecordingSpan(REMOTE))
+    with tracer.start_as_current_span("s", context=parent, attributes={"a": 1}) as span:
         span.set_status(Status(StatusCode.ERROR, "no"))
-    assert isinstance(span, RecordingSpan)
-    assert (span.name, span.attributes["a"], span.status.description) == ("s", 1, "no")
-    assert span.instrumentation_scope is not None and span.instrumentation_scope.name == "pipeline"
-    assert span.resource is provider.resource and span.end_time is not None
+        span.add_event("e", {"k": "v"})
+    [done] = exporter.get_finished_spans()
+    assert isinstance(done, ReadableSpan) and not isinstance(done, trace.Span)
+    assert (done.name, dict(done.attributes), done.status.description) == ("s", {"a": 1}, "no")
+    assert done.parent == REMOTE and done.kind == SpanKind.INTERNAL
+    assert done.start_time is not None and done.end_time is not None and done.start_time <= done.end_time
+    assert done.resource is provider.resource
+    scope = done.instrumentation_scope
+    assert scope is not None
+    assert (scope.name, scope.version, scope.schema_url) == (
+        "pipeline",
+        "1.2",
+        "https://opentelemetry.io/schemas/1.11.0",
+    )
+    record = json.loads(done.to_json())
+    assert record["name"] == "s" and record["status"] == {"status_code": "ERROR", "description": "no"}
+    assert record["events"][0]["attributes"] == {"k": "v"} and record["attributes"] == {"a": 1}
