@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import RepositoryError, RepositoryNotFound
+from pipeline.protocol.errors import RepositoryError, RepositoryNotFound, echo
 from pipeline.protocol.model_config import check_response_cache, read_config, select_versions
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ _SUFFIX_BACKENDS: Mapping[str, str] = {
 }
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+#: The longest model name: the longest folder name most file systems take (NAME_MAX).
+MAX_NAME_BYTES = 255
 
 
 # ---- config.pbtxt ---------------------------------------------------------------------------------------------
@@ -84,6 +86,23 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
 # ---- entries --------------------------------------------------------------------------------------------------
+
+
+def check_model_name(name: str) -> None:
+    """Raise `RepositoryNotFound` where no repository can hold a model named `name`: a model is a folder
+    directly inside the repository, so its name is a plain one (letters, digits, '.', '_' and '-', not
+    starting with '.'; '/' and '..' never), at most `MAX_NAME_BYTES` long. Triton 2.51 answers such a name
+    as it answers a model its repository lacks; so do the stages and the router, alike."""
+    if len(name.encode()) > MAX_NAME_BYTES:
+        why = f"it is longer than a folder name may be ({len(name.encode())} bytes, at most {MAX_NAME_BYTES})"
+    elif not _PLAIN_NAME.fullmatch(name):
+        why = (
+            "it is not a plain name (letters, digits, '.', '_' and '-', not starting with '.'), and a model "
+            "is a folder directly inside the repository"
+        )
+    else:
+        return
+    raise RepositoryNotFound(f"no model repository can hold a model named '{echo(name)}': {why}")
 
 
 def _confined(path: Path, root: Path, what: str) -> Path:
@@ -195,12 +214,9 @@ class ModelRepository:
         return sorted(found)
 
     def folder(self, name: str) -> Path:
-        """A model's folder: a plain name directly under the repository, never a path that leaves it."""
-        if not _PLAIN_NAME.fullmatch(name):
-            raise RepositoryError(
-                f"model name {name!r} is not a plain name (letters, digits, '.', '_' and '-', not starting "
-                "with '.'): a model is a folder directly inside the repository"
-            )
+        """A model's folder: a plain name directly under the repository, never a path that leaves it
+        (`check_model_name`)."""
+        check_model_name(name)
         return _confined(self.root / name, self.root, f"model '{name}': its folder")
 
     def read(self, name: str, config: mc.ModelConfig | None = None) -> RepositoryEntry:

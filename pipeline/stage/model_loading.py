@@ -26,6 +26,7 @@ from pipeline.protocol.errors import (
     RepositoryError,
     RepositoryNotFound,
     Unimplemented,
+    echo,
 )
 from pipeline.protocol.model_config import tensor_specs
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
@@ -358,7 +359,7 @@ class ModelLoading:
             model = self.models.get(name)
             if model is None:
                 raise RepositoryNotFound(
-                    f"unknown model '{name}' (served here: {', '.join(self.models) or 'none'})"
+                    f"unknown model '{echo(name)}' (served here: {echo(', '.join(self.models) or 'none', 1000)})"
                 )
             if model.fixed:
                 raise InvalidInput(f"model '{name}' is built into this service; it cannot be unloaded")

@@ -45,6 +45,7 @@ from pipeline.protocol.errors import (
     PipelineError,
     Unavailable,
     Unimplemented,
+    echo,
 )
 from pipeline.protocol.sequences import SequenceId, sequence_of
 from pipeline.protocol.streams import DECOUPLED_UNARY, set_final
@@ -177,7 +178,9 @@ class StagePlane(DataPlane):
     def _get(self, name: str, version: str) -> ServedVersion:
         model = self._models.get(name)
         if model is None:
-            raise ModelNotFound(f"unknown model '{name}' (served here: {', '.join(self._models) or 'none'})")
+            raise ModelNotFound(
+                f"unknown model '{echo(name)}' (served here: {echo(', '.join(self._models) or 'none', 1000)})"
+            )
         if not model.versions:
             raise Unavailable(f"model '{name}' is not loaded ({model.reason or 'loading'})")
         return model.versions[select_version(name, list(model.versions), version)]

@@ -11,6 +11,7 @@ import gc
 import json
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import aiohttp
 import grpc
@@ -518,3 +519,40 @@ async def test_a_refused_load_keeps_nothing_of_its_request(tmp_path):
                 assert _calls_left_to_the_collector() == [], code
             finally:
                 gc.enable()
+
+
+async def test_a_name_no_repository_can_hold_gets_one_answer_from_router_and_stage(tmp_path):
+    """A path, '..', an empty or an over-long name: NOT_FOUND with the same reason from the stage and from the
+    router, over gRPC and HTTP (Triton 2.51 answers them as it answers a model its repository lacks)."""
+    async with _replica(_repository(tmp_path / "a", ("1", VERSIONED_MODEL))) as first:
+        await wait_serving(first.address)
+        (tmp_path / "follows.yaml").write_text(ENSEMBLE.format(a=first.address, b=first.address))
+        async with (
+            serving_router(load_ensembles([tmp_path / "follows.yaml"]), options=EXPLICIT) as router,
+            inference_stub(router.address) as stub,
+            inference_stub(first.address) as stage,
+            aiohttp.ClientSession(f"http://{router.http_address}") as http,
+        ):
+            await wait_serving(router.address)
+            for name, why in [
+                ("a/b", "not a plain name"),
+                ("..", "not a plain name"),
+                ("", "not a plain name"),
+                (".hidden", "not a plain name"),
+                ("x" * 300, "longer than a folder name may be (300 bytes, at most 255)"),
+            ]:
+                load = pb.RepositoryModelLoadRequest(model_name=name)
+                at_stage = await rpc_error(stage.RepositoryModelLoad(load))
+                at_router = await rpc_error(stub.RepositoryModelLoad(load))
+                assert at_stage.code() == at_router.code() == grpc.StatusCode.NOT_FOUND, name
+                assert at_stage.details() == at_router.details(), name
+                assert why in at_router.details() and len(at_router.details()) < 400
+                unload = pb.RepositoryModelUnloadRequest(model_name=name)
+                for server in (stage, stub):
+                    error = await rpc_error(server.RepositoryModelUnload(unload))
+                    assert error.code() == grpc.StatusCode.NOT_FOUND and len(error.details()) < 400, name
+                if name not in ("", ".."):  # no such path: aiohttp's own 404
+                    async with http.post(f"/v2/repository/models/{quote(name, safe='')}/load") as reply:
+                        assert reply.status == 404
+                        assert (await reply.json())["error"] == at_router.details()
+            assert await _version(stub) == 1.0

@@ -272,7 +272,7 @@ async def test_a_bad_model_py_is_refused_naming_the_file_while_the_others_serve(
         error = await rpc_error(
             stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="../scale"))
         )
-        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a plain name" in error.details()
+        assert error.code() == grpc.StatusCode.NOT_FOUND and "not a plain name" in error.details()
 
 
 #: Triton's sequence example as a Python model: the running sum of a sequence's INPUT, restarted where its

@@ -57,6 +57,7 @@ from pipeline.router.stages.replicas import DOWN, SERVING, Replica
 from pipeline.router.stages.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_control import check_control_enabled
+from pipeline.runtime.repository import check_model_name
 from pipeline.runtime.servicer import CallContext
 
 log = logging.getLogger(__name__)
@@ -328,6 +329,7 @@ class FleetControl:
     async def _stage_of(self, name: str, action: str) -> tuple[str, StageClient]:
         """The stage that serves `name`, else the first declared whose replicas' repositories hold it
         (`action`, load or unload, names what failed where none does)."""
+        check_model_name(name)
         stages = self.stages
         key = stages.stage_of_model.get(name) or stages.repository_models.get(name)
         if key is None:
