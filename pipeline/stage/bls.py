@@ -43,6 +43,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.call_chain import CALL_CHAIN_HEADER, MAX_DEPTH, ROOT, CallChain
 from pipeline.protocol.codec import Tensor, response_tensors
 from pipeline.protocol.streams import status_of
+from pipeline.protocol.tensor_batch import BatchShapeError, merge_arrays, split_arrays
 from pipeline.runtime.telemetry import PROPAGATOR
 from pipeline.stage.api import Deadline
 from pipeline.stage.router_link import RouterCalls
@@ -75,15 +76,11 @@ class Reply:
     def split(self, sizes: Sequence[int]) -> list[Reply] | None:
         """The replies of the merged calls of `sizes` items each, or None when an output is not one row per
         item (the callee does not answer item by item)."""
-        total, parts = sum(sizes), []
-        if any(array.shape[:1] != (total,) for array in self.outputs.values()):
+        try:
+            parts = split_arrays(self.outputs, sizes)
+        except BatchShapeError:
             return None
-        start = 0
-        for size in sizes:
-            outputs = {name: array[start : start + size] for name, array in self.outputs.items()}
-            parts.append(Reply(outputs, parameters=self.parameters))
-            start += size
-        return parts
+        return [Reply(outputs, parameters=self.parameters) for outputs in parts]
 
     @classmethod
     def of(cls, response: pb.ModelInferResponse) -> Reply:
@@ -139,10 +136,7 @@ class Call:
     @staticmethod
     def merged(calls: Sequence[Call]) -> Call:
         """Calls of one `merge_key` as one: their inputs concatenated along the first dimension."""
-        inputs = {
-            name: np.concatenate([np.asarray(c.inputs[name]) for c in calls]) for name in calls[0].inputs
-        }
-        return replace(calls[0], inputs=inputs)
+        return replace(calls[0], inputs=merge_arrays([call.inputs for call in calls]))
 
     def request(self) -> pb.ModelInferRequest:
         request = pb.ModelInferRequest(model_name=self.model, model_version=self.version, id=self.request_id)

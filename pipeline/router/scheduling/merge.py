@@ -1,23 +1,21 @@
-"""Merging requests' tensors into one batch for a stage call, and splitting its outputs back.
+"""Which requests may share a stage call, and their tensors merged into it and split back
+(`pipeline.protocol.tensor_batch`, the rule every batch follows).
 
-Fixed-shape tensors merge by concatenating their raw bytes and split by byte offsets: no element is
-decoded. Only tensors a stage declares padded (`TensorSpec.pad_value`) are touched element-wise: requests
-whose variable dimensions differ are padded to the batch's largest (BYTES with empty elements), and outputs whose variable dimensions
-follow those inputs are cut back to each request's own extent.
+Fixed-shape tensors merge by joining their raw bytes and split by byte offsets: no element is decoded. Only
+tensors a stage declares padded (`TensorSpec.pad_value`) are touched element-wise: requests whose variable
+dimensions differ are padded to the batch's largest (BYTES with empty elements), and outputs whose variable
+dimensions follow those inputs are cut back to each request's own extent.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from pipeline.ensemble.plan import ModelSignature
 from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.codec import Tensor
-from pipeline.protocol.datatypes import DATATYPES, array_to_raw
+from pipeline.protocol.tensor_batch import merge_tensors, split_tensors
 
 
 @dataclass(slots=True)
@@ -80,71 +78,22 @@ class TensorBatching:
 
     def merge(self, calls: Sequence[StageCall]) -> list[Tensor]:
         """The inputs of one stage call carrying every request, in order."""
-        merged = []
-        for name in calls[0].inputs:
-            tensors = [call.inputs[name] for call in calls]
-            total = sum(t.shape[0] for t in tensors)
-            trailing = tensors[0].shape[1:]
-            if all(t.shape[1:] == trailing for t in tensors):
-                raw = tensors[0].raw if len(tensors) == 1 else b"".join(t.raw for t in tensors)
-                merged.append(Tensor(name, tensors[0].datatype, (total, *trailing), raw))
-                continue
-            # Only padded inputs get here: the key keeps other shapes apart.
-            datatype = tensors[0].datatype
-            trailing = tuple(max(t.shape[d] for t in tensors) for d in range(1, len(trailing) + 1))
-            # BYTES elements are padded with empty strings (a numeric pad value means nothing for them).
-            fill = b"" if datatype == "BYTES" else self.pad[name]
-            out = np.full((total, *trailing), fill, dtype=DATATYPES[datatype])
-            row = 0
-            for tensor in tensors:
-                array = tensor.to_array()
-                out[(slice(row, row + array.shape[0]), *(slice(0, n) for n in array.shape[1:]))] = array
-                row += array.shape[0]
-            merged.append(Tensor(name, datatype, out.shape, array_to_raw(out)))
-        return merged
+        return merge_tensors([call.inputs for call in calls], self.pad)
 
     def split(self, outputs: Mapping[str, Tensor], calls: Sequence[StageCall]) -> list[dict[str, Tensor]]:
-        """Each request's share of the stage's outputs (only the outputs it asked for)."""
-        shares: list[dict[str, Tensor]] = [{} for _ in calls]
-        for name, tensor in outputs.items():
-            total = sum(call.size for call in calls)
-            if not tensor.shape or tensor.shape[0] != total:
-                raise RuntimeError(
-                    f"output '{name}' has shape {list(tensor.shape)}; the batch of {total} needs dimension 0 = {total}"
-                )
-            follows = self.follows.get(name)
-            if tensor.datatype == "BYTES" or follows:
-                pieces = self._split_array(tensor, calls, follows or {})
-            else:
-                pieces = self._split_raw(tensor, calls)
-            for share, call, piece in zip(shares, calls, pieces, strict=True):
-                if name in call.outputs:
-                    share[name] = piece
+        """Each request's share of the stage's outputs (only the outputs it asked for); `BatchShapeError`
+        where an output is not one row per item of the batch."""
+        extents = {
+            name: [
+                {d: call.inputs[source].shape[d] for d, source in follows.items() if source in call.inputs}
+                for call in calls
+            ]
+            for name, follows in self.follows.items()
+            if follows and name in outputs
+        }
+        shares = split_tensors(outputs, [call.size for call in calls], extents)
+        for share, call in zip(shares, calls, strict=True):
+            if len(share) != len(call.outputs):
+                for name in [name for name in share if name not in call.outputs]:
+                    del share[name]
         return shares
-
-    @staticmethod
-    def _split_raw(tensor: Tensor, calls: Sequence[StageCall]) -> list[Tensor]:
-        row = math.prod(tensor.shape[1:]) * DATATYPES[tensor.datatype].itemsize
-        view = memoryview(tensor.raw)
-        pieces, offset = [], 0
-        for call in calls:
-            n = call.size
-            raw = tensor.raw if len(calls) == 1 else bytes(view[offset * row : (offset + n) * row])
-            pieces.append(Tensor(tensor.name, tensor.datatype, (n, *tensor.shape[1:]), raw))
-            offset += n
-        return pieces
-
-    @staticmethod
-    def _split_array(tensor: Tensor, calls: Sequence[StageCall], follows: Mapping[int, str]) -> list[Tensor]:
-        array = tensor.to_array()
-        pieces, offset = [], 0
-        for call in calls:
-            n = call.size
-            index: list[slice] = [slice(offset, offset + n)]
-            for d in range(1, array.ndim):
-                source = follows.get(d)
-                index.append(slice(0, call.inputs[source].shape[d]) if source in call.inputs else slice(None))
-            piece = array[tuple(index)]
-            pieces.append(Tensor(tensor.name, tensor.datatype, piece.shape, array_to_raw(piece)))
-            offset += n
-        return pieces
