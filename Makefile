@@ -28,10 +28,14 @@ front: $(STAMP)
 ## front-check: the front's tests once with pipeline-front built with AddressSanitizer and
 ## UndefinedBehaviorSanitizer; a finding fails them
 front-check: $(STAMP)
-	scripts/build-front.sh front/build-sanitize front/build-sanitize -DFRONT_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
-	PIPELINE_FRONT_BINARY=$(abspath front/build-sanitize/pipeline-front) \
-		ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	scripts/build-front.sh front/build/sanitize front/build/sanitize -DFRONT_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
+	rm -rf front/build/sanitize/findings && mkdir -p front/build/sanitize/findings
+	PIPELINE_FRONT_BINARY=$(abspath front/build/sanitize/pipeline-front) \
+		ASAN_OPTIONS=detect_leaks=1:log_path=$(abspath front/build/sanitize/findings/asan) \
+		UBSAN_OPTIONS=print_stacktrace=1:log_path=$(abspath front/build/sanitize/findings/ubsan) \
 		$(BIN)/python -m pytest -q tests/integration/test_front.py tests/e2e/test_front.py
+	@if ls front/build/sanitize/findings/* >/dev/null 2>&1; then cat front/build/sanitize/findings/*; \
+		echo "front-check: the sanitizers found the above"; exit 1; else echo "front-check: no finding"; fi
 
 ## run: serve the repository MODEL_DIR (router on 127.0.0.1:8001); the examples' missing models are built first
 ## when it is the examples' own
@@ -97,5 +101,5 @@ k8s: $(STAMP)
 	$(BIN)/python -m tests.deploy.test_k8s_manifests --write
 
 clean:
-	rm -rf $(VENV) $(FRONT_BUILD) front/build-sanitize $(MODEL_DIR)/.engines .pytest_cache .ruff_cache $(DOCS_SITE)
+	rm -rf $(VENV) $(FRONT_BUILD) $(MODEL_DIR)/.engines .pytest_cache .ruff_cache $(DOCS_SITE)
 	rm -f $(MODEL_DIR)/*/[0-9]*/model.pt $(MODEL_DIR)/*/[0-9]*/model.pt2 $(MODEL_DIR)/*/[0-9]*/model.onnx

@@ -232,6 +232,11 @@ class InferCall final : public grpc::ServerGenericBidiReactor, public Waiter {
 
 // Any other RPC, forwarded as it is to the router's gRPC port: messages both ways, metadata, the deadline,
 // cancellation, and the router's status with its details.
+//
+// Two pumps move the messages: the client's to the router, the router's to the client. The router's call
+// holds two holds, one for each pump, so that it is never done (its OnDone called, after which nothing may
+// be started on it) while a pump may still start something on it; the client's call is finished only once
+// the router's is done, when both pumps are over.
 class ProxyCall final : public grpc::ServerGenericBidiReactor {
  public:
   ProxyCall(grpc::GenericCallbackServerContext* context, grpc::GenericStub& stub, const Settings& settings)
@@ -253,54 +258,65 @@ class ProxyCall final : public grpc::ServerGenericBidiReactor {
     if (context->deadline() != std::chrono::system_clock::time_point::max())
       client_.set_deadline(context->deadline());
     stub.PrepareBidiStreamingCall(&client_, context->method(), grpc::StubOptions(), &upstream_);
+    upstream_.AddMultipleHolds(2);
     upstream_.StartRead(&from_router_);
     upstream_.StartCall();
     StartRead(&from_client_);
   }
 
-  // The client's messages, on to the router.
+  // The client's messages, on to the router (the first pump).
   void OnReadDone(bool ok) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (sending_over_) return;  // the router has ended the call: what the client sends goes nowhere
     if (!ok) {
       upstream_.StartWritesDone();
+      EndSending(lock);
       return;
     }
-    upstream_.StartWrite(&from_client_);
+    upstream_.StartWrite(&from_client_);  // under the hold: the router's call cannot be done yet
   }
   void WroteToRouter(bool ok) {
-    if (ok) StartRead(&from_client_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!ok || sending_over_ || finished_) {
+      EndSending(lock);
+      return;
+    }
+    StartRead(&from_client_);
   }
 
-  // The router's messages, back to the client.
+  // The router's messages, back to the client (the second pump).
   void ReadFromRouter(bool ok) {
-    if (!ok) return;  // the router's status follows (RouterDone)
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!sent_metadata_) CopyInitialMetadata();
-      writing_ = true;
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!ok) {  // the router has sent all it will: its status follows, and the client's messages stop here
+      EndSending(lock);
+      if (lock.owns_lock()) lock.unlock();
+      upstream_.RemoveHold();
+      return;
     }
+    if (!sent_metadata_) CopyInitialMetadata();
     StartWrite(&from_router_);
   }
   void OnWriteDone(bool ok) override {
-    bool finish;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      writing_ = false;
-      finish = router_done_;
+    if (ok) {
+      upstream_.StartRead(&from_router_);
+      return;
     }
-    if (finish) FinishWithRouter();
-    else if (ok) upstream_.StartRead(&from_router_);
-    else client_.TryCancel();
+    client_.TryCancel();  // the client is gone
+    upstream_.RemoveHold();
   }
 
   void RouterDone(const grpc::Status& status) {
-    bool finish;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      router_status_ = status;
-      router_done_ = true;
-      finish = !writing_;
+      finished_ = true;
+      if (!sent_metadata_) CopyInitialMetadata();
     }
-    if (finish) FinishWithRouter();
+    for (const auto& [key, value] : client_.GetServerTrailingMetadata()) {
+      std::string name(key.data(), key.size());
+      if (name == "grpc-status-details-bin") continue;  // the status carries its details itself
+      context_->AddTrailingMetadata(name, std::string(value.data(), value.size()));
+    }
+    Finish(status);
     Release();
   }
 
@@ -319,25 +335,18 @@ class ProxyCall final : public grpc::ServerGenericBidiReactor {
     ProxyCall* call_;
   };
 
+  // The first pump is over: its hold on the router's call goes (once), outside the lock.
+  void EndSending(std::unique_lock<std::mutex>& lock) {
+    if (sending_over_) return;
+    sending_over_ = true;
+    lock.unlock();
+    upstream_.RemoveHold();
+  }
+
   void CopyInitialMetadata() {
     sent_metadata_ = true;
     for (const auto& [key, value] : client_.GetServerInitialMetadata())
       context_->AddInitialMetadata(std::string(key.data(), key.size()), std::string(value.data(), value.size()));
-  }
-
-  void FinishWithRouter() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (finished_) return;
-      finished_ = true;
-      if (!sent_metadata_) CopyInitialMetadata();
-    }
-    for (const auto& [key, value] : client_.GetServerTrailingMetadata()) {
-      std::string name(key.data(), key.size());
-      if (name == "grpc-status-details-bin") continue;  // the status carries its details itself
-      context_->AddTrailingMetadata(name, std::string(value.data(), value.size()));
-    }
-    Finish(router_status_);
   }
 
   // Both sides are done with the call: the client's (OnDone) and the router's (RouterDone).
@@ -350,8 +359,7 @@ class ProxyCall final : public grpc::ServerGenericBidiReactor {
   Upstream upstream_;
   grpc::ByteBuffer from_client_, from_router_;
   std::mutex mutex_;
-  bool writing_ = false, router_done_ = false, finished_ = false, sent_metadata_ = false;
-  grpc::Status router_status_;
+  bool sending_over_ = false, finished_ = false, sent_metadata_ = false;
   std::atomic<int> owners_{2};
 };
 

@@ -253,6 +253,14 @@ def _start_front(front: FrontProcess, args: argparse.Namespace, port: int, folde
     return front.wait_listening()
 
 
+def _write_ports(args: argparse.Namespace, http_port: int | None, port: int) -> None:
+    """The router's port files, once every worker listens: the HTTP port first, as one router process writes
+    them (whoever waits for the gRPC port's file then finds the HTTP one)."""
+    if http_port is not None:
+        write_port(getattr(args, "http_port_file", None), http_port)
+    write_port(getattr(args, "port_file", None), port)
+
+
 def run_workers(args: argparse.Namespace, argv: Sequence[str], front: FrontProcess | None = None) -> int:
     """Run `args.workers` router processes on one port; `argv` is the router command line they repeat
     (each with its own port overrides appended, which argparse lets win). With a compiled `front`, the front
@@ -285,11 +293,7 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str], front: FrontProce
         if _wait_listening(folder, children, http=args.http_port is not None, doors=front is not None):
             if front is not None:
                 port = _start_front(front, args, port, folder)
-            # The HTTP port first, as one router process writes them: whoever waits for the gRPC port's file
-            # then finds the HTTP one.
-            if args.http_port is not None:
-                write_port(getattr(args, "http_port_file", None), reserved[1].getsockname()[1])
-            write_port(getattr(args, "port_file", None), port)
+            _write_ports(args, None if args.http_port is None else reserved[1].getsockname()[1], port)
         pending = list(children)
         while pending:
             pid, status = os.wait()
