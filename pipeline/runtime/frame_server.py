@@ -55,13 +55,15 @@ from pipeline.protocol.frames import (
 from pipeline.protocol.sequence_line import SequenceLine, Turn
 from pipeline.protocol.streams import error_response, hop_context
 from pipeline.runtime.admission import CONNECTION_INFLIGHT, ModelShares
+from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.error_status import internal_error, rpc_status_of
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
     AccessPolicy,
     certificate_names,
     server_ssl_context_of,
 )
-from pipeline.runtime.servicer import CallContext, InferenceServicer, internal_error, rpc_status_of
+from pipeline.runtime.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import numpy as np
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import DeadlineExceeded, PipelineError, StageError
 from pipeline.protocol.streams import error_response, set_final
+from pipeline.runtime.error_status import internal_error, rpc_status_of
 from pipeline.runtime.model_statistics import ModelStats
-from pipeline.runtime.servicer import internal_error, rpc_status_of
 from pipeline.stage.api import Deadline
 from pipeline.stage.bls import CallScope
 from pipeline.stage.pool import InstancePool, Slot

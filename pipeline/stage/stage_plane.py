@@ -49,9 +49,9 @@ from pipeline.protocol.errors import (
 )
 from pipeline.protocol.sequences import SequenceId, sequence_of
 from pipeline.protocol.streams import DECOUPLED_UNARY, set_final
+from pipeline.runtime.data_plane import CallContext, DataPlane
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
-from pipeline.runtime.servicer import CallContext, DataPlane
 from pipeline.runtime.telemetry import BATCH_SIZE, Telemetry
 from pipeline.stage.api import Deadline, Stage
 from pipeline.stage.backend import Backend

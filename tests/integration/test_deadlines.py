@@ -17,7 +17,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from pipeline.protocol.errors import DeadlineExceeded
-from pipeline.runtime.servicer import CallContext
+from pipeline.runtime.data_plane import CallContext
 from pipeline.stage import Stage, TensorSpec
 from pipeline.stage.stage_plane import StagePlane
 from pipeline.tools.testing import serving_stages

@@ -18,7 +18,7 @@ from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.streams import EMPTY_FINAL_PARAMETER, FINAL_PARAMETER, is_final
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.repository import ModelRepository
-from pipeline.runtime.servicer import STREAM_INFLIGHT
+from pipeline.runtime.stream_servicer import STREAM_INFLIGHT
 from pipeline.stage.api import Stage
 from pipeline.stage.decoupled import BUFFERED
 from pipeline.stage.python_backend import PythonBackend

@@ -21,9 +21,10 @@ from pipeline.protocol.codec import Tensor, infer_response, metadata_response, r
 from pipeline.protocol.errors import ModelNotFound
 from pipeline.protocol.model_config import read_config
 from pipeline.protocol.types import TensorSpec
+from pipeline.runtime.data_plane import CallContext, DataPlane
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.server import INFERENCE_SERVICE, create_server, set_serving
-from pipeline.runtime.servicer import CallContext, DataPlane, InferenceServicer
+from pipeline.runtime.servicer import InferenceServicer
 from pipeline.stage.api import Stage
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages

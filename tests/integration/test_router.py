@@ -19,8 +19,9 @@ from pipeline.protocol.codec import Tensor, infer_response, response_tensors
 from pipeline.protocol.errors import ConfigError, InvalidInput, ModelNotFound
 from pipeline.protocol.types import TensorSpec
 from pipeline.router.main import serve_router
+from pipeline.runtime.data_plane import CallContext, DataPlane
 from pipeline.runtime.server import create_server, set_serving
-from pipeline.runtime.servicer import CallContext, DataPlane, InferenceServicer
+from pipeline.runtime.servicer import InferenceServicer
 from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving

@@ -22,10 +22,11 @@ from pipeline.protocol.codec import Tensor, infer_response, metadata_response, r
 from pipeline.protocol.errors import ConfigError, ModelNotFound
 from pipeline.protocol.types import TensorSpec
 from pipeline.router.router_plane import RouterPlane
+from pipeline.runtime.data_plane import DataPlane
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.server import create_server, set_serving
-from pipeline.runtime.servicer import DataPlane, InferenceServicer
+from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.telemetry import Telemetry
 from pipeline.stage.api import Stage
 from pipeline.stage.python_backend import PythonBackend

@@ -15,7 +15,7 @@ from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import Unavailable
 from pipeline.protocol.types import TensorSpec
 from pipeline.router.stages.stage_client import item_errors, not_started
-from pipeline.runtime.servicer import CallContext
+from pipeline.runtime.data_plane import CallContext
 from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_stages
 from pipeline.transport.server_link import ServerLink

@@ -21,8 +21,8 @@ from pipeline.ensemble.plan import EnsemblePlan, ModelSignature
 from pipeline.protocol.errors import ConfigError, StageError
 from pipeline.router.caching.response_cache import ResponseCache, Version, request_key
 from pipeline.router.registry import ModelRegistry, batch_items
+from pipeline.runtime.data_plane import CallContext
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.servicer import CallContext
 from pipeline.runtime.telemetry import CACHE_HIT, Telemetry
 
 log = logging.getLogger(__name__)

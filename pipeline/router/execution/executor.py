@@ -46,8 +46,8 @@ from pipeline.router.scheduling.batching import DynamicBatcher
 from pipeline.router.scheduling.calls import StageCalls
 from pipeline.router.scheduling.merge import StageCall
 from pipeline.router.stages.stage_client import StageClient
+from pipeline.runtime.data_plane import CallContext
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.servicer import CallContext
 from pipeline.runtime.telemetry import MODEL, STEP, Telemetry
 
 log = logging.getLogger(__name__)

@@ -38,8 +38,9 @@ from pipeline.protocol.streams import error_response, is_final, set_final, statu
 from pipeline.router.execution.branches import skip_reason
 from pipeline.router.execution.executor import Executor
 from pipeline.router.registry import ENSEMBLE_VERSION
+from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.error_status import rpc_status_of
 from pipeline.runtime.model_statistics import ModelStats
-from pipeline.runtime.servicer import CallContext, rpc_status_of
 
 #: Responses of one request held between the decoupled step and the client (running downstream or done).
 STREAM_DEPTH = 16

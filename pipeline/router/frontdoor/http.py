@@ -49,6 +49,8 @@ from pipeline.router.frontdoor.rest_codec import (
 from pipeline.router.frontdoor.torchserve_api import OPEN_PATHS as TS_OPEN_PATHS
 from pipeline.router.frontdoor.torchserve_api import TorchServeApi
 from pipeline.runtime.admission import REQUEST_COST, cost_of
+from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.error_status import internal_error
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
     AccessPolicy,
@@ -57,7 +59,7 @@ from pipeline.runtime.security import (
     server_ssl_context_of,
 )
 from pipeline.runtime.server import write_port
-from pipeline.runtime.servicer import CallContext, InferenceServicer, internal_error
+from pipeline.runtime.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from aiohttp import BodyPartReader, web
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import PipelineError
-from pipeline.runtime.servicer import CallContext, InferenceServicer
+from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.torchserve_store import (
     REQUEST_TENSOR,
     ArchiveModel,

@@ -55,10 +55,10 @@ from pipeline.router.execution.availability import EnsembleAvailability
 from pipeline.router.stages.discovery import StageDiscovery, ready_of
 from pipeline.router.stages.replicas import DOWN, SERVING, Replica
 from pipeline.router.stages.stage_client import StageClient
+from pipeline.runtime.data_plane import CallContext
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_control import check_control_enabled
 from pipeline.runtime.repository import check_model_name
-from pipeline.runtime.servicer import CallContext
 
 log = logging.getLogger(__name__)
 
