@@ -7,7 +7,7 @@ import logging
 from collections.abc import Mapping
 
 from pipeline.ensemble.plan import EnsemblePlan, ModelSignature, PlanStep
-from pipeline.protocol.errors import ConfigError
+from pipeline.protocol.errors import ConfigError, names_of
 from pipeline.protocol.types import TensorSpec
 
 log = logging.getLogger(__name__)
@@ -91,12 +91,18 @@ def _interface_errors(plan: EnsemblePlan, step: PlanStep, signature: ModelSignat
                 f"(its inputs: {_names(signature.inputs)})"
             )
     mapped = {stage_tensor for stage_tensor, _ in step.inputs}
-    for spec in signature.inputs:
-        if spec.name not in mapped:
-            errors.append(
-                f"{where}: stage input '{spec.name}' ({spec.datatype} {list(spec.shape)}) is not mapped; "
-                f"add it to input_map (mapped now: {', '.join(sorted(mapped))})"
-            )
+    unmapped = [spec for spec in signature.inputs if spec.name not in mapped]
+    if len(unmapped) == 1:
+        spec = unmapped[0]
+        errors.append(
+            f"{where}: stage input '{spec.name}' ({spec.datatype} {list(spec.shape)}) is not mapped; "
+            f"add it to input_map (mapped now: {names_of(sorted(mapped))})"
+        )
+    elif unmapped:
+        errors.append(
+            f"{where}: stage inputs {names_of(spec.name for spec in unmapped)} are not mapped; add them to "
+            f"input_map (mapped now: {names_of(sorted(mapped))})"
+        )
     for stage_tensor, tensor in step.outputs:
         if stage_tensor not in stage_outputs:
             errors.append(
@@ -183,7 +189,7 @@ def _mismatch(expected: TensorSpec, expected_by: str, found: TensorSpec, tensor:
 
 
 def _names(specs: tuple[TensorSpec, ...]) -> str:
-    return ", ".join(spec.name for spec in specs) or "none"
+    return names_of(spec.name for spec in specs)
 
 
 def _address(plan: EnsemblePlan, stage: str) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.datatypes import DATATYPES, array_from_raw, array_to_raw, datatype_of, element_count
-from pipeline.protocol.errors import InvalidInput, ModelNotFound, echo
+from pipeline.protocol.errors import InvalidInput, ModelNotFound, echo, names_of
 from pipeline.protocol.types import TensorSpec
 
 _LENGTH = struct.Struct("<I")
@@ -181,13 +181,13 @@ def validate_inputs(
         spec = by_spec.get(tensor.name)
         if spec is None:
             raise InvalidInput(
-                f"unexpected input '{echo(tensor.name)}' for model '{model}' (expected: {', '.join(by_spec)})"
+                f"unexpected input '{echo(tensor.name)}' for model '{model}' (expected: {names_of(by_spec)})"
             )
         check_tensor(tensor, spec, model)
         found[tensor.name] = tensor
     missing = [name for name, spec in by_spec.items() if name not in found and not spec.optional]
     if missing:
-        raise InvalidInput(f"model '{model}' expects input(s) {', '.join(missing)}, not in the request")
+        raise InvalidInput(f"model '{model}' expects input(s) {names_of(missing)}, not in the request")
     if max_batch_size > 0 and found:
         batches = {t.shape[0] for t in found.values()}
         if len(batches) > 1:
@@ -217,10 +217,10 @@ def requested_outputs(request: pb.ModelInferRequest, specs: Sequence[TensorSpec]
         if out.name in asked:  # Triton refuses it too
             raise InvalidInput(f"output '{echo(out.name)}' appears more than once in the request")
         asked.append(out.name)
-    unknown = [echo(name) for name in asked if name not in names]
+    unknown = [name for name in asked if name not in names]
     if unknown:
         raise InvalidInput(
-            f"model '{model}' has no output(s) {echo(', '.join(unknown))} (outputs: {', '.join(names)})"
+            f"model '{model}' has no output(s) {names_of(unknown)} (outputs: {names_of(names)})"
         )
     return asked
 

@@ -7,7 +7,7 @@ handler is an internal error and its details are logged, not sent to the client.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -33,6 +33,22 @@ def echo(text: str, limit: int = ECHO_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters)"
+
+
+#: The most names (of tensors, models) an error message lists; it says how many more there are.
+NAMES_LIMIT = 8
+
+
+def names_of(names: Iterable[str], limit: int = NAMES_LIMIT) -> str:
+    """`names` as an error message lists them: the first `limit`, each cut as `echo` cuts it, then how many
+    more there are ("A, B, C and 199,997 more"); "none" for none. A model with 200,000 inputs makes a short
+    message that still says what was expected."""
+    listed = list(names)
+    if not listed:
+        return "none"
+    shown = ", ".join(echo(name) for name in listed[:limit])
+    more = len(listed) - limit
+    return f"{shown} and {more:,} more" if more > 0 else shown
 
 
 @dataclass(frozen=True, slots=True)

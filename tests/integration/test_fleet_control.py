@@ -556,3 +556,40 @@ async def test_a_name_no_repository_can_hold_gets_one_answer_from_router_and_sta
                         assert reply.status == 404
                         assert (await reply.json())["error"] == at_router.details()
             assert await _version(stub) == 1.0
+
+
+async def test_a_config_with_many_inputs_loaded_as_an_admin_leaves_the_other_models_alone(tmp_path):
+    """`versioned` reloaded through the router with 5,000 more required inputs: another model of its stage
+    answers as before; `versioned` itself, and the ensemble that calls it, refuse a request without them with
+    a short message naming the first few and how many more."""
+    root = tmp_path / "a"
+    repository = _repository(root, ("1", VERSIONED_MODEL))
+    _add_model(root, "other")
+    async with _replica(repository) as first:
+        await wait_serving(first.address)
+        (tmp_path / "follows.yaml").write_text(ENSEMBLE.format(a=first.address, b=first.address))
+        async with (
+            serving_router(load_ensembles([tmp_path / "follows.yaml"]), options=EXPLICIT) as router,
+            inference_stub(router.address) as stub,
+        ):
+            await wait_serving(router.address)
+            assert await _version(stub, "other") == await _version(stub, "follows") == 1.0
+            config = {
+                "name": "versioned",
+                "backend": "python",
+                "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [1]}]
+                + [{"name": f"IN_{i}", "data_type": "TYPE_FP32", "dims": [1]} for i in range(5000)],
+                "output": [{"name": "VERSION", "data_type": "TYPE_FP32", "dims": [1]}],
+            }
+            parameters = {"config": pb.ModelRepositoryParameter(string_param=json.dumps(config))}
+            load = pb.RepositoryModelLoadRequest(model_name="versioned", parameters=parameters)
+            await stub.RepositoryModelLoad(load, timeout=120)
+            assert await _version(stub, "other") == 1.0
+            for model in ("versioned", "follows"):
+                error = await rpc_error(_version(stub, model))
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "expects input(s) IN_0, IN_1, IN_2, IN_3, IN_4, IN_5, IN_6, IN_7 and 4,992 more" in (
+                    error.details()
+                )
+                assert len(error.details()) < 300, error.details()
+            assert await _version(stub, "other") == 1.0

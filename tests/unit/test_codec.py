@@ -17,6 +17,7 @@ from pipeline.protocol.codec import (
     check_tensor,
     infer_response,
     request_tensors,
+    requested_outputs,
     response_tensors,
     validate_inputs,
 )
@@ -28,7 +29,7 @@ from pipeline.protocol.datatypes import (
     decode_bytes,
     encode_bytes,
 )
-from pipeline.protocol.errors import InvalidInput
+from pipeline.protocol.errors import InvalidInput, names_of
 from pipeline.protocol.types import TensorSpec
 
 FIXED = [name for name in DATATYPES if name != "BYTES"]
@@ -183,3 +184,26 @@ def test_validate_inputs_batch_bounds():
     with pytest.raises(InvalidInput, match=r"batch size 0 is outside 1\.\.4"):
         validate_inputs("m", [Tensor("X", "FP32", (0, 1), b"")], spec, 4)
     assert validate_inputs("m", [Tensor("X", "FP32", (4, 1), b"\x00" * 16)], spec, 4)["X"].shape == (4, 1)
+
+
+def test_errors_list_the_first_few_names_and_how_many_more():
+    """A model with thousands of inputs or outputs makes short messages that still say what was expected."""
+    specs = [TensorSpec(f"IN_{i}", "FP32", (1,)) for i in range(5000)]
+    x = Tensor.from_array("X", np.zeros(1, np.float32))
+    with pytest.raises(InvalidInput) as info:
+        validate_inputs("wide", [x], specs, 0)
+    assert info.value.message == (
+        "unexpected input 'X' for model 'wide' (expected: IN_0, IN_1, IN_2, IN_3, IN_4, IN_5, IN_6, IN_7 "
+        "and 4,992 more)"
+    )
+    with pytest.raises(InvalidInput) as info:
+        validate_inputs("wide", [], specs, 0)
+    assert info.value.message.endswith("IN_6, IN_7 and 4,992 more, not in the request")
+    request = pb.ModelInferRequest(outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="Y")])
+    with pytest.raises(InvalidInput) as info:
+        requested_outputs(request, specs, "wide")
+    assert info.value.message == (
+        "model 'wide' has no output(s) Y (outputs: IN_0, IN_1, IN_2, IN_3, IN_4, IN_5, IN_6, IN_7 and 4,992 more)"
+    )
+    assert names_of(["a", "b"]) == "a, b" and names_of([]) == "none"
+    assert names_of(["x" * 1000]) == "x" * 200 + "... (1000 characters)"

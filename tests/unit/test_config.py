@@ -694,6 +694,17 @@ def test_required_input_not_mapped(tmp_path: Path) -> None:
     assert "step 1 (digits_cnn): stage input 'MASK' (BOOL [-1, 1]) is not mapped" in message
 
 
+def test_thousands_of_unmapped_inputs_make_one_short_error(tmp_path: Path) -> None:
+    extra = tuple(TensorSpec(f"IN_{i}", "FP32", (-1, 1)) for i in range(5000))
+    inputs = (*signatures()["digits_cnn"].inputs, *extra)
+    message = check_error(tmp_path, replace(signatures(), "digits_cnn", inputs=inputs))
+    assert (
+        "step 1 (digits_cnn): stage inputs IN_0, IN_1, IN_2, IN_3, IN_4, IN_5, IN_6, IN_7 and 4,992 more are "
+        "not mapped; add them to input_map (mapped now: INPUT)"
+    ) in message
+    assert len(message) < 1000
+
+
 def test_output_map_key_not_an_output_of_the_model(tmp_path: Path) -> None:
     sigs = replace(signatures(), "digits_post", outputs=(TensorSpec("LABEL", "INT64", (-1, 1)),))
     message = check_error(tmp_path, sigs)
