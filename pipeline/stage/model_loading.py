@@ -65,11 +65,7 @@ class ModelLoading:
         self.repository = repository
         self.backends = {name: backend for backend in backends for name in backend.names}
         self._only = set(models) if models is not None else None
-        mine = self._only if own is None else set(own)  # `StagePlane`'s `own`: loaded at start-up or not
-        #: The folders the repository held at start-up that are not this service's: other services'
-        #: (`pipeline.stage.placement`). A folder that appears later is anyone's who runs its backend.
-        held = repository.names() if repository is not None and mine is not None else []
-        self._others = frozenset(n for n in held if n not in (mine or ()))
+        self._others = _held_by_others(repository, self._only if own is None else own)
         self.control = control
         self._sequences = sequences
         self._stages = list(stages)
@@ -83,16 +79,14 @@ class ModelLoading:
 
     def _wanted_names(self) -> list[str]:
         """The repository models this service loads at start-up."""
-        if self.repository is None:
-            return []
-        return [n for n in self.repository.names() if self._only is None or n in self._only]
+        names = self.repository.names() if self.repository is not None else []
+        return [n for n in names if self._only is None or n in self._only]
 
     def _listed_names(self) -> list[str]:
         """The repository models its `RepositoryIndex` lists: all but those the repository held at start-up
         for other services, so that a folder added since can be found, and loaded, through the router."""
-        if self.repository is None:
-            return []
-        return [n for n in self.repository.names() if n not in self._others]
+        names = self.repository.names() if self.repository is not None else []
+        return [n for n in names if n not in self._others]
 
     # ---- loading and unloading -----------------------------------------------------------------------------
 
@@ -371,6 +365,15 @@ class ModelLoading:
             for served in versions:
                 await self._retire(served)
             self._drop_override_folder(name)
+
+
+def _held_by_others(repository: ModelRepository | None, mine: Collection[str] | None) -> frozenset[str]:
+    """The folders `repository` holds now that are not this service's (`mine`: its models, loaded at start-up
+    or not, `StagePlane`'s `own`; None: all are), but other services' (`pipeline.stage.placement`). A folder
+    that appears later is anyone's who runs its backend."""
+    if repository is None or mine is None:
+        return frozenset()
+    return frozenset(n for n in repository.names() if n not in mine)
 
 
 def _override_folder(name: str, override: LoadOverride) -> tempfile.TemporaryDirectory[str]:
