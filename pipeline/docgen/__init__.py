@@ -200,17 +200,19 @@ def _read_by(flags: dict[str, list[str]], servers: list[str]) -> str:
 
 
 def settings_table() -> dict[str, str]:
-    """Every variable `pipeline.runtime.settings` defines, with its default: the processes' settings models'
+    """Every variable the settings define, with its default: the processes' settings models'
     (where several processes read one, the first default given), and the `Setting`s no flag reads."""
-    from pipeline.runtime import settings
+    from pipeline.runtime import settings_values
 
     defaults: dict[str, Any] = {}
     for model in _settings().values():
         for _, found, field in model.options():
             if found.env is not None and defaults.get(found.env) in (None, [], ()):
                 defaults[found.env] = field.default
-    defined = [value for value in vars(settings).values() if isinstance(value, settings.Setting)]
-    for setting in [*defined, *map(settings.stage_address, settings.STAGES)]:
+    defined = [
+        value for value in vars(settings_values).values() if isinstance(value, settings_values.Setting)
+    ]
+    for setting in [*defined, *map(settings_values.stage_address, settings_values.STAGES)]:
         defaults.setdefault(setting.variable, setting.default)
     table = {}
     for variable, default in defaults.items():

@@ -28,7 +28,7 @@ from pipeline.router.frontdoor.torchserve_api import TorchServeApi
 from pipeline.router.router_plane import RouterPlane
 from pipeline.router.stages.targets import Resolve
 from pipeline.router.workers import WorkerPeers, run_workers
-from pipeline.runtime import settings
+from pipeline.runtime import router_settings, server_settings, settings_values
 from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_control import explicit_mode
@@ -81,7 +81,7 @@ def router_catalog(args: argparse.Namespace, *, exit_on_error: bool | None = Non
             raise ConfigError(f"--stage {key}: given twice ({stages[key]} and {address})")
         stages[key] = address
     if not stages and model_dir is not None:
-        stages = {stage: settings.stage_address(stage).get() for stage in settings.STAGES}
+        stages = {stage: settings_values.stage_address(stage).get() for stage in settings_values.STAGES}
     if exit_on_error is None:
         exit_on_error = getattr(args, "exit_on_error", True)
     catalog = load_catalog(ensembles, repository=model_dir, stages=stages, exit_on_error=False)
@@ -93,7 +93,7 @@ def router_catalog(args: argparse.Namespace, *, exit_on_error: bool | None = Non
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     """The router's flags (`pipeline.runtime.settings.RouterSettings`)."""
-    add_arguments(parser, settings.RouterSettings)
+    add_arguments(parser, router_settings.RouterSettings)
 
 
 def router_plane(
@@ -151,8 +151,9 @@ def _front_door(servicer: InferenceServicer, args: argparse.Namespace, policy: A
         servicer,
         policy=policy,
         max_body_bytes=args.max_message_mb * 1024 * 1024,
-        max_json_output_bytes=getattr(args, "max_json_output_mb", settings.Http().max_json_output_mb) << 20,
-        codec=CodecPool(getattr(args, "http_codec_processes", settings.Http().http_codec_processes)),
+        max_json_output_bytes=getattr(args, "max_json_output_mb", router_settings.Http().max_json_output_mb)
+        << 20,
+        codec=CodecPool(getattr(args, "http_codec_processes", router_settings.Http().http_codec_processes)),
         torchserve=TorchServeApi(
             servicer, getattr(args, "model_dir", None), getattr(args, "model_store", None)
         ),
@@ -222,7 +223,7 @@ class _RouterServer:
             "pipeline-router",
             telemetry=plane.telemetry,
             metrics=metrics,
-            max_inflight_bytes=settings.inflight_bytes_of(args),
+            max_inflight_bytes=server_settings.inflight_bytes_of(args),
         )
         # HTTP drains on gRPC's clock: its requests still held at the end of the grace period are answered
         # 503 (`pipeline.runtime.shutdown`), and have `ABANDON_S` for it.
@@ -341,7 +342,7 @@ async def serve_router(
 
 def run_router(args: argparse.Namespace) -> int:
     """Entry point of the router process."""
-    prepare_process(settings.log_level_of(args), "router")
+    prepare_process(server_settings.log_level_of(args), "router")
     try:
         if args.workers > 1:
             path = compiled(args.front)

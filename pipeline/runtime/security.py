@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pipeline.runtime import settings
+from pipeline.runtime import settings_values
 from pipeline.runtime.call_abort import abort
 
 log = logging.getLogger(__name__)
@@ -186,11 +186,11 @@ def server_ssl_context_of(args: argparse.Namespace) -> ssl.SSLContext | None:
 
 def add_client_tls_arguments(parser: argparse.ArgumentParser, *, prefix: str, env_prefix: str) -> None:
     """`--<prefix>tls-ca/cert/key` for a client side (env `<env_prefix>TLS_CA`, ...)."""
-    for part, text in settings.CLIENT_TLS_HELP.items():
+    for part, text in settings_values.CLIENT_TLS_HELP.items():
         variable = f"{env_prefix}TLS_{part.upper()}"
         parser.add_argument(
             f"--{prefix}tls-{part}",
-            default=settings.Setting(variable, None, str).get(),
+            default=settings_values.Setting(variable, None, str).get(),
             help=f"{text} (env {variable})",
         )
 
@@ -263,10 +263,10 @@ class TokenAuthenticator:
 def stage_token_of(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str | None:
     """The router's stage token: `--stage-token`, else `PIPELINE_STAGE_TOKEN`, else the first token of the
     file `PIPELINE_STAGE_TOKEN_FILE` names (a mounted secret); None when none is set."""
-    token = getattr(args, "stage_token", None) or settings.STAGE_TOKEN.get(environ)
+    token = getattr(args, "stage_token", None) or settings_values.STAGE_TOKEN.get(environ)
     if token:
         return token.strip()
-    from_file = read_tokens(settings.STAGE_TOKEN_FILE.get(environ))
+    from_file = read_tokens(settings_values.STAGE_TOKEN_FILE.get(environ))
     if len(from_file) > 1:
         raise SecurityConfigError("PIPELINE_STAGE_TOKEN_FILE: one token expected, found several")
     return from_file[0] if from_file else None
@@ -277,8 +277,8 @@ def authenticator_of(
 ) -> TokenAuthenticator | None:
     """The authenticator a server's flags and environment ask for, or None when no token is configured.
     With `stage_token` (a stage service) the router's token is accepted too, with the infer scope."""
-    tokens = read_tokens(getattr(args, "auth_tokens_file", None), settings.AUTH_TOKENS.get(environ))
-    admin = read_tokens(getattr(args, "admin_tokens_file", None), settings.ADMIN_TOKENS.get(environ))
+    tokens = read_tokens(getattr(args, "auth_tokens_file", None), settings_values.AUTH_TOKENS.get(environ))
+    admin = read_tokens(getattr(args, "admin_tokens_file", None), settings_values.ADMIN_TOKENS.get(environ))
     router = stage_token_of(args, environ) if stage_token else None
     if router is not None:
         tokens.append(router)

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.runtime import settings
+from pipeline.runtime import settings_values
 from pipeline.runtime.allocator import keep_freed_memory
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.servicer import InferenceServicer
@@ -133,7 +133,7 @@ async def create_server(
     `reuse_port` shares the port with other processes that ask for it too (`SO_REUSEPORT`)."""
     options = [
         *server_options(max_message_bytes),
-        ("grpc.max_connection_age_ms", int(settings.MAX_CONNECTION_AGE_S.get() * 1000)),
+        ("grpc.max_connection_age_ms", int(settings_values.MAX_CONNECTION_AGE_S.get() * 1000)),
         # In-flight calls on a recycled connection get this long to finish.
         ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
         # The router's keepalive pings (`keepalive_options`) are welcome, with calls open or not.

@@ -26,7 +26,7 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import InvalidInput, RepositoryError
 from pipeline.runtime.model_control import check_control_enabled, explicit_mode
 from pipeline.runtime.security import AccessPolicy
-from pipeline.runtime.settings import DEFAULT_MAX_INSTANCES
+from pipeline.runtime.server_settings import DEFAULT_MAX_INSTANCES
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from grpc_health.v1 import health
 from pipeline.ensemble.catalog import ensemble_plans
 from pipeline.ensemble.selection import EVERYTHING
 from pipeline.protocol.errors import ConfigError
-from pipeline.runtime import settings
+from pipeline.runtime import server_settings, service_settings, settings_values
 from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_metrics import MODEL_FAMILIES, Snapshot, families_handler
@@ -75,7 +75,7 @@ class _StageServer:
             service,
             telemetry=plane.telemetry,
             metrics=plane.metrics,
-            max_inflight_bytes=settings.inflight_bytes_of(args),
+            max_inflight_bytes=server_settings.inflight_bytes_of(args),
         )
         self.frames = frame_server_of(self.servicer, args, policy)
 
@@ -205,7 +205,7 @@ def _router_calls(args: argparse.Namespace) -> RouterCalls | None:
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         credentials=None if tls is None else tls.credentials,
         tls=None if tls is None else tls.ssl_context,
-        token=settings.TOKEN.get(),
+        token=settings_values.TOKEN.get(),
     )
 
 
@@ -221,7 +221,7 @@ def run_stage_service(
 ) -> None:
     """Entry point of a stage service process: serve `stages` and the repository models of `backends` until
     SIGTERM or SIGINT (`models` and `own` as `serve_stages`')."""
-    prepare_process(settings.log_level_of(args), service)
+    prepare_process(server_settings.log_level_of(args), service)
     try:
         uvloop.run(
             serve_stages(
@@ -247,7 +247,7 @@ def python_service_parser(service: str) -> argparse.ArgumentParser:
         description=f"Serve the Python models (model.py) of a model repository that run in the {service} "
         "service of their ensembles, over the Open Inference Protocol.",
     )
-    add_arguments(parser, settings.stage_settings(service))
+    add_arguments(parser, service_settings.stage_settings(service))
     return parser
 
 
@@ -255,7 +255,7 @@ def python_service_main(service: str, argv: Sequence[str] | None = None) -> None
     """The `preprocess` and `postprocess` services: serve the repository's Python models that run there
     (`pipeline.stage.placement`, or those `--load-model` names) until SIGTERM or SIGINT."""
     args = python_service_parser(service).parse_args(argv)
-    prepare_process(settings.log_level_of(args), service)
+    prepare_process(server_settings.log_level_of(args), service)
     repository = ModelRepository(args.model_dir)
     placed = _placed_models(service, repository, args.ensembles)
     named = repository_models(args)

@@ -28,7 +28,7 @@ from pipeline.ensemble.catalog import load_sources
 from pipeline.ensemble.plan import EnsemblePlan
 from pipeline.ensemble.selection import named, selection
 from pipeline.protocol.errors import ConfigError
-from pipeline.runtime import settings
+from pipeline.runtime import server_settings, settings_values
 from pipeline.runtime.security import channel_credentials
 from pipeline.runtime.settings_cli import add_arguments, from_environment
 from pipeline.tools.autoscaler import (
@@ -63,10 +63,10 @@ class _Stop(Exception):
 
 #: The settings that turn authentication on in every service (`pipeline.runtime.security`).
 AUTH_SETTINGS = (
-    settings.AUTH_TOKENS,
-    settings.AUTH_TOKENS_FILE,
-    settings.ADMIN_TOKENS,
-    settings.ADMIN_TOKENS_FILE,
+    settings_values.AUTH_TOKENS,
+    settings_values.AUTH_TOKENS_FILE,
+    settings_values.ADMIN_TOKENS,
+    settings_values.ADMIN_TOKENS_FILE,
 )
 
 
@@ -76,22 +76,22 @@ def stage_token_env(environ: Mapping[str, str]) -> dict[str, str]:
     It travels in the environment, which other users cannot read, not on the command line."""
     if not any(setting.given(environ) for setting in AUTH_SETTINGS):
         return {}
-    if settings.STAGE_TOKEN.given(environ) or settings.STAGE_TOKEN_FILE.given(environ):
+    if settings_values.STAGE_TOKEN.given(environ) or settings_values.STAGE_TOKEN_FILE.given(environ):
         return {}
-    return {settings.STAGE_TOKEN.variable: secrets.token_urlsafe(32)}
+    return {settings_values.STAGE_TOKEN.variable: secrets.token_urlsafe(32)}
 
 
 def stage_admin_env(environ: Mapping[str, str], token_env: Mapping[str, str]) -> dict[str, str]:
     """With admin tokens configured, the stages take the router's stage token (`token_env`'s, else the
     environment's) as an admin token too: the router loads what the fleet serves on every replica, one that
     starts later (a restart, a scale-up) included, with its own token."""
-    if not (settings.ADMIN_TOKENS.given(environ) or settings.ADMIN_TOKENS_FILE.given(environ)):
+    if not (settings_values.ADMIN_TOKENS.given(environ) or settings_values.ADMIN_TOKENS_FILE.given(environ)):
         return {}
-    token = token_env.get(settings.STAGE_TOKEN.variable) or settings.STAGE_TOKEN.get(environ)
+    token = token_env.get(settings_values.STAGE_TOKEN.variable) or settings_values.STAGE_TOKEN.get(environ)
     if not token:
         return {}
-    listed = settings.ADMIN_TOKENS.get(environ)
-    return {settings.ADMIN_TOKENS.variable: f"{listed},{token}" if listed else token}
+    listed = settings_values.ADMIN_TOKENS.get(environ)
+    return {settings_values.ADMIN_TOKENS.variable: f"{listed},{token}" if listed else token}
 
 
 def _ensembles(folder: Path, model_dir: Path, load_model: list[str]) -> list[str]:
@@ -254,8 +254,8 @@ def _stop_all(router: Service, services: list[Service], args: argparse.Namespace
 def _stop_within(args: argparse.Namespace) -> float:
     """How long a service gets to stop before it is killed: its drain delay (from the environment, as the
     services read it), the grace period and margins (`pipeline.tools.supervisor.stop_within`)."""
-    given, delay = from_environment(settings.Shutdown, "drain_delay")
-    return stop_within(args.grace_period, delay if given else settings.Shutdown().drain_delay)
+    given, delay = from_environment(server_settings.Shutdown, "drain_delay")
+    return stop_within(args.grace_period, delay if given else server_settings.Shutdown().drain_delay)
 
 
 def _pin_ports(services: list[Service], ports: Path, http_port_file: Path) -> None:
@@ -339,7 +339,7 @@ def _stage_service(kind: str, number: int, port: int, flags: Mapping[str, list[s
     name = f"{kind}-{number}" if number else kind
     # Metrics: where the environment says for the first replica, else a port the OS picks, so that stages
     # (and further replicas) never collide.
-    given, port_given = from_environment(settings.listening(kind), "metrics_port")
+    given, port_given = from_environment(server_settings.listening(kind), "metrics_port")
     wanted = port_given if number <= 1 and given else 0
     metrics = ["--metrics-port", "off" if wanted is None else str(wanted)]
     return Service(name, ["-m", f"services.{kind}"], port, [*flags[kind], *metrics])
@@ -406,8 +406,8 @@ def _start(
             write_addresses(addresses_file(ports, kind), replicas, connect)
             address = f"file:{addresses_file(ports, kind)}"
         router.env[f"{kind.upper()}_ADDRESS"] = address
-    if autoscaled and not settings.RESOLVE_INTERVAL_S.given():
-        router.env[settings.RESOLVE_INTERVAL_S.variable] = str(RESOLVE_INTERVAL_S)
+    if autoscaled and not settings_values.RESOLVE_INTERVAL_S.given():
+        router.env[settings_values.RESOLVE_INTERVAL_S.variable] = str(RESOLVE_INTERVAL_S)
     router.start(host, ports / router.name)
     router.wait_port(ports / router.name, timeout)
     for service in [*stages, router]:

@@ -9,21 +9,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, create_model
 
-from pipeline.runtime.settings import (
-    MODEL_DIR,
-    PORTS,
-    STAGES,
-    Front,
-    Logging,
-    ModelControl,
-    Readiness,
-    http_port_option,
-    model_dir_option,
-    names,
-    port_or_off,
-    positive_int,
-)
+from pipeline.runtime.router_settings import Front, Readiness, http_port_option
+from pipeline.runtime.server_settings import Logging, ModelControl, model_dir_option
 from pipeline.runtime.settings_cli import option, process_settings
+from pipeline.runtime.settings_values import MODEL_DIR, PORTS, STAGES, names, port_or_off, positive_int
 from pipeline.runtime.shutdown import EXIT_MARGIN_S
 from pipeline.tools.autoscaler import autoscale_bounds
 from pipeline.tools.model_store import LauncherModelStore

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Annotated
 
 from pipeline.protocol.errors import ConfigError, PipelineError
-from pipeline.runtime.settings import Repository, TorchServeStore
+from pipeline.runtime.router_settings import TorchServeStore
+from pipeline.runtime.service_settings import Repository
 from pipeline.runtime.settings_cli import add_arguments, option, process_settings
 from pipeline.runtime.torchserve_store import (
     ArchiveModel,

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.runtime import settings
+from pipeline.runtime import server_settings, service_settings
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.server import prepare_process
 from pipeline.runtime.settings_cli import add_arguments
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line: the shared server flags plus this service's own
     (`pipeline.runtime.settings.ModelServiceSettings`)."""
     parser = argparse.ArgumentParser(prog="python -m services.model", description=__doc__)
-    add_arguments(parser, settings.ModelServiceSettings)
+    add_arguments(parser, service_settings.ModelServiceSettings)
     return parser
 
 
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except ValueError as exc:
         parser.error(str(exc))
-    prepare_process(settings.log_level_of(args), SERVICE)
+    prepare_process(server_settings.log_level_of(args), SERVICE)
     repository = ModelRepository(args.model_dir)
     backend = ModelBackend(options, repository_root=repository.root)
     run_stage_service(

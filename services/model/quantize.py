@@ -43,7 +43,7 @@ import numpy as np
 
 from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import tensor_specs
-from pipeline.runtime import settings as runtime_settings
+from pipeline.runtime import settings_values
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 from services.model.artifacts import ONNX, export_onnx, first_line
 from services.model.backend import ONNX_FILENAME, ModelBackend, ModelFile, ServiceSettings
@@ -344,7 +344,7 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-dir",
         "--model-repository",
         dest="model_dir",
-        default=runtime_settings.MODEL_DIR.get(),
+        default=settings_values.MODEL_DIR.get(),
         help="the Triton model repository (env PIPELINE_MODEL_DIR; default %(default)s)",
     )
     parser.add_argument("--version", help="the version to quantize (default: the newest)")

@@ -11,7 +11,7 @@ import pytest
 from pipeline.ensemble.catalog import ensemble_plans
 from pipeline.ensemble.selection import selection
 from pipeline.router.main import add_router_arguments, router_catalog
-from pipeline.runtime import settings
+from pipeline.runtime import server_settings, settings_values
 from pipeline.stage.service import python_service_parser, repository_models
 from pipeline.tools.launcher_settings import LauncherSettings
 from pipeline.tools.model_selection import load_model_flags, stage_models, unknown_names
@@ -74,11 +74,12 @@ def test_the_router_serves_the_ensembles_load_model_selects(tmp_path):
 def test_booleans_take_tritons_syntax(text, value):
     args = parse(LauncherSettings, [f"--exit-on-error={text}", f"--strict-readiness={text}"])
     assert args.exit_on_error is value and args.strict_readiness is value
-    assert settings.boolean(text) is value
+    assert settings_values.boolean(text) is value
 
 
 def test_log_verbose_logs_at_debug_level():
     assert (
-        settings.log_level_of(parse(LauncherSettings, ["--log-verbose=1", "--log-level=WARNING"])) == "DEBUG"
+        server_settings.log_level_of(parse(LauncherSettings, ["--log-verbose=1", "--log-level=WARNING"]))
+        == "DEBUG"
     )
-    assert settings.log_level_of(parse(LauncherSettings, ["--log-level=WARNING"])) == "WARNING"
+    assert server_settings.log_level_of(parse(LauncherSettings, ["--log-level=WARNING"])) == "WARNING"

@@ -8,7 +8,7 @@ import pytest
 
 from pipeline import docgen
 from pipeline.cli import build_parser
-from pipeline.runtime import settings
+from pipeline.runtime import router_settings, server_settings, service_settings, settings, settings_values
 from pipeline.runtime.settings_cli import ProcessSettings, SettingError, add_arguments
 from pipeline.stage.service import python_service_parser
 from pipeline.tools.launcher_settings import LauncherSettings
@@ -23,10 +23,10 @@ def parse(model: type[ProcessSettings], argv: list[str]) -> argparse.Namespace:
 
 
 def test_a_flag_wins_over_its_variable_which_wins_over_the_default(monkeypatch):
-    assert parse(settings.RouterSettings, []).cache_size == 0
+    assert parse(router_settings.RouterSettings, []).cache_size == 0
     monkeypatch.setenv("PIPELINE_CACHE_SIZE", "64M")
-    assert parse(settings.RouterSettings, []).cache_size == 64 << 20
-    assert parse(settings.RouterSettings, ["--cache-size", "1k"]).cache_size == 1024
+    assert parse(router_settings.RouterSettings, []).cache_size == 64 << 20
+    assert parse(router_settings.RouterSettings, ["--cache-size", "1k"]).cache_size == 1024
     monkeypatch.setenv("PIPELINE_PREPROCESS_METRICS_PORT", "off")
     args = python_service_parser("preprocess").parse_args([])
     assert args.metrics_port is None and args.port == 8101
@@ -39,10 +39,10 @@ def test_a_variable_is_read_as_its_flags_text_is(monkeypatch):
     monkeypatch.setenv("PIPELINE_TLS_IDENTITIES", "a, b")
     monkeypatch.setenv("PIPELINE_STRICT_READINESS", "false")
     monkeypatch.setenv("PIPELINE_ENSEMBLES", "here")
-    model = settings.RouterSettings().model_dump()
+    model = router_settings.RouterSettings().model_dump()
     assert model["tls_identities"] == frozenset({"a", "b"}) and model["strict_readiness"] is False
     assert model["ensembles"] == [Path("here")] and model["workers"] == 1
-    args = parse(settings.RouterSettings, ["--tls-identities", "c", "--ensembles", "x", "y"])
+    args = parse(router_settings.RouterSettings, ["--tls-identities", "c", "--ensembles", "x", "y"])
     assert args.tls_identities == frozenset({"c"}) and args.ensembles == [Path("x"), Path("y")]
     assert args.strict_readiness is False and args.stage is None
 
@@ -57,7 +57,7 @@ def test_an_empty_variable_counts_as_unset(monkeypatch):
 def test_a_variable_that_does_not_parse_is_named(monkeypatch, capsys):
     monkeypatch.setenv("PIPELINE_CACHE_SIZE", "lots")
     with pytest.raises(SettingError, match="PIPELINE_CACHE_SIZE='lots': expected a size in bytes"):
-        settings.RouterSettings()
+        router_settings.RouterSettings()
     with pytest.raises(SystemExit) as exit:
         build_parser()
     assert exit.value.code == 2
@@ -65,7 +65,7 @@ def test_a_variable_that_does_not_parse_is_named(monkeypatch, capsys):
 
 
 def test_a_variable_without_a_flag_is_read_the_same_way():
-    age = settings.MAX_CONNECTION_AGE_S
+    age = settings_values.MAX_CONNECTION_AGE_S
     assert age.get({}) == age.get({age.variable: " "}) == 30.0 and not age.given({age.variable: " "})
     assert age.get({age.variable: " 5 "}) == 5.0 and age.given({age.variable: "5"})
     with pytest.raises(SettingError, match="PIPELINE_MAX_CONNECTION_AGE_S='soon'"):
@@ -74,7 +74,7 @@ def test_a_variable_without_a_flag_is_read_the_same_way():
 
 def test_a_flag_that_does_not_parse_is_named(capsys):
     with pytest.raises(SystemExit):
-        parse(settings.RouterSettings, ["--max-batch-items", "0"])
+        parse(router_settings.RouterSettings, ["--max-batch-items", "0"])
     assert "argument --max-batch-items: must be at least 1, got 0" in capsys.readouterr().err
 
 
@@ -86,22 +86,25 @@ def test_load_model_flags_replace_the_variables_list(monkeypatch):
 
 
 def test_the_router_and_the_stage_services_share_their_groups():
-    stages = [settings.stage_settings("preprocess"), settings.stage_settings("postprocess")]
-    stages.append(settings.ModelServiceSettings)
+    stages = [service_settings.stage_settings("preprocess"), service_settings.stage_settings("postprocess")]
+    stages.append(service_settings.ModelServiceSettings)
     for group in (
-        settings.Limits,
-        settings.Shutdown,
-        settings.Security,
-        settings.Logging,
-        settings.ModelControl,
+        server_settings.Limits,
+        server_settings.Shutdown,
+        server_settings.Security,
+        server_settings.Logging,
+        server_settings.ModelControl,
     ):
-        assert group in settings.RouterSettings.groups
+        assert group in router_settings.RouterSettings.groups
         for stage in stages:
             assert group in stage.groups and issubclass(stage, group)
             for name in group.model_fields:
-                assert stage.model_fields[name].default == settings.RouterSettings.model_fields[name].default
-    assert settings.listening("model") is settings.listening("model")
-    assert settings.stage_settings("preprocess") is settings.stage_settings("preprocess")
+                assert (
+                    stage.model_fields[name].default
+                    == router_settings.RouterSettings.model_fields[name].default
+                )
+    assert server_settings.listening("model") is server_settings.listening("model")
+    assert service_settings.stage_settings("preprocess") is service_settings.stage_settings("preprocess")
 
 
 def test_the_reference_lists_every_variable_with_the_flags_that_read_it():

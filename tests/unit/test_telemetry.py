@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import Link, SpanKind, set_span_in_context
 
 from pipeline.cli import main
-from pipeline.runtime.settings import port_or_off as metrics_port
+from pipeline.runtime.settings_values import port_or_off as metrics_port
 from pipeline.runtime.telemetry import (
     NO_SPAN,
     JsonLinesSpanExporter,

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.router.stages.retry import StageRetry
 from pipeline.router.stages.targets import Resolve, Target, read_addresses, resolve_dns, tls_name
-from pipeline.runtime import settings
+from pipeline.runtime import settings_values
 from pipeline.runtime.security import ClientTls
 from pipeline.runtime.server import keepalive_options, server_options
 from pipeline.transport.server_link import ServerLink
@@ -121,7 +121,7 @@ class Replicas:
         self.target = Target.parse(address)
         self._resolve = resolve or (read_addresses if self.target.file else resolve_dns)
         self.resolve_interval = (
-            settings.RESOLVE_INTERVAL_S.get() if resolve_interval is None else resolve_interval
+            settings_values.RESOLVE_INTERVAL_S.get() if resolve_interval is None else resolve_interval
         )
         self._tls = tls
         #: The name the stage's certificate must carry, on every connection to it.

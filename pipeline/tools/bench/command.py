@@ -9,7 +9,7 @@ from pathlib import Path
 
 import uvloop
 
-from pipeline.runtime import settings
+from pipeline.runtime import settings_values
 from pipeline.runtime.security import add_client_tls_arguments
 from pipeline.tools.bench.endpoints import PROTOCOLS
 from pipeline.tools.bench.options import ARRIVALS, BenchError, BenchOptions
@@ -52,7 +52,7 @@ def _add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url",
         "-u",
-        default=settings.URL.get(),
+        default=settings_values.URL.get(),
         help="host:port of any OIP endpoint: the router or a stage over gRPC, the router's HTTP port over "
         "http (env PIPELINE_URL)",
     )
@@ -148,7 +148,7 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--token",
-        default=settings.TOKEN.get(),
+        default=settings_values.TOKEN.get(),
         help="bearer token sent with every call, where the server asks for one (env PIPELINE_TOKEN)",
     )
     # TLS as `pipeline infer` takes it.
