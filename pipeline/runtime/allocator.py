@@ -9,14 +9,19 @@ from the heap and freed memory up to `TRIM_THRESHOLD` stays there for reuse.
 
 Only glibc's `mallopt` is called; on other C libraries (musl, macOS) nothing changes. `MALLOC_*_` variables
 set in the environment win over these settings, as glibc's documentation says they should.
+
+What is kept for the next message is given back once the server is idle (`give_back_when_idle`): a burst of
+large requests, refused or served, would otherwise leave the process up to `TRIM_THRESHOLD` larger for good.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import logging
 import os
+from collections.abc import Sized
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,11 @@ TRIM_THRESHOLD = 128 << 20
 #: What the heap grows by beyond a request, so that growing it is rare.
 TOP_PAD = 16 << 20
 
+#: How often an idle server looks at what its allocator keeps, in seconds.
+IDLE_CHECK_S = 5.0
+#: What the process may hold above its size after the last give-back before an idle server gives memory back.
+IDLE_SLACK = 32 << 20
+
 _SETTINGS = (
     ("MALLOC_TRIM_THRESHOLD_", M_TRIM_THRESHOLD, TRIM_THRESHOLD),
     ("MALLOC_TOP_PAD_", M_TOP_PAD, TOP_PAD),
@@ -37,14 +47,21 @@ _SETTINGS = (
 )
 
 
+def _libc_function(name: str):
+    """A function of glibc, or None (another C library)."""
+    library = ctypes.util.find_library("c")
+    if library is None:
+        return None
+    try:
+        return getattr(ctypes.CDLL(library), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Apply the settings above to this process's allocator; whether glibc took them."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return False  # not glibc
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     applied = True
@@ -54,3 +71,36 @@ def keep_freed_memory() -> bool:
     if not applied:
         log.debug("the C allocator refused some of its settings")
     return applied
+
+
+def give_back() -> bool:
+    """Return the free memory the allocator keeps to the kernel (glibc's `malloc_trim`); whether it could."""
+    malloc_trim = _libc_function("malloc_trim")
+    if malloc_trim is None:
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    malloc_trim(0)
+    return True
+
+
+def resident_bytes() -> int:
+    """This process's resident memory, in bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def give_back_when_idle(held: Sized, interval: float = IDLE_CHECK_S, slack: int = IDLE_SLACK) -> None:
+    """Until cancelled: where the server held no request at two checks in a row (`held`: its requests being
+    served), and the process is `slack` bytes larger than after the last give-back, give the allocator's free
+    memory back."""
+    if not os.path.exists("/proc/self/statm"):
+        return  # not Linux: nothing to read the size from
+    size, idle = resident_bytes(), False
+    while True:
+        await asyncio.sleep(interval)
+        was_idle, idle = idle, not len(held)
+        if was_idle and idle and resident_bytes() > size + slack:
+            if not await asyncio.to_thread(give_back):
+                return
+            size = resident_bytes()
+            log.debug("gave free memory back to the system: %d MiB resident", size >> 20)

@@ -6,7 +6,6 @@ A servicer is thin: it hands each RPC to a `DataPlane` (a stage service's or the
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
@@ -23,8 +22,9 @@ from grpc_reflection.v1alpha import reflection
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.runtime import settings_values
-from pipeline.runtime.allocator import keep_freed_memory
+from pipeline.runtime.allocator import give_back_when_idle, keep_freed_memory
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.server_settings import Listening
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.shutdown import (
     ABANDON_S,
@@ -211,6 +211,7 @@ async def serve(
     for sig in signals:
         loop.add_signal_handler(sig, stopping.set)
     await server.start()
+    trimming: asyncio.Task[None] | None = None
     try:
         if start is not None:
             starting = asyncio.create_task(start())
@@ -222,8 +223,11 @@ async def serve(
                 waiting.cancel()
                 starting.result()
         settle_garbage_collection()
+        trimming = asyncio.create_task(give_back_when_idle(held if held is not None else ()))
         await stopping.wait()
     finally:
+        if trimming is not None:
+            trimming.cancel()
         bound = exit_deadline(drain_delay, grace)
         watchdog = exit_within(bound, f"stopping ({bound:.0f}s allowed)") if signals else None
         log.info("shutting down: draining in-flight requests (grace %.1fs)", grace)
@@ -283,9 +287,9 @@ def write_port(path: Path | None, port: int) -> None:
     tmp.replace(path)
 
 
-def start_metrics(metrics: Metrics, args: argparse.Namespace) -> int | None:
-    """Serve `metrics` where `--metrics-port` says (in-process servers without the flag serve none)."""
-    port = metrics.serve(args.host, getattr(args, "metrics_port", None))
+def start_metrics(metrics: Metrics, listening: Listening) -> int | None:
+    """Serve `metrics` where `--metrics-port` says (none where it is off)."""
+    port = metrics.serve(listening.host, listening.metrics_port)
     if port is not None:
-        write_port(getattr(args, "metrics_port_file", None), port)
+        write_port(listening.metrics_port_file, port)
     return port

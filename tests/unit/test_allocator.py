@@ -54,3 +54,38 @@ def test_a_megabyte_buffer_comes_from_the_heap() -> None:
 def test_the_environment_wins() -> None:
     # glibc's own variable asks for a mapping of every buffer of 64 KiB and more: it is left as it is.
     assert _probe(MALLOC_MMAP_THRESHOLD_="65536") == ("True", 1)
+
+
+#: Holds 100 MiB in buffers of 4 MiB (kept on the heap once freed), frees them, then lets an idle server's
+#: give-back run, printing the resident MiB at rest, after the free, and after the give-back.
+_BURST = """
+import asyncio
+from pipeline.runtime.allocator import give_back_when_idle, keep_freed_memory, resident_bytes
+
+keep_freed_memory()
+
+async def burst_then_idle():
+    rest = resident_bytes()
+    trimming = asyncio.create_task(give_back_when_idle((), interval=0.01, slack=8 << 20))
+    await asyncio.sleep(0)  # it has read the size at rest
+    buffers = [bytearray(4 << 20) for _ in range(25)]
+    del buffers
+    kept = resident_bytes()
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if resident_bytes() < rest + (16 << 20):
+            break
+    trimming.cancel()
+    print(rest >> 20, kept >> 20, resident_bytes() >> 20)
+
+asyncio.run(burst_then_idle())
+"""
+
+
+@pytest.mark.skipif(not _glibc(), reason="malloc_trim is glibc's")
+def test_an_idle_server_gives_back_what_a_burst_left_with_its_allocator() -> None:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _BURST], env=env, capture_output=True, text=True, check=True)
+    rest, kept, after = map(int, out.stdout.split())
+    assert kept >= rest + 64, (rest, kept, after)  # the freed burst stayed with the allocator
+    assert after < rest + 16, (rest, kept, after)  # and went back once idle
