@@ -13,6 +13,15 @@ repository folder of its own, which every service reads as any other Python mode
 The folder is the registry: `pipeline run --model-store` writes the folders of the archives it loads at
 start-up, the router's management API writes (register), rewrites (scale) and removes (unregister) them.
 
+With `pipeline run --split-handlers`, an archive whose handler is a `BaseHandler` subclass runs as three
+models instead, one per method of the handler (`pipeline.stage.torchserve.handler_parts`), joined by an
+ensemble under the archive's name, whose config keeps the archive's parameters:
+
+    <repository>/<model>/config.pbtxt              # platform "ensemble": preprocess -> inference -> postprocess
+    <repository>/<model>_preprocess/...           # on the preprocess service (it has no GPU parameter)
+    <repository>/<model>_inference/...            # on the model service
+    <repository>/<model>_postprocess/...          # on the postprocess service
+
 One TorchServe request is one row of the model's batch: a BYTES element `TS_REQUEST` carrying the request's
 headers and its parameters (the body, or the form's fields) and a BYTES element `TS_RESPONSE` carrying the
 handler's answer for it (status, reason phrase, content type, headers, body). Each is a small JSON header
@@ -21,6 +30,7 @@ followed by the raw bytes it describes (`pack`, `unpack`), so bodies travel with
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import struct
@@ -38,8 +48,14 @@ from pipeline.protocol.errors import ConfigError, RepositoryError
 #: The model's one input and one output: a TorchServe request and its answer, per row.
 REQUEST_TENSOR = "TS_REQUEST"
 RESPONSE_TENSOR = "TS_RESPONSE"
+#: Between the three models of a split handler: each request's data and state (`handler_parts`).
+DATA_TENSOR = "TS_DATA"
+STATE_TENSOR = "TS_STATE"
 #: The config parameter that marks a repository model as a TorchServe archive, and names its file.
 ARCHIVE_PARAMETER = "torchserve_archive"
+#: The parameter naming the handler method one model of a split handler runs, and those methods in order.
+PART_PARAMETER = "torchserve_part"
+PARTS = ("preprocess", "inference", "postprocess")
 #: TorchServe's settings of the model, kept as config parameters (for describe and for the handler).
 _PARAMETERS = ("url", "model_version", "max_workers", "response_timeout", "handler", "runtime")
 #: The `model.py` of every archive's folder.
@@ -53,6 +69,15 @@ DEFAULT_BATCH_SIZE = 1
 DEFAULT_MAX_BATCH_DELAY_MS = 100
 DEFAULT_RESPONSE_TIMEOUT_S = 120
 MANIFEST = "MAR-INF/MANIFEST.json"
+#: The archive's Python packages, which TorchServe installs only with `install_py_dep_per_model=true`.
+REQUIREMENTS = "requirements.txt"
+#: TorchServe's built-in handlers (a manifest's `handler` without a file), and the packages each needs.
+BUILT_IN_HANDLERS = {
+    "image_classifier": ("torchvision", "PIL"),
+    "image_segmenter": ("torchvision", "PIL"),
+    "object_detector": ("torchvision", "PIL"),
+    "text_classifier": ("torchtext",),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +97,14 @@ class ArchiveModel:
     min_workers: int = 1
     max_workers: int = 1
     response_timeout_s: int = DEFAULT_RESPONSE_TIMEOUT_S
+    #: The handler's three methods run as three models (`--split-handlers`), else as one.
+    split: bool = False
+    #: The folder the archive's requirements.txt was installed into (`install_py_dep_per_model`), if any.
+    dependencies: str = ""
+
+    def part_names(self) -> list[str]:
+        """The models of a split handler's methods, in order (none for one that is not split)."""
+        return [f"{self.name}_{part}" for part in PARTS] if self.split else []
 
     def scaled(self, min_workers: int, max_workers: int) -> ArchiveModel:
         return replace(self, min_workers=min_workers, max_workers=max_workers)
@@ -109,20 +142,51 @@ def archive_model(store: Path, url: str, name: str | None = None, **settings: An
     )
 
 
+def refusal(model: ArchiveModel, install_dependencies: bool) -> str | None:
+    """Why the archive cannot be served here (None where it can): a TorchServe built-in handler named
+    instead of a handler file (with the packages it would need that are missing), or a requirements.txt
+    where TorchServe would not install it (`install_dependencies`: config.properties'
+    `install_py_dep_per_model`)."""
+    with zipfile.ZipFile(model.archive) as mar:
+        files = set(mar.namelist())
+    module = model.handler.partition(":")[0].removesuffix(".py")
+    if module in BUILT_IN_HANDLERS and f"{module}.py" not in files:
+        missing = [
+            package for package in BUILT_IN_HANDLERS[module] if importlib.util.find_spec(package) is None
+        ]
+        why = f"needs {', '.join(missing)}, which is not installed" if missing else "is not provided"
+        return (
+            f"{model.url}: handler '{model.handler}' is TorchServe's built-in {module.replace('_', ' ')}, which "
+            f"{why} here: package a handler file with the archive (torch-model-archiver --handler "
+            "my_handler.py)"
+        )
+    if REQUIREMENTS in files and not install_dependencies:
+        return (
+            f"{model.url}: the archive has a {REQUIREMENTS}, which TorchServe installs only with "
+            "install_py_dep_per_model=true: here it is installed for the archives loaded at start-up (--models) "
+            "where the --ts-config file sets it; or install the packages into the services' environment"
+        )
+    return None
+
+
 # ---- the repository folder --------------------------------------------------------------------------------
 
 
 def model_config(model: ArchiveModel) -> mc.ModelConfig:
-    """The `config.pbtxt` of an archive's folder."""
-    config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=max(1, model.batch_size))
-    config.input.add(name=REQUEST_TENSOR, data_type=mc.TYPE_STRING, dims=[1])
-    config.output.add(name=RESPONSE_TENSOR, data_type=mc.TYPE_STRING, dims=[1])
-    if model.batch_size > 1:
-        config.dynamic_batching.max_queue_delay_microseconds = model.max_batch_delay_ms * 1000
-        # TorchServe's batching: a batch waits for batch_size requests or max_batch_delay, even when the
-        # worker is idle (the router's default would send a lone request at once).
-        config.parameters["pipeline.idle_dispatch"].string_value = "false"
-    config.instance_group.add(count=max(1, model.min_workers), kind=mc.ModelInstanceGroup.KIND_CPU)
+    """The `config.pbtxt` of an archive's folder: its model, or the ensemble of its split handler."""
+    if model.split:
+        config = mc.ModelConfig(name=model.name, platform="ensemble", max_batch_size=max(1, model.batch_size))
+        tensors = {REQUEST_TENSOR: REQUEST_TENSOR}
+        for part, name in zip(PARTS, model.part_names(), strict=True):
+            step = config.ensemble_scheduling.step.add(model_name=name, model_version=-1)
+            step.input_map.update(tensors)
+            outputs = (RESPONSE_TENSOR,) if part == PARTS[-1] else (DATA_TENSOR, STATE_TENSOR)
+            tensors = {tensor: f"{part}_{tensor.lower()}" for tensor in outputs}
+            step.output_map.update({RESPONSE_TENSOR: RESPONSE_TENSOR} if part == PARTS[-1] else tensors)
+        config.input.add(name=REQUEST_TENSOR, data_type=mc.TYPE_STRING, dims=[1])
+        config.output.add(name=RESPONSE_TENSOR, data_type=mc.TYPE_STRING, dims=[1])
+    else:
+        config = _handler_config(model, model.name, (REQUEST_TENSOR,), (RESPONSE_TENSOR,))
     values = {
         ARCHIVE_PARAMETER: str(model.archive),
         "url": model.url,
@@ -134,27 +198,87 @@ def model_config(model: ArchiveModel) -> mc.ModelConfig:
         "response_timeout": str(model.response_timeout_s),
         "handler": model.handler,
         "runtime": model.runtime,
+        "split": "true" if model.split else "false",
+        "dependencies": model.dependencies,
     }
     for key, value in values.items():
         config.parameters[f"torchserve_{key}" if key != ARCHIVE_PARAMETER else key].string_value = value
     return config
 
 
+def part_config(model: ArchiveModel, part: str) -> mc.ModelConfig:
+    """The `config.pbtxt` of the model that runs one method of a split handler. The preprocess model
+    batches as TorchServe does (up to batch_size requests, waiting for max_batch_delay even when idle); the
+    next ones take at once what waits for them when an instance is free."""
+    inputs = (REQUEST_TENSOR,) if part == PARTS[0] else (DATA_TENSOR, STATE_TENSOR)
+    outputs = (RESPONSE_TENSOR,) if part == PARTS[-1] else (DATA_TENSOR, STATE_TENSOR)
+    config = _handler_config(model, f"{model.name}_{part}", inputs, outputs, idle_dispatch=part != PARTS[0])
+    config.parameters[ARCHIVE_PARAMETER].string_value = str(model.archive)
+    config.parameters[PART_PARAMETER].string_value = part
+    config.parameters["torchserve_model_name"].string_value = model.name
+    config.parameters["torchserve_dependencies"].string_value = model.dependencies
+    return config
+
+
+def _handler_config(
+    model: ArchiveModel,
+    name: str,
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+    *,
+    idle_dispatch: bool = False,
+) -> mc.ModelConfig:
+    """A Python model that runs the handler (or one of its methods) on batches of BYTES elements."""
+    config = mc.ModelConfig(name=name, backend="python", max_batch_size=max(1, model.batch_size))
+    for tensor in inputs:
+        config.input.add(name=tensor, data_type=mc.TYPE_STRING, dims=[1])
+    for tensor in outputs:
+        config.output.add(name=tensor, data_type=mc.TYPE_STRING, dims=[1])
+    if model.batch_size > 1:
+        config.dynamic_batching.max_queue_delay_microseconds = model.max_batch_delay_ms * 1000
+        if not idle_dispatch:
+            # TorchServe's batching: a batch waits for batch_size requests or max_batch_delay, even when the
+            # worker is idle (the router's default would send a lone request at once).
+            config.parameters["pipeline.idle_dispatch"].string_value = "false"
+    config.instance_group.add(count=max(1, model.min_workers), kind=mc.ModelInstanceGroup.KIND_CPU)
+    return config
+
+
 def write_model(repository: Path, model: ArchiveModel) -> None:
-    """Write (or rewrite) the archive's folder in the repository."""
+    """Write (or rewrite) the archive's folder in the repository, and its methods' folders where its handler
+    is split (those of the other form removed)."""
+    earlier = read_model(repository, model.name)
+    if earlier is not None and earlier.split != model.split:
+        remove_model(repository, model.name)
     folder = repository / model.name
     (folder / "1").mkdir(parents=True, exist_ok=True)
+    if model.split:
+        for part in PARTS:
+            _write_folder(repository / f"{model.name}_{part}", part_config(model, part))
+    else:
+        (folder / "1" / "model.py").write_text(MODEL_FILE)
+    _write_config(folder, model_config(model))
+
+
+def _write_folder(folder: Path, config: mc.ModelConfig) -> None:
+    (folder / "1").mkdir(parents=True, exist_ok=True)
     (folder / "1" / "model.py").write_text(MODEL_FILE)
+    _write_config(folder, config)
+
+
+def _write_config(folder: Path, config: mc.ModelConfig) -> None:
     # Written beside, then renamed: a service reading the folder meanwhile sees one config or the other.
     staged = folder / ".config.pbtxt.new"
-    staged.write_text(text_format.MessageToString(model_config(model)))
+    staged.write_text(text_format.MessageToString(config))
     staged.replace(folder / "config.pbtxt")
 
 
 def remove_model(repository: Path, name: str) -> None:
-    """Remove an archive's folder (only one this module wrote: it names an archive)."""
-    if read_model(repository, name) is not None:
-        shutil.rmtree(repository / name, ignore_errors=True)
+    """Remove an archive's folder (only one this module wrote: it names an archive), and its methods'."""
+    model = read_model(repository, name)
+    if model is not None:
+        for folder in (*model.part_names(), name):
+            shutil.rmtree(repository / folder, ignore_errors=True)
 
 
 def read_model(repository: Path, name: str) -> ArchiveModel | None:
@@ -173,7 +297,7 @@ def read_model(repository: Path, name: str) -> ArchiveModel | None:
 def model_of_config(config: mc.ModelConfig) -> ArchiveModel | None:
     """The archive model a config describes (`model_config`'s inverse); None for any other model's."""
     parameters = {key: value.string_value for key, value in config.parameters.items()}
-    if ARCHIVE_PARAMETER not in parameters:
+    if ARCHIVE_PARAMETER not in parameters or PART_PARAMETER in parameters:
         return None
 
     def number(key: str, default: int) -> int:
@@ -192,6 +316,8 @@ def model_of_config(config: mc.ModelConfig) -> ArchiveModel | None:
         min_workers=number("min_workers", 1),
         max_workers=number("max_workers", 1),
         response_timeout_s=number("response_timeout", DEFAULT_RESPONSE_TIMEOUT_S),
+        split=parameters.get("torchserve_split") == "true",
+        dependencies=parameters.get("torchserve_dependencies", ""),
     )
 
 
@@ -221,10 +347,11 @@ def read_properties(path: Path) -> dict[str, str]:
 
 
 def startup_models(
-    store: Path, models: str, properties: Mapping[str, str] | None = None
+    store: Path, models: str, properties: Mapping[str, str] | None = None, split: str = ""
 ) -> list[ArchiveModel]:
     """The archives `--models` names (`all`, or `name=file.mar` / `file.mar` items, comma-separated), with
-    the settings `config.properties` gives them (its `models` JSON, `default_workers_per_model`)."""
+    the settings `config.properties` gives them (its `models` JSON, `default_workers_per_model`), their
+    handlers split where `split` names them (`all`, or model names, comma-separated)."""
     properties = properties or {}
     items: list[tuple[str | None, str]] = []
     if models.strip() == "all":
@@ -238,11 +365,30 @@ def startup_models(
     except ValueError as exc:
         raise ConfigError(f"config.properties: 'models' is not JSON: {exc}") from None
     workers = int(properties.get("default_workers_per_model", "1") or 1)
+    install = installs_dependencies(properties)
     found = []
     for given, url in items:
         model = archive_model(store, url, given, min_workers=workers, max_workers=workers)
+        if (reason := refusal(model, install)) is not None:
+            raise ConfigError(reason)
         found.append(_configured(model, per_model.get(model.name, {})))
-    return found
+    names = {name.strip() for name in split.split(",") if name.strip()}
+    if unknown := names - {"all"} - {model.name for model in found}:
+        raise ConfigError(
+            f"--split-handlers names {', '.join(sorted(unknown))}, which --models does not load "
+            f"(loaded: {', '.join(model.name for model in found) or 'none'})"
+        )
+    return [replace(model, split="all" in names or model.name in names) for model in found]
+
+
+def installs_dependencies(properties: Mapping[str, str]) -> bool:
+    """Whether config.properties has TorchServe install each archive's requirements.txt."""
+    return properties.get("install_py_dep_per_model", "false").strip().lower() == "true"
+
+
+def has_requirements(model: ArchiveModel) -> bool:
+    with zipfile.ZipFile(model.archive) as mar:
+        return REQUIREMENTS in mar.namelist()
 
 
 def _configured(model: ArchiveModel, versions: Mapping[str, Any]) -> ArchiveModel:

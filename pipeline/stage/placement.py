@@ -8,7 +8,8 @@ model service, which has the devices. Each Python model is loaded by exactly one
   runs where the GPUs are (on the CPU where there are none: `pipeline.stage.model_file.instance_placements`).
   Its config alone decides, so the model service needs no ensembles to know it. So is a TorchServe archive's
   model (`pipeline.runtime.torchserve_store`): its handler runs torch, which the model service's image has
-  and the Python services' images do not;
+  and the Python services' images do not. A split handler's inference model is too; its preprocess and
+  postprocess models go where their ensemble's steps put them, as any other Python model's;
 - a step whose ensemble names its stage `preprocess` or `postprocess` (a YAML ensemble) is served there;
 - otherwise (a `config.pbtxt` ensemble names no stage) a step that runs after a step of the model service
   (a model that is not a Python model of the repository: ONNX, PyTorch, TensorRT, or another server's; or
@@ -30,7 +31,7 @@ from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.ensemble.plan import EnsemblePlan, PlanStep
 from pipeline.protocol.errors import RepositoryError
 from pipeline.runtime.repository import BACKEND_PLATFORMS, ModelRepository, RepositoryEntry
-from pipeline.runtime.torchserve_store import ARCHIVE_PARAMETER
+from pipeline.runtime.torchserve_store import ARCHIVE_PARAMETER, PART_PARAMETER, PARTS
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,11 @@ def asks_for_devices(config: mc.ModelConfig) -> bool:
 
 
 def on_model_service(config: mc.ModelConfig) -> bool:
-    """Whether the model service serves a Python model: it asks for devices, or runs a TorchServe archive."""
-    return asks_for_devices(config) or ARCHIVE_PARAMETER in config.parameters
+    """Whether the model service serves a Python model: it asks for devices, or runs a TorchServe archive's
+    handler (or its inference method, where the handler is split)."""
+    parameters = config.parameters
+    part = parameters[PART_PARAMETER].string_value if PART_PARAMETER in parameters else PARTS[1]
+    return asks_for_devices(config) or (ARCHIVE_PARAMETER in parameters and part == PARTS[1])
 
 
 def place_python_models(

@@ -4,8 +4,11 @@ The archives `--models` names (TorchServe's flag: `all`, or `name=file.mar` / `f
 default, as TorchServe loads none) become the folders of a model repository that the launcher makes for the
 run (`pipeline.runtime.torchserve_store`), with the settings TorchServe's `config.properties` gives them
 (`--ts-config`: its `models` JSON, `default_workers_per_model`, and `load_models` where `--models` is not
-given). Every service serves that repository; the router answers TorchServe's APIs on its HTTP port and
-registers further archives of the store into it.
+given); `--split-handlers` runs the handlers it names as three stages
+(`pipeline.stage.torchserve.handler_parts`), and an archive's requirements.txt is installed where
+config.properties sets `install_py_dep_per_model=true` (refused otherwise, as TorchServe ignores it). Every
+service serves that repository; the router answers TorchServe's APIs on its HTTP port and registers further
+archives of the store into it.
 
 Where the services run apart (compose.torchserve.yaml), a one-shot process writes those folders into the
 repository that every service mounts, before they start:
@@ -21,8 +24,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
+import subprocess
 import sys
 import tempfile
+import zipfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -33,6 +40,7 @@ from pipeline.runtime.settings_cli import add_arguments, option, process_setting
 from pipeline.runtime.torchserve_store import (
     ArchiveModel,
     archive_models,
+    has_requirements,
     read_properties,
     remove_model,
     startup_models,
@@ -40,6 +48,10 @@ from pipeline.runtime.torchserve_store import (
 )
 
 log = logging.getLogger(__name__)
+
+#: The folder of a repository where archives' requirements are installed, one folder per model (a dot
+#: folder: no model of the repository).
+DEPENDENCIES = ".torchserve-dependencies"
 
 
 class LauncherModelStore(TorchServeStore):
@@ -65,6 +77,17 @@ class LauncherModelStore(TorchServeStore):
             "maxWorkers, responseTimeout), default_workers_per_model and load_models (env PIPELINE_TS_CONFIG)",
         ),
     ] = None
+    split_handlers: Annotated[
+        str | None,
+        option(
+            "--split-handlers",
+            env="PIPELINE_SPLIT_HANDLERS",
+            help="with --model-store, the models (comma-separated, or 'all') whose BaseHandler runs as three "
+            "stages: preprocess and postprocess on the CPU services, inference on the model service, joined "
+            "by an ensemble of the model's name (env PIPELINE_SPLIT_HANDLERS; default: none, each handler runs "
+            "as one stage, as TorchServe runs it)",
+        ),
+    ] = None
 
 
 def model_store_repository(args: argparse.Namespace) -> Path | None:
@@ -87,16 +110,44 @@ def write_store_models(args: argparse.Namespace, repository: Path) -> list[Archi
     properties = read_properties(args.ts_config) if getattr(args, "ts_config", None) else {}
     models = getattr(args, "models", None) or properties.get("load_models", "")
     try:
-        archives = startup_models(store, models, properties)
+        archives = startup_models(store, models, properties, getattr(args, "split_handlers", None) or "")
     except (PipelineError, ValueError) as exc:
         raise ConfigError(f"--model-store {store}: {getattr(exc, 'message', exc)}") from None
     named = {archive.name for archive in archives}
     for stale in archive_models(repository):
         if stale.name not in named:
             remove_model(repository, stale.name)
+            shutil.rmtree(repository / DEPENDENCIES / stale.name, ignore_errors=True)
+    written = []
     for archive in archives:
+        if has_requirements(archive):  # allowed: startup_models refuses them otherwise
+            archive = replace(archive, dependencies=str(install_requirements(archive, repository)))
         write_model(repository, archive)
-    return archives
+        written.append(archive)
+    return written
+
+
+def install_requirements(model: ArchiveModel, repository: Path) -> Path:
+    """Install the archive's requirements.txt with pip into a folder of its own in `repository`, as
+    TorchServe's `install_py_dep_per_model=true` does (the handler finds them on its path); `ConfigError`
+    with pip's last words where pip fails. pip reads its usual settings (`PIP_INDEX_URL`, `PIP_FIND_LINKS`,
+    `PIP_NO_INDEX`, pip.conf), and options the file itself gives."""
+    target = repository / DEPENDENCIES / model.name
+    shutil.rmtree(target, ignore_errors=True)
+    log.info("model '%s': installing the archive's requirements.txt into %s", model.name, target)
+    with tempfile.TemporaryDirectory(prefix="torchserve-requirements-") as folder:
+        requirements = Path(folder) / "requirements.txt"
+        with zipfile.ZipFile(model.archive) as mar:
+            requirements.write_bytes(mar.read("requirements.txt"))
+        command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
+        command += ["--target", str(target), "-r", str(requirements)]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=folder, check=False)
+    if done.returncode != 0:
+        said = " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        raise ConfigError(
+            f"model '{model.name}' ({model.url}): pip could not install its requirements.txt: {said}"
+        )
+    return target
 
 
 #: `python -m pipeline.tools.model_store`: the archives' folders written into a repository.

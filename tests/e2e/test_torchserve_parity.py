@@ -8,6 +8,7 @@ RFC's default). Batching is checked through the model's statistics."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,22 +21,28 @@ from pathlib import Path
 import pytest
 
 from tests.torchserve.archive import word_archive
-from tests.torchserve.exchange import ANSWERS, Answer, call, exchange, text
+from tests.torchserve.exchange import (
+    ANSWERS,
+    CONCURRENT,
+    PREDICTIONS,
+    Answer,
+    call,
+    exchange,
+    predictions,
+    text,
+)
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[str]:
-    """`pipeline run --model-store` on a store holding the word archive; yields the router's HTTP URL."""
-    store = tmp_path_factory.mktemp("store")
-    word_archive(store)
-    env = {**os.environ, "PIPELINE_MODEL_CONTROL_MODE": "explicit"}
+@contextlib.contextmanager
+def _pipeline_run(store: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`pipeline run --model-store store *flags`; yields the router's HTTP URL once it serves."""
     ports = ["--port", "0", "--http-port", "0", "--metrics-port", "off"]
     ports += ["--preprocess-port", "0", "--model-port", "0", "--postprocess-port", "0"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "pipeline", "run", "--model-store", str(store), *ports],
+        [sys.executable, "-m", "pipeline", "run", "--model-store", str(store), *flags, *ports],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -57,10 +64,29 @@ def served(tmp_path_factory) -> Iterator[str]:
         process.wait(60)
 
 
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[str]:
+    """`pipeline run --model-store` on a store holding the word archive; yields the router's HTTP URL."""
+    store = tmp_path_factory.mktemp("store")
+    word_archive(store)
+    with _pipeline_run(store, env={**os.environ, "PIPELINE_MODEL_CONTROL_MODE": "explicit"}) as url:
+        yield url
+
+
 def _same(ours: Answer, theirs: Answer, what: str) -> None:
     assert (ours["status"], ours["body"]) == (theirs["status"], theirs["body"]), what
     if theirs["content_type"] is not None:
         assert ours["content_type"] == theirs["content_type"], what
+
+
+def _same_answers(ours: Answer | list[Answer], theirs: Answer | list[Answer], name: str) -> None:
+    if isinstance(theirs, list):
+        assert isinstance(ours, list) and len(ours) == len(theirs), name
+        for i, (mine, their) in enumerate(zip(ours, theirs, strict=True)):
+            _same(mine, their, f"{name}[{i}]")
+    else:
+        assert isinstance(ours, dict), name
+        _same(ours, theirs, name)
 
 
 def test_answers_as_torchserve_does(served):
@@ -69,12 +95,7 @@ def test_answers_as_torchserve_does(served):
     ours = exchange(served, served)
     assert list(ours) == list(recorded["answers"])
     for name, theirs in recorded["answers"].items():
-        if isinstance(theirs, list):
-            assert len(ours[name]) == len(theirs), name
-            for i, (mine, their) in enumerate(zip(ours[name], theirs, strict=True)):
-                _same(mine, their, f"{name}[{i}]")
-        else:
-            _same(ours[name], theirs, name)
+        _same_answers(ours[name], theirs, name)
 
 
 def test_concurrent_requests_are_batched(served):
@@ -102,32 +123,7 @@ def test_management_needs_model_control(tmp_path):
     store = tmp_path / "store"
     word_archive(store)
     env = {key: value for key, value in os.environ.items() if key != "PIPELINE_MODEL_CONTROL_MODE"}
-    ports = ["--port", "0", "--http-port", "0", "--metrics-port", "off"]
-    ports += ["--preprocess-port", "0", "--model-port", "0", "--postprocess-port", "0"]
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "run",
-            "--model-store",
-            str(store),
-            "--models",
-            "words.mar",
-            *ports,
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        for line in process.stdout:  # type: ignore[union-attr]
-            if line.startswith("pipeline: serving"):
-                break
-        url = re.search(r"(http://\S+) \(HTTP/REST\)", line).group(1)  # type: ignore[union-attr]
+    with _pipeline_run(store, "--models", "words.mar", env=env) as url:
         # Served from start-up with --models, without any management call.
         assert json.loads(text(f"{url}/predictions/words", "two words")["body"])["words"] == 2
         refused = call(f"{url}/models?url=words.mar&model_name=other", "POST")
@@ -136,6 +132,47 @@ def test_management_needs_model_control(tmp_path):
         assert json.loads(call(f"{url}/models")["body"]) == {
             "models": [{"modelName": "words", "modelUrl": "words.mar"}]
         }
-    finally:
-        os.killpg(process.pid, signal.SIGINT)
-        process.wait(60)
+
+
+#: The record's two models of the word archive, loaded at start-up with the settings it registers them with.
+RECORD_MODELS = {
+    "words": {"batchSize": 8, "maxBatchDelay": 200},
+    "pair": {"batchSize": 2, "maxBatchDelay": 5000},
+}
+
+
+def test_split_handler_answers_as_torchserve_does(tmp_path):
+    """The word handler run as three stages (--split-handlers: preprocess, inference and postprocess as three
+    models of three services, joined by an ensemble under the model's name) answers the record's predictions
+    as TorchServe 0.12 did, byte for byte: a request whose preprocess raises fails its batch, the statuses and
+    headers the handler sets come through, concurrent requests are batched by each model."""
+    store = tmp_path / "store"
+    word_archive(store)
+    config = tmp_path / "config.properties"
+    models = {name: {"1.0": settings} for name, settings in RECORD_MODELS.items()}
+    config.write_text(f"models={json.dumps(models)}\n")
+    flags = ["--models", "words=words.mar,pair=words.mar", "--ts-config", str(config)]
+    env = {**os.environ, "PIPELINE_MODEL_CONTROL_MODE": "explicit"}
+    with _pipeline_run(store, *flags, "--split-handlers", "words,pair", env=env) as url:
+        ours = predictions(url)
+        stats = {}
+        for part in ("preprocess", "inference", "postprocess"):
+            reply = json.loads(call(f"{url}/v2/models/words_{part}/stats")["body"])
+            stats[part] = reply["model_stats"][0]
+        # Scaled and unregistered as its three models; not registered again under its name.
+        scaled = call(f"{url}/models/words?min_worker=2&synchronous=true", "PUT")
+        assert scaled["status"] == 200, scaled
+        assert json.loads(text(f"{url}/predictions/words", "after scaling")["body"])["words"] == 2
+        assert call(f"{url}/models/words", "DELETE")["status"] == 200
+        assert text(f"{url}/predictions/words", "gone")["status"] == 404
+        again = call(f"{url}/models?url=words.mar&synchronous=true", "POST")
+        assert again["status"] == 409 and "--split-handlers" in json.loads(again["body"])["message"]
+    recorded = json.loads(ANSWERS.read_text())["answers"]
+    assert list(ours) == list(PREDICTIONS)
+    for name in PREDICTIONS:
+        _same_answers(ours[name], recorded[name], name)
+    # Each request the router took for "words" (11 single ones, then the concurrent ones) went through its
+    # three models, the one that raised carried as failed after preprocess; the concurrent ones in batches.
+    taken = 11 + CONCURRENT
+    assert [int(stats[part]["inference_count"]) for part in stats] == [taken] * 3
+    assert int(stats["inference"]["execution_count"]) <= 11 + CONCURRENT // 2, stats

@@ -3,7 +3,8 @@ and to the pipeline (`tests/e2e/test_torchserve_parity.py`): the management API 
 archive (`word_handler.py`), then the inference API is asked single requests of each kind, concurrent ones
 with batching on, a batch with a request that raises, a missing model and version; the model is then scaled
 and unregistered. Each answer is kept as its status, content type and body (a description keeps the fields
-that do not depend on the run: not the workers' start times and process ids)."""
+that do not depend on the run: not the workers' start times and process ids). `predictions` is the inference
+part alone, for a server started with the models already loaded."""
 
 from __future__ import annotations
 
@@ -94,6 +95,46 @@ def exchange(inference: str, management: str) -> dict[str, Any]:
     answers["register_pair"] = call(pair + "&synchronous=true", "POST")
     answers["list"] = call(f"{management}/models")
     answers["describe"] = described(call(f"{management}/models/words"))
+    answers.update(predictions(inference))
+    answers["scale"] = call(f"{management}/models/words?min_worker=2&max_worker=2&synchronous=true", "PUT")
+    answers["describe_scaled"] = described(call(f"{management}/models/words"))
+    answers["scale_missing"] = call(f"{management}/models/nope?min_worker=2", "PUT")
+    answers["after_scale"] = text(predict, "still served")
+    answers["unregister_missing_version"] = call(f"{management}/models/words/3.0", "DELETE")
+    answers["unregister"] = call(f"{management}/models/words", "DELETE")
+    answers["unregister_pair"] = call(f"{management}/models/pair/1.0", "DELETE")
+    answers["unregister_missing"] = call(f"{management}/models/nope", "DELETE")
+    answers["after_unregister"] = text(predict, "gone")
+    answers["list_empty"] = call(f"{management}/models")
+    return answers
+
+
+#: The answers of `predictions`: those a server with the models `words` (batch_size 8, max_batch_delay 200)
+#: and `pair` (batch_size 2, max_batch_delay 5000) of the word archive gives, however they were registered.
+PREDICTIONS = (
+    "ping",
+    "text",
+    "json",
+    "octet_stream",
+    "form",
+    "get_empty",
+    "answer_str",
+    "answer_bytes",
+    "answer_status",
+    "answer_header",
+    "raises",
+    "version",
+    "missing_version",
+    "missing_model",
+    "concurrent",
+    "batch_with_raise",
+)
+
+
+def predictions(inference: str) -> dict[str, Any]:
+    """The inference requests of the record (`PREDICTIONS`), in order."""
+    predict = f"{inference}/predictions/words"
+    answers: dict[str, Any] = {}
     answers["ping"] = call(f"{inference}/ping")
     answers["text"] = text(predict, "hello big world")
     answers["json"] = text(predict, json.dumps({"text": "a b c d"}), "application/json")
@@ -117,14 +158,4 @@ def exchange(inference: str, management: str) -> dict[str, Any]:
             lambda: text(f"{inference}/predictions/pair", "raise"),
         ]
     )
-    answers["scale"] = call(f"{management}/models/words?min_worker=2&max_worker=2&synchronous=true", "PUT")
-    answers["describe_scaled"] = described(call(f"{management}/models/words"))
-    answers["scale_missing"] = call(f"{management}/models/nope?min_worker=2", "PUT")
-    answers["after_scale"] = text(predict, "still served")
-    answers["unregister_missing_version"] = call(f"{management}/models/words/3.0", "DELETE")
-    answers["unregister"] = call(f"{management}/models/words", "DELETE")
-    answers["unregister_pair"] = call(f"{management}/models/pair/1.0", "DELETE")
-    answers["unregister_missing"] = call(f"{management}/models/nope", "DELETE")
-    answers["after_unregister"] = text(predict, "gone")
-    answers["list_empty"] = call(f"{management}/models")
     return answers

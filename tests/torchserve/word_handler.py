@@ -10,6 +10,9 @@ Bodies that begin with a command test the other paths:
 - "bytes:", "str:": the answer is returned as bytes or as a string instead of a dict;
 - "status:": the answer's status is set to 299 with the context (per request);
 - "header:": a response header and the content type are set with the context.
+
+Its methods hand what the next one needs on through their results (the texts go along with the counts), so
+it also runs as three stages (`pipeline run --split-handlers`).
 """
 
 import torch
@@ -36,15 +39,14 @@ class WordHandler(BaseHandler):
             if body.startswith("raise"):
                 raise ValueError("the client asked for an error")
             texts.append(body)
-        self.texts = texts  # BaseHandler.handle runs the three methods on one batch at a time
         return texts
 
     def inference(self, texts):
         counts = torch.tensor([len(text.split()) for text in texts], dtype=torch.float32)
-        return counts, counts * self.weights.sum()
+        return counts, counts * self.weights.sum(), texts
 
     def postprocess(self, inference_output):
-        counts, scores = inference_output
+        counts, scores, texts = inference_output
         out = []
         for i, (count, score) in enumerate(zip(counts.tolist(), scores.tolist(), strict=True)):
             answer = {
@@ -52,7 +54,7 @@ class WordHandler(BaseHandler):
                 "score": round(score, 3),
                 "model": self.manifest["model"]["modelName"],
             }
-            text = self.texts[i]
+            text = texts[i]
             if text.startswith("bytes:"):
                 out.append(text.encode("utf-8"))
             elif text.startswith("str:"):

@@ -145,3 +145,20 @@ def test_a_torchserve_archives_model_is_the_model_services(tmp_path: Path) -> No
     assert python_models_of("model", repository, []) == ["words"]
     assert model_service_models(repository) == ["words"]
     assert unplaced_python_models(repository) == ["spare"]
+
+
+def test_a_split_handlers_methods_run_on_their_three_services(tmp_path: Path) -> None:
+    """--split-handlers: preprocess on the preprocess service, inference on the model service (torch and the
+    devices), postprocess on the postprocess service, as their ensemble's steps place them."""
+    root = tmp_path / "repository"
+    store = tmp_path / "store"
+    archive_with_zipfile(store)
+    args = argparse.Namespace(model_store=store, models="words.mar", ts_config=None, split_handlers="words")
+    write_store_models(args, root)
+    repository = ModelRepository(root)
+    plans = load_repository_ensembles(root)
+    assert [plan.name for plan in plans] == ["words"]
+    assert python_models_of("preprocess", repository, plans) == ["words_preprocess"]
+    assert python_models_of("model", repository, plans) == ["words_inference"]
+    assert python_models_of("postprocess", repository, plans) == ["words_postprocess"]
+    assert model_service_models(repository) == ["words_inference"]

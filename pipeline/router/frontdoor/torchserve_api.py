@@ -18,6 +18,11 @@ register, scale and unregister need the admin scope): `POST /models?url=<archive
 loads it on every replica of its stage (the repository API's fleet load), scale rewrites it with the new
 instance count and reloads it, unregister unloads it and removes the folder. As in TorchServe 0.12, where
 model control is off (`enable_model_api=false` there, model control mode `none` here) they answer 405.
+
+A model whose handler runs as three stages (`pipeline run --split-handlers`) is served by the router as an
+ensemble of its three methods' models: scale and unregister act on those three. Register makes one-stage
+models only: the router's ensembles are read at start-up, so a split model, once unregistered, is not
+registered again under its name.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from pipeline.runtime.torchserve_store import (
     archive_models,
     pack,
     read_model,
+    refusal,
     remove_model,
     unpack,
     write_model,
@@ -183,11 +189,21 @@ class TorchServeApi:
             model = archive_model(self.store, url, query.get("model_name") or None, **settings)
         except PipelineError:
             return ts_error(404, "ModelNotFoundException", f"Model not found at: {url}")
+        if (reason := refusal(model, install_dependencies=False)) is not None:
+            # The router installs no requirements.txt: archives with one load at start-up only.
+            return ts_error(400, "BadRequestException", reason)
         if self._model(model.name, fresh=True) is not None:
             return ts_error(
                 409,
                 "ConflictStatusException",
                 f"Model version {model.version} is already registered for model {model.name}",
+            )
+        if await self._served_as_ensemble(model.name):
+            return ts_error(
+                409,
+                "ConflictStatusException",
+                f"Model {model.name} ran as three stages (--split-handlers) since start-up: register the "
+                "archive under another model_name, or restart to serve it again",
             )
         write_model(self.repository, model)
         if model.min_workers > 0:
@@ -219,10 +235,11 @@ class TorchServeApi:
         scaled = model.scaled(minimum, maximum)
         write_model(self.repository, scaled)
         try:
-            if minimum > 0:
-                await self.plane.repository_load(name, {}, _call_of(request))
-            else:
-                await self.plane.repository_unload(name, {}, _call_of(request))
+            for served in _served_models(scaled):
+                if minimum > 0:
+                    await self.plane.repository_load(served, {}, _call_of(request))
+                else:
+                    await self.plane.repository_unload(served, {}, _call_of(request))
         except PipelineError as err:
             write_model(self.repository, model)
             return _management_error(err)
@@ -238,11 +255,12 @@ class TorchServeApi:
             return ts_error(404, "ModelNotFoundException", f"Model not found: {name}")
         if version is not None and version != model.version:
             return _version_not_found(name, version)
-        try:
-            await self.plane.repository_unload(name, {}, _call_of(request))
-        except PipelineError as err:
-            if err.code != grpc.StatusCode.NOT_FOUND:  # registered with no worker: nothing is loaded
-                return _management_error(err)
+        for served in _served_models(model):
+            try:
+                await self.plane.repository_unload(served, {}, _call_of(request))
+            except PipelineError as err:
+                if err.code != grpc.StatusCode.NOT_FOUND:  # registered with no worker: nothing is loaded
+                    return _management_error(err)
         remove_model(self.repository, name)
         self._models.pop(name, None)
         return ts_json({"status": f'Model "{name}" unregistered'})
@@ -261,8 +279,21 @@ class TorchServeApi:
             self._models[name] = model
         return model
 
+    async def _served_as_ensemble(self, name: str) -> bool:
+        """Whether the router serves `name` as an ensemble (a split handler's, read at start-up)."""
+        try:
+            config = await self.plane.model_config(name, "", CallContext(None, ()))
+        except PipelineError:
+            return False
+        return config.platform == "ensemble"
+
     def _all_models(self) -> list[ArchiveModel]:
         return list(archive_models(self.repository)) if self.repository is not None else []
+
+
+def _served_models(model: ArchiveModel) -> list[str]:
+    """The stage models that serve an archive's model: its own, or its split handler's three."""
+    return model.part_names() or [model.name]
 
 
 def _version_not_found(name: str, version: str) -> web.Response:

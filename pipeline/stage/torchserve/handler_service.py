@@ -89,58 +89,62 @@ class HandlerService:
             sys.path.insert(0, str(model_dir))
             before = set(sys.modules)
             try:
-                self.entry_point = _entry_point(handler, model_dir, self.context)
+                self.entry_point, self.handler = _entry_point(handler, model_dir, self.context)
             finally:
                 sys.path.remove(str(model_dir))
                 _forget_modules(set(sys.modules) - before, model_dir)
 
     def predict(self, rows: Sequence[bytes]) -> list[bytes]:
         """A batch of packed requests (`pipeline.runtime.torchserve_store.pack`), answered request by request."""
-        data: list[dict[str, Any]] = []
-        processors = []
-        for row in rows:
-            meta, parts = unpack(row)
-            headers: dict[str, Any] = {}
-            model_in: dict[str, Any] = {}
-            for (name, content_type), value in zip(meta["parameters"], parts, strict=True):
-                model_in[name] = _decoded(value, content_type)
-                headers[name] = {"content-type": content_type}
-            headers.update(meta["headers"])
-            data.append(model_in)
-            processors.append(ts_context.RequestProcessor(headers))
-        context = self.context
-        context.request_ids = {i: str(i) for i in range(len(rows))}
-        context.request_processor = processors
-        context.metrics.request_ids = context.request_ids
+        data, headers = requests_of(rows)
+        context = self.begin(headers)
         try:
             answers = self.entry_point(data, context)
-        except MemoryError:
-            log.error("model '%s': out of memory", self.name, exc_info=True)
-            return _failed(len(rows), 507, "Out of resources")
-        except util.PredictionException as exc:
-            log.error("model '%s': prediction error", self.name, exc_info=True)
-            return _failed(len(rows), exc.error_code, exc.message)
         except Exception as exc:
-            if "CUDA" in str(exc):
-                log.error("model '%s': CUDA out of memory", self.name, exc_info=True)
-                return _failed(len(rows), 507, "Out of resources")
-            log.warning("model '%s': invoking the handler failed", self.name, exc_info=True)
-            return _failed(len(rows), 503, "Prediction failed")
+            return failed(len(rows), *self.failure(exc, "invoking the handler"))
+        return self.answer(answers, len(rows))
+
+    def begin(self, headers: Sequence[dict[str, Any]]) -> ts_context.Context:
+        """The context of a batch of requests with these headers, given to the handler."""
+        context = self.context
+        context.request_ids = {i: str(i) for i in range(len(headers))}
+        context.request_processor = [ts_context.RequestProcessor(header) for header in headers]
+        context.metrics.request_ids = context.request_ids
+        if self.handler is not None:
+            self.handler.context = context  # as BaseHandler.handle sets it, for the methods run one by one
+        return context
+
+    def failure(self, exc: Exception, doing: str) -> tuple[int, str]:
+        """TorchServe's status and message for a batch the handler failed (logged)."""
+        if isinstance(exc, MemoryError):
+            log.error("model '%s': out of memory", self.name, exc_info=True)
+            return 507, "Out of resources"
+        if isinstance(exc, util.PredictionException):
+            log.error("model '%s': prediction error", self.name, exc_info=True)
+            return exc.error_code, exc.message
+        if "CUDA" in str(exc):
+            log.error("model '%s': CUDA out of memory", self.name, exc_info=True)
+            return 507, "Out of resources"
+        log.warning("model '%s': %s failed", self.name, doing, exc_info=True)
+        return 503, "Prediction failed"
+
+    def answer(self, answers: Any, count: int) -> list[bytes]:
+        """The handler's answers to a batch of `count` requests, each packed with the status and headers the
+        handler set on the context; a failed batch where they are not a list of one answer per request."""
         if not isinstance(answers, list):
             log.warning(
                 "model '%s': the handler returned a %s, not a list", self.name, type(answers).__name__
             )
-            return _failed(len(rows), 503, "Invalid model predict output")
-        if len(answers) != len(rows):
-            log.warning(
-                "model '%s': %d answers to a batch of %d requests", self.name, len(answers), len(rows)
-            )
-            return _failed(len(rows), 503, "number of batch response mismatched")
+            return failed(count, 503, "Invalid model predict output")
+        if len(answers) != count:
+            log.warning("model '%s': %d answers to a batch of %d requests", self.name, len(answers), count)
+            return failed(count, 503, "number of batch response mismatched")
         try:
             bodies = [_body(answer) for answer in answers]
         except TypeError:
             log.warning("model '%s': an answer that cannot be written as JSON", self.name, exc_info=True)
-            return _failed(len(rows), 503, "Unsupported model output data type.")
+            return failed(count, 503, "Unsupported model output data type.")
+        context = self.context
         out = []
         for index, body in enumerate(bodies):
             status, phrase = context.get_response_status(index)
@@ -150,8 +154,26 @@ class HandlerService:
         return out
 
 
-def _entry_point(handler: str, model_dir: Path, context: Any) -> Entry:
-    """The handler's entry point, initialized with `context` (TorchServe's model loader, in our words)."""
+def requests_of(rows: Sequence[bytes]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The packed requests of a batch as the handler gets them (`{name: value}` dicts), and their headers."""
+    data: list[dict[str, Any]] = []
+    all_headers = []
+    for row in rows:
+        meta, parts = unpack(row)
+        headers: dict[str, Any] = {}
+        model_in: dict[str, Any] = {}
+        for (name, content_type), value in zip(meta["parameters"], parts, strict=True):
+            model_in[name] = _decoded(value, content_type)
+            headers[name] = {"content-type": content_type}
+        headers.update(meta["headers"])
+        data.append(model_in)
+        all_headers.append(headers)
+    return data, all_headers
+
+
+def _entry_point(handler: str, model_dir: Path, context: Any) -> tuple[Entry, Any]:
+    """The handler's entry point, initialized with `context` (TorchServe's model loader, in our words), and
+    the handler object whose `handle` it is (None for a module-level function)."""
     module_part, _, function_name = handler.partition(":")
     module_name = module_part.removesuffix(".py").rsplit("/", 1)[-1]
     if not (model_dir / f"{module_name}.py").is_file() and not (model_dir / module_name).is_dir():
@@ -166,7 +188,7 @@ def _entry_point(handler: str, model_dir: Path, context: Any) -> Entry:
     if hasattr(module, function_name):
         function: Entry = getattr(module, function_name)
         function(None, context)
-        return function
+        return function, None
     classes = util.list_classes_from_module(module)
     if len(classes) != 1:
         raise RepositoryError(
@@ -178,7 +200,7 @@ def _entry_point(handler: str, model_dir: Path, context: Any) -> Entry:
         raise RepositoryError(f"model '{context.model_name}': {classes[0].__name__} has no handle method")
     service.initialize(context)
     method: Entry = service.handle
-    return method
+    return method, service
 
 
 def _forget_modules(names: set[str], model_dir: Path) -> None:
@@ -218,6 +240,6 @@ def _body(answer: Any) -> bytes:
     return json.dumps(answer, indent=2).encode("utf-8")
 
 
-def _failed(count: int, status: int, message: str) -> list[bytes]:
+def failed(count: int, status: int, message: str) -> list[bytes]:
     """Every request of a failed batch answered with the same error."""
     return [pack({"status": status, "error": message})] * count
