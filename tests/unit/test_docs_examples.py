@@ -79,5 +79,10 @@ def test_every_runnable_block_of_the_docs_is_run_by_a_test():
     found = examples()  # raises on a marker that marks nothing runnable
     assert {example.fixture for example in found} == set(FIXTURES)
     assert {"README.md", "docs/getting-started.md", "docs/clients/http.md"} <= {e.page for e in found}
-    assert [e.language for e in examples("walkthrough")] == ["sh", "python"]  # test_walkthrough's two
+    walkthrough = examples("walkthrough")  # test_walkthrough's three blocks, on each page that shows them
+    assert [(e.page, e.language) for e in walkthrough] == [
+        (page, language)
+        for page in ("README.md", "docs/serving/index.md")
+        for language in ("sh", "sh", "python")
+    ]
     assert len(examples("pipeline")) >= 5
