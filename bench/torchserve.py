@@ -1,23 +1,25 @@
 """One `.mar` served by `pipeline run --model-store` and by TorchServe 0.12, under the same load generator.
 
-    python -m bench.torchserve [--torchserve-home TS_HOME] [--duration 10] [--warmup 2] [--rounds 1]
-                               [--concurrency 1,8,32] [--loadgen FILE] [--out FILE]
+    python -m bench.torchserve [--torchserve-home TS_HOME] [--split] [--duration 10] [--warmup 2]
+                               [--rounds 1] [--concurrency 1,8,32] [--loadgen FILE] [--out FILE]
 
 The archive is `bench/torchserve_handler.py` (a `BaseHandler` subclass: UINT8 image bytes in, a fixed-seed CNN
 on one torch thread, top-1 as JSON), made by TorchServe's `torch-model-archiver` where `--torchserve-home`
 names TorchServe's environment (see `tests.torchserve.server`), else by `zipfile` in the same layout. Both
 servers read the same TorchServe settings (`load_models` and the `models` JSON of a config.properties:
 batch_size 32, max_batch_delay 5 ms, one worker) and are up together; each level of load is run on one, then
-on the other, back to back (the order alternates by round), with the same load generator: `bench.http_load`,
+on the other, back to back (the order alternates by round). With `--split`, a second `pipeline run` serves
+the same archive with its handler as three stages (`--split-handlers`: preprocess and postprocess on the CPU
+services, inference on the model service), measured in the same turns as "pipeline split"; with the same load generator: `bench.http_load`,
 or the peers' `loadgen/loadgen.py` (`--loadgen FILE`: it takes the same flags). Before the load, each server
 is asked for the same image once and must answer 200 and the same body, byte for byte.
 
 Each row (printed as a line of JSON, and written to `--out`): the server, the concurrency, requests/s, p50
 and p99 in ms, errors, the CPU each request cost the server's processes (µs), the cores the load generator
 and everything else on the machine used meanwhile (`foreign_cores`: this machine is shared), and for the
-pipeline the mean batch its handler ran (items per execution, from the model's ModelStatistics). Then a table
-of the medians over rounds, the ratios, and the targets: a mean batch of at least 8 at 32 clients, and at
-least TorchServe's throughput at each level.
+pipeline the mean batch its handler ran (items per execution, from the model's ModelStatistics; the split
+form's inference model's). Then a table of the medians over rounds, the ratios to TorchServe, and the
+targets: a mean batch of at least 8 at 32 clients, and at least TorchServe's throughput at each level.
 """
 
 from __future__ import annotations
@@ -177,27 +179,32 @@ def archive(store: Path, home: Path | None) -> tuple[Path, str]:
     return archive_with_zipfile(store, MODEL, HANDLER, ()), "zipfile"
 
 
+def start_pipeline(stack: ExitStack, work: Path, store: Path, split: bool) -> Server:
+    """`pipeline run --model-store` serving the archive (its handler as three stages where `split`)."""
+    flags = ["--model-store", str(store), "--ts-config", str(work / "models.properties")]
+    flags += ["--split-handlers", MODEL] if split else []
+    name = "pipeline split" if split else "pipeline"
+    pipeline = Pipeline(flags, work / f"{name.replace(' ', '-')}.log")
+    stack.callback(pipeline.stop)
+    if pipeline.http is None:
+        raise RuntimeError("`pipeline run` printed no HTTP address")
+    batched = f"{MODEL}_inference" if split else MODEL
+    url = f"{pipeline.http}/predictions/{MODEL}"
+    return Server(name, url, pipeline.process.pid, f"{pipeline.http}/v2/models/{batched}/stats")
+
+
 @contextmanager
-def servers(work: Path, home: Path | None) -> Iterator[list[Server]]:
-    """The pipeline, and TorchServe where `home` is given, serving the archive; stopped at the end."""
+def servers(work: Path, home: Path | None, split: bool) -> Iterator[list[Server]]:
+    """The pipeline (and its split form where `split`), and TorchServe where `home` is given, serving the
+    archive; stopped at the end."""
     store = work / "store"
     made_by = archive(store, home)[1]
     print(f"archive {MODEL}.mar made by {made_by}", file=sys.stderr, flush=True)
     (work / "models.properties").write_text(PROPERTIES)
     with ExitStack() as stack:
-        flags = ["--model-store", str(store), "--ts-config", str(work / "models.properties")]
-        pipeline = Pipeline(flags, work / "pipeline.log")
-        stack.callback(pipeline.stop)
-        if pipeline.http is None:
-            raise RuntimeError("`pipeline run` printed no HTTP address")
-        found = [
-            Server(
-                "pipeline",
-                f"{pipeline.http}/predictions/{MODEL}",
-                pipeline.process.pid,
-                f"{pipeline.http}/v2/models/{MODEL}/stats",
-            )
-        ]
+        found = [start_pipeline(stack, work, store, False)]
+        if split:
+            found.append(start_pipeline(stack, work, store, True))
         if home is not None:
             (work / "torchserve").mkdir()
             torchserve = stack.enter_context(serve(home, store, work / "torchserve", PROPERTIES))
@@ -215,7 +222,7 @@ def measure(found: list[Server], args: argparse.Namespace, work: Path) -> list[d
     for concurrency in args.concurrency:
         for round_ in range(args.rounds):
             for server in found if round_ % 2 == 0 else found[::-1]:
-                out = work / f"{server.name.split()[0]}-c{concurrency}-r{round_}.json"
+                out = work / f"{server.name.replace(' ', '-')}-c{concurrency}-r{round_}.json"
                 row = load(server, concurrency, args, out, round_)
                 print(json.dumps(row), flush=True)
                 if args.out is not None:
@@ -232,30 +239,37 @@ def median(rows: list[dict[str, Any]], server: str, concurrency: int, key: str) 
 
 
 def summary(rows: list[dict[str, Any]], names: list[str], levels: list[int]) -> list[str]:
-    """The table of medians over rounds, the ratios and the targets."""
-    lines = ["", "| clients | " + " | ".join(f"{n} req/s, p50, p99 ms" for n in names) + " | ratio | batch |"]
-    lines.append("|---" * (len(names) + 3) + "|")
-    ratios: dict[int, float] = {}
+    """The table of medians over rounds, the ratios to TorchServe and the targets."""
+    ours = [name for name in names if name.startswith("pipeline")]
+    theirs = next((name for name in names if not name.startswith("pipeline")), None)
+    header = " | ".join(f"{n} req/s, p50, p99 ms" for n in names)
+    lines = ["", f"| clients | {header} | " + " | ".join(f"{n} ratio | {n} batch" for n in ours) + " |"]
+    lines.append("|---" * (len(names) + 2 * len(ours) + 1) + "|")
+    ratios: dict[tuple[str, int], float] = {}
     for c in levels:
         cells = []
         for name in names:
             rate, p50, p99 = (median(rows, name, c, key) for key in ("requests_per_s", "p50_ms", "p99_ms"))
             cells.append(f"{rate:,.0f}, {p50:.1f}, {p99:.1f}" if rate is not None else "-")
-        theirs = median(rows, names[-1], c, "requests_per_s") if len(names) > 1 else None
-        ours = median(rows, "pipeline", c, "requests_per_s")
-        if theirs and ours is not None:
-            ratios[c] = ours / theirs
-        batch = median(rows, "pipeline", c, "mean_batch")
-        ratio = f"{ratios[c]:.2f}x" if c in ratios else "-"
-        lines.append(f"| {c} | " + " | ".join(cells) + f" | {ratio} | {batch or 0:.1f} |")
+        for name in ours:
+            rate = median(rows, name, c, "requests_per_s")
+            base = median(rows, theirs, c, "requests_per_s") if theirs else None
+            if base and rate is not None:
+                ratios[name, c] = rate / base
+            ratio = f"{ratios[name, c]:.2f}x" if (name, c) in ratios else "-"
+            cells.append(f"{ratio} | {median(rows, name, c, 'mean_batch') or 0:.1f}")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
     top = max(levels)
-    batch = median(rows, "pipeline", top, "mean_batch") or 0.0
-    met = "met" if batch >= MEAN_BATCH_TARGET else "NOT met"
-    lines.append(f"\nmean batch at {top} clients: {batch:.1f} (target >= {MEAN_BATCH_TARGET:.0f}: {met})")
+    for name in ours:
+        batch = median(rows, name, top, "mean_batch") or 0.0
+        met = "met" if batch >= MEAN_BATCH_TARGET else "NOT met"
+        lines.append(
+            f"\n{name}: mean batch at {top} clients: {batch:.1f} (target >= {MEAN_BATCH_TARGET:.0f}: {met})"
+        )
     if ratios:
-        for c, ratio in ratios.items():
+        for (name, c), ratio in ratios.items():
             verdict = "met" if ratio >= 1.0 else "NOT met"
-            lines.append(f"pipeline / TorchServe at {c} clients: {ratio:.2f}x (target >= 1.0x: {verdict})")
+            lines.append(f"{name} / TorchServe at {c} clients: {ratio:.2f}x (target >= 1.0x: {verdict})")
     else:
         lines.append("pipeline / TorchServe: not measured (no --torchserve-home)")
     return lines
@@ -273,13 +287,16 @@ def main(argv: list[str] | None = None) -> None:
         default=[1, 8, 32],
         help="the levels of load: clients at once, comma-separated",
     )
+    parser.add_argument(
+        "--split", action="store_true", help="also serve the handler as three stages (--split-handlers)"
+    )
     parser.add_argument("--loadgen", type=Path, default=None, help="the peers' loadgen/loadgen.py instead")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")
     args = parser.parse_args(argv)
     home = args.torchserve_home.resolve() if args.torchserve_home else None
     with (
         tempfile.TemporaryDirectory(prefix="bench-torchserve-") as folder,
-        servers(Path(folder), home) as found,
+        servers(Path(folder), home, args.split) as found,
     ):
         rows = measure(found, args, Path(folder))
         names = [server.name for server in found]

@@ -1,5 +1,6 @@
 """`python -m bench.torchserve` runs as docs/serving/torchserve.md says: the benchmark's archive served by
-`pipeline run --model-store`, answered right (the benchmark checks the answer before the load), loaded at
+`pipeline run --model-store`, as one stage and as three (`--split`), answered right and alike (the benchmark
+checks the answers before the load), loaded at
 each level by its load generator, and every figure reported: requests/s, p50, p99, errors, CPU per request,
 the machine's other load and the mean batch, then the table and the targets. A benchmark that no longer
 starts is found here, not when someone next needs its figures (the timings themselves are not checked).
@@ -25,7 +26,7 @@ def test_the_torchserve_benchmark_reports_each_figure_at_each_level(tmp_path: Pa
     finished = subprocess.run(
         [
             *(sys.executable, "-m", "bench.torchserve", "--duration", "0.5", "--warmup", "0.2"),
-            *("--concurrency", "1,4", "--out", str(out)),
+            *("--concurrency", "1,4", "--split", "--out", str(out)),
         ],
         cwd=REPO,
         capture_output=True,
@@ -35,7 +36,12 @@ def test_the_torchserve_benchmark_reports_each_figure_at_each_level(tmp_path: Pa
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert 'every server answers b\'{\\n  "label": ' in finished.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(row["server"], row["concurrency"]) for row in rows] == [("pipeline", 1), ("pipeline", 4)]
+    assert [(row["server"], row["concurrency"]) for row in rows] == [
+        ("pipeline", 1),
+        ("pipeline split", 1),
+        ("pipeline", 4),
+        ("pipeline split", 4),
+    ]
     for row in rows:
         assert row["errors"] == 0 and row["completed"] > 0, row
         for figure in FIGURES:
@@ -43,7 +49,8 @@ def test_the_torchserve_benchmark_reports_each_figure_at_each_level(tmp_path: Pa
         assert row["requests_per_s"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0, row
         # A lone client's request is a batch of one; each batch ran at least one request.
         assert row["mean_batch"] >= 1.0, row
-    assert rows[0]["mean_batch"] == 1.0
+    assert rows[0]["mean_batch"] == rows[1]["mean_batch"] == 1.0
     assert "| 1 | " in finished.stdout and "| 4 | " in finished.stdout
-    assert "mean batch at 4 clients: " in finished.stdout
+    assert "pipeline: mean batch at 4 clients: " in finished.stdout
+    assert "pipeline split: mean batch at 4 clients: " in finished.stdout
     assert "pipeline / TorchServe: not measured (no --torchserve-home)" in finished.stdout
