@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import InvalidInput
+from pipeline.protocol.parameters import TIMEOUT, int_parameter
 
 #: The request parameters of a sequence's requests (the KServe v2 protocol's, as Triton's clients send them).
 SEQUENCE_ID, SEQUENCE_START, SEQUENCE_END = "sequence_id", "sequence_start", "sequence_end"
@@ -23,6 +24,9 @@ class SequenceId:
     value: int | str
     start: bool
     end: bool
+    #: The request's `timeout` (µs, 0: none): how long its sequence may wait for a sequence slot (Triton's
+    #: sequence batcher answers a sequence that waits longer UNAVAILABLE).
+    timeout_us: int = 0
 
     @property
     def flags(self) -> int:
@@ -58,13 +62,18 @@ def sequence_of(request: pb.ModelInferRequest) -> SequenceId | None:
         flags.append(flag.bool_param)
     if not value:
         return None
-    return SequenceId(value, flags[0], flags[1])
+    timeout = int_parameter(parameters, TIMEOUT) or 0
+    if timeout < 0:
+        raise InvalidInput(f"parameter '{TIMEOUT}' is {timeout}; a timeout is a number of microseconds")
+    return SequenceId(value, flags[0], flags[1], timeout)
 
 
 def copy_sequence(source: pb.ModelInferRequest, target: pb.ModelInferRequest) -> None:
-    """Give `target` the sequence parameters of `source` (as Triton gives every step of an ensemble its
-    request's correlation id and flags)."""
-    for key in SEQUENCE_PARAMETERS:
+    """Give `target` the sequence parameters of `source` and, where it has them, its `timeout` (as Triton gives
+    every step of an ensemble its request's correlation id, flags and timeout)."""
+    if SEQUENCE_ID not in source.parameters:
+        return
+    for key in (*SEQUENCE_PARAMETERS, TIMEOUT):
         if key in source.parameters:
             target.parameters[key].CopyFrom(source.parameters[key])
 
@@ -83,3 +92,5 @@ def set_sequence(request: pb.ModelInferRequest, sequence: SequenceId) -> None:
         request.parameters[SEQUENCE_ID].int64_param = sequence.value
     request.parameters[SEQUENCE_START].bool_param = sequence.start
     request.parameters[SEQUENCE_END].bool_param = sequence.end
+    if sequence.timeout_us:
+        request.parameters[TIMEOUT].int64_param = sequence.timeout_us

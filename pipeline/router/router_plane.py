@@ -28,6 +28,7 @@ from pipeline.ensemble.plan import Catalog, EnsemblePlan
 from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.codec import metadata_response, select_version
 from pipeline.protocol.errors import InvalidInput, ModelNotFound, Unavailable, Unimplemented
+from pipeline.protocol.parameters import int_parameter
 from pipeline.protocol.streams import DECOUPLED_UNARY
 from pipeline.router.caching.cache_policy import ResponseCaching
 from pipeline.router.execution.availability import EnsembleAvailability
@@ -36,7 +37,7 @@ from pipeline.router.execution.streaming import EnsembleStreams
 from pipeline.router.inflight import InflightDoor
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.router_statistics import RouterStatistics
-from pipeline.router.scheduling.calls import StageCalls, int_parameter
+from pipeline.router.scheduling.calls import StageCalls
 from pipeline.router.stages.discovery import StageDiscovery
 from pipeline.router.stages.fleet import FleetControl
 from pipeline.router.stages.stage_client import StageClient

@@ -64,6 +64,11 @@ _TURNS = itertools.count(1)
 
 #: The answer to a request whose deadline passed while it waited.
 NOT_RUN = "deadline exceeded before sequence {sequence}'s request to model '{model}' started: it was not run"
+#: The answer to the requests of a sequence that waited for a slot past their `timeout` (Triton's words first).
+BACKLOG_TIMEOUT = (
+    "timeout of the corresponding sequence has been expired: sequence {sequence} of model '{model}' waited for "
+    "a sequence slot longer than its requests' timeout"
+)
 #: Logged for a START of a sequence that has not ended (Triton's warning).
 CONFLICT = (
     "sequence %s for model '%s' has a conflict: the previous sequence did not end before this sequence start; "
@@ -123,6 +128,8 @@ class _Sequence:
     ended: bool = False
     #: One of its requests is in the batch an instance runs.
     running: bool = False
+    #: In the backlog: ends it once it has waited the shortest `timeout` of its requests (Triton's).
+    expiry: asyncio.TimerHandle | None = None
 
 
 @dataclass(eq=False)
@@ -202,6 +209,8 @@ class SequenceBatcher:
         if not (held.queue or held.running):
             _may_run(pending, now)  # one behind its sequence's others may run once they have
         held.queue.append(pending)
+        if sequence.timeout_us and held in self._backlog:
+            _arm_backlog(held, sequence.timeout_us, self._backlog_expired)
         in_line()  # the stream's next request of the sequence may come now: it queues behind this one
         _arm(pending, self._expire, held)
         self._wake.set()
@@ -252,9 +261,19 @@ class SequenceBatcher:
             instance.next.remove(sequence)
         if self._backlog:
             waiting, _ = self._backlog.popitem(last=False)
+            if waiting.expiry is not None:
+                waiting.expiry.cancel()  # the timeout of a sequence's requests bounds its wait for a slot only
             waiting.slot = (index, slot)
             instance.slots[slot] = waiting
             _may_run(waiting.queue[0], time.perf_counter_ns())  # its requests may run from now
+
+    def _backlog_expired(self, sequence: _Sequence) -> None:
+        """A sequence waited for a slot past its requests' `timeout`: each is answered as Triton answers it."""
+        if sequence in self._backlog:
+            del self._backlog[sequence]
+            error = BACKLOG_TIMEOUT.format(sequence=sequence.value, model=self.model)
+            _fail_queue(sequence, Unavailable(error))
+            self._forget(sequence)
 
     def _expire(self, sequence: _Sequence, pending: _Pending) -> None:
         """A waiting request's deadline came: answer it now, wherever it waits, and end its sequence."""
@@ -282,9 +301,7 @@ class SequenceBatcher:
                 "was given up before it ran; start the sequence again (sequence_start)"
             ),
         )
-        if self._sequences.get(sequence.value) is sequence:
-            del self._sequences[sequence.value]
-        sequence.ended = True
+        self._forget(sequence)
         self._backlog.pop(sequence, None)
         if not sequence.running:
             self._release(sequence)
@@ -307,27 +324,23 @@ class SequenceBatcher:
         """Release every sequence that has held a slot idle longer than `max_sequence_idle_microseconds`, at
         once; seconds until the next may be. (A sequence in the backlog has a request waiting: never idle.)"""
         now = self._clock()
-        idle = self.settings.idle_s
-        soonest = idle
-        for instance in self._instances:
-            for sequence in list(instance.slots):
-                if sequence is None or sequence.queue or sequence.running:
-                    continue
-                left = sequence.last + idle - now
-                if left > 0:
-                    soonest = min(soonest, left)
-                    continue
-                log.info(
-                    "sequence %s of model '%s' idle for %.3f s (max_sequence_idle_microseconds): released",
-                    sequence.value,
-                    self.model,
-                    now - sequence.last,
-                )
-                if self._sequences.get(sequence.value) is sequence:
-                    del self._sequences[sequence.value]
-                sequence.ended = True
-                self._release(sequence)
+        idle, soonest = _idle(self._instances, now, self.settings.idle_s)
+        for sequence in idle:
+            log.info(
+                "sequence %s of model '%s' idle for %.3f s (max_sequence_idle_microseconds): released",
+                sequence.value,
+                self.model,
+                now - sequence.last,
+            )
+            self._forget(sequence)
+            self._release(sequence)
         return soonest
+
+    def _forget(self, sequence: _Sequence) -> None:
+        """A sequence ends: its next request without START is refused."""
+        if self._sequences.get(sequence.value) is sequence:
+            del self._sequences[sequence.value]
+        sequence.ended = True
 
     def _dispatch(self) -> float:
         """Start a batch on each idle instance that has one ready; seconds until one may become ready."""
@@ -350,16 +363,15 @@ class SequenceBatcher:
             task = asyncio.get_running_loop().create_task(self._execute(index, instance, taken))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
-            if self.settings.strategy == "oldest":
-                soonest = min(
-                    soonest, self._gather(instance, now)
-                )  # the next batch forms while this one runs
+            if self.settings.strategy == "oldest":  # the next batch forms while this one runs
+                soonest = min(soonest, self._gather(instance, now))
         return soonest
 
     def _gather(self, instance: _Instance, now: int) -> float:
         """The oldest strategy: add to the instance's next batch what Triton's dynamic batcher would
         (`take`), from its sequences' requests that may run, oldest first; seconds until that may change."""
         settings = self.settings
+        rules = (settings.preferred, settings.max_batch_size, settings.delay_s)
         wait = float("inf")
         while not instance.full:
             ready = _ready(instance)
@@ -373,14 +385,7 @@ class SequenceBatcher:
             # its queue as each one comes, while its instance runs): it takes the first that make it grow;
             # an idle instance's sees all that wait.
             for seen in range(1 if instance.busy else len(fitting), len(fitting) + 1):
-                count, instance.full, wait = take(
-                    len(instance.next),
-                    seen,
-                    settings.preferred,
-                    settings.max_batch_size,
-                    settings.delay_s,
-                    left,
-                )
+                count, instance.full, wait = take(len(instance.next), seen, *rules, left)
                 if count or instance.full:
                     break
             instance.next.extend(fitting[:count])
@@ -480,6 +485,32 @@ def _may_run(pending: _Pending, now: int) -> None:
     """`pending` is its sequence's next request to run from `now`: it joins the line of those that may."""
     pending.eligible = now
     pending.turn = next(_TURNS)
+
+
+def _arm_backlog(sequence: _Sequence, timeout_us: int, expired: Callable[[_Sequence], None]) -> None:
+    """Have `expired` called once a sequence in the backlog has waited `timeout_us`, unless an earlier request
+    of it has it called sooner."""
+    loop = asyncio.get_running_loop()
+    at = loop.time() + timeout_us / 1e6
+    if sequence.expiry is None or at < sequence.expiry.when():
+        if sequence.expiry is not None:
+            sequence.expiry.cancel()
+        sequence.expiry = loop.call_at(at, expired, sequence)
+
+
+def _idle(instances: list[_Instance], now: float, idle_s: float) -> tuple[list[_Sequence], float]:
+    """The sequences that have held a slot idle for `idle_s` by `now`, and the seconds until the next may."""
+    idle, soonest = [], idle_s
+    for instance in instances:
+        for sequence in instance.slots:
+            if sequence is None or sequence.queue or sequence.running:
+                continue
+            left = sequence.last + idle_s - now
+            if left > 0:
+                soonest = min(soonest, left)
+            else:
+                idle.append(sequence)
+    return idle, soonest
 
 
 def _take_head(sequence: _Sequence) -> tuple[_Sequence, _Pending]:

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import text_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
-from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, RepositoryError
+from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, RepositoryError, Unavailable
 from pipeline.protocol.sequences import SequenceId
 from pipeline.router.stages.replicas import rendezvous
 from pipeline.stage.api import NO_DEADLINE, Deadline
@@ -189,6 +189,34 @@ async def test_a_start_waiting_for_a_slot_is_answered_at_its_deadline_and_forgot
     (result, _, _) = await sequences.infer(SequenceId(1, False, True), x(4), NO_DEADLINE)
     await sequences.close()
     assert result["Y"].tolist() == [[4]]
+
+
+async def test_a_sequence_waiting_for_a_slot_past_its_timeout_is_answered_as_triton_answers_it() -> None:
+    """A request's `timeout` bounds its sequence's wait in the backlog (Triton 2.51's reaper): every request
+    of the sequence is answered UNAVAILABLE then, and the sequence forgotten; one that gets a slot in time
+    runs, however long it then waits."""
+    config = CONFIG % "oldest { max_candidate_sequences: 1 } max_sequence_idle_microseconds: 600000000"
+    settings = SequenceSettings.of(text_format.Parse(config, mc.ModelConfig()), "config.pbtxt")
+
+    async def run(index, merged, rows, deadline):
+        return split_rows({"Y": merged["X"]}, len(rows), True), 1
+
+    sequences = SequenceBatcher("m", settings, 1, run)
+    await sequences.infer(SequenceId(1, True, False), x(1), NO_DEADLINE)  # holds the only slot
+    waiting = [
+        asyncio.create_task(sequences.infer(SequenceId(2, True, False, 50_000), x(2), NO_DEADLINE)),
+        asyncio.create_task(sequences.infer(SequenceId(2, False, False), x(3), NO_DEADLINE)),
+    ]
+    for task in waiting:
+        with pytest.raises(Unavailable, match=r"^timeout of the corresponding sequence has been expired"):
+            await task
+    with pytest.raises(InvalidInput, match="must specify the START flag"):
+        await sequences.infer(SequenceId(2, False, False), x(4), NO_DEADLINE)
+    later = asyncio.create_task(sequences.infer(SequenceId(3, True, True, 5_000_000), x(5), NO_DEADLINE))
+    await sequences.infer(SequenceId(1, False, True), x(6), NO_DEADLINE)  # frees the slot for sequence 3
+    (result, _, _) = await later
+    await sequences.close()
+    assert result["Y"].tolist() == [[5]]
 
 
 def test_a_backlog_bound_that_is_not_a_number_is_refused_naming_the_parameter() -> None:

@@ -35,6 +35,7 @@ from pipeline.protocol.codec import (
     validate_inputs,
 )
 from pipeline.protocol.errors import ConfigError, DeadlineExceeded, InvalidInput, ItemError, StageError
+from pipeline.protocol.parameters import int_parameter
 from pipeline.protocol.types import BatchingConfig
 from pipeline.router.caching.cache_policy import ResponseCaching
 from pipeline.router.registry import ModelRegistry, batch_items
@@ -358,14 +359,3 @@ def _item_errors(err: StageError, calls: Sequence[StageCall]) -> dict[int, Stage
         index: StageError(InvalidInput.for_items(own).message, err.code, items=own)
         for index, own in mine.items()
     }
-
-
-def int_parameter(parameters: Mapping[str, pb.InferParameter], key: str) -> int | None:
-    """A request parameter given as int64 or uint64 (`priority`, `timeout`), or None."""
-    if key not in parameters:
-        return None
-    param = parameters[key]
-    choice = param.WhichOneof("parameter_choice")
-    if choice in ("int64_param", "uint64_param"):
-        return int(getattr(param, choice))
-    raise InvalidInput(f"request parameter '{key}' must be an integer, got {choice}")
