@@ -42,6 +42,8 @@ FACTS = {
     "seq_33_no_start": ["sequence 33 to model 'running_sum' must specify the START flag"],
     "seq_11_after_end": ["sequence 11 to model 'running_sum' must specify the START flag"],
     "seq_70_after_idle": ["sequence 70 to model 'running_sum' must specify the START flag"],
+    "seq_85_backlog_timeout": ["timeout of the corresponding sequence has been expired"],
+    "seq_85_after_timeout": ["sequence 85 to model 'running_sum' must specify the START flag"],
     "seq_no_id": ["'running_sum' must specify a non-zero or non-empty correlation ID"],
     "seq_batch_of_two": ["'running_sum' must specify batch-size 1 due to requirements of sequence batcher"],
 }
@@ -235,6 +237,28 @@ def _equal(triton: Any, ours: Any) -> None:
     assert ours == triton
 
 
+#: How many executions more than Triton's the batches of `seq_batches_stream` may take here. How they form
+#: depends on when each request comes, which a busy machine shifts: Triton 2.51 took 15 to 19 on two shared
+#: cores; here 15 to 17 as a rule, up to 25 with both cores kept busy meanwhile, when the first requests reach
+#: the stage slower than it runs them (before a stream's next requests of a sequence could wait at the stage:
+#: 18 to 27, in batches of 4 and 2).
+BATCHES_MARGIN = 8
+
+
+def _same_batches(triton: dict[str, Any], ours: dict[str, Any]) -> None:
+    # Every sequence's totals, and every request run once.
+    assert ours["totals"] == triton["totals"]
+    assert ours["inferences"] == triton["inferences"] == 72
+    assert sum(int(size) * count for size, count in ours["batches"].items()) == 72, ours
+    assert sum(ours["batches"].values()) == ours["executions"], ours
+    # As few batches as Triton's, give or take, and of the same shape: Triton's most common size (one past
+    # the preferred 4, taken while the instance runs) is common here too (at least a third as many batches:
+    # before, none or one).
+    assert ours["executions"] <= triton["executions"] + BATCHES_MARGIN, (ours, triton)
+    size, count = max(triton["batches"].items(), key=lambda item: item[1])
+    assert size == "5" and 3 * ours["batches"].get(size, 0) >= count, (ours, triton)
+
+
 #: Answers compared as a whole (HTTP/REST JSON, metrics), each in its own way.
 ANSWERED_AS_JSON = {
     "metrics_custom": _same_custom_metrics,
@@ -242,4 +266,5 @@ ANSWERED_AS_JSON = {
     "http_metadata_auto_nobatch": _equal,
     "http_stats_auto_nobatch": _equal,
     "http_index": _same_index,
+    "seq_batches_stream": _same_batches,
 }

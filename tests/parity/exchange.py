@@ -124,6 +124,11 @@ class Exchange:
 
     def stream(self, case: str, sends: list[tuple[int, int, bool, bool]]) -> None:
         """Send (value, sequence id, start, end) requests on one stream; the answers by request, in order."""
+        self.answers[case] = [self._outputs(result) for result in self._streamed("running_sum", sends)]
+
+    def _streamed(self, model: str, sends: list[tuple[int, int, bool, bool]]) -> list[triton.InferResult]:
+        """Send (value, sequence id, start, end) requests of `model` on one stream, all at once; the
+        results by request, in order."""
         done: queue.Queue[tuple[Any, Any]] = queue.Queue()
         self.client.start_stream(callback=lambda result, error: done.put((result, error)))
         try:
@@ -131,22 +136,54 @@ class Exchange:
                 tensor = triton.InferInput("INPUT", [1, 1], "INT32")
                 tensor.set_data_from_numpy(np.array([[value]], np.int32))
                 self.client.async_stream_infer(
-                    "running_sum",
+                    model,
                     [tensor],
                     request_id=str(index),
                     sequence_id=sequence_id,
                     sequence_start=start,
                     sequence_end=end,
                 )
-            answers: list[Any] = [None] * len(sends)
+            results: list[Any] = [None] * len(sends)
             for _ in sends:
                 result, error = done.get(timeout=30)
                 if error is not None:
                     raise AssertionError(f"stream: {error}")
-                answers[int(result.get_response().id)] = self._outputs(result)
+                results[int(result.get_response().id)] = result
         finally:
             self.client.stop_stream()
-        self.answers[case] = answers
+        return results
+
+    def batches(self, case: str, sequences: int, steps: int) -> None:
+        """`sequences` sequences of `steps` requests each, interleaved and sent at once on one stream to
+        `sequence_batches` (the oldest strategy): each sequence's totals, and how its batches formed: the
+        inferences and executions its statistics count, and the executions of each size (from the batch size
+        each request ran in), which the server's timing may change a little."""
+        model = "sequence_batches"
+        before = self._counts(model)
+        sends = [
+            (10 * sequence + step, 100 + sequence, step == 0, step == steps - 1)
+            for step in range(steps)
+            for sequence in range(sequences)
+        ]
+        results = self._streamed(model, sends)
+        inferences, executions = (after - was for after, was in zip(self._counts(model), before, strict=True))
+        totals: dict[str, list[int]] = {}
+        sizes: dict[int, int] = {}
+        for (_, sequence_id, _, _), result in zip(sends, results, strict=True):
+            totals.setdefault(str(sequence_id), []).append(int(result.as_numpy("OUTPUT")[0, 0]))
+            size = int(result.as_numpy("BATCH")[0, 0])
+            sizes[size] = sizes.get(size, 0) + 1
+        self.answers[case] = {
+            "totals": totals,
+            "inferences": inferences,
+            "executions": executions,
+            "batches": {str(size): count // size for size, count in sorted(sizes.items())},
+        }
+
+    def _counts(self, model: str) -> tuple[int, int]:
+        """The inferences and executions a model's statistics count."""
+        stats = self.client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+        return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
 
 
 def _datatype(array: np.ndarray) -> str:
@@ -261,6 +298,19 @@ def exchange(
     sleep(IDLE_WAIT_S)
     ex.step("seq_70_after_idle", 2, 70)
     ex.step("seq_70_restart", 3, 70, start=True, end=True)
+    # A START that waits for a slot (all four held) longer than its request's timeout (µs) is answered
+    # UNAVAILABLE, and its sequence forgotten; the sequences holding the slots go on.
+    for sequence in (81, 82, 83, 84):
+        ex.step(f"seq_{sequence}_holds_a_slot", 1, sequence, start=True)
+    single = {"INPUT": np.array([[5]], np.int32)}
+    options = {"sequence_id": 85, "sequence_start": True, "timeout": 200_000}
+    ex.infer("seq_85_backlog_timeout", "running_sum", single, **options)
+    ex.step("seq_85_after_timeout", 6, 85)
+    for sequence in (81, 82, 83, 84):
+        ex.step(f"seq_{sequence}_end", 2, sequence, end=True)
+    # Six sequences of twelve requests sent at once on one stream, to the oldest strategy with a preferred
+    # batch size of 4: Triton forms batches of 5 while its instance runs.
+    ex.batches("seq_batches_stream", 6, 12)
     return ex.answers
 
 
