@@ -576,14 +576,14 @@ async def test_a_streams_next_request_of_a_sequence_waits_at_the_stage_while_the
     tmp_path: Path,
 ) -> None:
     """Three sequences of two requests each, sent up front on one stream through the router, to a model that
-    takes 0.2 s a batch (preferred size 2): as in Triton, the second requests of the first batch's sequences
+    takes 0.3 s a batch (preferred size 2): as in Triton, the second requests of the first batch's sequences
     reach the stage while it runs and join the third sequence's first in the next batch (batches of 2, 3
     and 1). Before, the router sent a sequence's next request only once the one before it was answered, and
     the stage's next batch could not wait for them (batches of 2 only)."""
     slow = ACCUMULATOR.replace(
-        "        responses = []\n", "        time.sleep(0.2)\n        responses = []\n"
+        "        responses = []\n", "        time.sleep(0.3)\n        responses = []\n"
     )
-    strategy = "oldest { max_candidate_sequences: 4 preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 300000 }"
+    strategy = "oldest { max_candidate_sequences: 4 preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 500000 }"
     root = tmp_path / "models"
     write_model(
         root,
