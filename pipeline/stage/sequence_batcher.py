@@ -6,7 +6,8 @@ A client sends a sequence's requests with the request parameters `sequence_id` (
 sequence slots (its `max_batch_size`, or `oldest.max_candidate_sequences`); a starting sequence takes a free
 slot, on the instance with the most free ones, and keeps it to its end; a sequence that finds none waits in a
 backlog, in order, until one frees (at most `pipeline.max_sequence_backlog` sequences wait, a config
-parameter; a START past them is refused at once with UNAVAILABLE). Each instance runs one batch at a time,
+parameter; a START past them is refused at once with UNAVAILABLE), or until the shortest `timeout` of its
+requests there has passed, when they are all answered UNAVAILABLE as Triton answers them. Each instance runs one batch at a time,
 made of at most one request of each sequence holding one of its slots, so that a sequence's requests run in
 order, one at a time, on one instance:
 
