@@ -16,7 +16,6 @@ where it is not; `compiled` requires it; `python` never uses it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -31,9 +30,12 @@ from pathlib import Path
 
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime.frame_server import FrameServer
+from pipeline.runtime.router_settings import Front as FrontSettings
 from pipeline.runtime.security import AccessPolicy
 from pipeline.runtime.server import write_port
+from pipeline.runtime.server_settings import Limits, Listening, Security, Shutdown
 from pipeline.runtime.servicer import InferenceServicer
+from pipeline.runtime.settings_cli import ProcessSettings
 from pipeline.runtime.shutdown import child_environment
 
 log = logging.getLogger(__name__)
@@ -99,30 +101,34 @@ class FrontProcess:
         self._folder = Path(tempfile.mkdtemp(prefix="pipeline-front-"))
         self._port_file = self._folder / "port"
 
-    def command(self, args: argparse.Namespace, router_port: int, doors: list[int]) -> list[str]:
+    def command(self, settings: ProcessSettings, router_port: int, doors: list[int]) -> list[str]:
         """The front's command line: the public address, the router's loopback ports, limits and TLS files."""
+        listening, security = settings.group(Listening), settings.group(Security)
         command = [
             str(self.path),
             "--listen",
-            f"{args.host}:{args.port}",
+            f"{listening.host}:{listening.port}",
             "--router",
             f"{LOOPBACK}:{router_port}",
         ]
         for door in doors:
             command += ["--door", f"{LOOPBACK}:{door}"]
         command += ["--connections", str(CONNECTIONS), "--port-file", str(self._port_file)]
-        command += ["--max-message-bytes", str(args.max_message_mb * 1024 * 1024)]
-        command += ["--grace-seconds", str(args.grace_period)]
-        for flag in ("tls_cert", "tls_key", "tls_ca"):
-            value = getattr(args, flag, None)
+        command += ["--max-message-bytes", str(settings.group(Limits).max_message_bytes)]
+        command += ["--grace-seconds", str(settings.group(Shutdown).grace_period)]
+        for flag, value in (
+            ("--tls-cert", security.tls_cert),
+            ("--tls-key", security.tls_key),
+            ("--tls-ca", security.tls_ca),
+        ):
             if value:
-                command += [f"--{flag.replace('_', '-')}", str(value)]
+                command += [flag, str(value)]
         return command
 
-    def launch(self, args: argparse.Namespace, router_port: int, doors: list[int]) -> None:
+    def launch(self, settings: ProcessSettings, router_port: int, doors: list[int]) -> None:
         """Start the front on the router's public address (`listening` then says when it listens)."""
         environment = child_environment({**os.environ, SECRET_ENV: self.secret})
-        self.process = subprocess.Popen(self.command(args, router_port, doors), env=environment)
+        self.process = subprocess.Popen(self.command(settings, router_port, doors), env=environment)
 
     def listening(self) -> int | None:
         """The port the front listens on, once it does; raises `ConfigError` where it exited instead."""
@@ -145,9 +151,9 @@ class FrontProcess:
             time.sleep(0.02)
         return port
 
-    async def start(self, args: argparse.Namespace, router_port: int, doors: list[int]) -> int:
+    async def start(self, settings: ProcessSettings, router_port: int, doors: list[int]) -> int:
         """Start the front and wait until it listens, without holding up the event loop; returns its port."""
-        self.launch(args, router_port, doors)
+        self.launch(settings, router_port, doors)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + START_TIMEOUT_S
         while (port := self.listening()) is None:
@@ -181,7 +187,7 @@ class CompiledFront:
         self,
         path: Path,
         servicer: InferenceServicer,
-        args: argparse.Namespace,
+        settings: ProcessSettings,
         policy: AccessPolicy,
         *,
         secret: str | None = None,
@@ -189,21 +195,22 @@ class CompiledFront:
     ):
         #: The door's secret: made at each start, or the parent's.
         self.secret = secret or new_secret()
-        max_frame_bytes = args.max_message_mb * 1024 * 1024 + HOP_BYTES
+        max_frame_bytes = settings.group(Limits).max_message_bytes + HOP_BYTES
         self.door = FrameServer(servicer, max_frame_bytes=max_frame_bytes, policy=policy, door=self.secret)
         self.door_file = door_file
         self.process = None if door_file is not None else FrontProcess(path, self.secret)
         #: Where the router's own gRPC server listens: the port the parent shares out, else one the OS picks.
-        self.router_address = f"{LOOPBACK}:{args.port if door_file is not None else 0}"
+        port = settings.group(Listening).port
+        self.router_address = f"{LOOPBACK}:{port if door_file is not None else 0}"
 
-    async def start(self, args: argparse.Namespace, router_port: int) -> int:
+    async def start(self, settings: ProcessSettings, router_port: int) -> int:
         """Open the door, then start the front before the router's gRPC server on `router_port`; returns
         the public port (a worker: its door's, written to its file, and `router_port`)."""
         door = await self.door.start(LOOPBACK, 0)
         if self.process is None:
             write_port(self.door_file, door)
             return router_port
-        return await self.process.start(args, router_port, [door])
+        return await self.process.start(settings, router_port, [door])
 
     async def stop(self, within: float) -> None:
         """Drain the front, then the door: what the front holds in flight is answered through it."""
@@ -215,12 +222,14 @@ class CompiledFront:
 
 
 def front_of(
-    args: argparse.Namespace, servicer: InferenceServicer, policy: AccessPolicy
+    settings: ProcessSettings, servicer: InferenceServicer, policy: AccessPolicy
 ) -> CompiledFront | None:
     """The router's compiled front as `--front` says, or None where its own gRPC server serves; in a worker
     of `--workers N` behind the parent's front, its door alone."""
     door_file, secret = os.environ.get(DOOR_FILE_ENV), os.environ.get(SECRET_ENV)
     if door_file and secret:
-        return CompiledFront(Path(BINARY), servicer, args, policy, secret=secret, door_file=Path(door_file))
-    path = compiled(getattr(args, "front", "python"))
-    return None if path is None else CompiledFront(path, servicer, args, policy)
+        return CompiledFront(
+            Path(BINARY), servicer, settings, policy, secret=secret, door_file=Path(door_file)
+        )
+    path = compiled(settings.group(FrontSettings).front)
+    return None if path is None else CompiledFront(path, servicer, settings, policy)

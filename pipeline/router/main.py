@@ -21,17 +21,26 @@ from pipeline.ensemble.catalog import load_catalog, sources_digest
 from pipeline.ensemble.plan import Catalog
 from pipeline.ensemble.selection import selected
 from pipeline.protocol.errors import ConfigError
-from pipeline.router.front import CompiledFront, FrontProcess, compiled, front_of, new_secret
+from pipeline.router.front import FrontProcess, compiled, front_of, new_secret
 from pipeline.router.frontdoor.codec_pool import CodecPool
 from pipeline.router.frontdoor.http import RestFrontDoor, RestServer
 from pipeline.router.frontdoor.torchserve_api import TorchServeApi
 from pipeline.router.router_plane import RouterPlane
 from pipeline.router.stages.targets import Resolve
 from pipeline.router.workers import WorkerPeers, run_workers
-from pipeline.runtime import router_settings, server_settings, settings_values
+from pipeline.runtime import router_settings, settings_values
 from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.model_control import explicit_mode
+from pipeline.runtime.router_settings import Catalog as CatalogSettings
+from pipeline.runtime.router_settings import (
+    EnsembleLoading,
+    Front,
+    Http,
+    Readiness,
+    RouterOptions,
+    StageTls,
+    TorchServeStore,
+)
 from pipeline.runtime.security import (
     AccessPolicy,
     SecurityConfigError,
@@ -50,54 +59,63 @@ from pipeline.runtime.server import (
     start_metrics,
     write_port,
 )
+from pipeline.runtime.server_settings import (
+    Limits,
+    Listening,
+    Logging,
+    ModelControl,
+    RouterToken,
+    Security,
+    Shutdown,
+)
 from pipeline.runtime.servicer import InferenceServicer
-from pipeline.runtime.settings_cli import add_arguments
+from pipeline.runtime.settings_cli import ProcessSettings, SettingError, add_arguments
 from pipeline.runtime.shutdown import ABANDON_S
 from pipeline.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 
-def router_sources(args: argparse.Namespace) -> tuple[list[Path], Path | None]:
+def router_sources(catalog: CatalogSettings) -> tuple[list[Path], Path | None]:
     """The YAML ensemble files and folders (`--ensembles`, default `ensembles/`) and the model repository
-    the router's flags name."""
-    model_dir: Path | None = getattr(args, "model_dir", None)
+    the router's settings name."""
     # The ensembles folder is optional: a missing or empty one adds no ensemble.
-    return list(args.ensembles), model_dir
+    return list(catalog.ensembles), catalog.model_dir
 
 
-def router_catalog(args: argparse.Namespace, *, exit_on_error: bool | None = None) -> Catalog:
+def router_catalog(settings: ProcessSettings, *, exit_on_error: bool | None = None) -> Catalog:
     """What the router's flags say to serve: the ensembles of the model repository and of the YAML files
     (`--ensembles`, default `ensembles/` where it holds any), and the stages. Without `--stage`, a router
     given a repository calls the three stages at their `<STAGE>_ADDRESS`. An ensemble that fails to load
     raises `ConfigError` with `exit_on_error` (default: `--exit-on-error`), else the catalog lists it as
     failed. With `--load-model`, only the ensembles it selects are served (`pipeline.ensemble.selection`)."""
-    ensembles, model_dir = router_sources(args)
+    sources = settings.group(CatalogSettings)
+    ensembles, model_dir = router_sources(sources)
     if model_dir is not None and not model_dir.is_dir():
         raise ConfigError(f"--model-dir {model_dir}: no such folder")
     stages: dict[str, str] = {}
-    for key, address in getattr(args, "stage", None) or ():
+    for key, address in sources.stage or ():
         if key in stages:
             raise ConfigError(f"--stage {key}: given twice ({stages[key]} and {address})")
         stages[key] = address
     if not stages and model_dir is not None:
         stages = {stage: settings_values.stage_address(stage).get() for stage in settings_values.STAGES}
     if exit_on_error is None:
-        exit_on_error = getattr(args, "exit_on_error", True)
+        exit_on_error = settings.group(Readiness).exit_on_error
     catalog = load_catalog(ensembles, repository=model_dir, stages=stages, exit_on_error=False)
-    catalog = selected(catalog, getattr(args, "load_model", ()))
+    catalog = selected(catalog, settings.group(EnsembleLoading).load_model)
     if catalog.failed and exit_on_error:
         raise ConfigError("\n".join(catalog.failed.values()))
     return catalog
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
-    """The router's flags (`pipeline.runtime.settings.RouterSettings`)."""
+    """The router's flags (`pipeline.runtime.router_settings.RouterSettings`)."""
     add_arguments(parser, router_settings.RouterSettings)
 
 
 def router_plane(
-    args: argparse.Namespace,
+    settings: ProcessSettings,
     catalog: Catalog,
     *,
     telemetry: Telemetry,
@@ -105,27 +123,28 @@ def router_plane(
     resolve: Resolve | None = None,
     admin_configured: bool = False,
 ) -> RouterPlane:
-    """The router's data plane as its flags say (`resolve` looks the stages' DNS names up;
+    """The router's data plane as its settings say (`resolve` looks the stages' DNS names up;
     `admin_configured`: its access policy has an admin credential, which allows repository changes)."""
+    options, readiness, tls = (
+        settings.group(RouterOptions),
+        settings.group(Readiness),
+        settings.group(StageTls),
+    )
     return RouterPlane(
         catalog,
-        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        max_message_bytes=settings.group(Limits).max_message_bytes,
         telemetry=telemetry,
         metrics=metrics,
-        stage_tls=client_tls(
-            getattr(args, "stage_tls_ca", None),
-            getattr(args, "stage_tls_cert", None),
-            getattr(args, "stage_tls_key", None),
-        ),
-        stage_token=stage_token_of(args),
-        max_inflight_requests=getattr(args, "max_inflight_requests", 0),
-        max_batch_items=getattr(args, "max_batch_items", 0),
-        cache_size=getattr(args, "cache_size", 0),
-        resolve_interval=getattr(args, "resolve_interval", None),
+        stage_tls=client_tls(tls.stage_tls_ca, tls.stage_tls_cert, tls.stage_tls_key),
+        stage_token=stage_token_of(settings.group(RouterToken)),
+        max_inflight_requests=options.max_inflight_requests,
+        max_batch_items=options.max_batch_items,
+        cache_size=options.cache_size,
+        resolve_interval=options.resolve_interval,
         resolve=resolve,
-        strict_readiness=getattr(args, "strict_readiness", True),
-        exit_on_error=getattr(args, "exit_on_error", True),
-        model_control=explicit_mode(args),
+        strict_readiness=readiness.strict_readiness,
+        exit_on_error=readiness.exit_on_error,
+        model_control=settings.group(ModelControl).explicit,
         admin_configured=admin_configured,
     )
 
@@ -145,45 +164,42 @@ def _readiness(health_servicer: health.aio.HealthServicer) -> Callable[[bool], A
     return readiness
 
 
-def _front_door(servicer: InferenceServicer, args: argparse.Namespace, policy: AccessPolicy) -> RestFrontDoor:
+def _front_door(
+    servicer: InferenceServicer, settings: ProcessSettings, policy: AccessPolicy
+) -> RestFrontDoor:
     """The HTTP/REST endpoints over the gRPC servicer, with its tokens and limits."""
+    http = settings.group(Http)
     return RestFrontDoor(
         servicer,
         policy=policy,
-        max_body_bytes=args.max_message_mb * 1024 * 1024,
-        max_json_output_bytes=getattr(args, "max_json_output_mb", router_settings.Http().max_json_output_mb)
-        << 20,
-        codec=CodecPool(getattr(args, "http_codec_processes", router_settings.Http().http_codec_processes)),
+        max_body_bytes=settings.group(Limits).max_message_bytes,
+        max_json_output_bytes=http.max_json_output_mb << 20,
+        codec=CodecPool(http.http_codec_processes),
         torchserve=TorchServeApi(
-            servicer, getattr(args, "model_dir", None), getattr(args, "model_store", None)
+            servicer, settings.group(CatalogSettings).model_dir, settings.group(TorchServeStore).model_store
         ),
     )
 
 
-async def _listen(
-    args: argparse.Namespace,
-    servicer: InferenceServicer,
-    health_servicer: health.aio.HealthServicer,
-    policy: AccessPolicy,
-    front: CompiledFront | None,
-) -> tuple[grpc.aio.Server, int]:
-    """The router's gRPC server, listening where its flags say, with their TLS and access policy; behind a
-    `front`, on loopback in plaintext (the front serves the public port, with the TLS)."""
+async def _listen(router: _RouterServer, policy: AccessPolicy) -> tuple[grpc.aio.Server, int]:
+    """The router's gRPC server, listening where its settings say, with their TLS and access policy; behind
+    a `front`, on loopback in plaintext (the front serves the public port, with the TLS)."""
+    listening, front = router.listening, router.front
     return await create_server(
-        f"{args.host}:{args.port}" if front is None else front.router_address,
-        servicer,
-        health_servicer,
-        max_message_bytes=args.max_message_mb * 1024 * 1024,
-        credentials=server_credentials_of(args) if front is None else None,
+        f"{listening.host}:{listening.port}" if front is None else front.router_address,
+        router.servicer,
+        router.health,
+        max_message_bytes=router.settings.group(Limits).max_message_bytes,
+        credentials=server_credentials_of(router.settings.group(Security)) if front is None else None,
         interceptors=interceptors_of(policy, None if front is None else front.secret),
-        reuse_port=args.reuse_port,
+        reuse_port=router.reuse_port,
     )
 
 
-async def _poll_ensembles(args: argparse.Namespace, plane: RouterPlane, interval: float) -> None:
+async def _poll_ensembles(settings: ProcessSettings, plane: RouterPlane, interval: float) -> None:
     """Look at the ensemble files every `interval` seconds; when one was written, added or removed, load them
     all again and serve what changed (`RouterPlane.reload`)."""
-    ensembles, model_dir = router_sources(args)
+    ensembles, model_dir = router_sources(settings.group(CatalogSettings))
     seen = await asyncio.to_thread(sources_digest, ensembles, repository=model_dir)
     while True:
         await asyncio.sleep(interval)
@@ -193,7 +209,7 @@ async def _poll_ensembles(args: argparse.Namespace, plane: RouterPlane, interval
         seen = digest
         log.info("the ensemble files changed: loading them again")
         try:
-            catalog = await asyncio.to_thread(router_catalog, args, exit_on_error=False)
+            catalog = await asyncio.to_thread(router_catalog, settings, exit_on_error=False)
         except ConfigError as err:  # nothing to serve at all: keep serving what was loaded
             log.error("the ensemble files, read again, fail; the last good plans serve: %s", err)
             continue
@@ -214,57 +230,68 @@ class _RouterServer:
     them."""
 
     def __init__(
-        self, args: argparse.Namespace, plane: RouterPlane, policy: AccessPolicy, metrics: Metrics
+        self,
+        settings: ProcessSettings,
+        plane: RouterPlane,
+        policy: AccessPolicy,
+        metrics: Metrics,
+        *,
+        reuse_port: bool = False,
     ) -> None:
-        self.args, self.plane, self.metrics = args, plane, metrics
+        self.settings, self.plane, self.metrics = settings, plane, metrics
+        self.listening = settings.group(Listening)
+        #: A worker of `--workers N` shares its ports with the others.
+        self.reuse_port = reuse_port
+        limits, security = settings.group(Limits), settings.group(Security)
         self.health = health.aio.HealthServicer()
         self.servicer = InferenceServicer(
             plane,
             "pipeline-router",
             telemetry=plane.telemetry,
             metrics=metrics,
-            max_inflight_bytes=server_settings.inflight_bytes_of(args),
+            max_inflight_bytes=limits.max_inflight_bytes,
         )
         # HTTP drains on gRPC's clock: its requests still held at the end of the grace period are answered
         # 503 (`pipeline.runtime.shutdown`), and have `ABANDON_S` for it.
-        self.rest = RestServer(_front_door(self.servicer, args, policy), grace=args.grace_period + ABANDON_S)
+        grace = settings.group(Shutdown).grace_period + ABANDON_S
+        self.rest = RestServer(_front_door(self.servicer, settings, policy), grace=grace)
         # The stages' models send their calls (BLS) here; every other call is gRPC's.
-        self.frames = frame_server_of(self.servicer, args, policy)
+        self.frames = frame_server_of(self.servicer, self.listening, limits, security, policy)
         #: The compiled front that serves the gRPC port, where `--front` asks for it.
-        self.front = front_of(args, self.servicer, policy)
+        self.front = front_of(settings, self.servicer, policy)
         self.tasks: list[asyncio.Task[None]] = []
 
     async def start(
         self, port: int, bound: Callable[[int], None] | None, http_bound: Callable[[int], None] | None
     ) -> None:
         """Serve the HTTP, frame and metrics ports, wait for the stages, then report live and ready."""
-        args, plane = self.args, self.plane
+        settings, listening, plane = self.settings, self.listening, self.plane
         peers = plane.model_statistics.peers
         if peers is not None:
             await peers.start(plane.model_statistics.local, plane.model_statistics.local_cache_hits)
-        start_metrics(self.metrics, args)
-        await self.rest.start(args, http_bound)
-        if self.frames is not None:
+        start_metrics(self.metrics, listening)
+        await self.rest.start(settings, http_bound, reuse_port=self.reuse_port)
+        if self.frames is not None and listening.frames_port is not None:
             self.servicer.frames_port = await self.frames.start(
-                args.host, args.frames_port, reuse_port=args.reuse_port
+                listening.host, listening.frames_port, reuse_port=self.reuse_port
             )
         if self.front is not None:
-            port = await self.front.start(args, port)
-        write_port(args.port_file, port)
+            port = await self.front.start(settings, port)
+        write_port(listening.port_file, port)
         if bound is not None:
             bound(port)
         stages = ", ".join(plane.stages.clients)
-        log.info("router listening on %s:%d; waiting for stages %s", args.host, port, stages)
+        log.info("router listening on %s:%d; waiting for stages %s", listening.host, port, stages)
         await plane.discover()
         # Live now; ready as strict readiness says (never SERVING for a moment on the way to NOT_SERVING).
         readiness = _readiness(self.health)
         await readiness(plane.ready())
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.tasks.append(asyncio.create_task(plane.monitor(on_ready=readiness)))
-        interval = getattr(args, "repository_poll_secs", 0.0)
+        interval = settings.group(RouterOptions).repository_poll_secs
         if interval > 0:
-            self.tasks.append(asyncio.create_task(_poll_ensembles(args, plane, interval)))
-        _log_serving(plane, f"{args.host}:{port}")
+            self.tasks.append(asyncio.create_task(_poll_ensembles(settings, plane, interval)))
+        _log_serving(plane, f"{listening.host}:{port}")
 
     async def drain(self, within: float) -> None:
         """Drain the HTTP and frame ports as gRPC's drains: what they hold in flight gets `within` seconds."""
@@ -286,7 +313,7 @@ class _RouterServer:
 
 
 async def serve_router(
-    args: argparse.Namespace,
+    settings: ProcessSettings,
     *,
     catalog: Catalog | None = None,
     stopping: asyncio.Event | None = None,
@@ -301,13 +328,13 @@ async def serve_router(
     port, first). `telemetry` defaults to tracing configured by the environment, `metrics` to a registry
     of this server's own."""
     if catalog is None:
-        catalog = router_catalog(args)
+        catalog = router_catalog(settings)
     owned = telemetry is None
     telemetry = Telemetry.from_env("router") if telemetry is None else telemetry
     metrics = Metrics() if metrics is None else metrics
-    policy = access_policy_of(args)
+    policy = access_policy_of(settings.group(Security))
     plane = router_plane(
-        args,
+        settings,
         catalog,
         telemetry=telemetry,
         metrics=metrics,
@@ -316,10 +343,10 @@ async def serve_router(
     )
     plane.model_statistics.peers = WorkerPeers.from_env()
     # A worker of `--workers N` shares its ports with the others.
-    args.reuse_port = plane.model_statistics.peers is not None
-    router = _RouterServer(args, plane, policy, metrics)
+    reuse_port = plane.model_statistics.peers is not None
+    router = _RouterServer(settings, plane, policy, metrics, reuse_port=reuse_port)
     await set_serving(router.health, False)
-    server, port = await _listen(args, router.servicer, router.health, policy, router.front)
+    server, port = await _listen(router, policy)
 
     async def start() -> None:
         await router.start(port, bound, http_bound)
@@ -327,28 +354,35 @@ async def serve_router(
     async def stop() -> None:
         await router.stop(telemetry if owned else None)
 
+    shutdown = settings.group(Shutdown)
     await serve(
         server,
         router.health,
-        grace=args.grace_period,
+        grace=shutdown.grace_period,
         start=start,
         stop=stop,
         stopping=stopping,
-        drain_delay=getattr(args, "drain_delay", 0.0),
+        drain_delay=shutdown.drain_delay,
         drain=router.drain,
         held=router.servicer.held,
     )
 
 
 def run_router(args: argparse.Namespace) -> int:
-    """Entry point of the router process."""
-    prepare_process(server_settings.log_level_of(args), "router")
+    """Entry point of the router process: its command line, parsed by `pipeline router`, read into its
+    settings once."""
     try:
-        if args.workers > 1:
-            path = compiled(args.front)
+        settings = router_settings.RouterSettings.of(args)
+    except SettingError as err:
+        log.error("%s", err)
+        return 2
+    prepare_process(settings.group(Logging).level, "router")
+    try:
+        if settings.group(RouterOptions).workers > 1:
+            path = compiled(settings.group(Front).front)
             front = None if path is None else FrontProcess(path, new_secret())
-            return run_workers(args, sys.argv[1:], front)
-        uvloop.run(serve_router(args))
+            return run_workers(settings, sys.argv[1:], front)
+        uvloop.run(serve_router(settings))
     except (ConfigError, SecurityConfigError) as err:
         log.error("%s", err)
         return 2

@@ -14,7 +14,6 @@ stages), and the worker that is asked sums its peers' figures with its own.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
@@ -38,7 +37,10 @@ from prometheus_client.registry import Collector
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.router.front import DOOR_FILE_ENV, LOOPBACK, SECRET_ENV, FrontProcess
 from pipeline.runtime.model_statistics import add_statistics
+from pipeline.runtime.router_settings import Http, RouterOptions
 from pipeline.runtime.server import write_port
+from pipeline.runtime.server_settings import Listening
+from pipeline.runtime.settings_cli import ProcessSettings
 from pipeline.runtime.shutdown import child_environment
 
 log = logging.getLogger(__name__)
@@ -206,20 +208,23 @@ def _wait_listening(folder: Path, children: list[subprocess.Popen], http: bool, 
     return True
 
 
-def _serve_metrics(args: argparse.Namespace, folder: Path) -> WSGIServer | None:
+def _serve_metrics(listening: Listening, workers: int, folder: Path) -> WSGIServer | None:
     """Serve every worker's metrics on the router's Prometheus port (`--metrics-port`), if it has one; None
     when it has none or it cannot be served (logged: the router serves without them)."""
-    if args.metrics_port is None:
+    if listening.metrics_port is None:
         return None
     registry = CollectorRegistry()
-    registry.register(WorkerMetrics(folder, args.workers))
+    registry.register(WorkerMetrics(folder, workers))
     server = None
     try:
-        server, _ = start_http_server(args.metrics_port, addr=args.host, registry=registry)
-        write_port(args.metrics_port_file, server.server_port)
+        server, _ = start_http_server(listening.metrics_port, addr=listening.host, registry=registry)
+        write_port(listening.metrics_port_file, server.server_port)
     except OSError as err:
         log.error(
-            "cannot serve metrics on %s:%d: %s; serving without them", args.host, args.metrics_port, err
+            "cannot serve metrics on %s:%d: %s; serving without them",
+            listening.host,
+            listening.metrics_port,
+            err,
         )
     return server
 
@@ -245,38 +250,45 @@ def _start_workers(
     return children
 
 
-def _start_front(front: FrontProcess, args: argparse.Namespace, port: int, folder: Path) -> int:
+def _start_front(front: FrontProcess, settings: ProcessSettings, port: int, folder: Path) -> int:
     """Start the compiled front on the router's public address, before the workers' doors and their shared
     gRPC port on loopback (`port`); returns the port it serves."""
-    doors = [int((folder / f"worker-{i}.door").read_text()) for i in range(args.workers)]
-    front.launch(args, port, doors)
+    workers = settings.group(RouterOptions).workers
+    doors = [int((folder / f"worker-{i}.door").read_text()) for i in range(workers)]
+    front.launch(settings, port, doors)
     return front.wait_listening()
 
 
-def _write_ports(args: argparse.Namespace, http_port: int | None, port: int) -> None:
+def _write_ports(settings: ProcessSettings, http_port: int | None, port: int) -> None:
     """The router's port files, once every worker listens: the HTTP port first, as one router process writes
     them (whoever waits for the gRPC port's file then finds the HTTP one)."""
     if http_port is not None:
-        write_port(getattr(args, "http_port_file", None), http_port)
-    write_port(getattr(args, "port_file", None), port)
+        write_port(settings.group(Http).http_port_file, http_port)
+    write_port(settings.group(Listening).port_file, port)
 
 
-def run_workers(args: argparse.Namespace, argv: Sequence[str], front: FrontProcess | None = None) -> int:
-    """Run `args.workers` router processes on one port; `argv` is the router command line they repeat
+def _where(settings: ProcessSettings) -> tuple[Listening, int | None, int]:
+    """Where the router listens, its HTTP port and how many workers it runs."""
+    return settings.group(Listening), settings.group(Http).http_port, settings.group(RouterOptions).workers
+
+
+def run_workers(settings: ProcessSettings, argv: Sequence[str], front: FrontProcess | None = None) -> int:
+    """Run `--workers` router processes on one port; `argv` is the router command line they repeat
     (each with its own port overrides appended, which argparse lets win). With a compiled `front`, the front
     serves the gRPC port and spreads the requests over the workers one by one, their own gRPC port shared
     on loopback behind it. Returns when they have stopped: on SIGTERM/SIGINT (forwarded to each, and to
     the front), or when one fails (the others are stopped)."""
     folder = Path(tempfile.mkdtemp(prefix="pipeline-router-"))  # mode 0700: the workers' sockets are private
-    reserved = [_reserve(args.host, args.port) if front is None else _reserve(LOOPBACK, 0)]
+    listening, http_port, workers = _where(settings)
+    reserved = [_reserve(listening.host, listening.port) if front is None else _reserve(LOOPBACK, 0)]
     port = reserved[0].getsockname()[1]
     overrides = ["--workers", "1", "--port", str(port)]
-    if args.http_port is not None:
-        reserved.append(_reserve(args.host, args.http_port))
+    if http_port is not None:
+        reserved.append(_reserve(listening.host, http_port))
         overrides += ["--http-port", str(reserved[-1].getsockname()[1])]
-    metrics_server = _serve_metrics(args, folder)
-    children = _start_workers(args.workers, folder, [*argv, *overrides], front)
-    log.info("router: %d workers on %s:%d (SO_REUSEPORT)", args.workers, args.host, port)
+    metrics_server = _serve_metrics(listening, workers, folder)
+    children = _start_workers(workers, folder, [*argv, *overrides], front)
+    log.info("router: %d workers on %s:%d (SO_REUSEPORT)", workers, listening.host, port)
 
     stopping = False
 
@@ -290,10 +302,10 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str], front: FrontProce
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     try:
-        if _wait_listening(folder, children, http=args.http_port is not None, doors=front is not None):
+        if _wait_listening(folder, children, http=http_port is not None, doors=front is not None):
             if front is not None:
-                port = _start_front(front, args, port, folder)
-            _write_ports(args, None if args.http_port is None else reserved[1].getsockname()[1], port)
+                port = _start_front(front, settings, port, folder)
+            _write_ports(settings, None if http_port is None else reserved[1].getsockname()[1], port)
         pending = list(children)
         while pending:
             pid, status = os.wait()

@@ -27,7 +27,6 @@ Its connections carry every client's requests, so a request past the budget of b
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import hmac
@@ -63,6 +62,7 @@ from pipeline.runtime.security import (
     certificate_names,
     server_ssl_context_of,
 )
+from pipeline.runtime.server_settings import Limits, Listening, Security
 from pipeline.runtime.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
@@ -302,17 +302,21 @@ def _refused(request: pb.ModelInferRequest, err: PipelineError) -> bytes:
 
 
 def frame_server_of(
-    servicer: InferenceServicer, args: argparse.Namespace, policy: AccessPolicy
+    servicer: InferenceServicer,
+    listening: Listening,
+    limits: Limits,
+    security: Security,
+    policy: AccessPolicy,
 ) -> FrameServer | None:
     """A server's frame port, unless `--frames-port off`: with the TLS of the server's gRPC port where it
-    has TLS (the same flags), client certificates and all, and its access policy."""
-    if getattr(args, "frames_port", None) is None:
+    has TLS (the same settings), client certificates and all, and its access policy."""
+    if listening.frames_port is None:
         return None
     return FrameServer(
         servicer,
-        max_frame_bytes=args.max_message_mb * 1024 * 1024,
+        max_frame_bytes=limits.max_message_bytes,
         policy=policy,
-        tls=server_ssl_context_of(args),
+        tls=server_ssl_context_of(security),
     )
 
 

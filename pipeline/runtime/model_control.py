@@ -11,8 +11,6 @@ flag.
 
 from __future__ import annotations
 
-import argparse
-
 import grpc
 
 from pipeline.protocol.errors import PipelineError
@@ -34,8 +32,3 @@ def check_control_enabled(rpc: str, *, explicit: bool, admin_configured: bool) -
             "Triton); start it with --model-control-mode explicit (env PIPELINE_MODEL_CONTROL_MODE) or "
             "with an admin token (--admin-tokens-file) to load and unload models"
         )
-
-
-def explicit_mode(args: argparse.Namespace) -> bool:
-    """Whether a server's flags ask for explicit model control."""
-    return getattr(args, "model_control_mode", "none") == "explicit"

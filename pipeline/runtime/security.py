@@ -40,6 +40,7 @@ import grpc
 
 from pipeline.runtime import settings_values
 from pipeline.runtime.call_abort import abort
+from pipeline.runtime.server_settings import RouterToken, Security, StageToken
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +151,9 @@ def channel_credentials(
     return None if tls is None else tls.credentials
 
 
-def server_credentials_of(args: argparse.Namespace) -> grpc.ServerCredentials | None:
-    """The server credentials that a service's parsed flags ask for (None: plaintext)."""
-    return server_credentials(
-        getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None)
-    )
+def server_credentials_of(security: Security) -> grpc.ServerCredentials | None:
+    """The server credentials that a server's settings ask for (None: plaintext)."""
+    return server_credentials(security.tls_cert, security.tls_key, security.tls_ca)
 
 
 def server_ssl_context(
@@ -177,11 +176,9 @@ def server_ssl_context(
     return context
 
 
-def server_ssl_context_of(args: argparse.Namespace) -> ssl.SSLContext | None:
-    """The TLS context that a service's parsed flags ask for (None: plaintext)."""
-    return server_ssl_context(
-        getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None)
-    )
+def server_ssl_context_of(security: Security) -> ssl.SSLContext | None:
+    """The TLS context that a server's settings ask for (None: plaintext)."""
+    return server_ssl_context(security.tls_cert, security.tls_key, security.tls_ca)
 
 
 def add_client_tls_arguments(parser: argparse.ArgumentParser, *, prefix: str, env_prefix: str) -> None:
@@ -260,10 +257,12 @@ class TokenAuthenticator:
         return Scope(found)
 
 
-def stage_token_of(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str | None:
+def stage_token_of(
+    settings: RouterToken | StageToken, environ: Mapping[str, str] | None = None
+) -> str | None:
     """The router's stage token: `--stage-token`, else `PIPELINE_STAGE_TOKEN`, else the first token of the
     file `PIPELINE_STAGE_TOKEN_FILE` names (a mounted secret); None when none is set."""
-    token = getattr(args, "stage_token", None) or settings_values.STAGE_TOKEN.get(environ)
+    token = settings.stage_token or settings_values.STAGE_TOKEN.get(environ)
     if token:
         return token.strip()
     from_file = read_tokens(settings_values.STAGE_TOKEN_FILE.get(environ))
@@ -273,13 +272,13 @@ def stage_token_of(args: argparse.Namespace, environ: Mapping[str, str] | None =
 
 
 def authenticator_of(
-    args: argparse.Namespace, environ: Mapping[str, str] | None = None, *, stage_token: bool = False
+    security: Security, environ: Mapping[str, str] | None = None, *, stage_token: StageToken | None = None
 ) -> TokenAuthenticator | None:
-    """The authenticator a server's flags and environment ask for, or None when no token is configured.
-    With `stage_token` (a stage service) the router's token is accepted too, with the infer scope."""
-    tokens = read_tokens(getattr(args, "auth_tokens_file", None), settings_values.AUTH_TOKENS.get(environ))
-    admin = read_tokens(getattr(args, "admin_tokens_file", None), settings_values.ADMIN_TOKENS.get(environ))
-    router = stage_token_of(args, environ) if stage_token else None
+    """The authenticator a server's settings and environment ask for, or None when no token is configured.
+    With `stage_token` (a stage service's) the router's token is accepted too, with the infer scope."""
+    tokens = read_tokens(security.auth_tokens_file, settings_values.AUTH_TOKENS.get(environ))
+    admin = read_tokens(security.admin_tokens_file, settings_values.ADMIN_TOKENS.get(environ))
+    router = stage_token_of(stage_token, environ) if stage_token is not None else None
     if router is not None:
         tokens.append(router)
     if not tokens and not admin:
@@ -363,19 +362,18 @@ def certificate_names(certificate: Mapping[str, Any] | None) -> frozenset[str]:
 
 
 def access_policy_of(
-    args: argparse.Namespace, environ: Mapping[str, str] | None = None, *, stage: bool = False
+    security: Security, environ: Mapping[str, str] | None = None, *, stage_token: StageToken | None = None
 ) -> AccessPolicy:
-    """The access policy a server's flags and environment ask for (`stage`: a stage service, which accepts
-    the router's token)."""
-    listed: frozenset[str] = getattr(args, "tls_identities", frozenset()) or frozenset()
-    admins: frozenset[str] = getattr(args, "tls_admin_identities", frozenset()) or frozenset()
-    client_certificates = bool(getattr(args, "tls_ca", None))
+    """The access policy a server's settings and environment ask for (`stage_token`: a stage service's,
+    which accepts the router's token)."""
+    listed, admins = security.tls_identities, security.tls_admin_identities
+    client_certificates = bool(security.tls_ca)
     if (listed or admins) and not client_certificates:
         raise SecurityConfigError(
             "--tls-identities and --tls-admin-identities need client certificates: give --tls-ca too"
         )
     return AccessPolicy(
-        authenticator_of(args, environ, stage_token=stage),
+        authenticator_of(security, environ, stage_token=stage_token),
         client_certificates=client_certificates,
         identities=frozenset(listed),
         admin_identities=frozenset(admins),

@@ -6,7 +6,6 @@ A servicer is thin: it hands each RPC to a `DataPlane` (a stage service's or the
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
@@ -25,6 +24,7 @@ from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.runtime import settings_values
 from pipeline.runtime.allocator import give_back_when_idle, keep_freed_memory
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.server_settings import Listening
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.shutdown import (
     ABANDON_S,
@@ -287,9 +287,9 @@ def write_port(path: Path | None, port: int) -> None:
     tmp.replace(path)
 
 
-def start_metrics(metrics: Metrics, args: argparse.Namespace) -> int | None:
-    """Serve `metrics` where `--metrics-port` says (in-process servers without the flag serve none)."""
-    port = metrics.serve(args.host, getattr(args, "metrics_port", None))
+def start_metrics(metrics: Metrics, listening: Listening) -> int | None:
+    """Serve `metrics` where `--metrics-port` says (none where it is off)."""
+    port = metrics.serve(listening.host, listening.metrics_port)
     if port is not None:
-        write_port(getattr(args, "metrics_port_file", None), port)
+        write_port(listening.metrics_port_file, port)
     return port

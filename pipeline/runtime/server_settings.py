@@ -4,7 +4,6 @@ control and instance limits, and the options of the model repository and ensembl
 
 from __future__ import annotations
 
-import argparse
 from functools import cache
 from pathlib import Path
 from typing import Annotated
@@ -41,21 +40,38 @@ def _frames_help(service: str, variable: str) -> str:
     )
 
 
+class Listening(BaseModel):
+    """Where a server listens. Each service's own group (`listening(service)`) gives its ports their flags,
+    variables and defaults."""
+
+    host: Annotated[
+        str,
+        option(
+            "--host",
+            env="PIPELINE_HOST",
+            help="address to listen on (env PIPELINE_HOST; 0.0.0.0 in containers)",
+        ),
+    ] = "127.0.0.1"
+    port: int = 0
+    port_file: Annotated[
+        Path | None,
+        option("--port-file", parse=Path, help="write the bound port to this file once listening"),
+    ] = None
+    metrics_port: int | None = None
+    metrics_port_file: Annotated[
+        Path | None,
+        option("--metrics-port-file", parse=Path, help="write the bound metrics port to this file"),
+    ] = None
+    frames_port: int | None = None
+
+
 @cache
-def listening(service: str) -> type[BaseModel]:
+def listening(service: str) -> type[Listening]:
     """Where a service listens (`PIPELINE_<SERVICE>_PORT`, `..._METRICS_PORT`, `..._FRAMES_PORT`): the
     router's metrics on 8002, a stage's on its port + 100."""
     env = f"PIPELINE_{service.upper()}"
 
-    class Listening(BaseModel):
-        host: Annotated[
-            str,
-            option(
-                "--host",
-                env="PIPELINE_HOST",
-                help="address to listen on (env PIPELINE_HOST; 0.0.0.0 in containers)",
-            ),
-        ] = "127.0.0.1"
+    class ServiceListening(Listening):
         port: Annotated[
             int,
             option(
@@ -65,10 +81,6 @@ def listening(service: str) -> type[BaseModel]:
                 help=f"port to listen on, 0 for one the OS picks (env {env}_PORT)",
             ),
         ] = PORTS[service]
-        port_file: Annotated[
-            Path | None,
-            option("--port-file", parse=Path, help="write the bound port to this file once listening"),
-        ] = None
         metrics_port: Annotated[
             int | None,
             option(
@@ -79,10 +91,6 @@ def listening(service: str) -> type[BaseModel]:
                 f"none (env {env}_METRICS_PORT; default %(default)s)",
             ),
         ] = 8002 if service == "router" else PORTS[service] + 100
-        metrics_port_file: Annotated[
-            Path | None,
-            option("--metrics-port-file", parse=Path, help="write the bound metrics port to this file"),
-        ] = None
         frames_port: Annotated[
             int | None,
             option(
@@ -93,8 +101,8 @@ def listening(service: str) -> type[BaseModel]:
             ),
         ] = 0
 
-    Listening.__name__ = Listening.__qualname__ = f"{service.title()}Listening"
-    return Listening
+    ServiceListening.__name__ = ServiceListening.__qualname__ = f"{service.title()}Listening"
+    return ServiceListening
 
 
 class RouterLink(BaseModel):
@@ -145,11 +153,15 @@ class Limits(BaseModel):
         ),
     ] = 256
 
+    @property
+    def max_message_bytes(self) -> int:
+        """`--max-message-mb` in bytes."""
+        return self.max_message_mb * 1024 * 1024
 
-def inflight_bytes_of(args: argparse.Namespace) -> int | None:
-    """`--max-inflight-mb` in bytes; None where it is 0 (no limit)."""
-    mib = getattr(args, "max_inflight_mb", Limits().max_inflight_mb)
-    return mib * 1024 * 1024 if mib else None
+    @property
+    def max_inflight_bytes(self) -> int | None:
+        """`--max-inflight-mb` in bytes; None where it is 0 (no limit)."""
+        return self.max_inflight_mb * 1024 * 1024 if self.max_inflight_mb else None
 
 
 class Shutdown(BaseModel):
@@ -286,10 +298,10 @@ class Logging(BaseModel):
         ),
     ] = 0
 
-
-def log_level_of(args: argparse.Namespace) -> str:
-    """The logging level a server's flags ask for: DEBUG with `--log-verbose` 1 or more, else `--log-level`."""
-    return "DEBUG" if getattr(args, "log_verbose", 0) > 0 else str(args.log_level)
+    @property
+    def level(self) -> str:
+        """The logging level asked for: DEBUG with `--log-verbose` 1 or more, else `--log-level`."""
+        return "DEBUG" if self.log_verbose > 0 else self.log_level
 
 
 class ModelControl(BaseModel):
@@ -307,6 +319,11 @@ class ModelControl(BaseModel):
             "default %(default)s, as Triton's)",
         ),
     ] = "none"
+
+    @property
+    def explicit(self) -> bool:
+        """Whether explicit model control is asked for."""
+        return self.model_control_mode == "explicit"
 
 
 #: Instances one model version may have unless `--max-instances` says otherwise: more than enough threads

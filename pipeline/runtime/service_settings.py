@@ -8,7 +8,7 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel, Field
 
 from pipeline.runtime.server_settings import (
     Instances,
@@ -24,16 +24,23 @@ from pipeline.runtime.server_settings import (
     model_dir_option,
 )
 from pipeline.runtime.settings_cli import ProcessSettings, option, process_settings
-from pipeline.runtime.settings_values import MODEL_DIR, flag, names, positive_int
+from pipeline.runtime.settings_values import MODEL_DIR, device_name, flag, names, positive_int
+
+
+class Loading(BaseModel):
+    """The models a service loads at start-up (Triton's `--load-model`); each service's own group
+    (`loading(service)`) gives the flag its variable."""
+
+    load_model: list[str] = []
 
 
 @cache
-def loading(service: str) -> type[BaseModel]:
+def loading(service: str) -> type[Loading]:
     """`--load-model NAME` (repeatable; env `PIPELINE_<SERVICE>_LOAD_MODEL`, names separated by commas),
     Triton's explicit model control: serve only the models named instead of every one the service runs."""
     env = f"PIPELINE_{service.upper()}_LOAD_MODEL"
 
-    class Loading(BaseModel):
+    class ServiceLoading(Loading):
         load_model: Annotated[
             list[str],
             option(
@@ -48,8 +55,8 @@ def loading(service: str) -> type[BaseModel]:
             ),
         ] = []
 
-    Loading.__name__ = Loading.__qualname__ = f"{service.title()}Loading"
-    return Loading
+    ServiceLoading.__name__ = ServiceLoading.__qualname__ = f"{service.title()}Loading"
+    return ServiceLoading
 
 
 class Repository(BaseModel):
@@ -109,27 +116,31 @@ class ModelRepository(BaseModel):
 
 
 class Runners(BaseModel):
-    """How the model service runs its models (`services.model.backend.ServiceSettings`)."""
+    """How the model service runs its models (`services.model.backend.ModelBackend`)."""
 
     engine_cache: Annotated[
-        str | None,
+        Path | None,
         option(
             "--engine-cache",
             env="PIPELINE_ENGINE_CACHE",
+            parse=Path,
             help="folder of built TensorRT engines (env PIPELINE_ENGINE_CACHE; default <model-dir>/.engines)",
         ),
     ] = None
     device: Annotated[
         str,
+        AfterValidator(device_name),
         option(
             "--device",
             env="PIPELINE_DEVICE",
+            parse=device_name,
             help="where instances of kind KIND_AUTO go: auto (a GPU when one is visible, else the CPU), cpu, "
             "cuda or cuda:N (env PIPELINE_DEVICE; default %(default)s)",
         ),
     ] = "auto"
     torch_threads: Annotated[
         int,
+        Field(ge=1),
         option(
             "--torch-threads",
             "--intra-op-threads",
@@ -153,6 +164,7 @@ class Runners(BaseModel):
     ] = False
     default_max_batch_size: Annotated[
         int,
+        Field(ge=1),
         option(
             "--default-max-batch-size",
             env="PIPELINE_DEFAULT_MAX_BATCH_SIZE",

@@ -13,11 +13,13 @@ import argparse
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+G = TypeVar("G", bound=BaseModel)
 
 
 class SettingError(ValueError):
@@ -118,6 +120,32 @@ class ProcessSettings(BaseSettings):
         return init_settings, _Environment(settings_cls)
 
     @classmethod
+    def parse(cls, parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> Self:
+        """The process's settings from its command line, parsed once by `parser` (built by `add_arguments`);
+        a value the model refuses stops with a usage error that names it."""
+        try:
+            return cls.of(parser.parse_args(argv))
+        except SettingError as err:
+            parser.error(str(err))
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Self:
+        """The settings a parsed command line gives (each flag's default is already its variable's, else the
+        field's); `SettingError` names a value the model refuses."""
+        given = {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)}
+        try:
+            return cls(**given)
+        except ValidationError as err:
+            raise SettingError(_refused(cls, err)) from None
+
+    def group(self, kind: type[G]) -> G:
+        """This process's settings of one group, typed as that group (the process's model is a subclass of
+        each of its groups): what a part of the server that needs only those settings is given."""
+        if not isinstance(self, kind):
+            raise TypeError(f"{type(self).__name__} has no {kind.__name__} settings")
+        return self
+
+    @classmethod
     def options(cls) -> Iterator[tuple[str, Option, FieldInfo]]:
         """(field name, its option, the field) of every field with a flag, group by group."""
         for group in cls.groups:
@@ -126,6 +154,17 @@ class ProcessSettings(BaseSettings):
                 found = option_of(field)
                 if found is not None:
                     yield name, found, field
+
+
+def _refused(settings: type[ProcessSettings], err: ValidationError) -> str:
+    """What a model refused, by each setting's flag."""
+    parts = []
+    for error in err.errors():
+        name = str(error["loc"][0]) if error["loc"] else ""
+        field = settings.model_fields.get(name)
+        found = option_of(field) if field is not None else None
+        parts.append(f"{found.flags[0] if found is not None else name}: {error['msg']}")
+    return "; ".join(parts)
 
 
 def process_settings(name: str, groups: tuple[type[BaseModel], ...]) -> type[ProcessSettings]:

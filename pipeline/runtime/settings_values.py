@@ -14,6 +14,11 @@ from pipeline.runtime.settings_cli import read_variable, variable_text
 T = TypeVar("T")
 
 
+class SettingValueError(argparse.ArgumentTypeError, ValueError):
+    """A value a setting does not take: argparse shows its message for a flag, and a settings model refuses
+    it (a `ValueError` to pydantic) where it is given in code."""
+
+
 def byte_count(text: str) -> int:
     """A number of bytes, with an optional k, M or G suffix (powers of 1024): `64M`, `1048576`."""
     text = text.strip()
@@ -118,6 +123,17 @@ def control_mode(value: str) -> str:
             f"model control mode must be one of {', '.join(MODEL_CONTROL_MODES)}, got {value!r}"
         )
     return mode
+
+
+#: Where the model service's instances of kind KIND_AUTO may go (or `cuda:N`).
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def device_name(value: str) -> str:
+    """An argparse type (and a settings model's check): one of `DEVICES`, or `cuda:N`."""
+    if value not in DEVICES and not (value.startswith("cuda:") and value[5:].isdigit()):
+        raise SettingValueError(f"unknown device {value!r}; expected one of {', '.join(DEVICES)} or cuda:N")
+    return value
 
 
 #: The services and their default gRPC ports; each serves Prometheus metrics on its port plus 100, the

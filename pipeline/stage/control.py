@@ -15,7 +15,6 @@ hundreds would take the service's memory in a moment.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -24,7 +23,8 @@ from google.protobuf import json_format
 
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import InvalidInput, RepositoryError
-from pipeline.runtime.model_control import check_control_enabled, explicit_mode
+from pipeline.runtime import server_settings
+from pipeline.runtime.model_control import check_control_enabled
 from pipeline.runtime.security import AccessPolicy
 from pipeline.runtime.server_settings import DEFAULT_MAX_INSTANCES
 
@@ -66,12 +66,14 @@ def requested_instances(config: mc.ModelConfig) -> int:
     return sum(max(group.count, 1) * max(len(group.gpus), 1) for group in groups)
 
 
-def model_control_of(args: argparse.Namespace, policy: AccessPolicy) -> ModelControl:
-    """The repository control a service's flags and access policy give."""
+def model_control_of(
+    control: server_settings.ModelControl, instances: server_settings.Instances, policy: AccessPolicy
+) -> ModelControl:
+    """The repository control a service's settings and access policy give."""
     return ModelControl(
-        explicit=explicit_mode(args),
+        explicit=control.explicit,
         admin_configured=policy.admin_configured,
-        max_instances=getattr(args, "max_instances", DEFAULT_MAX_INSTANCES),
+        max_instances=instances.max_instances,
     )
 
 

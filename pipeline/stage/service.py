@@ -16,7 +16,7 @@ from grpc_health.v1 import health
 from pipeline.ensemble.catalog import ensemble_plans
 from pipeline.ensemble.selection import EVERYTHING
 from pipeline.protocol.errors import ConfigError
-from pipeline.runtime import server_settings, service_settings, settings_values
+from pipeline.runtime import service_settings, settings_values
 from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_metrics import MODEL_FAMILIES, Snapshot, families_handler
@@ -37,8 +37,20 @@ from pipeline.runtime.server import (
     start_metrics,
     write_port,
 )
+from pipeline.runtime.server_settings import (
+    Instances,
+    Limits,
+    Listening,
+    Logging,
+    ModelControl,
+    RouterLink,
+    Security,
+    Shutdown,
+    StageToken,
+)
+from pipeline.runtime.service_settings import Loading, Repository, StageEnsembles
 from pipeline.runtime.servicer import InferenceServicer
-from pipeline.runtime.settings_cli import add_arguments
+from pipeline.runtime.settings_cli import ProcessSettings, add_arguments
 from pipeline.runtime.telemetry import Telemetry
 from pipeline.stage.api import Stage
 from pipeline.stage.control import model_control_of
@@ -52,13 +64,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def repository_models(args: argparse.Namespace) -> list[str] | None:
+def repository_models(loading: Loading) -> list[str] | None:
     """The models `--load-model` (or its environment variable) names, or None for all of them (none given, or
     Triton's `*`); a blank name alone names none (`pipeline run` gives it to a stage that runs none of the
     models its `--load-model` selects)."""
-    if not args.load_model:
+    if not loading.load_model:
         return None
-    names = [name.strip() for name in args.load_model if name.strip()]
+    names = [name.strip() for name in loading.load_model if name.strip()]
     return None if EVERYTHING in names else names
 
 
@@ -66,49 +78,51 @@ class _StageServer:
     """A stage service's servers (gRPC, frames, metrics) around its plane, and what starts and stops them."""
 
     def __init__(
-        self, plane: StagePlane, args: argparse.Namespace, service: str, policy: AccessPolicy
+        self, plane: StagePlane, settings: ProcessSettings, service: str, policy: AccessPolicy
     ) -> None:
-        self.plane, self.args, self.service = plane, args, service
+        self.plane, self.service = plane, service
+        self.listening = settings.group(Listening)
+        self.limits = settings.group(Limits)
+        self.security = settings.group(Security)
         self.health = health.aio.HealthServicer()
         self.servicer = InferenceServicer(
             plane,
             service,
             telemetry=plane.telemetry,
             metrics=plane.metrics,
-            max_inflight_bytes=server_settings.inflight_bytes_of(args),
+            max_inflight_bytes=self.limits.max_inflight_bytes,
         )
-        self.frames = frame_server_of(self.servicer, args, policy)
+        self.frames = frame_server_of(self.servicer, self.listening, self.limits, self.security, policy)
 
     async def listen(self, policy: AccessPolicy) -> tuple[grpc.aio.Server, int]:
-        """The service's gRPC server, NOT_SERVING, listening where its flags say with their TLS and access
+        """The service's gRPC server, NOT_SERVING, listening where its settings say with their TLS and access
         policy (not started); and its port."""
-        args = self.args
+        listening = self.listening
         await set_serving(self.health, False)
         return await create_server(
-            f"{args.host}:{args.port}",
+            f"{listening.host}:{listening.port}",
             self.servicer,
             self.health,
-            max_message_bytes=args.max_message_mb * 1024 * 1024,
-            credentials=server_credentials_of(args),
+            max_message_bytes=self.limits.max_message_bytes,
+            credentials=server_credentials_of(self.security),
             interceptors=interceptors_of(policy),
         )
 
     async def start(self, port: int, bound: Callable[[int], None] | None) -> None:
         """Serve the frame and metrics ports, load the models, then report SERVING."""
-        args, plane, service = self.args, self.plane, self.service
-        start_metrics(plane.metrics, args)
-        if self.frames is not None:
-            self.servicer.frames_port = await self.frames.start(args.host, args.frames_port)
-        write_port(args.port_file, port)
+        listening, plane, service = self.listening, self.plane, self.service
+        start_metrics(plane.metrics, listening)
+        if self.frames is not None and listening.frames_port is not None:
+            self.servicer.frames_port = await self.frames.start(listening.host, listening.frames_port)
+        write_port(listening.port_file, port)
         if bound is not None:
             bound(port)
         source = f" and the repository {plane.repository.root}" if plane.repository is not None else ""
-        log.info("%s listening on %s:%d, loading its models%s", service, args.host, port, source)
+        log.info("%s listening on %s:%d, loading its models%s", service, listening.host, port, source)
         await plane.load()
         await set_serving(self.health, True)
-        log.info(
-            "%s serving %s on %s:%d", service, ", ".join(plane.model_names) or "no model", args.host, port
-        )
+        models = ", ".join(plane.model_names) or "no model"
+        log.info("%s serving %s on %s:%d", service, models, listening.host, port)
 
     async def stop(self, telemetry: Telemetry | None) -> None:
         """Unload the models and close what the service opened; `telemetry`: the tracing to shut down, where
@@ -124,7 +138,7 @@ class _StageServer:
 
 async def serve_stages(
     stages: Sequence[Stage],
-    args: argparse.Namespace,
+    settings: ProcessSettings,
     *,
     service: str,
     stopping: asyncio.Event | None = None,
@@ -146,7 +160,7 @@ async def serve_stages(
     """
     owned = telemetry is None
     telemetry = Telemetry.from_env(service) if telemetry is None else telemetry
-    policy = access_policy_of(args, stage=True)
+    policy = access_policy_of(settings.group(Security), stage_token=settings.group(StageToken))
     plane = StagePlane(
         stages,
         repository=repository,
@@ -155,10 +169,10 @@ async def serve_stages(
         own=own,
         telemetry=telemetry,
         metrics=Metrics() if metrics is None else metrics,
-        control=model_control_of(args, policy),
-        router=_router_calls(args),
+        control=model_control_of(settings.group(ModelControl), settings.group(Instances), policy),
+        router=_router_calls(settings),
     )
-    stage = _StageServer(plane, args, service, policy)
+    stage = _StageServer(plane, settings, service, policy)
     server, port = await stage.listen(policy)
     # The metric families its models make (Triton's custom metrics) are the process's: shown on its /metrics,
     # and given to the router, which shows every stage's on its own.
@@ -174,11 +188,11 @@ async def serve_stages(
     await serve(
         server,
         stage.health,
-        grace=args.grace_period,
+        grace=settings.group(Shutdown).grace_period,
+        drain_delay=settings.group(Shutdown).drain_delay,
         start=start,
         stop=stop,
         stopping=stopping,
-        drain_delay=getattr(args, "drain_delay", 0.0),
         drain=None if stage.frames is None else stage.frames.close,
         held=stage.servicer.held,
     )
@@ -189,20 +203,21 @@ async def _model_families() -> list[Snapshot]:
     return MODEL_FAMILIES.snapshot()
 
 
-def _router_calls(args: argparse.Namespace) -> RouterCalls | None:
+def _router_calls(settings: ProcessSettings) -> RouterCalls | None:
     """Where the service's models send their calls to other models (`--router`), if anywhere: over TLS
     where the service trusts a CA (`--tls-ca`), presenting its own certificate, with the clients' token
     `PIPELINE_TOKEN` where one is set."""
-    address, port_file = getattr(args, "router", None), getattr(args, "router_port_file", None)
-    if address is None and port_file is None:
+    link = settings.group(RouterLink)
+    if link.router is None and link.router_port_file is None:
         return None
-    ca = getattr(args, "tls_ca", None)
-    tls = client_tls(ca, args.tls_cert, args.tls_key) if ca else None
+    listening, limits, security = settings.group(Listening), settings.group(Limits), settings.group(Security)
+    ca = security.tls_ca
+    tls = client_tls(ca, security.tls_cert, security.tls_key) if ca else None
     return RouterCalls(
-        address,
-        port_file=port_file,
-        host=args.host,
-        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        link.router,
+        port_file=link.router_port_file,
+        host=listening.host,
+        max_message_bytes=limits.max_message_bytes,
         credentials=None if tls is None else tls.credentials,
         tls=None if tls is None else tls.ssl_context,
         token=settings_values.TOKEN.get(),
@@ -211,7 +226,7 @@ def _router_calls(args: argparse.Namespace) -> RouterCalls | None:
 
 def run_stage_service(
     stages: Sequence[Stage],
-    args: argparse.Namespace,
+    settings: ProcessSettings,
     *,
     service: str,
     repository: ModelRepository | None = None,
@@ -221,12 +236,12 @@ def run_stage_service(
 ) -> None:
     """Entry point of a stage service process: serve `stages` and the repository models of `backends` until
     SIGTERM or SIGINT (`models` and `own` as `serve_stages`')."""
-    prepare_process(server_settings.log_level_of(args), service)
+    prepare_process(settings.group(Logging).level, service)
     try:
         uvloop.run(
             serve_stages(
                 stages,
-                args,
+                settings,
                 service=service,
                 repository=repository,
                 backends=backends,
@@ -254,14 +269,13 @@ def python_service_parser(service: str) -> argparse.ArgumentParser:
 def python_service_main(service: str, argv: Sequence[str] | None = None) -> None:
     """The `preprocess` and `postprocess` services: serve the repository's Python models that run there
     (`pipeline.stage.placement`, or those `--load-model` names) until SIGTERM or SIGINT."""
-    args = python_service_parser(service).parse_args(argv)
-    prepare_process(server_settings.log_level_of(args), service)
-    repository = ModelRepository(args.model_dir)
-    placed = _placed_models(service, repository, args.ensembles)
-    named = repository_models(args)
+    settings = service_settings.stage_settings(service).parse(python_service_parser(service), argv)
+    repository = ModelRepository(settings.group(Repository).model_dir)
+    placed = _placed_models(service, repository, settings.group(StageEnsembles).ensembles)
+    named = repository_models(settings.group(Loading))
     run_stage_service(
         [],
-        args,
+        settings,
         service=service,
         repository=repository,
         backends=[PythonBackend()],

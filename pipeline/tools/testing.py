@@ -8,7 +8,6 @@ Both go through the same code paths as the service processes (`serve_stages`, `s
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
@@ -16,6 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeline.router.main import serve_router
+from pipeline.runtime.router_settings import RouterSettings
+from pipeline.runtime.service_settings import stage_settings
+from pipeline.runtime.settings_cli import ProcessSettings
 from pipeline.stage.api import Stage
 from pipeline.stage.service import serve_stages
 
@@ -44,22 +46,46 @@ class Running:
         await self.task
 
 
-def _args(
+#: What an in-process server is given unless told otherwise: no frame port, no Prometheus port, no drain
+#: delay; a router with no limit on the requests it holds or their items, and its own gRPC server.
+_STAGE_DEFAULTS: dict[str, Any] = {"frames_port": None, "metrics_port": None, "drain_delay": 0.0}
+_ROUTER_DEFAULTS: dict[str, Any] = {
+    **_STAGE_DEFAULTS,
+    "max_inflight_requests": 0,
+    "max_batch_items": 0,
+    "front": "python",
+}
+
+
+def router_settings_of(**options: Any) -> ProcessSettings:
+    """The settings of an in-process router on 127.0.0.1 and a port the OS picks, serving no HTTP/REST
+    and no metrics unless `options` (settings by their field names) say otherwise: for a test that calls
+    `serve_router` itself."""
+    given = {"max_message_mb": 64, "grace_period": 5.0, "http_port": None, **options}
+    mb, grace = given.pop("max_message_mb"), given.pop("grace_period")
+    return _settings(RouterSettings, _ROUTER_DEFAULTS, mb, grace, options=given)
+
+
+def _settings(
+    model: type[ProcessSettings],
+    defaults: Mapping[str, Any],
     max_message_mb: int,
     grace: float,
     port: int = 0,
     metrics_port: int | None = None,
     options: Mapping[str, Any] | None = None,
-) -> argparse.Namespace:
-    return argparse.Namespace(
-        host="127.0.0.1",
-        port=port,
-        port_file=None,
-        max_message_mb=max_message_mb,
-        grace_period=grace,
-        metrics_port=metrics_port,
+) -> ProcessSettings:
+    """A server's settings model on 127.0.0.1; `options` sets further settings by their field names."""
+    given = {
+        **defaults,
+        "host": "127.0.0.1",
+        "port": port,
+        "max_message_mb": max_message_mb,
+        "grace_period": grace,
+        "metrics_port": metrics_port,
         **(options or {}),
-    )
+    }
+    return model(**given)
 
 
 @contextlib.asynccontextmanager
@@ -103,14 +129,22 @@ async def serving_stages(
     `port` asks for a given port instead, e.g. to bring a stopped stage back where it was. `telemetry`
     (tracing) defaults to what the environment says; `metrics_port` (0: the OS picks) serves `metrics`.
     `drain_delay` is how long `stop()` keeps serving while reporting NOT_SERVING. `options` sets further
-    flags by their attribute names, e.g. `{"tls_cert": ..., "tls_key": ...}`.
+    settings by their field names, e.g. `{"tls_cert": ..., "tls_key": ...}` (a Python stage service's
+    settings: `pipeline.runtime.service_settings.stage_settings`).
     """
-    args = _args(max_message_mb, grace, port, metrics_port, options)
-    args.drain_delay = drain_delay
+    settings = _settings(
+        stage_settings("preprocess"),
+        {**_STAGE_DEFAULTS, "drain_delay": drain_delay},
+        max_message_mb,
+        grace,
+        port,
+        metrics_port,
+        options,
+    )
     async with _running(
         lambda stopping, bound: serve_stages(
             stages,
-            args,
+            settings,
             service="stage",
             stopping=stopping,
             bound=bound,
@@ -141,13 +175,18 @@ async def serving_router(
     router flags such as `max_inflight_requests`, `auth_tokens_file`, `stage_tls_ca` or `http_port` by
     their attribute names). `resolve` looks up the stages' DNS names instead of the system's resolver."""
 
-    args = _args(
-        max_message_mb, grace, metrics_port=metrics_port, options={"http_port": 0, **(options or {})}
+    settings = _settings(
+        RouterSettings,
+        _ROUTER_DEFAULTS,
+        max_message_mb,
+        grace,
+        metrics_port=metrics_port,
+        options={"http_port": 0, **(options or {})},
     )
     http_ports: list[int] = []
     async with _running(
         lambda stopping, bound: serve_router(
-            args,
+            settings,
             catalog=catalog,
             stopping=stopping,
             bound=bound,

@@ -35,6 +35,7 @@ from pipeline.protocol.config_fields import acted_on
 from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import PAD_VALUE_PARAMETER, datatype_of_config, log_ignored
 from pipeline.runtime.repository import DEFAULT_FILENAMES, RepositoryEntry
+from pipeline.runtime.service_settings import Runners
 from pipeline.stage.backend import Instance, PreparedVersion
 from pipeline.stage.sequence_config import sequence_tensors
 from services.model import tensorrt
@@ -59,7 +60,6 @@ from services.model.instances import ArtifactInstance, OnnxRuntimeInstance, Torc
 log = logging.getLogger(__name__)
 
 RUNNERS = ("auto", "onnxruntime", "torch", "tensorrt")
-DEVICES = ("auto", "cpu", "cuda")
 #: Top-level config fields this backend acts on (`pipeline.protocol.config_fields`); the rest are logged as
 #: ignored at load.
 ACTED_ON = acted_on("model")
@@ -78,36 +78,6 @@ RUNNER_KEY, REASON_KEY = "runner_in_use", "runner_reason"
 #: The file of a PyTorch model's version that runs as ONNX (`pipeline quantize` writes it).
 ONNX_FILENAME = "model.onnx"
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
-@dataclass(frozen=True)
-class ServiceSettings:
-    """The model service's own settings (its command line)."""
-
-    #: Where instances of `kind: KIND_AUTO` (and models without `instance_group`) go: "auto" (a GPU when one
-    #: is visible), "cpu", "cuda" or "cuda:N".
-    device: str = "auto"
-    #: Intra-op threads of each instance (torch and ONNX Runtime) unless its config says otherwise.
-    threads: int = 1
-    #: Folder of built TensorRT engines (None: `<repository>/.engines`).
-    engine_cache: Path | None = None
-    #: Complete configs from the model file where they are silent (Triton's default).
-    auto_complete: bool = True
-    #: `max_batch_size` auto-complete gives a model that batches (Triton's `--backend-config=default-max-batch-size`).
-    default_max_batch_size: int = 4
-    #: Fail a model whose first runner cannot load it instead of falling back (a config's `strict_runner`
-    #: says otherwise for its model).
-    strict_runner: bool = False
-
-    def __post_init__(self) -> None:
-        if self.device not in DEVICES and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
-            raise ValueError(
-                f"unknown device {self.device!r}; expected one of {', '.join(DEVICES)} or cuda:N"
-            )
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.default_max_batch_size < 1:
-            raise ValueError(f"default max batch size must be >= 1, got {self.default_max_batch_size}")
 
 
 @dataclass(frozen=True)
@@ -238,10 +208,8 @@ class ModelBackend:
 
     names: tuple[str, ...] = ("onnxruntime", "pytorch", "tensorrt")
 
-    def __init__(
-        self, settings: ServiceSettings | None = None, *, repository_root: Path | None = None
-    ) -> None:
-        self.settings = settings or ServiceSettings()
+    def __init__(self, settings: Runners | None = None, *, repository_root: Path | None = None) -> None:
+        self.settings = settings or Runners()
         self.engine_cache = self.settings.engine_cache or (
             (repository_root / ".engines") if repository_root is not None else None
         )
@@ -293,7 +261,7 @@ class ModelBackend:
             artifact=artifact,
             kind=kind,
             source=source,
-            auto_complete=self.settings.auto_complete,
+            auto_complete=not self.settings.disable_auto_complete_config,
             default_max_batch_size=self.settings.default_max_batch_size,
         )
         config.platform = KIND_PLATFORMS[kind]
@@ -358,7 +326,7 @@ class ModelBackend:
         datatypes = {t.name: datatype_of_config(t.data_type) for t in config.input}
         datatypes.update({t.name: datatype_of_config(t.data_type) for t in config.output})
         common = dict(batching=config.max_batch_size > 0, device=device, reason=reason)
-        threads = options.threads or self.settings.threads
+        threads = options.threads or self.settings.torch_threads
         if runner == "onnxruntime":
             return OnnxRuntimeInstance(artifact, bindings, datatypes, threads=threads, kind=kind, **common)
         if runner == "torch":

@@ -45,8 +45,9 @@ from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import tensor_specs
 from pipeline.runtime import settings_values
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
+from pipeline.runtime.service_settings import Runners
 from services.model.artifacts import ONNX, export_onnx, first_line
-from services.model.backend import ONNX_FILENAME, ModelBackend, ModelFile, ServiceSettings
+from services.model.backend import ONNX_FILENAME, ModelBackend, ModelFile
 from services.model.int8_cpu import int8_saturates
 from services.model.quantize_report import (
     MIN_AGREEMENT,
@@ -213,7 +214,7 @@ def _source_model(entry: RepositoryEntry, name: str, settings: QuantizeSettings)
     if not entry.versions:
         raise RepositoryError(f"model '{name}': no version folder in {entry.folder}")
     source_version = settings.version or max(entry.versions, key=int)
-    model = ModelBackend(ServiceSettings(device="cpu")).read(entry, source_version)
+    model = ModelBackend(Runners(device="cpu")).read(entry, source_version)
     if model.config.HasField("sequence_batching"):
         raise RepositoryError(
             f"{entry.source}: quantize does not take a model with sequence_batching (its state tensors cannot "

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from pipeline.runtime.repository import ModelRepository
-from services.model.backend import ModelBackend, ServiceSettings
+from pipeline.runtime.service_settings import Runners
+from services.model.backend import ModelBackend
 from services.model.tensorrt import tensorrt_status
 
 pytestmark = pytest.mark.gpu
@@ -72,7 +73,7 @@ def run(
         (folder / model / "config.pbtxt").write_text(config)
         # Hard links: a symbolic link out of the repository would be refused.
         shutil.copytree(root / model / "1", folder / model / "1", copy_function=os.link)
-    backend = ModelBackend(ServiceSettings(device=device, engine_cache=root.parent / "engines"))
+    backend = ModelBackend(Runners(device=device, engine_cache=root.parent / "engines"))
     prepared = backend.prepare(ModelRepository(folder).read(model), "1")
     instance = prepared.instances[0]
     instance.load()
@@ -130,9 +131,7 @@ def test_a_plan_file_is_served_as_it_is(examples: Path, tmp_path: Path) -> None:
     (engine,) = sorted((examples.parent / "engines").glob("refcnn_cnn/*.plan"))[:1]
     (tmp_path / "engine" / "1").mkdir(parents=True)
     (tmp_path / "engine" / "1" / "model.plan").write_bytes(engine.read_bytes())
-    prepared = ModelBackend(ServiceSettings(device="cuda:0")).prepare(
-        ModelRepository(tmp_path).read("engine"), "1"
-    )
+    prepared = ModelBackend(Runners(device="cuda:0")).prepare(ModelRepository(tmp_path).read("engine"), "1")
     assert [t.name for t in prepared.config.input] == ["INPUT"]
     instance = prepared.instances[0]
     instance.load()

@@ -11,7 +11,8 @@ import pytest
 
 from pipeline.protocol.errors import RepositoryError
 from pipeline.runtime.repository import ModelRepository
-from services.model.backend import ModelBackend, ServiceSettings
+from pipeline.runtime.service_settings import Runners
+from services.model.backend import ModelBackend
 from services.model.tensorrt import tensorrt_status
 from tests.integration.test_runner_fallback import expected, write_cholesky
 
@@ -40,7 +41,7 @@ def repository(tmp_path: Path) -> ModelRepository:
 @needs_trt
 def test_tensorrt_fails_on_the_operator_and_torch_on_the_gpu_takes_the_model(tmp_path: Path) -> None:
     entry = repository(tmp_path).read("cholesky")
-    backend = ModelBackend(ServiceSettings(engine_cache=tmp_path / ".engines"))
+    backend = ModelBackend(Runners(engine_cache=tmp_path / ".engines"))
     prepared = backend.prepare(entry, "1")
     (instance,) = prepared.instances
     assert instance.reason.startswith("tensorrt on cuda:0")
@@ -60,7 +61,7 @@ def test_tensorrt_fails_on_the_operator_and_torch_on_the_gpu_takes_the_model(tmp
 @needs_trt
 def test_strict_fails_where_tensorrt_fails(tmp_path: Path) -> None:
     entry = repository(tmp_path).read("cholesky")
-    backend = ModelBackend(ServiceSettings(engine_cache=tmp_path / ".engines", strict_runner=True))
+    backend = ModelBackend(Runners(engine_cache=tmp_path / ".engines", strict_runner=True))
     (instance,) = backend.prepare(entry, "1").instances
     with pytest.raises(RepositoryError, match="linalg_cholesky"):
         instance.load()

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from pipeline.runtime.repository import ModelRepository
-from services.model.backend import ModelBackend, ServiceSettings
+from pipeline.runtime.service_settings import Runners
+from services.model.backend import ModelBackend
 from services.model.quantize import QuantizeSettings, quantize
 from services.model.tensorrt import tensorrt_status
 
@@ -30,7 +31,7 @@ def test_tensorrt_runs_the_int8_version_and_agrees_with_fp32(tmp_path: Path) -> 
     entry = ModelRepository(tmp_path).read("refcnn_cnn")
 
     def logits(device: str, version: str) -> tuple[np.ndarray, str]:
-        settings = ServiceSettings(device=device, engine_cache=tmp_path / ".engines", strict_runner=True)
+        settings = Runners(device=device, engine_cache=tmp_path / ".engines", strict_runner=True)
         (instance,) = ModelBackend(settings).prepare(entry, version).instances
         instance.load()
         try:

@@ -21,9 +21,10 @@ from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import Running, serving_router, serving_stages
-from services.model.backend import ModelBackend, ServiceSettings
+from services.model.backend import ModelBackend
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.integration.test_plain_oip_stage import PlainServicer, plain_server
 from tests.integration.test_telemetry import _scrape
@@ -85,7 +86,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextlib.asynccontextmanager
 async def stages(root: Path) -> AsyncIterator[tuple[Running, str]]:
     """refcnn's models on one stage service (serving as each of the three stages), and the foreign server."""
-    backends = [PythonBackend(), ModelBackend(ServiceSettings(device="cpu"))]
+    backends = [PythonBackend(), ModelBackend(Runners(device="cpu"))]
     async with (
         serving_stages([], repository=ModelRepository(root), backends=backends, models=REFCNN) as stage,
         plain_server(PlainServicer()) as foreign,

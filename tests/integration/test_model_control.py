@@ -14,12 +14,13 @@ import pytest
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from pipeline.stage.control import DEFAULT_MAX_INSTANCES, requested_instances
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.stage.service import python_service_parser
 from pipeline.tools.testing import serving_stages
 from services.model.__main__ import build_parser
-from services.model.backend import ModelBackend, ServiceSettings
+from services.model.backend import ModelBackend
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.model_files import ONNX_CONFIG, add_model
 from tests.stages import TRITON_ADD_SUB_CONFIG, TRITON_ADD_SUB_MODEL, write_model
@@ -121,7 +122,7 @@ async def test_the_cap_holds_at_start_up_and_is_configurable(tmp_path: Path) -> 
 async def test_the_model_service_caps_instances_too(tmp_path: Path) -> None:
     forty = ONNX_CONFIG.format(name="m") + "instance_group [ { count: 40 kind: KIND_CPU } ]\n"
     add_model(tmp_path, "onnx", "m", {"1": 1}, config=forty)
-    backend = ModelBackend(ServiceSettings(device="cpu"))
+    backend = ModelBackend(Runners(device="cpu"))
     options = {**EXPLICIT, "max_instances": 8}
     async with serving_stages(
         [], repository=ModelRepository(tmp_path), backends=[backend], options=options

@@ -27,9 +27,10 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from pipeline.stage.api import NO_DEADLINE
 from pipeline.tools.testing import serving_stages
-from services.model.backend import ModelBackend, ServiceSettings
+from services.model.backend import ModelBackend
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.model_files import KINDS, add_model, reference, write_export, write_onnx, write_torchscript
 
@@ -39,7 +40,7 @@ KIND_NAMES = list(KINDS)
 @contextlib.asynccontextmanager
 async def serving(root: Path, backend=None, **settings) -> AsyncIterator:
     """The model service serving `root` in explicit model-control mode; yields an inference stub."""
-    backend = backend or ModelBackend(ServiceSettings(device="cpu", **settings))
+    backend = backend or ModelBackend(Runners(device="cpu", **settings))
     async with serving_stages(
         [], repository=ModelRepository(root), backends=[backend], options={"model_control_mode": "explicit"}
     ) as stage:
@@ -230,7 +231,7 @@ async def test_torchscript_without_a_config_is_refused_naming_the_fields(tmp_pat
 
 async def test_auto_complete_can_be_turned_off(tmp_path: Path) -> None:
     write_onnx(tmp_path / "plain" / "1" / "model.onnx", 3)
-    async with serving(tmp_path, auto_complete=False) as stub:
+    async with serving(tmp_path, disable_auto_complete_config=True) as stub:
         error = await load_error(stub, "plain")
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "auto-complete is off" in error.details() and "plain" in error.details()
@@ -395,7 +396,7 @@ class CountingBackend:
     release the first by running at the same time, which shows that requests spread over the instances."""
 
     def __init__(self, parties: int) -> None:
-        self.inner = ModelBackend(ServiceSettings(device="cpu"))
+        self.inner = ModelBackend(Runners(device="cpu"))
         self.names = self.inner.names
         self.barrier = threading.Barrier(parties, timeout=30)
         self.ran: list[int] = []

@@ -21,10 +21,12 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Loading, ModelServiceSettings, Runners
 from pipeline.stage.python_backend import PythonBackend
+from pipeline.stage.service import repository_models
 from pipeline.tools.testing import serving_stages
 from services.model.__main__ import build_parser, served_models
-from services.model.backend import ModelBackend, ServiceSettings
+from services.model.backend import ModelBackend
 from tests.conftest import inference_stub, request_for, wait_serving
 from tests.model_files import add_model
 from tests.stages import write_model
@@ -62,11 +64,9 @@ def _repository(root: Path, group: str = "instance_group [ { count: 1 kind: KIND
 async def model_service(repository: ModelRepository, gpus: int) -> AsyncIterator:
     """The model service as `python -m services.model` makes it, with `gpus` GPUs visible to its python
     backend; yields an inference stub."""
-    args = build_parser().parse_args(["--model-dir", str(repository.root)])
-    backends = [ModelBackend(ServiceSettings(device="cpu")), PythonBackend(gpus=gpus)]
-    async with serving_stages(
-        [], repository=repository, backends=backends, models=served_models(repository, args)
-    ) as stage:
+    backends = [ModelBackend(Runners(device="cpu")), PythonBackend(gpus=gpus)]
+    models = served_models(repository, _named(["--model-dir", str(repository.root)]))
+    async with serving_stages([], repository=repository, backends=backends, models=models) as stage:
         await wait_serving(stage.address, timeout=120)
         async with inference_stub(stage.address) as stub:
             yield stub
@@ -89,10 +89,16 @@ def test_the_model_service_loads_its_backends_models_and_the_python_models_that_
     tmp_path: Path,
 ) -> None:
     repository = _repository(tmp_path)
-    assert served_models(repository, build_parser().parse_args([])) == ["cnn", "gpu_model"]
+    assert served_models(repository, _named([])) == ["cnn", "gpu_model"]
     # Triton's explicit model control: the models named, whatever their backend.
-    named = build_parser().parse_args(["--load-model", "cpu_model", "--load-model", "cnn"])
+    named = _named(["--load-model", "cpu_model", "--load-model", "cnn"])
     assert served_models(repository, named) == ["cpu_model", "cnn"]
+
+
+def _named(argv: list[str]) -> list[str] | None:
+    """The models a model service's command line names (`--load-model`), as it reads them."""
+    settings = ModelServiceSettings.parse(build_parser(), argv)
+    return repository_models(settings.group(Loading))
 
 
 async def test_on_a_machine_without_gpus_the_instance_runs_on_the_cpu_and_says_so(

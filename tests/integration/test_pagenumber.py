@@ -24,10 +24,11 @@ from pipeline.cli import build_parser
 from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.infer import run_infer_command
 from pipeline.tools.testing import Running, serving_router, serving_stages
-from services.model.backend import ModelBackend, ServiceSettings
+from services.model.backend import ModelBackend
 from tests.conftest import inference_stub, request_for, wait_serving
 from tests.stages import EXAMPLE_REPOSITORY, example_repository
 
@@ -48,7 +49,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def pipeline(root: Path, tmp_path: Path) -> AsyncIterator[Running]:
     """Every model of `root` on one stage service (as each of the ensemble's three stages), and the router."""
     port_file = tmp_path / "router.port"
-    backends = [PythonBackend(), ModelBackend(ServiceSettings(device="cpu"))]
+    backends = [PythonBackend(), ModelBackend(Runners(device="cpu"))]
     async with serving_stages(
         [], repository=ModelRepository(root), backends=backends, options={"router_port_file": port_file}
     ) as stage:

@@ -29,10 +29,11 @@ from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import RepositoryError
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import Running, serving_router, serving_stages
 from services.model import quantize as quantize_module
-from services.model.backend import ModelBackend, ServiceSettings
+from services.model.backend import ModelBackend
 from services.model.int8_cpu import int8_saturates
 from services.model.quantize import QuantizeSettings, quantize
 from tests.conftest import inference_stub, request_for, wait_serving
@@ -102,7 +103,7 @@ async def test_the_digits_cnn_quantized_serves_as_version_2_with_its_accuracy(
 @contextlib.asynccontextmanager
 async def pipeline(root: Path) -> AsyncIterator[tuple[Running, Running]]:
     """Every model of `root` on one stage service (as each of the ensemble's stages), and the router."""
-    backends = [PythonBackend(), ModelBackend(ServiceSettings(device="cpu"))]
+    backends = [PythonBackend(), ModelBackend(Runners(device="cpu"))]
     async with serving_stages(
         [],
         repository=ModelRepository(root),

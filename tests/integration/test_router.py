@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import threading
 from pathlib import Path
@@ -23,7 +22,7 @@ from pipeline.runtime.data_plane import CallContext, DataPlane
 from pipeline.runtime.server import create_server, set_serving
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.stage.api import Stage
-from pipeline.tools.testing import serving_router, serving_stages
+from pipeline.tools.testing import router_settings_of, serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 
 # Both branches of the diamond wait here for each other: a router that ran them one after the other
@@ -303,7 +302,7 @@ steps:
   - {{model_name: add, stage: math, input_map: {{A: A, B: A}}, output_map: {{SUM: S}}}}
 """
         )
-        args = argparse.Namespace(host="127.0.0.1", port=0, port_file=None, max_message_mb=4, grace_period=1)
+        args = router_settings_of(max_message_mb=4, grace_period=1)
         with pytest.raises(ConfigError) as info:
             await asyncio.wait_for(
                 serve_router(args, catalog=load_ensembles([tmp_path]), stopping=asyncio.Event()), 20

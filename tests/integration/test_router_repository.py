@@ -22,9 +22,10 @@ from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import ConfigError
 from pipeline.router.main import add_router_arguments, router_catalog, serve_router
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.router_settings import RouterSettings
 from pipeline.runtime.server import INFERENCE_SERVICE
 from pipeline.stage.python_backend import PythonBackend
-from pipeline.tools.testing import serving_router, serving_stages
+from pipeline.tools.testing import router_settings_of, serving_router, serving_stages
 from tests.conftest import (
     health_status,
     inference_stub,
@@ -360,7 +361,7 @@ async def test_a_mismatch_with_the_stage_names_the_config_pbtxt(tmp_path):
     )
     repository = stage_repository(tmp_path / "stage", {"scale": scale_model(), "offset": offset_model()})
     async with serving_repository(repository) as stage:
-        args = argparse.Namespace(host="127.0.0.1", port=0, port_file=None, max_message_mb=4, grace_period=1)
+        args = router_settings_of(max_message_mb=4, grace_period=1)
         catalog = load_catalog(repository=tmp_path, stages={"only": stage.address})
         with pytest.raises(ConfigError) as info:
             await asyncio.wait_for(serve_router(args, catalog=catalog, stopping=asyncio.Event()), 20)
@@ -371,7 +372,7 @@ async def test_a_mismatch_with_the_stage_names_the_config_pbtxt(tmp_path):
 async def test_no_stage_with_a_repository_index_is_a_clear_error(tmp_path):
     write_config(tmp_path, "chain", CHAIN)
     async with serving_stages([Scale(), Scale("offset")]) as plain:
-        args = argparse.Namespace(host="127.0.0.1", port=0, port_file=None, max_message_mb=4, grace_period=1)
+        args = router_settings_of(max_message_mb=4, grace_period=1)
         catalog = load_catalog(repository=tmp_path, stages={"plain": plain.address})
         with pytest.raises(ConfigError) as info:
             await asyncio.wait_for(serve_router(args, catalog=catalog, stopping=asyncio.Event()), 20)
@@ -387,15 +388,15 @@ def test_router_flags_read_the_repository_and_the_stages(tmp_path, monkeypatch):
     monkeypatch.delenv("PREPROCESS_ADDRESS", raising=False)
     monkeypatch.setenv("POSTPROCESS_ADDRESS", "")
     monkeypatch.chdir(tmp_path)  # no ensembles/ folder here: a router with a repository needs none
-    catalog = router_catalog(parser.parse_args(["--model-repository", str(tmp_path)]))
+    catalog = router_catalog(RouterSettings.parse(parser, ["--model-repository", str(tmp_path)]))
     assert list(catalog.ensembles) == ["chain"]
     assert {key: e.address for key, e in catalog.stages.items()} == {
         "preprocess": "127.0.0.1:8101",
         "model": "10.0.0.2:7000",
         "postprocess": "127.0.0.1:8103",
     }
-    args = parser.parse_args(
-        ["--model-dir", str(tmp_path), "--stage", "x=127.0.0.1:9", "--stage", "y=[::1]:8"]
+    args = RouterSettings.parse(
+        parser, ["--model-dir", str(tmp_path), "--stage", "x=127.0.0.1:9", "--stage", "y=[::1]:8"]
     )
     assert {key: e.address for key, e in router_catalog(args).stages.items()} == {
         "x": "127.0.0.1:9",
@@ -404,14 +405,14 @@ def test_router_flags_read_the_repository_and_the_stages(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         parser.parse_args(["--stage", "no-address"])
     with pytest.raises(ConfigError, match="no such folder"):
-        router_catalog(parser.parse_args(["--model-dir", str(tmp_path / "missing")]))
+        router_catalog(RouterSettings.parse(parser, ["--model-dir", str(tmp_path / "missing")]))
     write_config(
         tmp_path,
         "broken",
         CHAIN.replace('"chain"', '"broken"').replace('value: "doubled" } }', 'value: "doubeld" } }', 1),
     )
     with pytest.raises(ConfigError) as info:
-        router_catalog(parser.parse_args(["--model-dir", str(tmp_path)]))
+        router_catalog(RouterSettings.parse(parser, ["--model-dir", str(tmp_path)]))
     message = str(info.value)
     assert str(tmp_path / "broken" / "config.pbtxt") in message
     assert "step 1 (offset): input 'X' ← tensor 'doubled': nothing produces 'doubled'" in message
@@ -530,7 +531,9 @@ def test_the_ensembles_folder_is_optional_and_readiness_is_strict_unless_told(tm
     (tmp_path / "empty").mkdir()
     for folder in ("empty", "missing"):
         catalog = router_catalog(
-            parser.parse_args(["--model-dir", str(tmp_path), "--ensembles", str(tmp_path / folder)])
+            RouterSettings.parse(
+                parser, ["--model-dir", str(tmp_path), "--ensembles", str(tmp_path / folder)]
+            )
         )
         assert list(catalog.ensembles) == ["chain"]
     assert parser.parse_args([]).strict_readiness is True

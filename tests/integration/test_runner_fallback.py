@@ -21,8 +21,9 @@ import pytest
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from pipeline.tools.testing import serving_stages
-from services.model.backend import ModelBackend, ServiceSettings
+from services.model.backend import ModelBackend
 from tests.conftest import inference_stub, rpc_error, wait_serving
 from tests.integration.test_model_service import infer, model_config
 from tests.model_files import KINDS, add_model, reference
@@ -64,7 +65,7 @@ def expected(x: np.ndarray) -> np.ndarray:
 
 @contextlib.asynccontextmanager
 async def serving(root: Path, metrics: Metrics | None = None, **settings) -> AsyncIterator:
-    backend = ModelBackend(ServiceSettings(device="cpu", **settings))
+    backend = ModelBackend(Runners(device="cpu", **settings))
     async with serving_stages(
         [],
         repository=ModelRepository(root),

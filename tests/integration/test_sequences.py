@@ -14,6 +14,7 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_stages
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
@@ -279,10 +280,10 @@ def write_running_sum(path: Path) -> None:
 
 
 def serving_models(root: Path):
-    from services.model.backend import ModelBackend, ServiceSettings
+    from services.model.backend import ModelBackend
 
     return serving_stages(
-        [], repository=ModelRepository(root), backends=[ModelBackend(ServiceSettings(device="cpu"))]
+        [], repository=ModelRepository(root), backends=[ModelBackend(Runners(device="cpu"))]
     )
 
 

@@ -13,9 +13,10 @@ import numpy as np
 from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
-from services.model.backend import ModelBackend, ServiceSettings
+from services.model.backend import ModelBackend
 from tests.conftest import inference_stub, request_for, wait_serving
 from tests.model_files import add_model, reference, write_onnx
 
@@ -84,9 +85,7 @@ async def test_an_unseen_triton_repository_is_served_as_it_is(tmp_path: Path) ->
     repository = ModelRepository(root)
     x = np.random.default_rng(3).standard_normal((5, 4)).astype(np.float32)
     async with (
-        serving_stages(
-            [], repository=repository, backends=[ModelBackend(ServiceSettings(device="cpu"))]
-        ) as models,
+        serving_stages([], repository=repository, backends=[ModelBackend(Runners(device="cpu"))]) as models,
         serving_stages([], repository=repository, backends=[PythonBackend()]) as python,
     ):
         await wait_serving(models.address, timeout=60)

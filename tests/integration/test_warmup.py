@@ -14,11 +14,12 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import parse_config, tensor_specs
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.stage.warmup import warmup_samples
 from pipeline.tools.testing import serving_stages
 from services.model import instances
-from services.model.backend import ModelBackend, ServiceSettings
+from services.model.backend import ModelBackend
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.model_files import ONNX_CONFIG, add_model
 from tests.stages import write_model
@@ -253,7 +254,7 @@ async def test_the_model_service_warms_up_its_instances(
         return run(self, inputs) if deadline is None else run(self, inputs, deadline)
 
     monkeypatch.setattr(instances.OnnxRuntimeInstance, "run", counted)
-    backend = ModelBackend(ServiceSettings(device="cpu"))
+    backend = ModelBackend(Runners(device="cpu"))
     async with _serving(tmp_path, [backend]) as stage, inference_stub(stage.address) as stub:
         await wait_serving(stage.address, timeout=120)
         # Each instance: its own load check (one item), then the sample's 3 runs of a batch of 4.

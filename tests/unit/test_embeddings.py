@@ -11,9 +11,10 @@ import torch
 from pipeline.protocol.errors import InvalidInput, RepositoryError
 from pipeline.protocol.model_config import tensor_specs
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from pipeline.stage.api import Stage
 from services.minilm_files import package_model_dir
-from services.model.backend import ModelBackend, ServiceSettings
+from services.model.backend import ModelBackend
 from tests.stages import example_stage
 
 #: The example repository's `embeddings_pool`, loaded through the python backend.
@@ -48,7 +49,7 @@ def encoder_version(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("repository")
     build(root, ["minilm_encoder"], progress=False, report=lambda _: None)
     # The thread count is process-wide: keep the one the other tests run with.
-    backend = ModelBackend(ServiceSettings(device="cpu", threads=torch.get_num_threads()))
+    backend = ModelBackend(Runners(device="cpu", torch_threads=torch.get_num_threads()))
     return backend.prepare(ModelRepository(root).read("minilm_encoder"), "1")
 
 

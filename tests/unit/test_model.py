@@ -14,7 +14,8 @@ from PIL import Image
 from examples.models.build import EXAMPLES, build, main, missing
 from examples.models.digits import load_split, train
 from pipeline.runtime.repository import ModelRepository
-from services.model.backend import ModelBackend, ServiceSettings
+from pipeline.runtime.service_settings import Runners
+from services.model.backend import ModelBackend
 from tests.stages import example_stage
 
 
@@ -121,7 +122,7 @@ def test_whole_chain_in_process_on_held_out_images(repository: Path) -> None:
             )
     preprocess, postprocess = example_stage("digits_preprocess"), example_stage("digits_postprocess")
     entry = ModelRepository(repository).read("digits_cnn")
-    prepared = ModelBackend(ServiceSettings(device="cpu")).prepare(entry, "1")
+    prepared = ModelBackend(Runners(device="cpu")).prepare(entry, "1")
     (model,) = prepared.instances
     model.load()
     labels = []

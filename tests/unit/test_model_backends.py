@@ -13,6 +13,7 @@ from google.protobuf import text_format
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import InvalidInput, RepositoryError
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from services.model import tensorrt
 from services.model.artifacts import (
     ONNX,
@@ -25,7 +26,7 @@ from services.model.artifacts import (
     onnx_signature,
     torchscript_signature,
 )
-from services.model.backend import ModelBackend, ModelOptions, ServiceSettings, choose_runner, place_instances
+from services.model.backend import ModelBackend, ModelOptions, choose_runner, place_instances
 from services.model.tensorrt import EngineCache, EngineKey, optimization_profile
 from tests.model_files import add_model, reference, write_export, write_onnx, write_torchscript
 
@@ -182,7 +183,7 @@ def test_a_pinned_runner_passed_over_is_warned_about_and_strict_refuses(tmp_path
     pinned = 'parameters [ { key: "runner", value: { string_value: "tensorrt" } } ]'
     add_model(tmp_path, "onnx", "m", {"1": 1}, config=pinned)
     entry = ModelRepository(tmp_path).read("m")
-    prepared = ModelBackend(ServiceSettings(device="cpu")).prepare(entry, "1")
+    prepared = ModelBackend(Runners(device="cpu")).prepare(entry, "1")
     assert prepared.config.parameters["runner_in_use"].string_value == "onnxruntime on cpu"
     assert prepared.config.parameters["runner_reason"].string_value == (
         "onnxruntime on cpu: tensorrt: TensorRT is not usable (TensorRT runs on a GPU, and this instance is on cpu)"
@@ -193,7 +194,7 @@ def test_a_pinned_runner_passed_over_is_warned_about_and_strict_refuses(tmp_path
     with pytest.raises(
         RepositoryError, match=r"TensorRT runs on a GPU, and this instance is on cpu \(runner tensorrt\)"
     ):
-        ModelBackend(ServiceSettings(device="cpu", strict_runner=True)).prepare(entry, "1")
+        ModelBackend(Runners(device="cpu", strict_runner=True)).prepare(entry, "1")
 
 
 def test_tensorrt_int8_points_to_pipeline_quantize() -> None:
@@ -316,9 +317,7 @@ def test_impossible_placements_are_refused(text: str, gpus: int, words: str) -> 
 def test_a_program_refuses_dimensions_outside_its_export_ranges(tmp_path: Path) -> None:
     add_model(tmp_path, "torch_export", "m", {"1": 1})
     (instance,) = (
-        ModelBackend(ServiceSettings(device="cpu"))
-        .prepare(ModelRepository(tmp_path).read("m"), "1")
-        .instances
+        ModelBackend(Runners(device="cpu")).prepare(ModelRepository(tmp_path).read("m"), "1").instances
     )
     instance.load()
     x = np.zeros((8, 4), np.float32)
@@ -332,7 +331,7 @@ def test_a_program_refuses_dimensions_outside_its_export_ranges(tmp_path: Path) 
 def test_a_config_batch_over_the_programs_is_refused(tmp_path: Path) -> None:
     add_model(tmp_path, "torch_export", "m", {"1": 1}, config='backend: "pytorch" max_batch_size: 100')
     with pytest.raises(RepositoryError, match="max_batch_size 100 is over the 64 the model takes"):
-        ModelBackend(ServiceSettings(device="cpu")).prepare(ModelRepository(tmp_path).read("m"), "1")
+        ModelBackend(Runners(device="cpu")).prepare(ModelRepository(tmp_path).read("m"), "1")
 
 
 # ---- TensorRT, the parts that run without a GPU -------------------------------------------------------------

@@ -11,7 +11,11 @@ import pytest
 from pipeline.ensemble.catalog import ensemble_plans
 from pipeline.ensemble.selection import selection
 from pipeline.router.main import add_router_arguments, router_catalog
-from pipeline.runtime import server_settings, settings_values
+from pipeline.runtime import settings_values
+from pipeline.runtime.router_settings import RouterSettings
+from pipeline.runtime.server_settings import Logging
+from pipeline.runtime.service_settings import Loading, stage_settings
+from pipeline.runtime.settings_cli import ProcessSettings
 from pipeline.stage.service import python_service_parser, repository_models
 from pipeline.tools.launcher_settings import LauncherSettings
 from pipeline.tools.model_selection import load_model_flags, stage_models, unknown_names
@@ -46,16 +50,20 @@ def test_each_stage_is_given_the_selected_models_that_run_there():
     assert unknown_names(["digits", "nope", "refcnn_cnn"], TREE, NO_FOLDER) == ["nope"]
     # A stage that runs none of them is told so: a blank --load-model alone loads none.
     assert load_model_flags([]) == ["--load-model="]
-    stage = python_service_parser("preprocess")
-    assert repository_models(stage.parse_args(load_model_flags([]))) == []
-    assert repository_models(stage.parse_args(["--load-model=*"])) is None
-    assert repository_models(stage.parse_args(["--load-model=a", "--load-model=b"])) == ["a", "b"]
+
+    def named(argv: list[str]) -> list[str] | None:
+        settings = stage_settings("preprocess").parse(python_service_parser("preprocess"), argv)
+        return repository_models(settings.group(Loading))
+
+    assert named(load_model_flags([])) == []
+    assert named(["--load-model=*"]) is None
+    assert named(["--load-model=a", "--load-model=b"]) == ["a", "b"]
 
 
-def router_args(argv: list[str]) -> argparse.Namespace:
+def router_args(argv: list[str]) -> ProcessSettings:
     parser = argparse.ArgumentParser(prog="router")
     add_router_arguments(parser)
-    return parser.parse_args(["--model-dir", str(TREE), "--ensembles", str(NO_FOLDER), *argv])
+    return RouterSettings.parse(parser, ["--model-dir", str(TREE), "--ensembles", str(NO_FOLDER), *argv])
 
 
 def test_the_router_serves_the_ensembles_load_model_selects(tmp_path):
@@ -78,8 +86,5 @@ def test_booleans_take_tritons_syntax(text, value):
 
 
 def test_log_verbose_logs_at_debug_level():
-    assert (
-        server_settings.log_level_of(parse(LauncherSettings, ["--log-verbose=1", "--log-level=WARNING"]))
-        == "DEBUG"
-    )
-    assert server_settings.log_level_of(parse(LauncherSettings, ["--log-level=WARNING"])) == "WARNING"
+    assert parse(LauncherSettings, ["--log-verbose=1", "--log-level=WARNING"]).group(Logging).level == "DEBUG"
+    assert parse(LauncherSettings, ["--log-level=WARNING"]).group(Logging).level == "WARNING"

@@ -379,26 +379,21 @@ def test_default_model_filename_cannot_leave_the_version_folder(tmp_path: Path) 
 
 
 def test_stage_services_take_the_repository_flags_in_triton_spelling(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.runtime.service_settings import Loading, stage_settings
     from pipeline.stage.service import python_service_parser, repository_models
 
-    def build_parser():
-        return python_service_parser("preprocess")
+    def parse(service: str, argv: list[str]) -> tuple[Path, list[str] | None]:
+        settings = stage_settings(service).parse(python_service_parser(service), argv)
+        return settings.model_dir, repository_models(settings.group(Loading))
 
-    def postprocess_parser():
-        return python_service_parser("postprocess")
-
-    args = build_parser().parse_args(
-        ["--model-repository", "/srv/models", "--load-model", "a", "--load-model", "b"]
-    )
-    assert args.model_dir == Path("/srv/models") and repository_models(args) == ["a", "b"]
-    args = build_parser().parse_args([])
-    assert args.model_dir == Path("model_repository") and repository_models(args) is None
+    argv = ["--model-repository", "/srv/models", "--load-model", "a", "--load-model", "b"]
+    assert parse("preprocess", argv) == (Path("/srv/models"), ["a", "b"])
+    assert parse("preprocess", []) == (Path("model_repository"), None)
 
     monkeypatch.setenv("PIPELINE_MODEL_DIR", "/data/repository")
     monkeypatch.setenv("PIPELINE_POSTPROCESS_LOAD_MODEL", "x, y")
-    args = postprocess_parser().parse_args([])
-    assert args.model_dir == Path("/data/repository") and repository_models(args) == ["x", "y"]
-    assert repository_models(postprocess_parser().parse_args(["--load-model", "z"])) == ["z"]
+    assert parse("postprocess", []) == (Path("/data/repository"), ["x", "y"])
+    assert parse("postprocess", ["--load-model", "z"])[1] == ["z"]
 
 
 def test_a_stage_that_does_not_implement_infer_is_refused_saying_so(tmp_path: Path) -> None:

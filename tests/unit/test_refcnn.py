@@ -11,8 +11,9 @@ from examples.models.build import build
 from examples.models.refcnn import build_refcnn
 from pipeline.protocol.errors import InvalidInput
 from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.service_settings import Runners
 from pipeline.stage.api import Stage
-from services.model.backend import ModelBackend, ServiceSettings
+from services.model.backend import ModelBackend
 from tests.stages import example_stage
 
 # The oracle: the reference model that TorchServe, MLServer and Ray Serve serve in the comparison
@@ -51,7 +52,7 @@ def stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Stage, object, Sta
     root = tmp_path_factory.mktemp("repository")
     build(root, ["refcnn_cnn"], progress=False, report=lambda _: None)
     entry = ModelRepository(root).read("refcnn_cnn")
-    (model,) = ModelBackend(ServiceSettings(device="cpu")).prepare(entry, "1").instances
+    (model,) = ModelBackend(Runners(device="cpu")).prepare(entry, "1").instances
     model.load()
     return example_stage("refcnn_preprocess"), model, example_stage("refcnn_postprocess")
 

@@ -16,10 +16,11 @@ from pipeline.tools.supervisor import RestartPolicy
 from services.model.__main__ import build_parser as model_parser
 
 
-def parse(model: type[ProcessSettings], argv: list[str]) -> argparse.Namespace:
+def parse(model: type[ProcessSettings], argv: list[str]) -> ProcessSettings:
+    """The settings a command line gives, as a process reads them (parsed once into its model)."""
     parser = argparse.ArgumentParser(prog="test")
     add_arguments(parser, model)
-    return parser.parse_args(argv)
+    return model.parse(parser, argv)
 
 
 def test_a_flag_wins_over_its_variable_which_wins_over_the_default(monkeypatch):

@@ -19,7 +19,6 @@ responses are compressed when the client's `Accept-Encoding` asks.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -51,6 +50,7 @@ from pipeline.router.frontdoor.torchserve_api import TorchServeApi
 from pipeline.runtime.admission import REQUEST_COST, cost_of
 from pipeline.runtime.data_plane import CallContext
 from pipeline.runtime.error_status import internal_error
+from pipeline.runtime.router_settings import Http
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
     AccessPolicy,
@@ -59,7 +59,9 @@ from pipeline.runtime.security import (
     server_ssl_context_of,
 )
 from pipeline.runtime.server import write_port
+from pipeline.runtime.server_settings import Listening, Security
 from pipeline.runtime.servicer import InferenceServicer
+from pipeline.runtime.settings_cli import ProcessSettings
 
 log = logging.getLogger(__name__)
 
@@ -425,21 +427,27 @@ class RestServer:
         self.grace = grace
         self._runner: web.AppRunner | None = None
 
-    async def start(self, args: argparse.Namespace, bound: Callable[[int], None] | None = None) -> int | None:
-        """Listen where `--http-port` says, with the server's TLS flags; None when it is off. Writes
-        `--http-port-file` and calls `bound` with the port once listening."""
-        port = getattr(args, "http_port", None)
+    async def start(
+        self,
+        settings: ProcessSettings,
+        bound: Callable[[int], None] | None = None,
+        *,
+        reuse_port: bool = False,
+    ) -> int | None:
+        """Listen where `--http-port` says, with the server's TLS settings; None when it is off. Writes
+        `--http-port-file` and calls `bound` with the port once listening; `reuse_port` for router workers,
+        which share the port (SO_REUSEPORT), as their gRPC servers do."""
+        http, host = settings.group(Http), settings.group(Listening).host
+        port = http.http_port
         if port is None:
             return None
-        ssl_context = server_ssl_context_of(args)
+        ssl_context = server_ssl_context_of(settings.group(Security))
         # Request bodies are decompressed by the codec, within the size limit and with the protocol's errors.
         runner = web.AppRunner(
             self.front_door.app(), access_log=None, shutdown_timeout=self.grace, auto_decompress=False
         )
         await runner.setup()
-        # Router workers share the port (SO_REUSEPORT), as their gRPC servers do.
-        reuse_port = getattr(args, "reuse_port", False) or None
-        site = web.TCPSite(runner, args.host, port, ssl_context=ssl_context, reuse_port=reuse_port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None)
         try:
             await site.start()
         except OSError:
@@ -447,10 +455,10 @@ class RestServer:
             raise
         self._runner = runner
         bound_port = int(runner.addresses[0][1])
-        write_port(getattr(args, "http_port_file", None), bound_port)
+        write_port(http.http_port_file, bound_port)
         if bound is not None:
             bound(bound_port)
-        log.info("HTTP/REST on %s://%s:%d/v2", "https" if ssl_context else "http", args.host, bound_port)
+        log.info("HTTP/REST on %s://%s:%d/v2", "https" if ssl_context else "http", host, bound_port)
         return bound_port
 
     async def stop(self) -> None:
