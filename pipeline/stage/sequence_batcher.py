@@ -40,13 +40,12 @@ import itertools
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from pipeline.protocol.datatypes import DATATYPES
 from pipeline.protocol.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -56,7 +55,9 @@ from pipeline.protocol.errors import (
 from pipeline.protocol.sequence_line import in_line
 from pipeline.protocol.sequences import SequenceId
 from pipeline.stage.api import Deadline
-from pipeline.stage.sequence_config import CONTROL, MAX_BACKLOG_PARAMETER, Control, SequenceSettings
+from pipeline.stage.sequence_config import CONTROL, MAX_BACKLOG_PARAMETER, SequenceSettings
+from pipeline.stage.sequence_oldest import take
+from pipeline.stage.sequence_rows import Row, add_inputs, corrid, merge_rows, no_state, one_row
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +76,6 @@ CONFLICT = (
     "sequence %s for model '%s' has a conflict: the previous sequence did not end before this sequence start; "
     "the previous sequence is ended early"
 )
-
-
-@dataclass(frozen=True)
-class Row:
-    """One request of a batch as the model's code sees it: its inputs (one row each, control and state
-    inputs included), its sequence id and Triton's request flags."""
-
-    inputs: dict[str, np.ndarray]
-    correlation_id: int | str
-    flags: int
 
 
 class Runner(Protocol):
@@ -197,7 +188,7 @@ class SequenceBatcher:
         self.start()
         for control in self.settings.controls:
             if control.kind == CONTROL.CONTROL_SEQUENCE_CORRID:
-                _corrid(control, sequence, self.model)  # refuse an id the model cannot take, before queuing
+                corrid(control, sequence, self.model)  # refuse an id the model cannot take, before queuing
         held = self._sequence_of(sequence)
         held.last = self._clock()
         if sequence.end:
@@ -425,15 +416,15 @@ class SequenceBatcher:
         for item in taken:
             if item is None:
                 arrays = {name: np.zeros_like(array) for name, array in first.arrays.items()}
-                rows.append(Row(_add_inputs(settings, self.model, arrays, None, None), 0, 0))
+                rows.append(Row(add_inputs(settings, self.model, arrays, None, None), 0, 0))
                 continue
             sequence, pending = item
             if pending.sequence.start or sequence.state is None:
                 sequence.state = {s.input_name: s.initial for s in settings.states}
-            arrays = _add_inputs(settings, self.model, dict(pending.arrays), pending.sequence, sequence.state)
+            arrays = add_inputs(settings, self.model, dict(pending.arrays), pending.sequence, sequence.state)
             rows.append(Row(arrays, pending.sequence.value, pending.sequence.flags))
         live = [item for item in taken if item is not None]
-        merged = _merge([row.inputs for row in rows], settings.batching)
+        merged = merge_rows([row.inputs for row in rows], settings.batching)
         try:
             results, compute_ns = await self._run(index, merged, rows, _batch_deadline(live))
         except Exception as exc:
@@ -453,10 +444,10 @@ class SequenceBatcher:
                 continue
             missing = [s.output_name for s in settings.states if s.output_name not in result]
             if missing:
-                pending.future.set_exception(_no_state(self.model, missing, pending.sequence))
+                pending.future.set_exception(no_state(self.model, missing, pending.sequence))
                 continue
             sequence.state = {
-                s.input_name: _one(result[s.output_name], settings.batching) for s in settings.states
+                s.input_name: one_row(result[s.output_name], settings.batching) for s in settings.states
             }
             sequence.last = self._clock()
             pending.future.set_result((result, started - pending.enqueued, compute_ns))
@@ -543,41 +534,6 @@ def _free_slot(instances: list[_Instance]) -> tuple[int, int] | None:
     return best
 
 
-def _add_inputs(
-    settings: SequenceSettings,
-    model: str,
-    arrays: dict[str, np.ndarray],
-    sequence: SequenceId | None,
-    state: Mapping[str, np.ndarray] | None,
-) -> dict[str, np.ndarray]:
-    """A row's inputs with its control inputs and its state (`sequence` None: a padding row)."""
-    lead = (1, 1) if settings.batching else (1,)
-    for control in settings.controls:
-        if control.kind == CONTROL.CONTROL_SEQUENCE_CORRID:
-            arrays[control.name] = _corrid(control, sequence, model).reshape(lead)
-            continue
-        if sequence is None:
-            on = False
-        elif control.kind == CONTROL.CONTROL_SEQUENCE_START:
-            on = sequence.start
-        elif control.kind == CONTROL.CONTROL_SEQUENCE_END:
-            on = sequence.end
-        else:
-            on = True
-        value = control.values[1 if on else 0]
-        arrays[control.name] = np.full(lead, value, DATATYPES[control.datatype])
-    for spec in settings.states:
-        current = state[spec.input_name] if state is not None else spec.initial
-        arrays[spec.input_name] = current[np.newaxis] if settings.batching else current
-    return arrays
-
-
-def _no_state(model: str, missing: list[str], sequence: SequenceId) -> PipelineError:
-    return PipelineError(
-        f"model '{model}' returned no state output {', '.join(missing)} for sequence {sequence.value}"
-    )
-
-
 def _arm(pending: _Pending, expire: Callable[[_Sequence, _Pending], None], sequence: _Sequence) -> None:
     """Have `expire` called when the deadline of a waiting request passes."""
     left = pending.deadline.remaining()
@@ -608,85 +564,3 @@ def _batch_deadline(live: list[tuple[_Sequence, _Pending]]) -> Deadline:
     """A batch's deadline: its latest request's (none where one of them has none)."""
     ats = [p.deadline.at for _, p in live]
     return Deadline(None if None in ats else max(a for a in ats if a is not None))
-
-
-def take(
-    held: int, waiting: int, preferred: tuple[int, ...], max_batch: int, delay_s: float, left: float
-) -> tuple[int, bool, float]:
-    """How Triton's dynamic batcher (the oldest strategy's, one per instance) grows an instance's next
-    batch, which holds `held` requests, from `waiting` ones of the same shapes, oldest first, the oldest of
-    which has `left` seconds of the delay `delay_s` to go: how many join it, whether it is then full, and the
-    seconds to wait where none joins yet.
-
-    Counting the requests in turn, the batch takes the largest preferred size it can reach (before the
-    oldest has waited the delay), else all of them up to `max_batch` once the largest preferred size is
-    reached or passed or the delay is over. A batch that waits for a busy instance takes the requests that
-    come, one at a time, while its size is not a preferred one, and becomes full with the request that takes
-    it past the largest preferred size. So an instance that has run for longer than the delay finds a batch
-    of everything that waited, and a batch of the preferred size may run one larger (as Triton's do).
-    """
-    sizes = preferred or (max_batch,)
-    largest = max(sizes)
-    waited_out = delay_s > 0 and left <= 0
-    best, count, full, over = 0, 0, False, False
-    while count < waiting:
-        if held + count:
-            if held + count + 1 > largest and not best:
-                best, full = count, True
-            if held + count + 1 > max_batch:
-                over = True
-                break
-        count += 1
-        if held + count in sizes:
-            best = count
-    if best and not waited_out:
-        return best, full or delay_s == 0, 0.0
-    if not count:
-        return 0, full or over, float("inf")
-    if over or held + count >= largest:
-        return count, True, 0.0
-    if waited_out or delay_s == 0 or (held and held not in sizes):
-        return count, full, 0.0
-    return 0, full, left
-
-
-def _corrid(control: Control, sequence: SequenceId | None, model: str) -> np.ndarray:
-    value = 0 if sequence is None else sequence.value
-    if control.datatype == "BYTES":
-        return np.array([str(value).encode() if value else b""], dtype=object)
-    if isinstance(value, str):
-        raise InvalidInput(
-            f"sequence id '{value}' is a string, but model '{model}' takes its CONTROL_SEQUENCE_CORRID "
-            f"'{control.name}' as {control.datatype}: send a number"
-        )
-    dtype = DATATYPES[control.datatype]
-    if value > np.iinfo(dtype).max:
-        raise InvalidInput(
-            f"sequence id {value} does not fit model '{model}''s CONTROL_SEQUENCE_CORRID '{control.name}' "
-            f"({control.datatype})"
-        )
-    return np.array([value], dtype)
-
-
-def _merge(rows: list[dict[str, np.ndarray]], batching: bool) -> dict[str, np.ndarray]:
-    if not batching:
-        return rows[0]
-    if len(rows) == 1:
-        return rows[0]
-    return {name: np.concatenate([row[name] for row in rows]) for name in rows[0]}
-
-
-def _one(array: np.ndarray, batching: bool) -> np.ndarray:
-    return np.asarray(array[0]) if batching else np.asarray(array)
-
-
-def split_rows(outputs: Mapping[str, np.ndarray], count: int, batching: bool) -> list[dict[str, np.ndarray]]:
-    """A batch's outputs, one dict per row (the whole outputs for a model that does not batch)."""
-    if not batching:
-        return [dict(outputs)]
-    for name, array in outputs.items():
-        if array.shape[:1] != (count,):
-            raise PipelineError(
-                f"output '{name}' has shape {list(array.shape)}; a batch of {count} rows needs {count} first"
-            )
-    return [{name: array[i : i + 1] for name, array in outputs.items()} for i in range(count)]

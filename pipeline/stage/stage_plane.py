@@ -62,8 +62,9 @@ from pipeline.stage.encode import stage_response
 from pipeline.stage.model_loading import ModelLoading
 from pipeline.stage.pool import NOT_STARTED_MESSAGE, Slot
 from pipeline.stage.router_link import RouterCalls
-from pipeline.stage.sequence_batcher import Row, SequenceBatcher, split_rows
+from pipeline.stage.sequence_batcher import SequenceBatcher
 from pipeline.stage.sequence_config import SequenceSettings
+from pipeline.stage.sequence_rows import Row, split_rows
 from pipeline.stage.served_models import ServedModel, ServedVersion, export_gauges
 
 log = logging.getLogger(__name__)

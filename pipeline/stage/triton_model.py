@@ -52,7 +52,7 @@ from pipeline.stage import triton_python_backend_utils as pb_utils
 from pipeline.stage.api import NO_DEADLINE, Deadline
 from pipeline.stage.backend import PreparedVersion, ResponseSink
 from pipeline.stage.model_file import SharedModule, cause, device_of, instance_placements, where
-from pipeline.stage.sequence_batcher import Row
+from pipeline.stage.sequence_rows import Row
 from pipeline.stage.triton_model_config import COMPLETED_FIELDS
 
 _ERROR = pb_utils.TritonError

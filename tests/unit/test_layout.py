@@ -1,4 +1,5 @@
-"""The code's layout, as the developers' guide describes it: module names that say which module they are."""
+"""The code's layout, as the developers' guide describes it: module names that say which module they are, and
+modules, classes and functions small enough to hold one concept each."""
 
 from __future__ import annotations
 
@@ -22,25 +23,37 @@ def test_no_two_modules_of_the_package_share_a_file_name() -> None:
     assert not shared, shared
 
 
-#: The sizes past which a function or a class holds more than one concept.
-FUNCTION_LINES, CLASS_LINES = 60, 320
+#: The sizes past which a function, a class or a module holds more than one concept.
+FUNCTION_LINES, CLASS_LINES, FILE_LINES = 60, 320, 600
+#: The product's code: the library and the services (the generated protocol stubs aside).
+ROOTS = (PACKAGE, PACKAGE.parent / "services")
+
+
+def _product_files() -> list[Path]:
+    return [path for root in ROOTS for path in root.rglob("*.py") if "_gen" not in path.parts]
+
+
+def test_no_module_of_the_product_grows_past_its_size() -> None:
+    over = []
+    for path in _product_files():
+        lines = len(path.read_text().splitlines())
+        if lines > FILE_LINES:
+            over.append(f"{path.relative_to(PACKAGE.parent)}: {lines} lines")
+    assert not over, over
 
 
 def test_no_function_or_class_of_the_product_grows_past_its_size() -> None:
-    roots = [PACKAGE, PACKAGE.parent / "services"]
     over = []
-    for root in roots:
-        for path in root.rglob("*.py"):
-            if "_gen" in path.parts:
+    for path in _product_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                limit = FUNCTION_LINES
+            elif isinstance(node, ast.ClassDef):
+                limit = CLASS_LINES
+            else:
                 continue
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                    limit = FUNCTION_LINES
-                elif isinstance(node, ast.ClassDef):
-                    limit = CLASS_LINES
-                else:
-                    continue
-                lines = (node.end_lineno or node.lineno) - node.lineno + 1
-                if lines > limit:
-                    over.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}: {lines} lines")
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if lines > limit:
+                where = path.relative_to(PACKAGE.parent)
+                over.append(f"{where}:{node.lineno} {node.name}: {lines} lines")
     assert not over, over

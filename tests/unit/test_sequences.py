@@ -15,8 +15,10 @@ from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, RepositoryE
 from pipeline.protocol.sequences import SequenceId
 from pipeline.router.stages.replicas import rendezvous
 from pipeline.stage.api import NO_DEADLINE, Deadline
-from pipeline.stage.sequence_batcher import Row, SequenceBatcher, split_rows, take
+from pipeline.stage.sequence_batcher import SequenceBatcher
 from pipeline.stage.sequence_config import SequenceSettings
+from pipeline.stage.sequence_oldest import take
+from pipeline.stage.sequence_rows import Row, split_rows
 
 CONFIG = """
 max_batch_size: 4
