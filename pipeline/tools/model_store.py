@@ -82,6 +82,7 @@ class LauncherModelStore(TorchServeStore):
         option(
             "--split-handlers",
             env="PIPELINE_SPLIT_HANDLERS",
+            metavar="NAMES",
             help="with --model-store, the models (comma-separated, or 'all') whose BaseHandler runs as three "
             "stages: preprocess and postprocess on the CPU services, inference on the model service, joined "
             "by an ensemble of the model's name (env PIPELINE_SPLIT_HANDLERS; default: none, each handler runs "
