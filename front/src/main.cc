@@ -6,6 +6,8 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -124,7 +126,25 @@ std::shared_ptr<grpc::ServerCredentials> CredentialsOf(const Flags& flags, std::
 
 }  // namespace
 
+// Where the router that started this process named itself (PIPELINE_PARENT_PID), Linux kills this process
+// when the router ends, however it ends, so the front never holds the public port for a router that is gone;
+// false where the router has ended already (this process has another parent then).
+bool DieWithParent() {
+  const char* parent = std::getenv("PIPELINE_PARENT_PID");
+  if (parent == nullptr || *parent == '\0') return true;
+  long expected = std::strtol(parent, nullptr, 10);
+  unsetenv("PIPELINE_PARENT_PID");
+  if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) {
+    std::cerr << "pipeline-front: cannot ask to end with the router\n";
+  }
+  return static_cast<long>(getppid()) == expected;
+}
+
 int main(int argc, char** argv) {
+  if (!DieWithParent()) {
+    std::cerr << "pipeline-front: the router that started it has ended: exiting\n";
+    return 1;
+  }
   Flags flags;
   std::string error;
   if (!Parse(argc, argv, flags, error)) {

@@ -17,6 +17,8 @@ import pytest
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.frames import port_of
+from pipeline.router.front import BINARY
+from pipeline.router.front import binary as front_binary
 from pipeline.runtime.shutdown import FORCED_EXIT_CODE, STOPPED_MESSAGE, exit_deadline
 from pipeline.tools.supervisor import stop_within
 from pipeline.transport.frame_client import FrameConnection
@@ -177,15 +179,19 @@ def test_sigterm_stops_pipeline_run_within_its_bound_with_a_model_stuck(tmp_path
 
 
 def test_the_services_end_with_a_launcher_that_is_killed(tmp_path):
-    launched = launch(tmp_path, _stuck_repository(tmp_path), "--router-workers", "2")
+    # With the compiled front where it is built (`make test` builds it): it must end with its router too.
+    front = ("--front", "compiled") if front_binary() is not None else ("--front", "python")
+    launched = launch(tmp_path, _stuck_repository(tmp_path), "--router-workers", "2", *front)
     processes = _pipeline_processes(launched.process.pid)
     try:
         (router,) = [pid for pid in children_of(launched.process.pid) if "pipeline router" in command_of(pid)]
-        workers = children_of(router)
+        fronts = [pid for pid in children_of(router) if BINARY in command_of(pid)]
+        workers = [pid for pid in children_of(router) if pid not in fronts]
         assert len(workers) == 2 and set(launched.pids.values()) <= set(processes), processes
+        assert len(fronts) == (1 if front[1] == "compiled" else 0), fronts
         launched.process.kill()
         launched.process.wait(30)
-        # Its stages, its router and the router's workers: each in a session of its own, none left.
+        # Its stages, its router, the router's workers and its front: none left.
         wait_gone(processes, timeout=SLACK_S)
     finally:
         if launched.process.poll() is None:
@@ -198,7 +204,7 @@ def _kill(pids: list[int]) -> None:
     since is left alone)."""
     for pid in pids:
         try:
-            ours = alive(pid) and command_of(pid).startswith(sys.executable)
+            ours = alive(pid) and (command_of(pid).startswith(sys.executable) or BINARY in command_of(pid))
         except OSError:
             continue
         if ours:
