@@ -155,9 +155,11 @@ def command_section(command: Command, level: str = "##") -> str:
 def _settings() -> dict[str, type[ProcessSettings]]:
     """The settings model of each process, by its command."""
     from pipeline.runtime import settings
+    from pipeline.runtime.client_settings import ClientSettings
     from pipeline.tools.launcher_settings import LauncherSettings
 
-    return {"pipeline run": LauncherSettings, **settings.processes()}
+    clients = {"pipeline infer": ClientSettings, "pipeline bench": ClientSettings}
+    return {"pipeline run": LauncherSettings, **settings.processes(), **clients}
 
 
 def variables(groups: list[list[Command]]) -> dict[str, dict[str, list[str]]]:
@@ -200,20 +202,13 @@ def _read_by(flags: dict[str, list[str]], servers: list[str]) -> str:
 
 
 def settings_table() -> dict[str, str]:
-    """Every variable the settings define, with its default: the processes' settings models'
-    (where several processes read one, the first default given), and the `Setting`s no flag reads."""
-    from pipeline.runtime import settings_values
-
+    """Every variable the settings define, with its default: the processes' settings models', those a
+    flag reads and those read without one (where several processes read one, the first default given)."""
     defaults: dict[str, Any] = {}
     for model in _settings().values():
-        for _, found, field in model.options():
+        for _, found, field in model.variables():
             if found.env is not None and defaults.get(found.env) in (None, [], ()):
                 defaults[found.env] = field.default
-    defined = [
-        value for value in vars(settings_values).values() if isinstance(value, settings_values.Setting)
-    ]
-    for setting in [*defined, *map(settings_values.stage_address, settings_values.STAGES)]:
-        defaults.setdefault(setting.variable, setting.default)
     table = {}
     for variable, default in defaults.items():
         if isinstance(default, (tuple, list, frozenset)):

@@ -28,7 +28,7 @@ from pipeline.router.frontdoor.torchserve_api import TorchServeApi
 from pipeline.router.router_plane import RouterPlane
 from pipeline.router.stages.targets import Resolve
 from pipeline.router.workers import WorkerPeers, run_workers
-from pipeline.runtime import router_settings, settings_values
+from pipeline.runtime import router_settings
 from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.router_settings import Catalog as CatalogSettings
@@ -99,7 +99,7 @@ def router_catalog(settings: ProcessSettings, *, exit_on_error: bool | None = No
             raise ConfigError(f"--stage {key}: given twice ({stages[key]} and {address})")
         stages[key] = address
     if not stages and model_dir is not None:
-        stages = {stage: settings_values.stage_address(stage).get() for stage in settings_values.STAGES}
+        stages = sources.stage_addresses()
     if exit_on_error is None:
         exit_on_error = settings.group(Readiness).exit_on_error
     catalog = load_catalog(ensembles, repository=model_dir, stages=stages, exit_on_error=False)
@@ -184,12 +184,13 @@ def _front_door(
 async def _listen(router: _RouterServer, policy: AccessPolicy) -> tuple[grpc.aio.Server, int]:
     """The router's gRPC server, listening where its settings say, with their TLS and access policy; behind
     a `front`, on loopback in plaintext (the front serves the public port, with the TLS)."""
-    listening, front = router.listening, router.front
+    listening, front, limits = router.listening, router.front, router.settings.group(Limits)
     return await create_server(
         f"{listening.host}:{listening.port}" if front is None else front.router_address,
         router.servicer,
         router.health,
-        max_message_bytes=router.settings.group(Limits).max_message_bytes,
+        max_message_bytes=limits.max_message_bytes,
+        max_connection_age_s=limits.max_connection_age_s,
         credentials=server_credentials_of(router.settings.group(Security)) if front is None else None,
         interceptors=interceptors_of(policy, None if front is None else front.secret),
         reuse_port=router.reuse_port,

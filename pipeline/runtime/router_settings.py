@@ -24,16 +24,21 @@ from pipeline.runtime.server_settings import (
 from pipeline.runtime.settings_cli import Option, option, process_settings
 from pipeline.runtime.settings_values import (
     CLIENT_TLS_HELP,
-    RESOLVE_INTERVAL_S,
+    DEFAULT_RESOLVE_INTERVAL_S,
+    PORTS,
     STAGES,
     boolean,
     byte_count,
     names,
     port_or_off,
     positive_int,
-    stage_address,
     stage_argument,
 )
+
+
+def _address(stage: str) -> Option:
+    """`<STAGE>_ADDRESS`, read from the environment alone."""
+    return option(env=f"{stage.upper()}_ADDRESS", help=f"where the router calls the {stage} stage")
 
 
 class Catalog(BaseModel):
@@ -64,11 +69,22 @@ class Catalog(BaseModel):
             "steps that name no stage whose model its RepositoryIndex lists; every model of its repository is "
             "served here too. Default with --model-dir: "
             + ", ".join(
-                f"{stage}=${stage_address(stage).variable} (else {stage_address(stage).default})"
-                for stage in STAGES
+                f"{stage}=${stage.upper()}_ADDRESS (else 127.0.0.1:{PORTS[stage]})" for stage in STAGES
             ),
         ),
     ] = None
+    #: Where the router calls each stage without `--stage` (as the example ensembles' `${..._ADDRESS}` say).
+    preprocess_address: Annotated[str, _address("preprocess")] = f"127.0.0.1:{PORTS['preprocess']}"
+    model_address: Annotated[str, _address("model")] = f"127.0.0.1:{PORTS['model']}"
+    postprocess_address: Annotated[str, _address("postprocess")] = f"127.0.0.1:{PORTS['postprocess']}"
+
+    def stage_addresses(self) -> dict[str, str]:
+        """The three stages' addresses by their names, as `<STAGE>_ADDRESS` gives them."""
+        return {
+            "preprocess": self.preprocess_address,
+            "model": self.model_address,
+            "postprocess": self.postprocess_address,
+        }
 
 
 class RouterOptions(BaseModel):
@@ -120,13 +136,13 @@ class RouterOptions(BaseModel):
         float,
         option(
             "--resolve-interval",
-            env=RESOLVE_INTERVAL_S.variable,
+            env="PIPELINE_RESOLVE_INTERVAL_S",
             parse=float,
             help="seconds between look-ups of the stages' DNS names: a new replica gets calls, and one that "
             "is gone stops getting them, within about this long (env PIPELINE_RESOLVE_INTERVAL_S; default "
             "%(default)s)",
         ),
-    ] = RESOLVE_INTERVAL_S.default
+    ] = DEFAULT_RESOLVE_INTERVAL_S
     repository_poll_secs: Annotated[
         float,
         option(

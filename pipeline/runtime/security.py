@@ -23,7 +23,6 @@ stage service given the same setting accepts with the infer scope, or with its c
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import hmac
@@ -38,7 +37,6 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pipeline.runtime import settings_values
 from pipeline.runtime.call_abort import abort
 from pipeline.runtime.server_settings import RouterToken, Security, StageToken
 
@@ -181,17 +179,6 @@ def server_ssl_context_of(security: Security) -> ssl.SSLContext | None:
     return server_ssl_context(security.tls_cert, security.tls_key, security.tls_ca)
 
 
-def add_client_tls_arguments(parser: argparse.ArgumentParser, *, prefix: str, env_prefix: str) -> None:
-    """`--<prefix>tls-ca/cert/key` for a client side (env `<env_prefix>TLS_CA`, ...)."""
-    for part, text in settings_values.CLIENT_TLS_HELP.items():
-        variable = f"{env_prefix}TLS_{part.upper()}"
-        parser.add_argument(
-            f"--{prefix}tls-{part}",
-            default=settings_values.Setting(variable, None, str).get(),
-            help=f"{text} (env {variable})",
-        )
-
-
 # --- authentication ------------------------------------------------------------------------------------
 
 
@@ -257,28 +244,25 @@ class TokenAuthenticator:
         return Scope(found)
 
 
-def stage_token_of(
-    settings: RouterToken | StageToken, environ: Mapping[str, str] | None = None
-) -> str | None:
-    """The router's stage token: `--stage-token`, else `PIPELINE_STAGE_TOKEN`, else the first token of the
+def stage_token_of(settings: RouterToken | StageToken) -> str | None:
+    """The router's stage token: `--stage-token` (or `PIPELINE_STAGE_TOKEN`), else the first token of the
     file `PIPELINE_STAGE_TOKEN_FILE` names (a mounted secret); None when none is set."""
-    token = settings.stage_token or settings_values.STAGE_TOKEN.get(environ)
-    if token:
-        return token.strip()
-    from_file = read_tokens(settings_values.STAGE_TOKEN_FILE.get(environ))
+    if settings.stage_token:
+        return settings.stage_token.strip()
+    from_file = read_tokens(settings.stage_token_file)
     if len(from_file) > 1:
         raise SecurityConfigError("PIPELINE_STAGE_TOKEN_FILE: one token expected, found several")
     return from_file[0] if from_file else None
 
 
 def authenticator_of(
-    security: Security, environ: Mapping[str, str] | None = None, *, stage_token: StageToken | None = None
+    security: Security, *, stage_token: StageToken | None = None
 ) -> TokenAuthenticator | None:
-    """The authenticator a server's settings and environment ask for, or None when no token is configured.
-    With `stage_token` (a stage service's) the router's token is accepted too, with the infer scope."""
-    tokens = read_tokens(security.auth_tokens_file, settings_values.AUTH_TOKENS.get(environ))
-    admin = read_tokens(security.admin_tokens_file, settings_values.ADMIN_TOKENS.get(environ))
-    router = stage_token_of(stage_token, environ) if stage_token is not None else None
+    """The authenticator a server's settings ask for, or None when no token is configured. With
+    `stage_token` (a stage service's) the router's token is accepted too, with the infer scope."""
+    tokens = read_tokens(security.auth_tokens_file, security.auth_tokens)
+    admin = read_tokens(security.admin_tokens_file, security.admin_tokens)
+    router = stage_token_of(stage_token) if stage_token is not None else None
     if router is not None:
         tokens.append(router)
     if not tokens and not admin:
@@ -361,11 +345,9 @@ def certificate_names(certificate: Mapping[str, Any] | None) -> frozenset[str]:
     return frozenset(names)
 
 
-def access_policy_of(
-    security: Security, environ: Mapping[str, str] | None = None, *, stage_token: StageToken | None = None
-) -> AccessPolicy:
-    """The access policy a server's settings and environment ask for (`stage_token`: a stage service's,
-    which accepts the router's token)."""
+def access_policy_of(security: Security, *, stage_token: StageToken | None = None) -> AccessPolicy:
+    """The access policy a server's settings ask for (`stage_token`: a stage service's, which accepts the
+    router's token)."""
     listed, admins = security.tls_identities, security.tls_admin_identities
     client_certificates = bool(security.tls_ca)
     if (listed or admins) and not client_certificates:
@@ -373,7 +355,7 @@ def access_policy_of(
             "--tls-identities and --tls-admin-identities need client certificates: give --tls-ca too"
         )
     return AccessPolicy(
-        authenticator_of(security, environ, stage_token=stage_token),
+        authenticator_of(security, stage_token=stage_token),
         client_certificates=client_certificates,
         identities=frozenset(listed),
         admin_identities=frozenset(admins),

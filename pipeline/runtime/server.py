@@ -21,11 +21,11 @@ from grpc_reflection.v1alpha import reflection
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.runtime import settings_values
 from pipeline.runtime.allocator import give_back_when_idle, keep_freed_memory
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.server_settings import Listening
 from pipeline.runtime.servicer import InferenceServicer
+from pipeline.runtime.settings_values import DEFAULT_MAX_CONNECTION_AGE_S
 from pipeline.runtime.shutdown import (
     ABANDON_S,
     CLOSE_S,
@@ -126,14 +126,16 @@ async def create_server(
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     reuse_port: bool = False,
+    max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S,
 ) -> tuple[grpc.aio.Server, int]:
     """An aio server (not started) with inference, health and reflection; returns it and its bound port.
 
     With `credentials` it listens with TLS only; `interceptors` (e.g. authentication) see every call;
-    `reuse_port` shares the port with other processes that ask for it too (`SO_REUSEPORT`)."""
+    `reuse_port` shares the port with other processes that ask for it too (`SO_REUSEPORT`); clients'
+    connections are recycled after `max_connection_age_s`."""
     options = [
         *server_options(max_message_bytes),
-        ("grpc.max_connection_age_ms", int(settings_values.MAX_CONNECTION_AGE_S.get() * 1000)),
+        ("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
         # In-flight calls on a recycled connection get this long to finish.
         ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
         # The router's keepalive pings (`keepalive_options`) are welcome, with calls open or not.

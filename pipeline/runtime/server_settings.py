@@ -12,10 +12,8 @@ from pydantic import BaseModel
 
 from pipeline.runtime.settings_cli import Option, option
 from pipeline.runtime.settings_values import (
-    ADMIN_TOKENS_FILE,
-    AUTH_TOKENS_FILE,
+    DEFAULT_MAX_CONNECTION_AGE_S,
     MODEL_CONTROL_MODES,
-    MODEL_DIR,
     PORTS,
     control_mode,
     identities,
@@ -118,6 +116,10 @@ class RouterLink(BaseModel):
             "InferenceRequest.exec); without it such calls are answered with an error (env PIPELINE_ROUTER)",
         ),
     ] = None
+    #: The clients' token, which the models' calls to the router present where it asks for one (no flag).
+    router_token: Annotated[
+        str | None, option(env="PIPELINE_TOKEN", help="the token the models' calls to the router present")
+    ] = None
     router_port_file: Annotated[
         Path | None,
         option(
@@ -152,6 +154,16 @@ class Limits(BaseModel):
             "(env PIPELINE_MAX_INFLIGHT_MB; default %(default)s)",
         ),
     ] = 256
+
+    #: Clients reconnect after this long, and so look the server's name up again (no flag).
+    max_connection_age_s: Annotated[
+        float,
+        option(
+            env="PIPELINE_MAX_CONNECTION_AGE_S",
+            parse=float,
+            help="seconds after which a client's connection is recycled, so that it looks the name up again",
+        ),
+    ] = DEFAULT_MAX_CONNECTION_AGE_S
 
     @property
     def max_message_bytes(self) -> int:
@@ -217,7 +229,7 @@ class Security(BaseModel):
         str | None,
         option(
             "--auth-tokens-file",
-            env=AUTH_TOKENS_FILE.variable,
+            env="PIPELINE_AUTH_TOKENS_FILE",
             help="file of bearer tokens allowed to infer, one a line; with it (or PIPELINE_AUTH_TOKENS, "
             "comma-separated) every RPC but health needs 'authorization: Bearer <token>' "
             "(env PIPELINE_AUTH_TOKENS_FILE)",
@@ -227,7 +239,7 @@ class Security(BaseModel):
         str | None,
         option(
             "--admin-tokens-file",
-            env=ADMIN_TOKENS_FILE.variable,
+            env="PIPELINE_ADMIN_TOKENS_FILE",
             help="file of bearer tokens allowed everything, RepositoryModelLoad/Unload included (or "
             "PIPELINE_ADMIN_TOKENS, comma-separated; env PIPELINE_ADMIN_TOKENS_FILE)",
         ),
@@ -254,28 +266,48 @@ class Security(BaseModel):
             "these may do everything, RepositoryModelLoad/Unload included (env PIPELINE_TLS_ADMIN_IDENTITIES)",
         ),
     ] = frozenset()
+    #: Bearer tokens allowed to infer, comma-separated (a secret: no flag).
+    auth_tokens: Annotated[
+        str | None, option(env="PIPELINE_AUTH_TOKENS", help="bearer tokens allowed to infer, comma-separated")
+    ] = None
+    #: Bearer tokens allowed everything, comma-separated (a secret: no flag).
+    admin_tokens: Annotated[
+        str | None,
+        option(env="PIPELINE_ADMIN_TOKENS", help="bearer tokens allowed everything, comma-separated"),
+    ] = None
 
 
-class RouterToken(BaseModel):
-    """The token the router sends its stages (its variables are read by `security.stage_token_of`)."""
+class _StageTokenFile(BaseModel):
+    """The file that holds the router's stage token (a mounted secret), where no `--stage-token` gives it."""
+
+    stage_token_file: Annotated[
+        str | None,
+        option(env="PIPELINE_STAGE_TOKEN_FILE", help="the file that holds the router's stage token"),
+    ] = None
+
+
+class RouterToken(_StageTokenFile):
+    """The token the router sends its stages (`security.stage_token_of`)."""
 
     stage_token: Annotated[
         str | None,
         option(
             "--stage-token",
+            env="PIPELINE_STAGE_TOKEN",
             help="bearer token the router sends to its stages, which accept it given the same setting "
             "(env PIPELINE_STAGE_TOKEN, or a file: PIPELINE_STAGE_TOKEN_FILE)",
         ),
     ] = None
 
 
-class StageToken(BaseModel):
+class StageToken(_StageTokenFile):
     """The router's token, as a stage service accepts it."""
 
     stage_token: Annotated[
         str | None,
         option(
             "--stage-token",
+            env="PIPELINE_STAGE_TOKEN",
             help="the router's token: accepted with the infer scope, as the router sends it with every stage "
             "call (env PIPELINE_STAGE_TOKEN, or a file: PIPELINE_STAGE_TOKEN_FILE)",
         ),
@@ -346,7 +378,7 @@ class Instances(BaseModel):
 
 def model_dir_option(help: str) -> Option:
     """`--model-dir` (alias `--model-repository`, Triton's spelling; env `PIPELINE_MODEL_DIR`)."""
-    return option("--model-dir", "--model-repository", env=MODEL_DIR.variable, parse=Path, help=help)
+    return option("--model-dir", "--model-repository", env="PIPELINE_MODEL_DIR", parse=Path, help=help)
 
 
 def ensembles_option(help: str) -> Option:

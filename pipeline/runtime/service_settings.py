@@ -24,7 +24,7 @@ from pipeline.runtime.server_settings import (
     model_dir_option,
 )
 from pipeline.runtime.settings_cli import ProcessSettings, option, process_settings
-from pipeline.runtime.settings_values import MODEL_DIR, device_name, flag, names, positive_int
+from pipeline.runtime.settings_values import DEFAULT_MODEL_DIR, device_name, flag, names, positive_int
 
 
 class Loading(BaseModel):
@@ -67,7 +67,7 @@ class Repository(BaseModel):
         model_dir_option(
             "the model repository, in Triton's layout (env PIPELINE_MODEL_DIR; default %(default)s)"
         ),
-    ] = MODEL_DIR.default
+    ] = DEFAULT_MODEL_DIR
 
 
 class StageEnsembles(BaseModel):
@@ -112,7 +112,7 @@ class ModelRepository(BaseModel):
             "the models whose backend is onnxruntime, pytorch or tensorrt are served, and the python models "
             "whose instance_group asks for KIND_GPU (env PIPELINE_MODEL_DIR; default %(default)s)"
         ),
-    ] = MODEL_DIR.default
+    ] = DEFAULT_MODEL_DIR
 
 
 class Runners(BaseModel):

@@ -8,9 +8,11 @@ from the models (`add_arguments`), so a value comes from its flag, else its vari
 variables are read when a command line is parsed (or a server starts), never at import, and an empty
 variable counts as unset (as `${VAR:-default}` does in the ensemble files and in Compose).
 
-The variables that no server flag sets (the tokens' lists, the stages' addresses, the clients' settings),
-and the few that other code reads beside a flag, are `settings_values.Setting`s; both kinds are read alike
-(`pipeline.runtime.settings_cli.read_variable`).
+A setting that no flag sets (the tokens' lists and the stage token's file: secrets; the stages'
+`<STAGE>_ADDRESS`; `PIPELINE_MAX_CONNECTION_AGE_S`) is a field with a variable and no flag, read with the
+others; a client's settings (`pipeline infer`, `pipeline bench`) are `client_settings.Client`. A process
+parses its command line into its model once (`ProcessSettings.parse`) and hands its parts the groups they
+need (`settings.group(Security)`), typed.
 
 Variables that other tools define keep their own homes: OpenTelemetry's `OTEL_*` (read by its SDK and by
 `pipeline.runtime.telemetry`) and the ensemble files' own `${VAR}`s.

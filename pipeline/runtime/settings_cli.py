@@ -29,7 +29,7 @@ class SettingError(ValueError):
 @dataclass(frozen=True)
 class Option:
     """A setting's flag(s), its environment variable and its help; `parse` reads the flag's and the
-    variable's text (argparse's `type`)."""
+    variable's text (argparse's `type`). A setting without flags is read from its variable alone."""
 
     flags: tuple[str, ...]
     help: str
@@ -94,9 +94,22 @@ def _read(found: Option | None) -> tuple[bool, Any]:
     return read_variable(found.env, found.env_parse or found.parse)
 
 
-def from_environment(group: type[BaseModel], name: str) -> tuple[bool, Any]:
-    """Whether the environment sets the variable of a group's field, and the value it gives it then."""
-    return _read(option_of(group.model_fields[name]))
+def variable_of(group: type[BaseModel], name: str) -> str:
+    """The environment variable of a group's field."""
+    found = option_of(group.model_fields[name])
+    assert found is not None and found.env is not None, f"{group.__name__}.{name} has no variable"
+    return found.env
+
+
+def from_environment(
+    group: type[BaseModel], name: str, environ: Mapping[str, str] | None = None
+) -> tuple[bool, Any]:
+    """Whether the environment (`os.environ` by default) sets the variable of a group's field, and the value
+    it gives it then."""
+    found = option_of(group.model_fields[name])
+    if found is None or found.env is None:
+        return False, None
+    return read_variable(found.env, found.env_parse or found.parse, environ)
 
 
 class ProcessSettings(BaseSettings):
@@ -148,6 +161,14 @@ class ProcessSettings(BaseSettings):
     @classmethod
     def options(cls) -> Iterator[tuple[str, Option, FieldInfo]]:
         """(field name, its option, the field) of every field with a flag, group by group."""
+        for name, found, field in cls.variables():
+            if found.flags:
+                yield name, found, field
+
+    @classmethod
+    def variables(cls) -> Iterator[tuple[str, Option, FieldInfo]]:
+        """(field name, its option, the field) of every field with a flag or a variable (a setting that
+        only a variable gives has no flag: a secret, or what no command line needs), group by group."""
         for group in cls.groups:
             for name in group.model_fields:
                 field = cls.model_fields[name]

@@ -1,15 +1,12 @@
 """How the settings' text becomes values (the flags' and the variables' parsers, shared by every
-settings model), the services' default ports, and the variables that no server flag sets (`Setting`)."""
+settings model), and the defaults that several settings models share (the services' ports, ...)."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Generic, TypeVar
-
-from pipeline.runtime.settings_cli import read_variable, variable_text
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -153,52 +150,9 @@ CLIENT_TLS_HELP = {
 }
 
 
-# --- the variables no server flag sets ------------------------------------------------------------------
-# Read where they are used, as the settings models' variables are (`pipeline.runtime.settings_cli.read_variable`).
-
-
-@dataclass(frozen=True, slots=True)
-class Setting(Generic[T]):
-    """One environment variable that no server flag sets: its name, its default, and how its text becomes a
-    value (read as the settings models' variables are: `pipeline.runtime.settings_cli.read_variable`)."""
-
-    variable: str
-    default: T
-    parse: Callable[[str], T]
-
-    def get(self, environ: Mapping[str, str] | None = None) -> T:
-        """The value the environment (`os.environ` by default) gives, else the default; `SettingError` names
-        a variable that does not parse."""
-        given, value = read_variable(self.variable, self.parse, environ)
-        return value if given else self.default
-
-    def given(self, environ: Mapping[str, str] | None = None) -> bool:
-        """Whether the environment sets the variable (to something other than blanks)."""
-        return bool(variable_text(self.variable, environ))
-
-
-def optional(text: str) -> str | None:
-    return text
-
-
-def stage_address(stage: str) -> Setting[str]:
-    """`<STAGE>_ADDRESS`: where the router calls a stage, as the example ensembles' `${..._ADDRESS}` say."""
-    return Setting(f"{stage.upper()}_ADDRESS", f"127.0.0.1:{PORTS[stage]}", str)
-
-
-#: Clients reconnect after this long, and so look the server's name up again.
-MAX_CONNECTION_AGE_S = Setting("PIPELINE_MAX_CONNECTION_AGE_S", 30.0, float)
-#: The model repository of the tools that read one (the services' is their `--model-dir`).
-MODEL_DIR = Setting("PIPELINE_MODEL_DIR", Path("model_repository"), Path)
+#: Clients reconnect after this long (`Limits.max_connection_age_s`), and so look the server's name up again.
+DEFAULT_MAX_CONNECTION_AGE_S = 30.0
 #: Seconds between look-ups of the stages' DNS names (the router's `--resolve-interval`).
-RESOLVE_INTERVAL_S = Setting("PIPELINE_RESOLVE_INTERVAL_S", 5.0, float)
-# Security (pipeline.runtime.security): the tokens' lists, and the router's token for its stages.
-AUTH_TOKENS: Setting[str | None] = Setting("PIPELINE_AUTH_TOKENS", None, optional)
-AUTH_TOKENS_FILE: Setting[str | None] = Setting("PIPELINE_AUTH_TOKENS_FILE", None, optional)
-ADMIN_TOKENS: Setting[str | None] = Setting("PIPELINE_ADMIN_TOKENS", None, optional)
-ADMIN_TOKENS_FILE: Setting[str | None] = Setting("PIPELINE_ADMIN_TOKENS_FILE", None, optional)
-STAGE_TOKEN: Setting[str | None] = Setting("PIPELINE_STAGE_TOKEN", None, optional)
-STAGE_TOKEN_FILE: Setting[str | None] = Setting("PIPELINE_STAGE_TOKEN_FILE", None, optional)
-# The clients (`pipeline infer`, `pipeline bench`).
-URL = Setting("PIPELINE_URL", "127.0.0.1:8001", str)
-TOKEN: Setting[str | None] = Setting("PIPELINE_TOKEN", None, optional)
+DEFAULT_RESOLVE_INTERVAL_S = 5.0
+#: The model repository a process reads where no `--model-dir` names one.
+DEFAULT_MODEL_DIR = Path("model_repository")

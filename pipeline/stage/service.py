@@ -16,7 +16,7 @@ from grpc_health.v1 import health
 from pipeline.ensemble.catalog import ensemble_plans
 from pipeline.ensemble.selection import EVERYTHING
 from pipeline.protocol.errors import ConfigError
-from pipeline.runtime import service_settings, settings_values
+from pipeline.runtime import service_settings
 from pipeline.runtime.frame_server import frame_server_of
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_metrics import MODEL_FAMILIES, Snapshot, families_handler
@@ -104,6 +104,7 @@ class _StageServer:
             self.servicer,
             self.health,
             max_message_bytes=self.limits.max_message_bytes,
+            max_connection_age_s=self.limits.max_connection_age_s,
             credentials=server_credentials_of(self.security),
             interceptors=interceptors_of(policy),
         )
@@ -220,7 +221,7 @@ def _router_calls(settings: ProcessSettings) -> RouterCalls | None:
         max_message_bytes=limits.max_message_bytes,
         credentials=None if tls is None else tls.credentials,
         tls=None if tls is None else tls.ssl_context,
-        token=settings_values.TOKEN.get(),
+        token=link.router_token,
     )
 
 

@@ -15,8 +15,8 @@ import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.sequences import SequenceId
-from pipeline.runtime import settings_values
-from pipeline.runtime.security import add_client_tls_arguments
+from pipeline.runtime.client_settings import ClientSettings
+from pipeline.runtime.settings_cli import add_arguments
 from pipeline.tools.client import InferenceClient, StreamError, StreamResponse, bytes_batch, value_array
 
 
@@ -28,7 +28,6 @@ def add_infer_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `pipeline infer`."""
     parser.add_argument("files", nargs="*", help="files sent as the model's BYTES input, one batch item each")
     parser.add_argument("--model", "-m", required=True, help="ensemble or model name, e.g. digits")
-    parser.add_argument("--url", "-u", default=settings_values.URL.get(), help="host:port of the router")
     parser.add_argument(
         "--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", help="a numeric input"
     )
@@ -62,12 +61,7 @@ def add_infer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--end", action="store_true", help="the request ends its sequence (with --sequence-id)"
     )
-    add_client_tls_arguments(parser, prefix="", env_prefix="PIPELINE_CLIENT_")
-    parser.add_argument(
-        "--token",
-        default=settings_values.TOKEN.get(),
-        help="bearer token for a router that asks for one (env PIPELINE_TOKEN)",
-    )
+    add_arguments(parser, ClientSettings)
 
 
 def run_infer_command(args: argparse.Namespace) -> int:

@@ -28,9 +28,11 @@ from pipeline.ensemble.catalog import load_sources
 from pipeline.ensemble.plan import EnsemblePlan
 from pipeline.ensemble.selection import named, selection
 from pipeline.protocol.errors import ConfigError
-from pipeline.runtime import server_settings, settings_values
+from pipeline.runtime import server_settings
+from pipeline.runtime.router_settings import RouterOptions
 from pipeline.runtime.security import channel_credentials
-from pipeline.runtime.settings_cli import add_arguments, from_environment
+from pipeline.runtime.server_settings import RouterToken, Security
+from pipeline.runtime.settings_cli import add_arguments, from_environment, variable_of, variable_text
 from pipeline.tools.autoscaler import (
     RESOLVE_INTERVAL_S,
     LocalAutoscaler,
@@ -61,12 +63,19 @@ class _Stop(Exception):
     """SIGTERM or SIGINT asked the launcher to stop."""
 
 
-#: The settings that turn authentication on in every service (`pipeline.runtime.security`).
-AUTH_SETTINGS = (
-    settings_values.AUTH_TOKENS,
-    settings_values.AUTH_TOKENS_FILE,
-    settings_values.ADMIN_TOKENS,
-    settings_values.ADMIN_TOKENS_FILE,
+#: The variables that turn authentication on in every service (`pipeline.runtime.security`).
+AUTH_VARIABLES = tuple(
+    variable_of(Security, name)
+    for name in ("auth_tokens", "auth_tokens_file", "admin_tokens", "admin_tokens_file")
+)
+#: The router's stage token, and the file that may hold it instead.
+STAGE_TOKEN, STAGE_TOKEN_FILE = (
+    variable_of(RouterToken, "stage_token"),
+    variable_of(RouterToken, "stage_token_file"),
+)
+ADMIN_TOKENS, ADMIN_TOKENS_FILE = (
+    variable_of(Security, "admin_tokens"),
+    variable_of(Security, "admin_tokens_file"),
 )
 
 
@@ -74,24 +83,24 @@ def stage_token_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The router's stage token for the services' environment: with tokens configured, every stage asks the
     router for one too, so the launcher makes one (unless `PIPELINE_STAGE_TOKEN` or `..._FILE` gives it).
     It travels in the environment, which other users cannot read, not on the command line."""
-    if not any(setting.given(environ) for setting in AUTH_SETTINGS):
+    if not any(variable_text(variable, environ) for variable in AUTH_VARIABLES):
         return {}
-    if settings_values.STAGE_TOKEN.given(environ) or settings_values.STAGE_TOKEN_FILE.given(environ):
+    if variable_text(STAGE_TOKEN, environ) or variable_text(STAGE_TOKEN_FILE, environ):
         return {}
-    return {settings_values.STAGE_TOKEN.variable: secrets.token_urlsafe(32)}
+    return {STAGE_TOKEN: secrets.token_urlsafe(32)}
 
 
 def stage_admin_env(environ: Mapping[str, str], token_env: Mapping[str, str]) -> dict[str, str]:
     """With admin tokens configured, the stages take the router's stage token (`token_env`'s, else the
     environment's) as an admin token too: the router loads what the fleet serves on every replica, one that
     starts later (a restart, a scale-up) included, with its own token."""
-    if not (settings_values.ADMIN_TOKENS.given(environ) or settings_values.ADMIN_TOKENS_FILE.given(environ)):
+    if not (variable_text(ADMIN_TOKENS, environ) or variable_text(ADMIN_TOKENS_FILE, environ)):
         return {}
-    token = token_env.get(settings_values.STAGE_TOKEN.variable) or settings_values.STAGE_TOKEN.get(environ)
+    token = token_env.get(STAGE_TOKEN) or variable_text(STAGE_TOKEN, environ)
     if not token:
         return {}
-    listed = settings_values.ADMIN_TOKENS.get(environ)
-    return {settings_values.ADMIN_TOKENS.variable: f"{listed},{token}" if listed else token}
+    listed = variable_text(ADMIN_TOKENS, environ)
+    return {ADMIN_TOKENS: f"{listed},{token}" if listed else token}
 
 
 def _ensembles(folder: Path, model_dir: Path, load_model: list[str]) -> list[str]:
@@ -406,8 +415,9 @@ def _start(
             write_addresses(addresses_file(ports, kind), replicas, connect)
             address = f"file:{addresses_file(ports, kind)}"
         router.env[f"{kind.upper()}_ADDRESS"] = address
-    if autoscaled and not settings_values.RESOLVE_INTERVAL_S.given():
-        router.env[settings_values.RESOLVE_INTERVAL_S.variable] = str(RESOLVE_INTERVAL_S)
+    resolve_interval = variable_of(RouterOptions, "resolve_interval")
+    if autoscaled and not variable_text(resolve_interval):
+        router.env[resolve_interval] = str(RESOLVE_INTERVAL_S)
     router.start(host, ports / router.name)
     router.wait_port(ports / router.name, timeout)
     for service in [*stages, router]:

@@ -12,7 +12,14 @@ from pydantic import BaseModel, create_model
 from pipeline.runtime.router_settings import Front, Readiness, http_port_option
 from pipeline.runtime.server_settings import Logging, ModelControl, model_dir_option
 from pipeline.runtime.settings_cli import option, process_settings
-from pipeline.runtime.settings_values import MODEL_DIR, PORTS, STAGES, names, port_or_off, positive_int
+from pipeline.runtime.settings_values import (
+    DEFAULT_MODEL_DIR,
+    PORTS,
+    STAGES,
+    names,
+    port_or_off,
+    positive_int,
+)
 from pipeline.runtime.shutdown import EXIT_MARGIN_S
 from pipeline.tools.autoscaler import autoscale_bounds
 from pipeline.tools.model_store import LauncherModelStore
@@ -94,7 +101,7 @@ class Launcher(BaseModel):
         model_dir_option(
             "model repository: its models and ensembles are what is served (env PIPELINE_MODEL_DIR)"
         ),
-    ] = MODEL_DIR.default
+    ] = DEFAULT_MODEL_DIR
     startup_timeout: Annotated[
         float, option("--startup-timeout", parse=float, help="seconds each service may take to start")
     ] = 180.0

@@ -43,9 +43,9 @@ import numpy as np
 
 from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import tensor_specs
-from pipeline.runtime import settings_values
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
-from pipeline.runtime.service_settings import Runners
+from pipeline.runtime.service_settings import Repository, Runners
+from pipeline.runtime.settings_cli import add_arguments, process_settings
 from services.model.artifacts import ONNX, export_onnx, first_line
 from services.model.backend import ONNX_FILENAME, ModelBackend, ModelFile
 from services.model.int8_cpu import int8_saturates
@@ -338,16 +338,14 @@ def _write_version(entry: RepositoryEntry, version: str, int8: Path, report: Rep
 # ---- command line ---------------------------------------------------------------------------------------------
 
 
+#: The model repository `pipeline quantize` reads (`--model-dir`, env `PIPELINE_MODEL_DIR`).
+REPOSITORY = process_settings("QuantizeRepository", (Repository,))
+
+
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     """`pipeline quantize`'s flags."""
     parser.add_argument("model", help="the model to quantize (an ONNX or PyTorch model of the repository)")
-    parser.add_argument(
-        "--model-dir",
-        "--model-repository",
-        dest="model_dir",
-        default=settings_values.MODEL_DIR.get(),
-        help="the Triton model repository (env PIPELINE_MODEL_DIR; default %(default)s)",
-    )
+    add_arguments(parser, REPOSITORY)
     parser.add_argument("--version", help="the version to quantize (default: the newest)")
     parser.add_argument(
         "--calibration",

@@ -65,12 +65,37 @@ def test_a_variable_that_does_not_parse_is_named(monkeypatch, capsys):
     assert "PIPELINE_CACHE_SIZE='lots'" in capsys.readouterr().err
 
 
-def test_a_variable_without_a_flag_is_read_the_same_way():
-    age = settings_values.MAX_CONNECTION_AGE_S
-    assert age.get({}) == age.get({age.variable: " "}) == 30.0 and not age.given({age.variable: " "})
-    assert age.get({age.variable: " 5 "}) == 5.0 and age.given({age.variable: "5"})
+def test_a_variable_without_a_flag_is_read_the_same_way(monkeypatch, capsys):
+    """A setting that no flag sets (a secret, or what no command line needs) is a field of its group with a
+    variable: read with the others when the command line is parsed, blank as unset, a bad value named."""
+    model = service_settings.ModelServiceSettings
+    assert "--max-connection-age-s" not in model_parser().format_help()
+    settings = parse(model, [])
+    assert settings.group(server_settings.Limits).max_connection_age_s == 30.0
+    assert settings.group(server_settings.Security).auth_tokens is None
+    monkeypatch.setenv("PIPELINE_MAX_CONNECTION_AGE_S", " 5 ")
+    monkeypatch.setenv("PIPELINE_AUTH_TOKENS", "a,b")
+    monkeypatch.setenv("PIPELINE_STAGE_TOKEN_FILE", " ")
+    settings = parse(model, [])
+    assert settings.group(server_settings.Limits).max_connection_age_s == 5.0
+    assert settings.group(server_settings.Security).auth_tokens == "a,b"
+    assert settings.group(server_settings.StageToken).stage_token_file is None
+    monkeypatch.setenv("PIPELINE_MAX_CONNECTION_AGE_S", "soon")
     with pytest.raises(SettingError, match="PIPELINE_MAX_CONNECTION_AGE_S='soon'"):
-        age.get({age.variable: "soon"})
+        model()
+    with pytest.raises(SystemExit):
+        parse(model, [])
+    assert "PIPELINE_MAX_CONNECTION_AGE_S='soon'" in capsys.readouterr().err
+
+
+def test_a_value_the_model_refuses_in_code_is_named():
+    """The model service's runners refuse a device or a thread count given in code as on the command line."""
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        service_settings.Runners(device="tpu")
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        service_settings.Runners(torch_threads=0)
+    with pytest.raises(SettingError, match="--torch-threads: Input should be greater than or equal to 1"):
+        service_settings.ModelServiceSettings.of(argparse.Namespace(torch_threads=0))
 
 
 def test_a_flag_that_does_not_parse_is_named(capsys):

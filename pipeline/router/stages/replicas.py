@@ -23,9 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.router.stages.retry import StageRetry
 from pipeline.router.stages.targets import Resolve, Target, read_addresses, resolve_dns, tls_name
-from pipeline.runtime import settings_values
 from pipeline.runtime.security import ClientTls
 from pipeline.runtime.server import keepalive_options, server_options
+from pipeline.runtime.settings_values import DEFAULT_RESOLVE_INTERVAL_S
 from pipeline.transport.server_link import ServerLink
 
 log = logging.getLogger(__name__)
@@ -120,9 +120,7 @@ class Replicas:
         self.retry = retry
         self.target = Target.parse(address)
         self._resolve = resolve or (read_addresses if self.target.file else resolve_dns)
-        self.resolve_interval = (
-            settings_values.RESOLVE_INTERVAL_S.get() if resolve_interval is None else resolve_interval
-        )
+        self.resolve_interval = DEFAULT_RESOLVE_INTERVAL_S if resolve_interval is None else resolve_interval
         self._tls = tls
         #: The name the stage's certificate must carry, on every connection to it.
         self._server_name = tls_name(address) if tls is not None else None

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import uvloop
 
-from pipeline.runtime import settings_values
-from pipeline.runtime.security import add_client_tls_arguments
+from pipeline.runtime.client_settings import ClientSettings
+from pipeline.runtime.settings_cli import add_arguments
 from pipeline.tools.bench.endpoints import PROTOCOLS
 from pipeline.tools.bench.options import ARRIVALS, BenchError, BenchOptions
 from pipeline.tools.bench.report import format_report, write_json, write_plot
@@ -49,13 +49,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     """The server and the model to load."""
-    parser.add_argument(
-        "--url",
-        "-u",
-        default=settings_values.URL.get(),
-        help="host:port of any OIP endpoint: the router or a stage over gRPC, the router's HTTP port over "
-        "http (env PIPELINE_URL)",
-    )
+    add_arguments(parser, ClientSettings)
     parser.add_argument(
         "--protocol",
         choices=PROTOCOLS,
@@ -146,13 +140,6 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
         help="a server process's Prometheus /metrics URL (repeatable; `pipeline run` prints them): its "
         "process_cpu_seconds_total is read around each measured interval, giving CPU microseconds per request",
     )
-    parser.add_argument(
-        "--token",
-        default=settings_values.TOKEN.get(),
-        help="bearer token sent with every call, where the server asks for one (env PIPELINE_TOKEN)",
-    )
-    # TLS as `pipeline infer` takes it.
-    add_client_tls_arguments(parser, prefix="", env_prefix="PIPELINE_CLIENT_")
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
