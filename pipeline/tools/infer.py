@@ -28,6 +28,7 @@ def add_infer_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `pipeline infer`."""
     parser.add_argument("files", nargs="*", help="files sent as the model's BYTES input, one batch item each")
     parser.add_argument("--model", "-m", required=True, help="ensemble or model name, e.g. digits")
+    add_arguments(parser, ClientSettings)
     parser.add_argument(
         "--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", help="a numeric input"
     )
@@ -61,7 +62,6 @@ def add_infer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--end", action="store_true", help="the request ends its sequence (with --sequence-id)"
     )
-    add_arguments(parser, ClientSettings)
 
 
 def run_infer_command(args: argparse.Namespace) -> int:
