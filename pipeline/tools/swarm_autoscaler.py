@@ -25,10 +25,12 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from pydantic import BaseModel, Field
 
+from pipeline.runtime.settings_cli import add_arguments, option, process_settings
 from pipeline.tools.scaling import (
     COOLDOWN_S,
     HOLD,
@@ -234,7 +236,101 @@ def service_argument(text: str) -> tuple[str, str, int, int, float | None]:
     return stage, service, low, high, queue_ms
 
 
-def scaled_services(args: argparse.Namespace) -> list[ScaledService]:
+def _services(text: str) -> list[tuple[str, str, int, int, float | None]]:
+    """`PIPELINE_AUTOSCALER_SERVICES`: `--service` values, comma-separated."""
+    return [service_argument(item.strip()) for item in text.split(",") if item.strip()]
+
+
+class SwarmScaling(BaseModel):
+    """What the Swarm autoscaler scales, on what, and how often; each setting from its flag, else its
+    `PIPELINE_AUTOSCALER_*` variable, else the default."""
+
+    service: Annotated[
+        list[tuple[str, str, int, int, float | None]],
+        option(
+            "--service",
+            env="PIPELINE_AUTOSCALER_SERVICES",
+            parse=service_argument,
+            env_parse=_services,
+            action="append",
+            metavar="STAGE=SERVICE:MIN:MAX[:QUEUE_MS]",
+            help="a stage (as the routers name it) and its Swarm service, scaled between MIN and MAX, with its "
+            "own queue-time target in ms where given (else --queue-ms) (repeatable; env "
+            "PIPELINE_AUTOSCALER_SERVICES, comma-separated)",
+        ),
+    ] = []
+    routers: Annotated[
+        str,
+        option(
+            "--routers",
+            env="PIPELINE_AUTOSCALER_ROUTERS",
+            help="every router task's metrics: HOST:PORT (env PIPELINE_AUTOSCALER_ROUTERS; default %(default)s)",
+        ),
+    ] = "tasks.router:8002"
+    interval: Annotated[
+        float,
+        Field(gt=0),
+        option(
+            "--interval",
+            env="PIPELINE_AUTOSCALER_INTERVAL",
+            parse=float,
+            help="seconds between looks (env PIPELINE_AUTOSCALER_INTERVAL; default %(default)s)",
+        ),
+    ] = 15.0
+    cooldown: Annotated[
+        float,
+        option(
+            "--cooldown",
+            env="PIPELINE_AUTOSCALER_COOLDOWN",
+            parse=float,
+            help="scale-down cool-down, seconds (env PIPELINE_AUTOSCALER_COOLDOWN; default %(default)s)",
+        ),
+    ] = COOLDOWN_S
+    queue_ms: Annotated[
+        float,
+        option(
+            "--queue-ms",
+            env="PIPELINE_AUTOSCALER_QUEUE_MS",
+            parse=float,
+            help="queue-time target of the services that name none, ms (env PIPELINE_AUTOSCALER_QUEUE_MS; "
+            "default %(default)s)",
+        ),
+    ] = QUEUE_SECONDS_TARGET * 1000
+    inflight: Annotated[
+        float,
+        option(
+            "--inflight",
+            env="PIPELINE_AUTOSCALER_INFLIGHT",
+            parse=float,
+            help="calls-in-flight target per replica (0: scale on the queue alone; env "
+            "PIPELINE_AUTOSCALER_INFLIGHT; default %(default)s)",
+        ),
+    ] = INFLIGHT_PER_REPLICA
+    metrics_port: Annotated[
+        int,
+        option(
+            "--metrics-port",
+            env="PIPELINE_AUTOSCALER_METRICS_PORT",
+            parse=int,
+            help="Prometheus port of its decisions (env PIPELINE_AUTOSCALER_METRICS_PORT; default %(default)s)",
+        ),
+    ] = 8003
+    docker_socket: Annotated[
+        str,
+        option(
+            "--docker-socket",
+            env="PIPELINE_AUTOSCALER_DOCKER_SOCKET",
+            help="the Docker Engine's socket on a manager node (env PIPELINE_AUTOSCALER_DOCKER_SOCKET; default "
+            "%(default)s)",
+        ),
+    ] = DOCKER_SOCKET
+
+
+#: `python -m pipeline.tools.swarm_autoscaler`.
+SwarmAutoscalerSettings = process_settings("SwarmAutoscalerSettings", (SwarmScaling,))
+
+
+def scaled_services(settings: SwarmScaling) -> list[ScaledService]:
     """Each `--service` with its autoscaler: its own bounds and queue-time target (else `--queue-ms`), the
     in-flight target and cool-down every service shares."""
     return [
@@ -245,65 +341,35 @@ def scaled_services(args: argparse.Namespace) -> list[ScaledService]:
                 ScalingTargets(
                     low,
                     high,
-                    queue_seconds=(args.queue_ms if queue_ms is None else queue_ms) / 1000,
-                    inflight_per_replica=args.inflight,
-                    cooldown=args.cooldown,
+                    queue_seconds=(settings.queue_ms if queue_ms is None else queue_ms) / 1000,
+                    inflight_per_replica=settings.inflight,
+                    cooldown=settings.cooldown,
                 )
             ),
         )
-        for stage, service, low, high, queue_ms in args.service
+        for stage, service, low, high, queue_ms in settings.service
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--service",
-        type=service_argument,
-        action="append",
-        required=True,
-        metavar="STAGE=SERVICE:MIN:MAX[:QUEUE_MS]",
-        help="a stage (as the routers name it) and its Swarm service, scaled between MIN and MAX, with its own "
-        "queue-time target in ms where given (else --queue-ms) (repeatable)",
-    )
-    parser.add_argument(
-        "--routers", default="tasks.router:8002", help="every router task's metrics: HOST:PORT"
-    )
-    parser.add_argument(
-        "--interval", type=float, default=15.0, help="seconds between looks (default %(default)s)"
-    )
-    parser.add_argument(
-        "--cooldown",
-        type=float,
-        default=COOLDOWN_S,
-        help="scale-down cool-down, seconds (default %(default)s)",
-    )
-    parser.add_argument(
-        "--queue-ms",
-        type=float,
-        default=QUEUE_SECONDS_TARGET * 1000,
-        help="queue-time target of the services that name none, ms (default %(default)s)",
-    )
-    parser.add_argument(
-        "--inflight",
-        type=float,
-        default=INFLIGHT_PER_REPLICA,
-        help="calls-in-flight target per replica (0: scale on the queue alone; default %(default)s)",
-    )
-    parser.add_argument("--metrics-port", type=int, default=8003, help="Prometheus port of its decisions")
-    parser.add_argument("--docker-socket", default=DOCKER_SOCKET)
-    args = parser.parse_args(argv)
+    add_arguments(parser, SwarmAutoscalerSettings)
+    settings = SwarmAutoscalerSettings.parse(parser, argv).group(SwarmScaling)
+    if not settings.service:
+        parser.error(
+            "name a service to scale: --service STAGE=SERVICE:MIN:MAX (or PIPELINE_AUTOSCALER_SERVICES)"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s autoscaler %(levelname)s: %(message)s")
-    services = scaled_services(args)
-    controller = SwarmAutoscaler(services, DockerServices(args.docker_socket), args.routers)
-    start_http_server(args.metrics_port, registry=controller.registry)
+    services = scaled_services(settings)
+    controller = SwarmAutoscaler(services, DockerServices(settings.docker_socket), settings.routers)
+    start_http_server(settings.metrics_port, registry=controller.registry)
     log.info(
         "scaling %s on the metrics of %s every %.0f s",
         ", ".join(f"{s.service} ({s.stage})" for s in services),
-        args.routers,
-        args.interval,
+        settings.routers,
+        settings.interval,
     )
-    controller.run(args.interval)
+    controller.run(settings.interval)
     return 0
 
 

@@ -13,12 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.runtime.settings_cli import add_arguments
 from pipeline.tools.scaling import Autoscaler, ScalingTargets
 from pipeline.tools.swarm_autoscaler import (
     DockerError,
     DockerServices,
     ScaledService,
     SwarmAutoscaler,
+    SwarmAutoscalerSettings,
+    SwarmScaling,
+    main,
+    scaled_services,
     service_argument,
 )
 
@@ -127,3 +132,26 @@ def test_a_service_may_name_its_own_queue_time_target():
     for bad in (*bad_ones, "model=stack_model:-1:4", "model=:1:2", "model=s:1:2:3:4"):
         with pytest.raises(argparse.ArgumentTypeError, match="STAGE=SERVICE:MIN:MAX"):
             service_argument(bad)
+
+
+def test_its_settings_come_from_flags_else_the_environment(monkeypatch, capsys):
+    """The controller's settings model: each setting from its flag, else its PIPELINE_AUTOSCALER_* variable
+    (the Swarm stack's environment), else the default; without a service to scale it stops, saying so."""
+    monkeypatch.setenv("PIPELINE_AUTOSCALER_SERVICES", "model=stack_model:1:4, preprocess=stack_pre:2:4:10")
+    monkeypatch.setenv("PIPELINE_AUTOSCALER_QUEUE_MS", "80")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, SwarmAutoscalerSettings)
+    settings = SwarmAutoscalerSettings.parse(parser, []).group(SwarmScaling)
+    services = scaled_services(settings)
+    assert [(s.stage, s.service) for s in services] == [("model", "stack_model"), ("preprocess", "stack_pre")]
+    assert [s.autoscaler.targets.queue_seconds for s in services] == [0.08, 0.01]
+    assert settings.interval == 15.0 and settings.routers == "tasks.router:8002"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, SwarmAutoscalerSettings)
+    flagged = SwarmAutoscalerSettings.parse(parser, ["--service", "model=m:0:2", "--interval", "5"])
+    assert flagged.group(SwarmScaling).service == [("model", "m", 0, 2, None)]
+    assert flagged.group(SwarmScaling).interval == 5.0
+    monkeypatch.setenv("PIPELINE_AUTOSCALER_SERVICES", "")
+    with pytest.raises(SystemExit) as exit:
+        main([])
+    assert exit.value.code == 2 and "name a service to scale" in capsys.readouterr().err
