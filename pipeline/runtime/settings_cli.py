@@ -36,7 +36,8 @@ class Option:
     env: str | None = None
     parse: Callable[[str], Any] | None = None
     metavar: str | None = None
-    #: argparse's action: "store_true", or "append" (values given replace the default, not add to it).
+    #: argparse's action: "store_true", "store_false", "boolean" (`--flag` and `--no-flag`), or "append"
+    #: (values given replace the default, not add to it).
     action: str | None = None
     nargs: str | None = None
     #: How the variable's text is read where it differs from one flag value's (a list: `parse` reads one item).
@@ -209,6 +210,10 @@ class _AppendOverDefault(argparse._AppendAction):
         super().__call__(parser, namespace, values, option_string)
 
 
+#: The actions of flags that take no value.
+_SWITCHES = ("store_true", "store_false", "boolean")
+
+
 def add_arguments(parser: argparse.ArgumentParser, settings: type[ProcessSettings]) -> None:
     """A flag for each of the settings' options, its default the environment's value, else the field's; a
     variable that does not parse stops with a usage error that names it."""
@@ -220,8 +225,10 @@ def add_arguments(parser: argparse.ArgumentParser, settings: type[ProcessSetting
         arguments: dict[str, Any] = {"dest": name, "default": getattr(defaults, name), "help": found.help}
         if found.action == "append":
             arguments["action"] = _AppendOverDefault
+        elif found.action == "boolean":
+            arguments["action"] = argparse.BooleanOptionalAction
         elif found.action is not None:
             arguments["action"] = found.action
-        if found.action != "store_true":
+        if found.action not in _SWITCHES:
             arguments.update(type=found.parse, metavar=found.metavar, nargs=found.nargs)
         parser.add_argument(*found.flags, **arguments)

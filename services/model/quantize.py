@@ -34,18 +34,20 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import tensor_specs
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 from pipeline.runtime.service_settings import Repository, Runners
-from pipeline.runtime.settings_cli import add_arguments, process_settings
+from pipeline.runtime.settings_cli import SettingError, add_arguments, option, process_settings
+from pipeline.runtime.settings_values import SettingValueError
 from services.model.artifacts import ONNX, export_onnx, first_line
 from services.model.backend import ONNX_FILENAME, ModelBackend, ModelFile
 from services.model.int8_cpu import int8_saturates
@@ -79,44 +81,134 @@ QUANTIZED_OPERATORS = {
 DYNAMIC_OPERATORS = ["MatMul", "Gemm", "Attention", "LSTM", "GRU"]
 
 
-@dataclass(frozen=True)
-class QuantizeSettings:
-    """How to quantize (the command line's flags)."""
+def _choice(name: str, choices: tuple[str, ...]) -> Callable[[str], str]:
+    """A check (and an argparse type) that a value is one of `choices`."""
+
+    def check(value: str) -> str:
+        if value not in choices:
+            raise SettingValueError(f"unknown {name} {value!r}; expected one of {', '.join(choices)}")
+        return value
+
+    return check
+
+
+def _share(value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise SettingValueError(f"the least agreement is a share from 0 to 1, got {value}")
+    return value
+
+
+class QuantizeSettings(BaseModel):
+    """How to quantize: `pipeline quantize`'s flags, or what code that quantizes gives."""
+
+    model_config = ConfigDict(frozen=True)
 
     #: "auto" (static with calibration samples, else dynamic), "static" or "dynamic".
-    method: str = "auto"
+    method: Annotated[
+        str,
+        AfterValidator(_choice("method", METHODS)),
+        option(
+            "--method",
+            parse=_choice("method", METHODS),
+            metavar="{" + ",".join(METHODS) + "}",
+            help="static (calibrated), dynamic, or auto: static when there are samples (default %(default)s)",
+        ),
+    ] = "auto"
     #: Static quantization's graph: "qdq" (QuantizeLinear/DequantizeLinear pairs, which ONNX Runtime fuses into
     #: INT8 kernels) or "qoperator" (QLinearConv, QLinearMatMul...).
-    format: str = "qdq"
+    format: Annotated[
+        str,
+        AfterValidator(_choice("format", FORMATS)),
+        option(
+            "--format",
+            parse=_choice("format", FORMATS),
+            metavar="{" + ",".join(FORMATS) + "}",
+            help="static quantization's graph: QuantizeLinear/DequantizeLinear pairs (qdq) or QLinear operators "
+            "(qoperator) (default %(default)s)",
+        ),
+    ] = "qdq"
     #: Weights quantized per output channel rather than per tensor.
-    per_channel: bool = True
+    per_channel: Annotated[
+        bool,
+        option(
+            "--per-tensor",
+            action="store_false",
+            help="one scale per weight tensor instead of one per output channel",
+        ),
+    ] = True
     #: Weights in 7 bits, for CPUs without VNNI whose 8-bit multiply-adds can saturate; None: where this CPU's
     #: can (`services.model.int8_cpu.int8_saturates`).
-    reduce_range: bool | None = None
-    #: Calibration samples (.npy or .npz); None: the model's model_warmup data.
-    calibration: Path | None = None
-    #: Inputs the report compares on (.npy or .npz); None: the calibration samples.
-    evaluation: Path | None = None
-    #: The version quantized (None: the newest).
-    version: str | None = None
-    #: The batch the speed is measured at (at most the model's max_batch_size).
-    batch_size: int = 16
-    #: Timed runs of each file per round (`ROUNDS` rounds, alternating between the files).
-    runs: int = 20
+    reduce_range: Annotated[
+        bool | None,
+        option(
+            "--reduce-range",
+            action="boolean",
+            help="7-bit weights, which no CPU's 8-bit kernels saturate, or 8-bit ones (default: 7 bits where "
+            "this CPU lacks VNNI, an x86 CPU with AVX2 or AVX-512 only, where 8 bits can saturate; else 8)",
+        ),
+    ] = None
     #: The least agreement with FP32 (0 to 1) of every output of a version that is written.
-    min_agreement: float = MIN_AGREEMENT
+    min_agreement: Annotated[
+        float,
+        AfterValidator(_share),
+        option(
+            "--min-agreement",
+            parse=float,
+            help="the least share of compared items on which every output agrees with FP32 (its top-1 where it "
+            f"scores classes, else within {TOLERANCE * 100:.0f}%% of its spread); a version below it is not "
+            "written (default %(default)s)",
+        ),
+    ] = MIN_AGREEMENT
     #: Write the version whatever its agreement.
-    force: bool = False
+    force: Annotated[
+        bool,
+        option(
+            "--force",
+            action="store_true",
+            help="write the version even where it agrees less than --min-agreement",
+        ),
+    ] = False
+    #: Calibration samples (.npy or .npz); None: the model's model_warmup data.
+    calibration: Annotated[
+        Path | None,
+        option(
+            "--calibration",
+            parse=Path,
+            help="calibration samples: a .npy (a model with one input) or .npz (an array per input name), "
+            "batch first (default: the model's model_warmup samples that carry data; none: dynamic "
+            "quantization)",
+        ),
+    ] = None
+    #: Inputs the report compares on (.npy or .npz); None: the calibration samples.
+    evaluation: Annotated[
+        Path | None,
+        option(
+            "--evaluation",
+            parse=Path,
+            help="inputs to compare INT8 with FP32 on, as --calibration (default: the calibration samples)",
+        ),
+    ] = None
+    #: The version quantized (None: the newest).
+    version: Annotated[
+        str | None, option("--version", help="the version to quantize (default: the newest)")
+    ] = None
+    #: The batch the speed is measured at (at most the model's max_batch_size).
+    batch_size: Annotated[
+        int,
+        Field(ge=1),
+        option(
+            "--batch-size",
+            parse=int,
+            help="the batch the speed is measured at (default %(default)s)",
+        ),
+    ] = 16
+    #: Timed runs of each file per round (`ROUNDS` rounds, alternating between the files).
+    runs: Annotated[int, Field(ge=1)] = 20
 
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; expected one of {', '.join(METHODS)}")
-        if self.format not in FORMATS:
-            raise ValueError(f"unknown format {self.format!r}; expected one of {', '.join(FORMATS)}")
-        if self.batch_size < 1 or self.runs < 1:
-            raise ValueError("batch size and runs must be >= 1")
-        if not 0.0 <= self.min_agreement <= 1.0:
-            raise ValueError(f"the least agreement is a share from 0 to 1, got {self.min_agreement}")
+
+#: `pipeline quantize`'s settings: the model repository (`--model-dir`, env `PIPELINE_MODEL_DIR`) and how to
+#: quantize.
+QuantizeCommand = process_settings("QuantizeCommand", (Repository, QuantizeSettings))
 
 
 def quantize(root: str | os.PathLike[str], name: str, settings: QuantizeSettings | None = None) -> Report:
@@ -132,7 +224,7 @@ def quantize(root: str | os.PathLike[str], name: str, settings: QuantizeSettings
     max_batch = model.config.max_batch_size
     evaluation, evaluated_on = evaluation_samples(settings.evaluation, inputs, max_batch, calibration)
     reduce_range, reduce_range_reason = _weight_bits(settings.reduce_range)
-    settings = dataclasses.replace(settings, reduce_range=reduce_range)
+    settings = settings.model_copy(update={"reduce_range": reduce_range})
     version = str(max(int(v) for v in entry.versions) + 1)
     with tempfile.TemporaryDirectory(prefix="pipeline-quantize-") as tmp:
         fp32 = _fp32_onnx(model, Path(tmp))
@@ -338,91 +430,19 @@ def _write_version(entry: RepositoryEntry, version: str, int8: Path, report: Rep
 # ---- command line ---------------------------------------------------------------------------------------------
 
 
-#: The model repository `pipeline quantize` reads (`--model-dir`, env `PIPELINE_MODEL_DIR`).
-REPOSITORY = process_settings("QuantizeRepository", (Repository,))
-
-
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     """`pipeline quantize`'s flags."""
     parser.add_argument("model", help="the model to quantize (an ONNX or PyTorch model of the repository)")
-    add_arguments(parser, REPOSITORY)
-    parser.add_argument("--version", help="the version to quantize (default: the newest)")
-    parser.add_argument(
-        "--calibration",
-        type=Path,
-        help="calibration samples: a .npy (a model with one input) or .npz (an array per input name), batch "
-        "first (default: the model's model_warmup samples that carry data; none: dynamic quantization)",
-    )
-    parser.add_argument(
-        "--evaluation",
-        type=Path,
-        help="inputs to compare INT8 with FP32 on, as --calibration (default: the calibration samples)",
-    )
-    parser.add_argument(
-        "--method",
-        choices=METHODS,
-        default="auto",
-        help="static (calibrated), dynamic, or auto: static when there are samples (default %(default)s)",
-    )
-    parser.add_argument(
-        "--format",
-        choices=FORMATS,
-        default="qdq",
-        help="static quantization's graph: QuantizeLinear/DequantizeLinear pairs (qdq) or QLinear operators "
-        "(qoperator) (default %(default)s)",
-    )
-    parser.add_argument(
-        "--per-tensor",
-        action="store_true",
-        help="one scale per weight tensor instead of one per output channel",
-    )
-    _add_int8_arguments(parser)
-    parser.add_argument(
-        "--batch-size", type=int, default=16, help="the batch the speed is measured at (default %(default)s)"
-    )
-
-
-def _add_int8_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of the weights' bits, and of the agreement with FP32 a version needs to be written."""
-    parser.add_argument(
-        "--reduce-range",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="7-bit weights, which no CPU's 8-bit kernels saturate, or 8-bit ones (default: 7 bits where this "
-        "CPU lacks VNNI, an x86 CPU with AVX2 or AVX-512 only, where 8 bits can saturate; else 8)",
-    )
-    parser.add_argument(
-        "--min-agreement",
-        type=float,
-        default=MIN_AGREEMENT,
-        help="the least share of compared items on which every output agrees with FP32 (its top-1 where it "
-        f"scores classes, else within {TOLERANCE * 100:.0f}%% of its spread); a version below it is not written "
-        "(default %(default)s)",
-    )
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="write the version even where it agrees less than --min-agreement",
-    )
+    add_arguments(parser, QuantizeCommand)
 
 
 def run_quantize_command(args: argparse.Namespace) -> int:
     """Quantize, print the report; 1 with the reason when the model cannot be quantized."""
     try:
-        options = QuantizeSettings(
-            method=args.method,
-            format=args.format,
-            per_channel=not args.per_tensor,
-            reduce_range=args.reduce_range,
-            min_agreement=args.min_agreement,
-            force=args.force,
-            calibration=args.calibration,
-            evaluation=args.evaluation,
-            version=args.version,
-            batch_size=args.batch_size,
-        )
-        report = quantize(args.model_dir, args.model, options)
-    except (RepositoryError, ValueError) as exc:
+        settings = QuantizeCommand.of(args)
+        root = settings.group(Repository).model_dir
+        report = quantize(root, args.model, settings.group(QuantizeSettings))
+    except (RepositoryError, SettingError) as exc:
         print(f"pipeline quantize: {getattr(exc, 'message', exc)}")
         return 1
     print(report.text())
