@@ -103,6 +103,30 @@ class QuantizeSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
+    #: The version quantized (None: the newest).
+    version: Annotated[
+        str | None, option("--version", help="the version to quantize (default: the newest)")
+    ] = None
+    #: Calibration samples (.npy or .npz); None: the model's model_warmup data.
+    calibration: Annotated[
+        Path | None,
+        option(
+            "--calibration",
+            parse=Path,
+            help="calibration samples: a .npy (a model with one input) or .npz (an array per input name), "
+            "batch first (default: the model's model_warmup samples that carry data; none: dynamic "
+            "quantization)",
+        ),
+    ] = None
+    #: Inputs the report compares on (.npy or .npz); None: the calibration samples.
+    evaluation: Annotated[
+        Path | None,
+        option(
+            "--evaluation",
+            parse=Path,
+            help="inputs to compare INT8 with FP32 on, as --calibration (default: the calibration samples)",
+        ),
+    ] = None
     #: "auto" (static with calibration samples, else dynamic), "static" or "dynamic".
     method: Annotated[
         str,
@@ -168,30 +192,6 @@ class QuantizeSettings(BaseModel):
             help="write the version even where it agrees less than --min-agreement",
         ),
     ] = False
-    #: Calibration samples (.npy or .npz); None: the model's model_warmup data.
-    calibration: Annotated[
-        Path | None,
-        option(
-            "--calibration",
-            parse=Path,
-            help="calibration samples: a .npy (a model with one input) or .npz (an array per input name), "
-            "batch first (default: the model's model_warmup samples that carry data; none: dynamic "
-            "quantization)",
-        ),
-    ] = None
-    #: Inputs the report compares on (.npy or .npz); None: the calibration samples.
-    evaluation: Annotated[
-        Path | None,
-        option(
-            "--evaluation",
-            parse=Path,
-            help="inputs to compare INT8 with FP32 on, as --calibration (default: the calibration samples)",
-        ),
-    ] = None
-    #: The version quantized (None: the newest).
-    version: Annotated[
-        str | None, option("--version", help="the version to quantize (default: the newest)")
-    ] = None
     #: The batch the speed is measured at (at most the model's max_batch_size).
     batch_size: Annotated[
         int,
