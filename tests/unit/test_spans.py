@@ -314,3 +314,13 @@ def test_an_ended_span_reaches_processors_as_the_sdks_readable_span():
     record = json.loads(done.to_json())
     assert record["name"] == "s" and record["status"] == {"status_code": "ERROR", "description": "no"}
     assert record["events"][0]["attributes"] == {"k": "v"} and record["attributes"] == {"a": 1}
+
+
+def test_the_span_bench_measures_both_tracers(capsys):
+    """`python -m bench.spans` runs both tracers on a request's spans and prints a figure for each (the
+    figures themselves are not checked)."""
+    from bench import spans
+
+    assert spans.main(["--requests", "20", "--rounds", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "pipeline:" in printed and "sdk:" in printed and printed.count("µs of CPU per span") == 2
