@@ -183,6 +183,20 @@ def prepare_process(level: str, service: str) -> None:
     keep_freed_memory()
 
 
+async def _start_unless_stopped(
+    start: Callable[[], Coroutine[Any, Any, None]], stopping: asyncio.Event
+) -> None:
+    """Run `start` to its end, unless `stopping` is set first (then `start` is cancelled)."""
+    starting = asyncio.create_task(start())
+    waiting = asyncio.create_task(stopping.wait())
+    await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+    else:
+        waiting.cancel()
+        starting.result()
+
+
 async def serve(
     server: grpc.aio.Server,
     health_servicer: health.aio.HealthServicer,
@@ -216,14 +230,7 @@ async def serve(
     trimming: asyncio.Task[None] | None = None
     try:
         if start is not None:
-            starting = asyncio.create_task(start())
-            waiting = asyncio.create_task(stopping.wait())
-            await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
-            if not starting.done():
-                starting.cancel()
-            else:
-                waiting.cancel()
-                starting.result()
+            await _start_unless_stopped(start, stopping)
         settle_garbage_collection()
         trimming = asyncio.create_task(give_back_when_idle(held if held is not None else ()))
         await stopping.wait()

@@ -125,17 +125,16 @@ def run(args: argparse.Namespace) -> int:
     """Start the pipeline and supervise it until a signal, or until a process keeps dying; returns the exit
     code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
-    if refused := _refusal(args):
-        log.error("%s", refused)
-        return 2
     try:
-        store_repository = model_store_repository(args)
+        refused = _refusal(args)
+        store_repository = None if refused else model_store_repository(args)
     except ConfigError as err:
-        log.error("%s", err)
+        refused = str(err)
+    if refused:
+        log.error("%s", refused)
         return 2
     if store_repository is not None:
         args.model_dir = store_repository  # the store's archives, as a model repository (this run's)
-    stage_token = stage_token_env(os.environ)
     tls_dir: Path | None = getattr(args, "tls_dir", None)
     tls = _tls(tls_dir, args.mtls) if tls_dir is not None else _Tls()
     grace = ["--grace-period", str(args.grace_period)]
@@ -148,11 +147,7 @@ def run(args: argparse.Namespace) -> int:
     http_port_file = ports / "router.http"
     router = _router_service(args, grace, tls.router, http_port_file)
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
-    for service in everything:
-        service.env.update(stage_token)
-    stage_env = {**stage_token, **stage_admin_env(os.environ, stage_token)}
-    for service in stages:
-        service.env.update(stage_env)
+    stage_env = _hand_tokens(router, stages)
     autoscale: dict[str, tuple[int, int]] = getattr(args, "autoscale", {})
     signals = _StopOnSignal()
     supervisor: Supervisor | None = None
@@ -161,15 +156,7 @@ def run(args: argparse.Namespace) -> int:
         signals.install()
         _start(stages, router, args.host, ports, args.startup_timeout, tls.credentials, autoscale)
         _pin_ports(everything, ports, http_port_file)
-        supervisor = Supervisor(
-            everything,
-            RestartPolicy(limit=args.restart_limit, window=args.restart_window),
-            host=args.host,
-            connect=_connect_address(args.host),
-            ports=ports,
-            startup_timeout=args.startup_timeout,
-            credentials=tls.credentials,
-        )
+        supervisor = _supervisor(args, everything, ports, tls.credentials)
         if autoscale:
             autoscaler = _autoscaler(args, autoscale, stages, router, supervisor, stage_flags, stage_env)
         _announce(
@@ -189,6 +176,35 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(ports, ignore_errors=True)
         if store_repository is not None:
             shutil.rmtree(store_repository, ignore_errors=True)
+
+
+def _supervisor(
+    args: argparse.Namespace,
+    services: list[Service],
+    ports: Path,
+    credentials: grpc.ChannelCredentials | None,
+) -> Supervisor:
+    """What restarts the services that die, as `--restart-limit` and `--restart-window` say."""
+    return Supervisor(
+        services,
+        RestartPolicy(limit=args.restart_limit, window=args.restart_window),
+        host=args.host,
+        connect=_connect_address(args.host),
+        ports=ports,
+        startup_timeout=args.startup_timeout,
+        credentials=credentials,
+    )
+
+
+def _hand_tokens(router: Service, stages: list[Service]) -> dict[str, str]:
+    """The router's stage token in every service's environment (`stage_token_env`), and the stages'
+    admin tokens (`stage_admin_env`); returns what the stages' environment gained, for their replicas."""
+    stage_token = stage_token_env(os.environ)
+    router.env.update(stage_token)
+    stage_env = {**stage_token, **stage_admin_env(os.environ, stage_token)}
+    for service in stages:
+        service.env.update(stage_env)
+    return stage_env
 
 
 def _refusal(args: argparse.Namespace) -> str | None:
