@@ -83,7 +83,7 @@ class BaseHandler(abc.ABC):  # noqa: B024 (TorchServe's class is abstract with n
             raise ValueError(f"Expected only one class as model definition. {classes}")
         model = classes[0]()
         if model_pt_path:
-            model.load_state_dict(torch.load(model_pt_path, map_location=self.device))
+            model.load_state_dict(torch.load(model_pt_path, map_location=self.device, weights_only=True))
         return model
 
     def preprocess(self, data: Any) -> Any:
