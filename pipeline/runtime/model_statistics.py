@@ -101,12 +101,36 @@ class ModelStats:
         output_ns: int = 0,
     ) -> None:
         """A request (of `items` batch items) completed successfully."""
+        self.requests_done(
+            1,
+            items=items,
+            total_ns=total_ns,
+            queue_ns=queue_ns,
+            compute_ns=compute_ns,
+            input_ns=input_ns,
+            output_ns=output_ns,
+        )
+
+    def requests_done(
+        self,
+        requests: int,
+        *,
+        items: int,
+        total_ns: int,
+        queue_ns: int = 0,
+        compute_ns: int = 0,
+        input_ns: int = 0,
+        output_ns: int = 0,
+    ) -> None:
+        """`requests` requests (of `items` batch items in all) completed successfully in one execution:
+        `total_ns` and `queue_ns` are their times summed; `compute_ns`, `input_ns` and `output_ns` the
+        execution's, which count once for each of them."""
         self.inference_count += items
-        self.success.add(total_ns)
-        self.queue.add(queue_ns)
-        self.compute_input.add(input_ns)
-        self.compute_infer.add(compute_ns)
-        self.compute_output.add(output_ns)
+        self.success.add(total_ns, requests)
+        self.queue.add(queue_ns, requests)
+        self.compute_input.add(input_ns * requests, requests)
+        self.compute_infer.add(compute_ns * requests, requests)
+        self.compute_output.add(output_ns * requests, requests)
         self.last_inference_ms = int(time.time() * 1000)
 
     def cache_hit_done(self, *, items: int, total_ns: int, cache_ns: int) -> None:

@@ -362,6 +362,36 @@ async def test_one_failing_item_fails_only_its_own_request():
     await batcher.aclose()
 
 
+async def test_a_batchs_statistics_count_each_request_as_it_fared():
+    clock = ManualClock()
+    stage = Stage()
+    config = BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=1000, idle_dispatch=False)
+    batcher = make(config, stage, clock)
+    tasks = [asyncio.ensure_future(batcher.submit(1, size=2))]
+    await settle()
+    clock.advance(0.0004)
+    tasks.append(asyncio.ensure_future(batcher.submit(-2)))
+    await settle()
+    clock.advance(0.0004)
+    tasks.append(asyncio.ensure_future(batcher.submit(3)))
+    await settle()
+    clock.advance(0.0002)
+    await settle()
+    assert stage.batches == [[1, -2, 3]]
+    assert [tasks[0].result(), tasks[2].result()] == [10, 30]
+    assert isinstance(tasks[1].exception(), InvalidInput)
+    stats = batcher.stats
+    assert (stats.inference_count, stats.execution_count) == (3, 1)  # the successes' items; one execution
+    # Each success counts its own wait (1 ms and 0.2 ms) and the execution it rode in; the failure its own.
+    assert (stats.success.count, stats.queue.count, stats.fail.count) == (2, 2, 1)
+    assert abs(stats.queue.ns - 1_200_000) <= 2 and abs(stats.success.ns - 1_200_000) <= 2
+    assert abs(stats.fail.ns - 600_000) <= 1
+    (execution,) = stats.batches.values()
+    assert (stats.compute_infer.count, stats.compute_infer.ns) == (2, 2 * execution.ns)
+    assert (stats.compute_input.count, stats.compute_output.count) == (2, 2)
+    await batcher.aclose()
+
+
 async def test_requests_with_different_keys_never_share_a_batch():
     stage = Stage()
     config = BatchingConfig(max_batch_size=8, max_queue_delay_microseconds=10**6, idle_dispatch=False)

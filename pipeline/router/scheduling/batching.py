@@ -328,9 +328,10 @@ class DynamicBatcher(Generic[In, Out]):
         if expected:
             self._upcoming -= 1
         self._admit(size)
-        if not self._wakeups.started:
+        wakeups = self._wakeups
+        if not wakeups.started:
             self.start()
-        future: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Out] = wakeups.loop.create_future()
         now = self._clock.now()
         pending = _Pending(payload, size, key, priority, next(self._seq), now, deadline, future)
         if span is not None and self._telemetry is not None:
@@ -571,12 +572,16 @@ def _account(
         queue = metrics.queue_duration.labels(model)
         for pending in batch:
             queue.observe(now - pending.enqueued)
+    # The successes are counted together, in one call for the batch.
+    done = items = total_ns = queue_ns = 0
     for pending, result in zip(batch, results, strict=True):
-        total_ns = int((finished - pending.enqueued) * 1e9)
+        request_ns = int((finished - pending.enqueued) * 1e9)
         if isinstance(result, BaseException):
-            stats.request_failed(total_ns)
+            stats.request_failed(request_ns)
         else:
-            queue_ns = int((now - pending.enqueued) * 1e9)
-            stats.request_done(
-                items=pending.size, total_ns=total_ns, queue_ns=queue_ns, compute_ns=compute_ns
-            )
+            done += 1
+            items += pending.size
+            total_ns += request_ns
+            queue_ns += int((now - pending.enqueued) * 1e9)
+    if done:
+        stats.requests_done(done, items=items, total_ns=total_ns, queue_ns=queue_ns, compute_ns=compute_ns)

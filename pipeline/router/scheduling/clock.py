@@ -83,6 +83,12 @@ class Wakeups:
     def started(self) -> bool:
         return self._loop is not None
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop it runs on, once started."""
+        assert self._loop is not None
+        return self._loop
+
     def start(self) -> None:
         """Run the callback on the running event loop from now on."""
         if self._loop is None:
