@@ -18,7 +18,7 @@ as the deepest (`CallChain.merged`).
 A chain may also name its `origin`: the router's id of the request whose model makes the calls, which the
 router puts on every request it forwards to a stage model. The router then knows which of the requests it
 holds a call comes from, so that a batched model that such requests call may wait for the calls on their
-way (`pipeline.router.scheduling.callees`).
+way (`pipeline.router.scheduling.bls_forecast`).
 
 And it carries the `priority` the client's request asked for (its `priority` parameter; 0: none), which the
 router puts on the chain where the request comes in. Every call of the chain inherits it: a batched callee

@@ -16,7 +16,7 @@ from pipeline.ensemble.plan import ModelSignature
 from pipeline.protocol.codec import Tensor, select_version
 from pipeline.protocol.errors import ModelNotFound, echo
 from pipeline.router.scheduling.batching import DynamicBatcher
-from pipeline.router.scheduling.merge import StageCall, TensorBatching
+from pipeline.router.scheduling.merge import BatchMember, TensorBatching
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_statistics import ModelStats
 
@@ -24,7 +24,7 @@ from pipeline.runtime.model_statistics import ModelStats
 ENSEMBLE_VERSION = "1"
 
 #: A batched stage model's batcher, and how its requests' tensors merge into a batch and split back.
-Batched = tuple[DynamicBatcher[StageCall, dict[str, Tensor]], TensorBatching]
+Batched = tuple[DynamicBatcher[BatchMember, dict[str, Tensor]], TensorBatching]
 
 
 class ModelRegistry:

@@ -4,7 +4,7 @@
 are `pipeline.router.stages.discovery`'s, which ensembles can be served and the router's readiness
 `pipeline.router.execution.availability`'s; what is known of each model (signatures, batchers,
 statistics) is the `pipeline.router.registry`'s; ensembles run on the DAG executor
-(`pipeline.router.execution.executor`) and stage models are called through `pipeline.router.scheduling.calls`, batched or
+(`pipeline.router.execution.executor`) and stage models are called through `pipeline.router.scheduling.dispatch`, batched or
 forwarded; the response cache's policy is `pipeline.router.caching.cache_policy`'s. An ensemble with a decoupled step,
 and a decoupled stage model, answer on streams only, with many responses per request
 (`pipeline.router.execution.streaming`). As Triton does for an ensemble's
@@ -37,7 +37,7 @@ from pipeline.router.execution.streaming import EnsembleStreams
 from pipeline.router.inflight import InflightDoor
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.router_statistics import RouterStatistics
-from pipeline.router.scheduling.calls import StageCalls
+from pipeline.router.scheduling.dispatch import StageDispatcher
 from pipeline.router.stages.discovery import StageDiscovery
 from pipeline.router.stages.fleet import FleetControl
 from pipeline.router.stages.stage_client import StageClient
@@ -45,7 +45,7 @@ from pipeline.router.stages.targets import Resolve
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_statistics import ModelStats
 from pipeline.runtime.security import ClientTls
-from pipeline.runtime.servicer import CallContext, DataPlane
+from pipeline.runtime.servicer import DataPlane, RequestContext
 from pipeline.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -104,8 +104,10 @@ class RouterPlane(DataPlane):
             admin_configured=admin_configured,
             metrics=metrics,
         )
-        self.calls = StageCalls(self.registry, self.caching, telemetry=telemetry, metrics=metrics)
-        self.executor = Executor(self.registry, clients, self.calls, telemetry=telemetry, metrics=metrics)
+        self.dispatcher = StageDispatcher(self.registry, self.caching, telemetry=telemetry, metrics=metrics)
+        self.executor = Executor(
+            self.registry, clients, self.dispatcher, telemetry=telemetry, metrics=metrics
+        )
         self.streams = EnsembleStreams(self.executor)
         #: The ensembles with a decoupled step and the decoupled stage models: served by `stream` only.
         self.decoupled: set[str] = set()
@@ -137,7 +139,7 @@ class RouterPlane(DataPlane):
         self.caching.check([plan], {step.model_name: step.stage for step in plan.steps})
         catalog = self.ensembles.catalog
         declared = declared_batching(catalog.ensembles.values())
-        self.calls.batch_steps(plan, self.stages.clients, declared, catalog.repository)
+        self.dispatcher.batch_steps(plan, self.stages.clients, declared, catalog.repository)
         signatures = self.registry.signatures
         self.decoupled.update(name for name, signature in signatures.items() if signature.decoupled)
         if self.streams.source(plan) is not None:
@@ -182,7 +184,7 @@ class RouterPlane(DataPlane):
             self.decoupled.add(name)
         if signature.batching is not None:
             log.info("model '%s': batched as its own dynamic_batching says (%s)", name, signature.batching)
-            self.calls.add_batcher(name, client, signature.batching)
+            self.dispatcher.add_batcher(name, client, signature.batching)
 
     async def model_ready(self, name: str, version: str) -> bool:
         try:
@@ -193,7 +195,7 @@ class RouterPlane(DataPlane):
             return await self.ensembles.ensemble_ready(name)
         return await self.stages.model_ready(name, version)
 
-    async def model_metadata(self, name: str, version: str, call: CallContext) -> pb.ModelMetadataResponse:
+    async def model_metadata(self, name: str, version: str, call: RequestContext) -> pb.ModelMetadataResponse:
         plan = self._ensemble(name, version)
         if plan is not None:
             return metadata_response(plan.name, (ENSEMBLE_VERSION,), "ensemble", plan.inputs, plan.outputs)
@@ -203,7 +205,7 @@ class RouterPlane(DataPlane):
             "ModelMetadata", request, timeout=call.timeout, metadata=call.metadata, what=f"model '{name}'"
         )
 
-    async def model_config(self, name: str, version: str, call: CallContext) -> mc.ModelConfig:
+    async def model_config(self, name: str, version: str, call: RequestContext) -> mc.ModelConfig:
         plan = self._ensemble(name, version)
         if plan is not None:
             return ensemble_config(plan, decoupled=plan.name in self.decoupled)
@@ -216,7 +218,7 @@ class RouterPlane(DataPlane):
 
     # --- inference -----------------------------------------------------------------------------------
 
-    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+    async def infer(self, request: pb.ModelInferRequest, call: RequestContext) -> pb.ModelInferResponse:
         door, name = self.door, request.model_name
         door.enter(name)
         try:
@@ -236,7 +238,7 @@ class RouterPlane(DataPlane):
                     f"here ({limit}, max_batch_items)"
                 )
 
-    async def _infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, call: RequestContext) -> pb.ModelInferResponse:
         plan = self._ensemble(request.model_name, request.model_version)
         name = request.model_name
         client: StageClient | None = None
@@ -259,7 +261,7 @@ class RouterPlane(DataPlane):
         return await self._execute(plan, client, request, call)
 
     async def stream(
-        self, request: pb.ModelInferRequest, call: CallContext
+        self, request: pb.ModelInferRequest, call: RequestContext
     ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
         """The responses to one request for a decoupled ensemble (`pipeline.router.execution.streaming`) or a decoupled
         stage model (forwarded to its stage), in order, the last marked final."""
@@ -281,7 +283,7 @@ class RouterPlane(DataPlane):
         plan: EnsemblePlan | None,
         client: StageClient | None,
         request: pb.ModelInferRequest,
-        call: CallContext,
+        call: RequestContext,
     ) -> pb.ModelInferResponse:
         """Run a request: an ensemble's steps, a batched stage model's queue, or a forwarded call."""
         if self.decoupled and request.model_name in self.decoupled:
@@ -289,9 +291,9 @@ class RouterPlane(DataPlane):
         if plan is not None:
             return await self.executor.infer(plan, request, call)
         if request.model_name in self.registry.batchers:
-            return await self.calls.infer_batched(request, call)
+            return await self.dispatcher.infer_batched(request, call)
         assert client is not None
-        return await self.calls.forward(client, request, call)
+        return await self.dispatcher.forward(client, request, call)
 
     # --- statistics and repository -------------------------------------------------------------------
 
@@ -315,11 +317,15 @@ class RouterPlane(DataPlane):
         """The ensembles, then every stage's models (see `EnsembleAvailability.repository_index`)."""
         return await self.ensembles.repository_index(ready_only)
 
-    async def repository_load(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+    async def repository_load(
+        self, name: str, parameters: Mapping[str, object], call: RequestContext
+    ) -> None:
         """Load a stage model on every replica of its stage, or on none (`pipeline.router.stages.fleet`)."""
         await self.fleet.load(name, parameters, call)
 
-    async def repository_unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+    async def repository_unload(
+        self, name: str, parameters: Mapping[str, object], call: RequestContext
+    ) -> None:
         """Unload a stage model from every replica of its stage, or from none (`pipeline.router.stages.fleet`)."""
         await self.fleet.unload(name, parameters, call)
 
@@ -350,7 +356,7 @@ def _stage_clients(
     }
 
 
-def _prioritized(request: pb.ModelInferRequest, call: CallContext) -> CallContext:
+def _prioritized(request: pb.ModelInferRequest, call: RequestContext) -> RequestContext:
     """`call` whose chain carries the request's `priority`, which the calls its models make inherit
     (`CallChain.priority`)."""
     if "priority" not in request.parameters:

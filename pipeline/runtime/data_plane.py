@@ -1,5 +1,5 @@
 """What every server does, free of gRPC types: the `DataPlane` a stage service and the router implement,
-and the `CallContext` of the call each of its methods serves. The front doors (the gRPC servicer,
+and the `RequestContext` of the call each of its methods serves. The front doors (the gRPC servicer,
 `pipeline.runtime.servicer`; the frame port; the router's HTTP/REST) adapt their transport to it."""
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ _HOP_HEADERS = frozenset(
 
 
 @dataclass(frozen=True, slots=True)
-class CallContext:
+class RequestContext:
     """What the data plane needs of the incoming call: its time left and the client's metadata."""
 
     timeout: float | None
     metadata: tuple[tuple[str, str | bytes], ...]
 
     @classmethod
-    def of(cls, context: grpc.aio.ServicerContext, *, credentials: bool = False) -> CallContext:
+    def of(cls, context: grpc.aio.ServicerContext, *, credentials: bool = False) -> RequestContext:
         """The call's time left and metadata; its `authorization` too with `credentials` (a repository change
         at the router, which the stages check as well), else never passed on."""
         metadata = tuple(
@@ -79,19 +79,19 @@ class DataPlane(abc.ABC):
         """Whether a model (at a version, or its default one) is ready."""
 
     @abc.abstractmethod
-    async def model_metadata(self, name: str, version: str, call: CallContext) -> pb.ModelMetadataResponse:
+    async def model_metadata(self, name: str, version: str, call: RequestContext) -> pb.ModelMetadataResponse:
         """`ModelMetadata` of a model; raises `ModelNotFound`."""
 
     @abc.abstractmethod
-    async def model_config(self, name: str, version: str, call: CallContext) -> mc.ModelConfig:
+    async def model_config(self, name: str, version: str, call: RequestContext) -> mc.ModelConfig:
         """Triton's `ModelConfig` of a model; raises `ModelNotFound`."""
 
     @abc.abstractmethod
-    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+    async def infer(self, request: pb.ModelInferRequest, call: RequestContext) -> pb.ModelInferResponse:
         """Run one inference request."""
 
     def stream(
-        self, request: pb.ModelInferRequest, call: CallContext
+        self, request: pb.ModelInferRequest, call: RequestContext
     ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
         """A decoupled model's responses to one request as they come (an error is a response of its own),
         the last marked final (`pipeline.protocol.streams.set_final`), a final flag sent alone as a
@@ -106,10 +106,14 @@ class DataPlane(abc.ABC):
         """Triton's `RepositoryIndex`: every model (version) in the repository and its state."""
         raise Unimplemented("this server has no model repository")
 
-    async def repository_load(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+    async def repository_load(
+        self, name: str, parameters: Mapping[str, object], call: RequestContext
+    ) -> None:
         """Triton's `RepositoryModelLoad`: load or reload a model (`call`: the caller's time and metadata)."""
         raise Unimplemented("this server has no model repository")
 
-    async def repository_unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+    async def repository_unload(
+        self, name: str, parameters: Mapping[str, object], call: RequestContext
+    ) -> None:
         """Triton's `RepositoryModelUnload`: stop serving a model."""
         raise Unimplemented("this server has no model repository")

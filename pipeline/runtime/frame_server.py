@@ -54,7 +54,7 @@ from pipeline.protocol.frames import (
 from pipeline.protocol.sequence_line import SequenceLine, Turn
 from pipeline.protocol.streams import error_response, hop_context
 from pipeline.runtime.admission import CONNECTION_INFLIGHT, ModelShares
-from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.error_status import internal_error, rpc_status_of
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
@@ -254,7 +254,7 @@ class FrameServer:
             try:
                 if self._closing:
                     raise Unavailable("the server is shutting down")
-                reply = await self.servicer.infer(request, CallContext(timeout, metadata))
+                reply = await self.servicer.infer(request, RequestContext(timeout, metadata))
                 answer: tuple[bytes, ...] = stream_response(reply)
             except PipelineError as err:
                 answer = (_refused(request, err),)

@@ -28,7 +28,7 @@ from pipeline.protocol.streams import (
 )
 from pipeline.runtime.admission import ByteBudget, cost_of
 from pipeline.runtime.call_abort import abort
-from pipeline.runtime.data_plane import CallContext, DataPlane
+from pipeline.runtime.data_plane import DataPlane, RequestContext
 from pipeline.runtime.error_status import internal_error, outcome_of, rpc_status_of, status_details
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.shared_memory import SharedMemoryRegistry
@@ -110,7 +110,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         #: The requests being served, answered UNAVAILABLE where still held once a stop's grace period is over.
         self.held = HeldRequests()
 
-    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+    async def infer(self, request: pb.ModelInferRequest, call: RequestContext) -> pb.ModelInferResponse:
         """One inference through the plane: the request's server span (continuing the caller's trace)
         and its count and latency. Every front door (gRPC here, HTTP in `pipeline.router.frontdoor.http`) infers through
         this one path."""
@@ -150,7 +150,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def stream(
         self,
         request: pb.ModelInferRequest,
-        call: CallContext,
+        call: RequestContext,
         send: Callable[[pb.ModelStreamInferResponse], Awaitable[None]],
     ) -> None:
         """One streamed request for a decoupled model: each of its responses through `send` as it comes, a
@@ -173,7 +173,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         with span_scope as span:
             try:
                 with self.held:
-                    responses = self.plane.stream(request, CallContext(timeout, metadata))
+                    responses = self.plane.stream(request, RequestContext(timeout, metadata))
                     async with contextlib.aclosing(responses):
                         count, since = 0, time.time_ns()
                         async for reply in responses:
@@ -222,16 +222,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerMetadataResponse(name=self.name, version=pipeline.__version__, extensions=extensions)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext):
-        call = CallContext.of(context)
+        call = RequestContext.of(context)
         return await _guarded(context, self.plane.model_metadata(request.name, request.version, call))
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext):
-        call = CallContext.of(context)
+        call = RequestContext.of(context)
         config = self.plane.model_config(request.name, request.version, call)
         return await _guarded(context, config, lambda config: pb.ModelConfigResponse(config=config))
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
-        return await _guarded(context, self._admitted(request, CallContext.of(context)))
+        return await _guarded(context, self._admitted(request, RequestContext.of(context)))
 
     async def ModelInferWithinBudget(self, requests: object, context: grpc.aio.ServicerContext):
         """`ModelInfer` as it is served (`pipeline.runtime.server`): a handler that reads its one request
@@ -254,11 +254,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             request = pb.ModelInferRequest.FromString(data)
             del data
-            return await self.infer(request, CallContext.of(context))
+            return await self.infer(request, RequestContext.of(context))
         finally:
             budget.release(cost)
 
-    async def _admitted(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+    async def _admitted(self, request: pb.ModelInferRequest, call: RequestContext) -> pb.ModelInferResponse:
         """A unary request within the budget of bytes in flight, or refused before it is served (its
         response is handed to gRPC as it is made, so only what the request costs is held)."""
         self.budget.admit(cost := cost_of(request.ByteSize()))
@@ -281,7 +281,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             for k, v in request.parameters.items()
         }
         load = self.plane.repository_load(
-            request.model_name, params, CallContext.of(context, credentials=True)
+            request.model_name, params, RequestContext.of(context, credentials=True)
         )
         return await _guarded(context, load, lambda _: pb.RepositoryModelLoadResponse())
 
@@ -293,7 +293,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             for k, v in request.parameters.items()
         }
         unload = self.plane.repository_unload(
-            request.model_name, params, CallContext.of(context, credentials=True)
+            request.model_name, params, RequestContext.of(context, credentials=True)
         )
         return await _guarded(context, unload, lambda _: pb.RepositoryModelUnloadResponse())
 
@@ -326,7 +326,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         not run on, either (backpressure). The requests of one model hold at most their share of it
         (`ModelShares`): past it they are refused at once, and the others still run. `StreamRequests`
         reads and runs the requests; this writes their responses."""
-        stream = StreamRequests(self, CallContext.of(context))
+        stream = StreamRequests(self, RequestContext.of(context))
         done, hold = stream.done, stream.hold
         reader = asyncio.create_task(stream.read(request_iterator))
         try:

@@ -22,7 +22,7 @@ from pipeline.protocol.streams import (
     wants_empty_final,
 )
 from pipeline.runtime.admission import CONNECTION_INFLIGHT, ByteBudget, ModelShares, StreamHold
-from pipeline.runtime.data_plane import CallContext, DataPlane
+from pipeline.runtime.data_plane import DataPlane, RequestContext
 from pipeline.runtime.error_status import internal_error, rpc_status_of
 
 #: The responses of a stream's decoupled requests held at once, past each request's first (see
@@ -36,12 +36,12 @@ class StreamServer(Protocol):
     plane: DataPlane
     budget: ByteBudget
 
-    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse: ...
+    async def infer(self, request: pb.ModelInferRequest, call: RequestContext) -> pb.ModelInferResponse: ...
 
     async def stream(
         self,
         request: pb.ModelInferRequest,
-        call: CallContext,
+        call: RequestContext,
         send: Callable[[pb.ModelStreamInferResponse], Awaitable[None]],
     ) -> None: ...
 
@@ -68,7 +68,7 @@ class StreamRequests:
         "tasks",
     )
 
-    def __init__(self, servicer: StreamServer, call: CallContext) -> None:
+    def __init__(self, servicer: StreamServer, call: RequestContext) -> None:
         self.servicer = servicer
         self.call = call
         self.done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int, asyncio.Semaphore] | None] = (
@@ -145,7 +145,7 @@ class StreamRequests:
         call = self.call
         empty_final = bool(request.parameters) and wants_empty_final(request)
         timeout, metadata = hop_context(request, call.metadata)
-        own = call if timeout is None and metadata is call.metadata else CallContext(timeout, metadata)
+        own = call if timeout is None and metadata is call.metadata else RequestContext(timeout, metadata)
         try:
             response = pb.ModelStreamInferResponse(infer_response=await self.servicer.infer(request, own))
         except asyncio.CancelledError:

@@ -17,8 +17,8 @@ out into many calls fills the callee's batches. Each call carries what its calle
 The calls run on the service's event loop, whatever thread the model runs on (`pipeline.stage.router_link`
 carries them, over the router's frame port where it has one): `exec` waits for the answer on the model's
 thread, `async_exec` in the model's event loop (the service's own where its `async def execute` runs there:
-`CallScope.submit_here`). Calls made together to one batching model go as one
-request of all their items (`CallScope.submit`). What a model sees of them is in
+`BlsScope.submit_here`). Calls made together to one batching model go as one
+request of all their items (`BlsScope.submit`). What a model sees of them is in
 `pipeline.stage.triton_python_backend_utils`; here they are tensors in and a `Reply` out.
 """
 
@@ -46,15 +46,15 @@ from pipeline.protocol.streams import status_of
 from pipeline.protocol.tensor_batch import BatchShapeError, merge_arrays, split_arrays
 from pipeline.runtime.telemetry import PROPAGATOR
 from pipeline.stage.api import Deadline
-from pipeline.stage.router_link import RouterCalls
+from pipeline.stage.router_link import RouterClient
 
 #: The request being run on this thread (or task), whose model may call other models.
-_CURRENT: contextvars.ContextVar[CallScope | None] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[BlsScope | None] = contextvars.ContextVar(
     "pipeline_model_call", default=None
 )
 
 
-def current() -> CallScope | None:
+def current() -> BlsScope | None:
     """The request the calling model is running, or None outside `execute`."""
     return _CURRENT.get()
 
@@ -95,7 +95,7 @@ class Reply:
 
 
 @dataclass(frozen=True, slots=True)
-class Call:
+class BlsRequest:
     """What a model asks of another model."""
 
     model: str
@@ -134,7 +134,7 @@ class Call:
         )
 
     @staticmethod
-    def merged(calls: Sequence[Call]) -> Call:
+    def merged(calls: Sequence[BlsRequest]) -> BlsRequest:
         """Calls of one `merge_key` as one: their inputs concatenated along the first dimension."""
         return replace(calls[0], inputs=merge_arrays([call.inputs for call in calls]))
 
@@ -177,7 +177,7 @@ class Responses:
         self._cancel()
 
 
-class CallScope:
+class BlsScope:
     """One request that an instance runs: where its model's calls go and what they carry (see the module
     docstring). Made on the event loop for every batch, so it costs nothing until a call is made; its calls
     may be made from any thread."""
@@ -198,7 +198,7 @@ class CallScope:
 
     def __init__(
         self,
-        router: RouterCalls | None,
+        router: RouterClient | None,
         deadline: Deadline,
         chain: CallChain | None,
         instance: str,
@@ -216,7 +216,7 @@ class CallScope:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cancelled = False
         #: Calls made and not yet taken up by the loop.
-        self._outbox: list[tuple[Call, _Answer]] = []
+        self._outbox: list[tuple[BlsRequest, _Answer]] = []
         self._lock = threading.Lock()
 
     @property
@@ -227,12 +227,12 @@ class CallScope:
             nested = self._nested = (self._chain or ROOT).nested(self._instance)
         return nested
 
-    def enter(self) -> contextvars.Token[CallScope | None]:
+    def enter(self) -> contextvars.Token[BlsScope | None]:
         """Make this the current request of the running thread (or task) until `leave`."""
         return _CURRENT.set(self)
 
     @staticmethod
-    def leave(token: contextvars.Token[CallScope | None]) -> None:
+    def leave(token: contextvars.Token[BlsScope | None]) -> None:
         _CURRENT.reset(token)
 
     def trace_headers(self) -> dict[str, str]:
@@ -244,7 +244,7 @@ class CallScope:
 
     # --- calls ---------------------------------------------------------------------------------------
 
-    def submit(self, call: Call, *, awaited: bool = False) -> concurrent.futures.Future[Reply]:
+    def submit(self, call: BlsRequest, *, awaited: bool = False) -> concurrent.futures.Future[Reply]:
         """Send `call` from the model's thread; its `Reply` comes in the future (an error reply, never an
         exception). `awaited`: the model awaits it in an event loop of its own (`async_exec`), else it
         waits by blocking (`exec`).
@@ -263,7 +263,7 @@ class CallScope:
             self._post(call, future, awaited)
         return future
 
-    def submit_here(self, call: Call) -> asyncio.Future[Reply]:
+    def submit_here(self, call: BlsRequest) -> asyncio.Future[Reply]:
         """`submit` from a coroutine on the service's loop (an `async def execute` that runs there): its
         `Reply` comes in an asyncio future of that loop, with no thread in between."""
         future: asyncio.Future[Reply] = self.loop.create_future()
@@ -274,7 +274,7 @@ class CallScope:
             self._post(call, future, awaited=True)
         return future
 
-    def _post(self, call: Call, future: _Answer, awaited: bool) -> None:
+    def _post(self, call: BlsRequest, future: _Answer, awaited: bool) -> None:
         with self._lock:
             self._outbox.append((call, future))
             first = len(self._outbox) == 1
@@ -291,7 +291,7 @@ class CallScope:
                 # awaits) are handed over together, whatever the threads' timing.
                 model_loop.call_soon(self.loop.call_soon_threadsafe, self._flush)
 
-    def stream(self, call: Call) -> Responses:
+    def stream(self, call: BlsRequest) -> Responses:
         """Send `call` to a decoupled model; its replies come through the `Responses`."""
         responses = Responses()
         refused = self._refusal(call) or (self._blocking_refusal(call) if self._on_loop() else None)
@@ -310,7 +310,7 @@ class CallScope:
         for task in list(self._tasks):
             task.cancel()
 
-    def _refusal(self, call: Call) -> Reply | None:
+    def _refusal(self, call: BlsRequest) -> Reply | None:
         where = f"call to model '{call.model}'"
         if self.router is None or not self.router.configured:
             return Reply.failed(
@@ -329,7 +329,7 @@ class CallScope:
         return None
 
     @staticmethod
-    def _blocking_refusal(call: Call) -> Reply:
+    def _blocking_refusal(call: BlsRequest) -> Reply:
         """The answer to a call whose caller would block the service's loop waiting for it."""
         return Reply.failed(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -360,10 +360,10 @@ class CallScope:
         return asyncio.run_coroutine_threadsafe(tracked(), self.loop)
 
     def _flush(self) -> None:
-        """Take up the calls made since the last time, grouped by `Call.merge_key` (on the loop)."""
+        """Take up the calls made since the last time, grouped by `BlsRequest.merge_key` (on the loop)."""
         with self._lock:
             pending, self._outbox = self._outbox, []
-        groups: dict[Hashable, list[tuple[Call, _Answer]]] = {}
+        groups: dict[Hashable, list[tuple[BlsRequest, _Answer]]] = {}
         single = len(pending) == 1  # nothing to merge with: no key to compute
         for call, future in pending:
             # False: its caller stopped waiting
@@ -379,7 +379,7 @@ class CallScope:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _answer(self, group: list[tuple[Call, _Answer]]) -> None:
+    async def _answer(self, group: list[tuple[BlsRequest, _Answer]]) -> None:
         calls = [call for call, _ in group]
         try:
             replies = await self._send(calls)
@@ -391,14 +391,14 @@ class CallScope:
             if not future.done():  # an asyncio future whose caller stopped waiting is cancelled
                 future.set_result(reply)
 
-    async def _send(self, calls: list[Call]) -> list[Reply]:
+    async def _send(self, calls: list[BlsRequest]) -> list[Reply]:
         """The replies to `calls`, merged where the callee batches."""
         assert self.router is not None
         if len(calls) == 1:
             return [await self._infer(calls[0])]
         if (limit := await self.router.max_batch_size(calls[0].model)) > 0:
             replies: list[Reply] = []
-            chunk: list[Call] = []
+            chunk: list[BlsRequest] = []
             sizes: list[int] = []
             total = 0
             for call in [*calls, None]:
@@ -413,27 +413,27 @@ class CallScope:
             return replies
         return list(await asyncio.gather(*(self._infer(call) for call in calls)))
 
-    async def _send_merged(self, calls: list[Call], sizes: list[int]) -> list[Reply]:
+    async def _send_merged(self, calls: list[BlsRequest], sizes: list[int]) -> list[Reply]:
         if len(calls) == 1:
             return [await self._infer(calls[0])]
-        reply = await self._infer(Call.merged(calls))
+        reply = await self._infer(BlsRequest.merged(calls))
         parts = None if reply.code is not None else reply.split(sizes)
         if parts is None:
             return list(await asyncio.gather(*(self._infer(call) for call in calls)))
         return parts
 
-    def _timeout(self, call: Call) -> float | None:
+    def _timeout(self, call: BlsRequest) -> float | None:
         remaining = self.deadline.remaining()
         own = call.timeout_us / 1e6 if call.timeout_us > 0 else None
         if remaining is None:
             return own
         return remaining if own is None else min(remaining, own)
 
-    def _metadata(self, call: Call) -> list[tuple[str, str]]:
+    def _metadata(self, call: BlsRequest) -> list[tuple[str, str]]:
         trace = call.trace if call.trace is not None else self.trace_headers()
         return [*trace.items(), (CALL_CHAIN_HEADER, self.chain.header())]
 
-    async def _infer(self, call: Call) -> Reply:
+    async def _infer(self, call: BlsRequest) -> Reply:
         assert self.router is not None
         context = call.trace if call.trace is not None else self.trace_headers()
         context = {**context, CALL_CHAIN_HEADER: self.chain.header()}
@@ -445,7 +445,7 @@ class CallScope:
             return Reply.failed(grpc.StatusCode.UNAVAILABLE, f"call to model '{call.model}': {err}")
         return Reply.of(reply)
 
-    async def _stream(self, call: Call, responses: Responses) -> Reply:
+    async def _stream(self, call: BlsRequest, responses: Responses) -> Reply:
         assert self.router is not None
         put = responses._queue.put
         try:
@@ -471,7 +471,7 @@ class CallScope:
 _NOT_SERVED = ("unknown model '{model}'", "model '{model}' has no version '")
 
 
-def _refused(call: Call, code: grpc.StatusCode, message: str) -> Reply:
+def _refused(call: BlsRequest, code: grpc.StatusCode, message: str) -> Reply:
     """A call the router answered with an error. Where the router serves no such model (or version), the
     message begins as Triton's begins for a BLS call there, "Model 'x' is not ready" (callers match on it),
     and goes on with the router's reason; any other error is passed on as it is."""

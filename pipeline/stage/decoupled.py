@@ -31,7 +31,7 @@ from pipeline.protocol.streams import error_response, set_final
 from pipeline.runtime.error_status import internal_error, rpc_status_of
 from pipeline.runtime.model_statistics import ModelStats
 from pipeline.stage.api import Deadline
-from pipeline.stage.bls import CallScope
+from pipeline.stage.bls import BlsScope
 from pipeline.stage.pool import InstancePool, Slot
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ async def replies(
     pool: InstancePool,
     arrays: dict[str, np.ndarray],
     deadline: Deadline,
-    scope_of: Callable[[Slot], CallScope] | None = None,
+    scope_of: Callable[[Slot], BlsScope] | None = None,
 ) -> AsyncIterator[Reply]:
     """Run one request on an idle instance of a decoupled version and yield its responses as they come,
     up to the final one. Closing the iterator early (the client has gone) closes the channel, and cancels
@@ -161,7 +161,7 @@ async def stream_replies(
     deadline: Deadline,
     encode: Callable[[Mapping[str, np.ndarray]], pb.ModelInferResponse],
     stats: ModelStats | None = None,
-    scope_of: Callable[[Slot], CallScope] | None = None,
+    scope_of: Callable[[Slot], BlsScope] | None = None,
 ) -> AsyncIterator[pb.ModelStreamInferResponse]:
     """`replies` as the stream's responses: `encode` makes each response of outputs; an error is a response
     of its own (its status as `pipeline.protocol.streams` carries it), a final flag alone an empty one. Each

@@ -29,7 +29,7 @@ from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.errors import DeadlineExceeded
 from pipeline.stage.api import NO_DEADLINE, Deadline
 from pipeline.stage.backend import Instance, ResponseSink
-from pipeline.stage.bls import CallScope
+from pipeline.stage.bls import BlsScope
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Slot:
         return f"{self._id}.{self.turn}"
 
     def run(
-        self, arrays: dict[str, np.ndarray], deadline: Deadline = NO_DEADLINE, scope: CallScope | None = None
+        self, arrays: dict[str, np.ndarray], deadline: Deadline = NO_DEADLINE, scope: BlsScope | None = None
     ) -> tuple[dict[str, np.ndarray], int, int, int, int]:
         """Run one batch and time it: the result, its perf-counter start and end, and its wall-clock ones.
         A batch whose deadline has passed by the time the instance's thread takes it up is not started.
@@ -98,7 +98,7 @@ class Slot:
         finally:
             self.finished += 1
             if entered is not None:
-                CallScope.leave(entered)
+                BlsScope.leave(entered)
         return result, begun, time.perf_counter_ns(), wall_start, time.time_ns()
 
     def run_decoupled(
@@ -106,7 +106,7 @@ class Slot:
         arrays: dict[str, np.ndarray],
         deadline: Deadline,
         sink: ResponseSink,
-        scope: CallScope | None = None,
+        scope: BlsScope | None = None,
     ) -> None:
         """Run one request of a decoupled instance (its responses go to `sink`), counted as `run` counts."""
         if deadline.expired():
@@ -118,10 +118,10 @@ class Slot:
         finally:
             self.finished += 1
             if entered is not None:
-                CallScope.leave(entered)
+                BlsScope.leave(entered)
 
     async def execute(
-        self, arrays: dict[str, np.ndarray], deadline: Deadline, scope: CallScope | None = None
+        self, arrays: dict[str, np.ndarray], deadline: Deadline, scope: BlsScope | None = None
     ) -> tuple[dict[str, np.ndarray], int, int, int, int]:
         """`run` one batch on the instance's thread, or on the event loop where it is inline or lately brief,
         or where the instance's batches are coroutines (`run_async`)."""
@@ -149,7 +149,7 @@ class Slot:
         return outcome
 
     async def _run_async(
-        self, arrays: dict[str, np.ndarray], deadline: Deadline, scope: CallScope | None
+        self, arrays: dict[str, np.ndarray], deadline: Deadline, scope: BlsScope | None
     ) -> tuple[dict[str, np.ndarray], int, int, int, int]:
         """`run` for a coroutine batch, in a task of its own (whose context holds `scope`)."""
         if deadline.expired():

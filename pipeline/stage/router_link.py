@@ -23,7 +23,7 @@ from pipeline.transport.server_link import ServerLink
 log = logging.getLogger(__name__)
 
 
-class RouterCalls:
+class RouterClient:
     """The service's link to the router, on which its models' calls go. The router's address is `address`,
     or read from `port_file` (with `host`) at the first call, for a router started after the service on a
     port the OS picked. `credentials` and `tls` (None: plaintext), the gRPC channel's and the frame

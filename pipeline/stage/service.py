@@ -56,7 +56,7 @@ from pipeline.stage.api import Stage
 from pipeline.stage.control import model_control_of
 from pipeline.stage.placement import python_models_of, unplaced_python_models
 from pipeline.stage.python_backend import PythonBackend
-from pipeline.stage.router_link import RouterCalls
+from pipeline.stage.router_link import RouterClient
 from pipeline.stage.stage_plane import StagePlane
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ async def _model_families() -> list[Snapshot]:
     return MODEL_FAMILIES.snapshot()
 
 
-def _router_calls(settings: ProcessSettings) -> RouterCalls | None:
+def _router_calls(settings: ProcessSettings) -> RouterClient | None:
     """Where the service's models send their calls to other models (`--router`), if anywhere: over TLS
     where the service trusts a CA (`--tls-ca`), presenting its own certificate, with the clients' token
     `PIPELINE_TOKEN` where one is set."""
@@ -214,7 +214,7 @@ def _router_calls(settings: ProcessSettings) -> RouterCalls | None:
     listening, limits, security = settings.group(Listening), settings.group(Limits), settings.group(Security)
     ca = security.tls_ca
     tls = client_tls(ca, security.tls_cert, security.tls_key) if ca else None
-    return RouterCalls(
+    return RouterClient(
         link.router,
         port_file=link.router_port_file,
         host=listening.host,

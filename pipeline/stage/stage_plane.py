@@ -49,19 +49,19 @@ from pipeline.protocol.errors import (
 )
 from pipeline.protocol.sequences import SequenceId, sequence_of
 from pipeline.protocol.streams import DECOUPLED_UNARY, set_final
-from pipeline.runtime.data_plane import CallContext, DataPlane
+from pipeline.runtime.data_plane import DataPlane, RequestContext
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.telemetry import BATCH_SIZE, Telemetry
 from pipeline.stage.api import Deadline, Stage
 from pipeline.stage.backend import Backend
-from pipeline.stage.bls import CallScope
+from pipeline.stage.bls import BlsScope
 from pipeline.stage.control import ModelControl
 from pipeline.stage.decoupled import count_stream, stream_replies
 from pipeline.stage.encode import stage_response
 from pipeline.stage.model_loading import ModelLoading
 from pipeline.stage.pool import NOT_STARTED_MESSAGE, Slot
-from pipeline.stage.router_link import RouterCalls
+from pipeline.stage.router_link import RouterClient
 from pipeline.stage.sequence_batcher import SequenceBatcher
 from pipeline.stage.sequence_config import SequenceSettings
 from pipeline.stage.sequence_rows import Row, split_rows
@@ -84,7 +84,7 @@ class StagePlane(DataPlane):
         telemetry: Telemetry | None = None,
         metrics: Metrics | None = None,
         control: ModelControl | None = None,
-        router: RouterCalls | None = None,
+        router: RouterClient | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`models` limits the repository models loaded at start-up to those named (Triton's `--load-model`),
@@ -132,10 +132,14 @@ class StagePlane(DataPlane):
     async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
         return await self.loading.repository_index(ready_only)
 
-    async def repository_load(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+    async def repository_load(
+        self, name: str, parameters: Mapping[str, object], call: RequestContext
+    ) -> None:
         await self.loading.repository_load(name, parameters)
 
-    async def repository_unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+    async def repository_unload(
+        self, name: str, parameters: Mapping[str, object], call: RequestContext
+    ) -> None:
         await self.loading.repository_unload(name, parameters)
 
     def _sequence_batcher(self, served: ServedVersion, settings: SequenceSettings) -> SequenceBatcher:
@@ -155,7 +159,7 @@ class StagePlane(DataPlane):
             slot = served.pool.slots[index]
             instance = slot.instance
             # The calls its model makes go where a stateless model's go (`pipeline.stage.bls`).
-            scope = CallScope(self.router, deadline, None, slot.key, self.telemetry.enabled)
+            scope = BlsScope(self.router, deadline, None, slot.key, self.telemetry.enabled)
             each = getattr(instance, "run_requests", None)
             try:
                 if each is not None:  # a Triton Python model: one request per row, as Triton hands them
@@ -193,17 +197,17 @@ class StagePlane(DataPlane):
             return False
         return True
 
-    async def model_metadata(self, name: str, version: str, call: CallContext) -> pb.ModelMetadataResponse:
+    async def model_metadata(self, name: str, version: str, call: RequestContext) -> pb.ModelMetadataResponse:
         served = self._get(name, version)
         versions = list(self._models[name].versions)
         return metadata_response(name, versions, served.platform, served.inputs, served.outputs)
 
-    async def model_config(self, name: str, version: str, call: CallContext) -> mc.ModelConfig:
+    async def model_config(self, name: str, version: str, call: RequestContext) -> mc.ModelConfig:
         config = mc.ModelConfig()
         config.CopyFrom(self._get(name, version).config)
         return config
 
-    async def infer(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+    async def infer(self, request: pb.ModelInferRequest, call: RequestContext) -> pb.ModelInferResponse:
         started = time.perf_counter_ns()
         deadline = Deadline.after(call.timeout, self.clock)
         served = self._get(request.model_name, request.model_version)
@@ -314,7 +318,7 @@ class StagePlane(DataPlane):
             try:
                 if deadline.expired():
                     raise DeadlineExceeded(NOT_STARTED_MESSAGE)
-                scope = CallScope(self.router, deadline, chain, slot.key, self.telemetry.enabled)
+                scope = BlsScope(self.router, deadline, chain, slot.key, self.telemetry.enabled)
                 result, begun, ended, wall_start, wall_end = await slot.execute(arrays, deadline, scope)
             except asyncio.CancelledError:
                 deadline.cancelled = True
@@ -331,7 +335,7 @@ class StagePlane(DataPlane):
         return result, begun - submitted, ended - begun, (wall_start, wall_end)
 
     async def stream(
-        self, request: pb.ModelInferRequest, call: CallContext
+        self, request: pb.ModelInferRequest, call: RequestContext
     ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
         """A decoupled model's responses to one request as it makes them (`pipeline.stage.decoupled`), the
         last marked final; an error the model sends is a response of its own."""
@@ -343,8 +347,8 @@ class StagePlane(DataPlane):
         chain = CallChain.of(call.metadata) if call.metadata else None
         router, traced = self.router, self.telemetry.enabled
 
-        def scope_of(slot: Slot) -> CallScope:
-            return CallScope(router, deadline, chain, slot.key, traced)
+        def scope_of(slot: Slot) -> BlsScope:
+            return BlsScope(router, deadline, chain, slot.key, traced)
 
         async with contextlib.aclosing(
             _stream(served, self._models[served.name], request, deadline, scope_of)
@@ -361,7 +365,7 @@ class StagePlane(DataPlane):
         return reply
 
 
-def _timed(slot: Slot, scope: CallScope, work: Callable[..., Any], *args: Any) -> tuple[Any, int, int]:
+def _timed(slot: Slot, scope: BlsScope, work: Callable[..., Any], *args: Any) -> tuple[Any, int, int]:
     """Run `work` on an instance's thread as one of its batches, in `scope`: counted busy, and timed
     (perf-counter ns)."""
     slot.started += 1
@@ -371,7 +375,7 @@ def _timed(slot: Slot, scope: CallScope, work: Callable[..., Any], *args: Any) -
         return work(*args), begun, time.perf_counter_ns()
     finally:
         slot.finished += 1
-        CallScope.leave(entered)
+        BlsScope.leave(entered)
 
 
 def _wedged(served: ServedVersion) -> str:
@@ -392,7 +396,7 @@ async def _stream(
     model: ServedModel,
     request: pb.ModelInferRequest,
     deadline: Deadline,
-    scope_of: Callable[[Slot], CallScope],
+    scope_of: Callable[[Slot], BlsScope],
 ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
     """One request's responses from a decoupled version, counted in flight and in its statistics."""
     started = time.perf_counter_ns()

@@ -340,7 +340,7 @@ class InferenceRequest:
         )
         return ResponseIterator(None, [response]) if decoupled else response
 
-    def _call(self) -> bls.Call:
+    def _call(self) -> bls.BlsRequest:
         parameters = json.loads(self._parameters) if self._parameters != "{}" else {}
         if self._correlation_id:
             # As Triton's clients send a sequence's requests (sequence batching is not supported here: the
@@ -348,7 +348,7 @@ class InferenceRequest:
             parameters["sequence_id"] = self._correlation_id
             parameters["sequence_start"] = bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
             parameters["sequence_end"] = bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
-        return bls.Call(
+        return bls.BlsRequest(
             model=self._model_name,
             version="" if self._model_version < 0 else str(self._model_version),
             inputs={tensor.name(): tensor.as_numpy() for tensor in self._inputs},

@@ -17,7 +17,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from pipeline.protocol.errors import DeadlineExceeded
-from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.data_plane import RequestContext
 from pipeline.stage import Stage, TensorSpec
 from pipeline.stage.stage_plane import StagePlane
 from pipeline.tools.testing import serving_stages
@@ -68,12 +68,12 @@ async def test_a_queued_batch_whose_deadline_passes_is_never_run() -> None:
     plane = StagePlane([stage], clock=clock)
     await plane.load()
     try:
-        no_deadline = CallContext(None, ())
+        no_deadline = RequestContext(None, ())
         holding = asyncio.create_task(plane.infer(request_for("gated", X=_x(0)), no_deadline))
         await asyncio.to_thread(stage.entered.wait, 30)
         # Queued behind the held call, with 5 s to live; then 10 s pass before the instance is free.
-        queued = asyncio.create_task(plane.infer(request_for("gated", X=_x(1)), CallContext(5.0, ())))
-        in_time = asyncio.create_task(plane.infer(request_for("gated", X=_x(2)), CallContext(60.0, ())))
+        queued = asyncio.create_task(plane.infer(request_for("gated", X=_x(1)), RequestContext(5.0, ())))
+        in_time = asyncio.create_task(plane.infer(request_for("gated", X=_x(2)), RequestContext(60.0, ())))
         await asyncio.sleep(
             0
         )  # one turn of the loop: both have taken their deadline and wait for the instance
@@ -97,7 +97,7 @@ async def test_a_call_already_past_its_deadline_is_not_started() -> None:
     await plane.load()
     try:
         with pytest.raises(DeadlineExceeded):
-            await plane.infer(request_for("gated", X=_x(1)), CallContext(0.0, ()))
+            await plane.infer(request_for("gated", X=_x(1)), RequestContext(0.0, ()))
         assert stage.calls == []
     finally:
         await plane.unload()

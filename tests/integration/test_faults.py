@@ -21,7 +21,7 @@ from pipeline.protocol.codec import Tensor, infer_response, metadata_response, r
 from pipeline.protocol.errors import ModelNotFound
 from pipeline.protocol.model_config import read_config
 from pipeline.protocol.types import TensorSpec
-from pipeline.runtime.data_plane import CallContext, DataPlane
+from pipeline.runtime.data_plane import DataPlane, RequestContext
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.server import INFERENCE_SERVICE, create_server, set_serving
 from pipeline.runtime.servicer import InferenceServicer
@@ -78,7 +78,7 @@ class Slow(DataPlane):
     async def model_config(self, name, version, call):
         return mc.ModelConfig(name=self.name, max_batch_size=64)
 
-    async def infer(self, request, call: CallContext):
+    async def infer(self, request, call: RequestContext):
         self.calls += 1
         self.timeouts.append(call.timeout)
         self.running += 1

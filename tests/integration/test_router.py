@@ -18,7 +18,7 @@ from pipeline.protocol.codec import Tensor, infer_response, response_tensors
 from pipeline.protocol.errors import ConfigError, InvalidInput, ModelNotFound
 from pipeline.protocol.types import TensorSpec
 from pipeline.router.main import serve_router
-from pipeline.runtime.data_plane import CallContext, DataPlane
+from pipeline.runtime.data_plane import DataPlane, RequestContext
 from pipeline.runtime.server import create_server, set_serving
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.stage.api import Stage
@@ -72,7 +72,7 @@ class Recorder(DataPlane):
     SPEC = (TensorSpec("X", "FP32", VEC),)
 
     def __init__(self) -> None:
-        self.calls: list[CallContext] = []
+        self.calls: list[RequestContext] = []
         self.delay = 0.0
 
     def ready(self) -> bool:

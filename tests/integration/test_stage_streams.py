@@ -15,7 +15,7 @@ from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import Unavailable
 from pipeline.protocol.types import TensorSpec
 from pipeline.router.stages.stage_client import item_errors, not_started
-from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.data_plane import RequestContext
 from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_stages
 from pipeline.transport.server_link import ServerLink
@@ -82,7 +82,7 @@ async def test_a_refused_item_comes_back_as_the_unary_call_says_it() -> None:
 class Refusing(Slow):
     """Refuses every inference before starting it (a model not loaded yet, a full queue)."""
 
-    async def infer(self, request, call: CallContext):
+    async def infer(self, request, call: RequestContext):
         raise Unavailable("not loaded yet")
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pipeline.ensemble.plan import ModelSignature
 from pipeline.protocol.codec import Tensor
 from pipeline.protocol.types import TensorSpec
-from pipeline.router.scheduling.merge import StageCall, TensorBatching
+from pipeline.router.scheduling.merge import BatchMember, TensorBatching
 
 RAGGED = ModelSignature(
     "m",
@@ -38,8 +38,8 @@ def run_model(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
     }
 
 
-def call_of(ids: np.ndarray, w: np.ndarray) -> StageCall:
-    return StageCall(
+def call_of(ids: np.ndarray, w: np.ndarray) -> BatchMember:
+    return BatchMember(
         {"IDS": Tensor.from_array("IDS", ids), "W": Tensor.from_array("W", w)}, ("EMB", "POOLED", "TAG")
     )
 
@@ -74,9 +74,9 @@ def test_batched_results_equal_unbatched_results(members):
 def test_fixed_shapes_merge_by_bytes_and_keys_separate_shapes():
     fixed = ModelSignature("f", (TensorSpec("X", "FP32", (-1, -1)),), (TensorSpec("Y", "FP32", (-1, -1)),), 8)
     batching = TensorBatching(fixed)
-    a = StageCall({"X": Tensor.from_array("X", np.ones((1, 3), np.float32))}, ("Y",))
-    b = StageCall({"X": Tensor.from_array("X", np.zeros((2, 3), np.float32))}, ("Y",))
-    c = StageCall({"X": Tensor.from_array("X", np.zeros((1, 4), np.float32))}, ("Y",))
+    a = BatchMember({"X": Tensor.from_array("X", np.ones((1, 3), np.float32))}, ("Y",))
+    b = BatchMember({"X": Tensor.from_array("X", np.zeros((2, 3), np.float32))}, ("Y",))
+    c = BatchMember({"X": Tensor.from_array("X", np.zeros((1, 4), np.float32))}, ("Y",))
     assert batching.key(a) == batching.key(b) != batching.key(c)  # no pad value: other shapes stay apart
     (merged,) = batching.merge([a, b])
     assert merged.shape == (3, 3) and merged.raw == a.inputs["X"].raw + b.inputs["X"].raw
@@ -89,8 +89,8 @@ def test_padded_bytes_inputs_merge_with_empty_elements_not_pointers():
         "w", (TensorSpec("WORDS", "BYTES", (-1, -1), pad_value=0),), (TensorSpec("N", "INT64", (-1, 1)),), 8
     )
     batching = TensorBatching(words)
-    short = StageCall({"WORDS": Tensor.from_array("WORDS", np.array([[b"a"]], dtype=object))}, ("N",))
-    long = StageCall(
+    short = BatchMember({"WORDS": Tensor.from_array("WORDS", np.array([[b"a"]], dtype=object))}, ("N",))
+    long = BatchMember(
         {"WORDS": Tensor.from_array("WORDS", np.array([[b"bb", b"c", "é".encode()]], dtype=object))}, ("N",)
     )
     assert batching.key(short) == batching.key(long)

@@ -21,7 +21,7 @@ from pipeline.ensemble.plan import EnsemblePlan, ModelSignature
 from pipeline.protocol.errors import ConfigError, StageError
 from pipeline.router.caching.response_cache import ResponseCache, Version, request_key
 from pipeline.router.registry import ModelRegistry, batch_items
-from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.telemetry import CACHE_HIT, Telemetry
 
@@ -190,7 +190,7 @@ class ResponseCaching:
         self,
         plan: EnsemblePlan | None,
         request: pb.ModelInferRequest,
-        call: CallContext,
+        call: RequestContext,
         versions: tuple[Version, ...],
         execute: Callable[[], Awaitable[pb.ModelInferResponse]],
     ) -> pb.ModelInferResponse:

@@ -3,7 +3,7 @@
 Each step runs as soon as the tensors it consumes exist, so independent steps run concurrently (fan-out)
 and a step that consumes several steps' outputs waits for all of them (fan-in). Tensors move between
 stages as raw bytes; the router never decodes elements. The client's deadline and metadata go with every
-stage call. Each step's stage call, batched or not, goes through `pipeline.router.scheduling.calls`; in an ensemble
+stage call. Each step's stage call, batched or not, goes through `pipeline.router.scheduling.dispatch`; in an ensemble
 with conditions, whether a request takes a step is `pipeline.router.execution.branches`'s to say.
 """
 
@@ -43,10 +43,10 @@ from pipeline.router.execution.branches import Branches
 from pipeline.router.execution.fanout import gather, split
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.scheduling.batching import DynamicBatcher
-from pipeline.router.scheduling.calls import StageCalls
-from pipeline.router.scheduling.merge import StageCall
+from pipeline.router.scheduling.dispatch import StageDispatcher
+from pipeline.router.scheduling.merge import BatchMember
 from pipeline.router.stages.stage_client import StageClient
-from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.telemetry import MODEL, STEP, Telemetry
 
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 class Executor:
-    """Runs ensemble plans: each step's stage call goes through `calls`, with the `registry`'s signatures
+    """Runs ensemble plans: each step's stage call goes through the `dispatcher`, with the `registry`'s signatures
     and batchers; `clients` are the stages' by key. Whether a request takes a conditional step is asked of
     `branches`."""
 
@@ -62,14 +62,14 @@ class Executor:
         self,
         registry: ModelRegistry,
         clients: Mapping[str, StageClient],
-        calls: StageCalls,
+        dispatcher: StageDispatcher,
         *,
         telemetry: Telemetry,
         metrics: Metrics,
     ) -> None:
         self.registry = registry
         self.clients = clients
-        self.calls = calls
+        self.dispatcher = dispatcher
         self.telemetry = telemetry
         self.branches = Branches(telemetry, metrics)
         #: (ensemble, step index) of the steps whose stage model declares no tensors and whose first
@@ -77,7 +77,7 @@ class Executor:
         self._checked: set[tuple[str, int]] = set()
 
     async def infer(
-        self, plan: EnsemblePlan, request: pb.ModelInferRequest, call: CallContext
+        self, plan: EnsemblePlan, request: pb.ModelInferRequest, call: RequestContext
     ) -> pb.ModelInferResponse:
         """One request for an ensemble, counted in the ensemble's statistics."""
         stats = self.registry.stats.get(plan.name)
@@ -96,7 +96,7 @@ class Executor:
         return response
 
     async def run(
-        self, plan: EnsemblePlan, request: pb.ModelInferRequest, call: CallContext
+        self, plan: EnsemblePlan, request: pb.ModelInferRequest, call: RequestContext
     ) -> tuple[pb.ModelInferResponse, int]:
         """Run an ensemble's steps for one request: its response and the items (dimension 0) it carried."""
         inputs = validate_inputs(plan.name, request_tensors(request), plan.inputs, plan.max_batch_size)
@@ -131,7 +131,7 @@ class Executor:
         items = next(iter(inputs.values())).shape[0] if plan.max_batch_size > 0 and inputs else 1
         return response, items
 
-    def _announce(self, plan: EnsemblePlan) -> dict[int, DynamicBatcher[StageCall, dict[str, Tensor]]]:
+    def _announce(self, plan: EnsemblePlan) -> dict[int, DynamicBatcher[BatchMember, dict[str, Tensor]]]:
         """Tell each batched step's batcher that a request is on its way, so that under load a partial
         batch may wait for it (`BatchingConfig.batch_upcoming`): the batchers by step index, each taken
         back (`unexpect`) where the request does not come to it."""
@@ -148,10 +148,10 @@ class Executor:
         plan: EnsemblePlan,
         step: PlanStep,
         request: pb.ModelInferRequest,
-        call: CallContext,
+        call: RequestContext,
         deadline: float | None,
         values: dict[str, Tensor],
-        awaited: dict[int, DynamicBatcher[StageCall, dict[str, Tensor]]],
+        awaited: dict[int, DynamicBatcher[BatchMember, dict[str, Tensor]]],
         finished: dict[int, asyncio.Event] | None,
     ) -> None:
         """Run one step of a request once the steps it depends on have `finished` (None: a chain, run in
@@ -192,12 +192,12 @@ class Executor:
         request: pb.ModelInferRequest,
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
-        awaited: dict[int, DynamicBatcher[StageCall, dict[str, Tensor]]],
+        awaited: dict[int, DynamicBatcher[BatchMember, dict[str, Tensor]]],
     ) -> dict[str, Tensor]:
         if step.for_each:
             return await self._fan_out(step, values, request, deadline, metadata, awaited)
         if step.model_name in self.registry.batchers:
-            stage_call = StageCall(
+            stage_call = BatchMember(
                 {stage_tensor: values[name] for stage_tensor, name in step.inputs},
                 tuple(stage_tensor for stage_tensor, _ in step.outputs),
                 step.model_version,
@@ -206,7 +206,7 @@ class Executor:
             )
             expected = awaited.pop(step.index, None) is not None
             try:
-                produced = await self.calls.submit(
+                produced = await self.dispatcher.submit(
                     step.model_name,
                     stage_call,
                     deadline,
@@ -236,7 +236,7 @@ class Executor:
         request: pb.ModelInferRequest,
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
-        awaited: dict[int, DynamicBatcher[StageCall, dict[str, Tensor]]],
+        awaited: dict[int, DynamicBatcher[BatchMember, dict[str, Tensor]]],
     ) -> dict[str, Tensor]:
         """A fan-out step: one call per element of its `for_each` tensors (each a request of one item, so
         the elements of many requests share the model's batches), the outputs gathered back in order."""
@@ -303,7 +303,7 @@ class Executor:
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 raise DeadlineExceeded(f"deadline exceeded before {step.label}")
-        response = await self.calls.call(
+        response = await self.dispatcher.call(
             self.clients[step.stage],
             stage_request,
             timeout=timeout,

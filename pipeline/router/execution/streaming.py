@@ -38,7 +38,7 @@ from pipeline.protocol.streams import error_response, is_final, set_final, statu
 from pipeline.router.execution.branches import skip_reason
 from pipeline.router.execution.executor import Executor
 from pipeline.router.registry import ENSEMBLE_VERSION
-from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.error_status import rpc_status_of
 from pipeline.runtime.model_statistics import ModelStats
 
@@ -62,7 +62,7 @@ class EnsembleStreams:
         return next((s for s in plan.steps if (sig := signatures.get(s.model_name)) and sig.decoupled), None)
 
     async def stream(
-        self, plan: EnsemblePlan, request: pb.ModelInferRequest, call: CallContext
+        self, plan: EnsemblePlan, request: pb.ModelInferRequest, call: RequestContext
     ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
         """One request for an ensemble with a decoupled step: its responses in order, the last final."""
         source = self.source(plan)
@@ -87,7 +87,7 @@ class EnsembleStreams:
             stats.batch_done(1, elapsed)
 
     async def _stream(
-        self, plan: EnsemblePlan, source: PlanStep, request: pb.ModelInferRequest, call: CallContext
+        self, plan: EnsemblePlan, source: PlanStep, request: pb.ModelInferRequest, call: RequestContext
     ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
         inputs = validate_inputs(plan.name, request_tensors(request), plan.inputs, plan.max_batch_size)
         wanted = requested_outputs(request, plan.outputs, plan.name)
@@ -129,7 +129,7 @@ class EnsembleStreams:
         wanted: Sequence[str],
         request: pb.ModelInferRequest,
         deadline: float | None,
-        call: CallContext,
+        call: RequestContext,
         held: _Held,
     ) -> None:
         """Read the decoupled step's responses, start the downstream steps of each, and queue them in order."""
@@ -181,7 +181,7 @@ class EnsembleStreams:
         wanted: Sequence[str],
         request: pb.ModelInferRequest,
         deadline: float | None,
-        call: CallContext,
+        call: RequestContext,
         reply: pb.ModelStreamInferResponse,
     ) -> pb.ModelStreamInferResponse:
         """One response of the decoupled step through the steps after it: the client's response for it."""
@@ -209,7 +209,7 @@ class EnsembleStreams:
         values: dict[str, Tensor],
         request: pb.ModelInferRequest,
         deadline: float | None,
-        call: CallContext,
+        call: RequestContext,
     ) -> None:
         """Run one step on `values` (unless the request skips it) and add what it produced."""
         executor = self.executor

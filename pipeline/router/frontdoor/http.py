@@ -48,7 +48,7 @@ from pipeline.router.frontdoor.rest_codec import (
 from pipeline.router.frontdoor.torchserve_api import OPEN_PATHS as TS_OPEN_PATHS
 from pipeline.router.frontdoor.torchserve_api import TorchServeApi
 from pipeline.runtime.admission import REQUEST_COST, cost_of
-from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.error_status import internal_error
 from pipeline.runtime.router_settings import Http
 from pipeline.runtime.security import (
@@ -333,7 +333,7 @@ class RestFrontDoor:
         return generate_request(body, name, version, inputs, self.max_body_bytes)
 
     async def _responses(
-        self, infer_req: pb.ModelInferRequest, call: CallContext
+        self, infer_req: pb.ModelInferRequest, call: RequestContext
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """The responses to a generate request: a decoupled model's, or a plain model's one."""
         if infer_req.model_name not in self.plane.decoupled:
@@ -404,16 +404,16 @@ def _model_of(request: web.Request) -> tuple[str, str]:
     return request.match_info.get("model", ""), request.match_info.get("version", "")
 
 
-def _call_of(request: web.Request) -> CallContext:
+def _call_of(request: web.Request) -> RequestContext:
     headers = request.headers
-    return CallContext(None, tuple((key, headers[key]) for key in _FORWARDED_HEADERS if key in headers))
+    return RequestContext(None, tuple((key, headers[key]) for key in _FORWARDED_HEADERS if key in headers))
 
 
-def _repository_call(request: web.Request) -> CallContext:
+def _repository_call(request: web.Request) -> RequestContext:
     """A repository change's call: the caller's credentials go on to the stages, which check them too."""
     call = _call_of(request)
     header = request.headers.get("Authorization")
-    return call if header is None else CallContext(None, (*call.metadata, ("authorization", header)))
+    return call if header is None else RequestContext(None, (*call.metadata, ("authorization", header)))
 
 
 # --- serving -------------------------------------------------------------------------------------------

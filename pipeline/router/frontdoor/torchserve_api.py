@@ -39,7 +39,7 @@ from aiohttp import BodyPartReader, web
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import PipelineError
-from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.torchserve_store import (
     REQUEST_TENSOR,
@@ -138,7 +138,7 @@ class TorchServeApi:
         infer_req.inputs.add(name=REQUEST_TENSOR, datatype="BYTES", shape=[1, 1])
         infer_req.raw_input_contents.append(len(blob).to_bytes(4, "little") + blob)
         try:
-            reply = await self.servicer.infer(infer_req, CallContext(None, ()))
+            reply = await self.servicer.infer(infer_req, RequestContext(None, ()))
         except PipelineError as err:
             if err.code == grpc.StatusCode.NOT_FOUND:
                 self._models.pop(name, None)
@@ -282,7 +282,7 @@ class TorchServeApi:
     async def _served_as_ensemble(self, name: str) -> bool:
         """Whether the router serves `name` as an ensemble (a split handler's, read at start-up)."""
         try:
-            config = await self.plane.model_config(name, "", CallContext(None, ()))
+            config = await self.plane.model_config(name, "", RequestContext(None, ()))
         except PipelineError:
             return False
         return config.platform == "ensemble"
@@ -352,10 +352,10 @@ def _description(model: ArchiveModel, ready: bool) -> dict[str, Any]:
     }
 
 
-def _call_of(request: web.Request) -> CallContext:
+def _call_of(request: web.Request) -> RequestContext:
     """A management call: the caller's credentials go on to the stages, which check them too."""
     header = request.headers.get("Authorization")
-    return CallContext(None, () if header is None else (("authorization", header),))
+    return RequestContext(None, () if header is None else (("authorization", header),))
 
 
 async def _request_blob(request: web.Request) -> bytes:

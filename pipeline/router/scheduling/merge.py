@@ -19,7 +19,7 @@ from pipeline.protocol.tensor_batch import merge_tensors, split_tensors
 
 
 @dataclass(slots=True)
-class StageCall:
+class BatchMember:
     """One request's share of a stage call: its inputs by stage tensor name, and the outputs it wants."""
 
     inputs: dict[str, Tensor]
@@ -65,7 +65,7 @@ class TensorBatching:
                     dims[d] = source
             self.follows[out.name] = dims
 
-    def key(self, call: StageCall) -> Hashable:
+    def key(self, call: BatchMember) -> Hashable:
         """Requests with equal keys can share a batch: same outputs, datatypes, and shapes (but padded dims)."""
         return (
             call.version,
@@ -76,11 +76,11 @@ class TensorBatching:
             ),
         )
 
-    def merge(self, calls: Sequence[StageCall]) -> list[Tensor]:
+    def merge(self, calls: Sequence[BatchMember]) -> list[Tensor]:
         """The inputs of one stage call carrying every request, in order."""
         return merge_tensors([call.inputs for call in calls], self.pad)
 
-    def split(self, outputs: Mapping[str, Tensor], calls: Sequence[StageCall]) -> list[dict[str, Tensor]]:
+    def split(self, outputs: Mapping[str, Tensor], calls: Sequence[BatchMember]) -> list[dict[str, Tensor]]:
         """Each request's share of the stage's outputs (only the outputs it asked for); `BatchShapeError`
         where an output is not one row per item of the batch."""
         extents = {

@@ -55,7 +55,7 @@ from pipeline.router.execution.availability import EnsembleAvailability
 from pipeline.router.stages.discovery import StageDiscovery, ready_of
 from pipeline.router.stages.replicas import DOWN, SERVING, Replica
 from pipeline.router.stages.stage_client import StageClient
-from pipeline.runtime.data_plane import CallContext
+from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_control import check_control_enabled
 from pipeline.runtime.repository import check_model_name
@@ -127,7 +127,7 @@ class FleetControl:
 
     # --- RepositoryModelLoad -------------------------------------------------------------------------
 
-    async def load(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+    async def load(self, name: str, parameters: Mapping[str, object], call: RequestContext) -> None:
         """Load (or reload) `name` on every replica of its stage, or on none (see the module docstring)."""
         check_control_enabled(
             "RepositoryModelLoad", explicit=self.explicit, admin_configured=self.admin_configured
@@ -199,7 +199,7 @@ class FleetControl:
 
     # --- RepositoryModelUnload -----------------------------------------------------------------------
 
-    async def unload(self, name: str, parameters: Mapping[str, object], call: CallContext) -> None:
+    async def unload(self, name: str, parameters: Mapping[str, object], call: RequestContext) -> None:
         """Unload `name` from every replica of its stage, or from none (see the module docstring)."""
         check_control_enabled(
             "RepositoryModelUnload", explicit=self.explicit, admin_configured=self.admin_configured
@@ -418,7 +418,7 @@ def unload_parameters(parameters: Mapping[str, object]) -> bool:
     return bool(parameters.get("unload_dependents", False))
 
 
-def _auth(call: CallContext, client: StageClient) -> Metadata:
+def _auth(call: RequestContext, client: StageClient) -> Metadata:
     """The caller's own credentials for the stages (their admin scope is what a load needs there), else the
     router's."""
     caller = tuple((k, v) for k, v in call.metadata if k == "authorization")

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 MODEL_STATES = frozenset({"UNKNOWN", "READY", "UNAVAILABLE", "LOADING", "UNLOADING"})
 
 
-class StageCaller(Protocol):
+class SupportsStageQueries(Protocol):
     """What these questions need of a stage's client (`pipeline.router.stages.stage_client.StageClient`)."""
 
     endpoint: StageEndpoint
@@ -47,7 +47,7 @@ class StageCaller(Protocol):
 
 
 async def replica_index(
-    client: StageCaller, replica: Replica, *, ready_only: bool
+    client: SupportsStageQueries, replica: Replica, *, ready_only: bool
 ) -> list[pb.RepositoryIndexResponse.ModelIndex] | None:
     """One replica's `RepositoryIndex` (None where its server has none); `Unavailable` where it cannot
     answer now, `StageError` for another failure. Replicas of a stage may serve different models, so each
@@ -81,7 +81,7 @@ async def replica_index(
 
 
 async def _confirm_ready(
-    client: StageCaller, replica: Replica, model: pb.RepositoryIndexResponse.ModelIndex
+    client: SupportsStageQueries, replica: Replica, model: pb.RepositoryIndexResponse.ModelIndex
 ) -> None:
     """Mark an index entry whose state is not one of Triton's (MLServer 1.7 writes "State.READY") READY where
     the replica's `ModelReady` says the model version is; it keeps the state it had otherwise, or where the
@@ -101,7 +101,7 @@ async def _confirm_ready(
 
 
 async def replica_statistics(
-    client: StageCaller, replica: Replica, name: str, version: str
+    client: SupportsStageQueries, replica: Replica, name: str, version: str
 ) -> list[pb.ModelStatistics]:
     """One replica's own `ModelStatistics` of `name` (every model where ""), at `version`; none where it
     cannot give them (no `ModelStatistics`, as a plain OIP server or MLServer; a model it does not serve; or
@@ -123,7 +123,7 @@ async def replica_statistics(
     return list(reply.model_stats)
 
 
-async def model_signature(client: StageCaller, model: str) -> ModelSignature:
+async def model_signature(client: SupportsStageQueries, model: str) -> ModelSignature:
     """A model's interface, from its `ModelMetadata` and (where the stage has it) Triton's `ModelConfig`."""
     what = f"model '{model}'"
     meta = await client.call("ModelMetadata", pb.ModelMetadataRequest(name=model), timeout=2.0, what=what)

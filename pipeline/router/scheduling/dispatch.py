@@ -1,6 +1,6 @@
 """How the router calls a stage model: one request per stage call, or queued and merged into batches.
 
-An unbatched call (`StageCalls.call`) sends one request to the stage as it is, and counts it: the model's
+An unbatched call (`StageDispatcher.call`) sends one request to the stage as it is, and counts it: the model's
 statistics (one execution, taking the request whole), its span, the compute-duration and batch-size
 metrics, and the version that answered. Both the calls of ensemble steps and the clients' requests for a
 stage model take that one path. A stage model with a batcher gets its calls queued and merged into one
@@ -40,18 +40,18 @@ from pipeline.protocol.types import BatchingConfig
 from pipeline.router.caching.cache_policy import ResponseCaching
 from pipeline.router.registry import ModelRegistry, batch_items
 from pipeline.router.scheduling.batching import DynamicBatcher, priority_index
-from pipeline.router.scheduling.callees import Callees
-from pipeline.router.scheduling.merge import StageCall, TensorBatching
+from pipeline.router.scheduling.bls_forecast import BlsForecast
+from pipeline.router.scheduling.merge import BatchMember, TensorBatching
 from pipeline.router.stages.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import CONFIG_FILE
-from pipeline.runtime.servicer import CallContext
+from pipeline.runtime.servicer import RequestContext
 from pipeline.runtime.telemetry import MODEL, PEER, STAGE, Telemetry
 
 log = logging.getLogger(__name__)
 
 
-class StageCalls:
+class StageDispatcher:
     """Calls the stage models, unbatched or through their batchers, and counts every call.
 
     The batchers and statistics are the `registry`'s; `caching` hears which version answered each call.
@@ -64,7 +64,7 @@ class StageCalls:
         self.caching = caching
         self.telemetry = telemetry
         self.metrics = metrics
-        self.callees = Callees(registry.batchers)
+        self.forecast = BlsForecast(registry.batchers)
 
     # --- one request, one stage call -----------------------------------------------------------------
 
@@ -83,8 +83,8 @@ class StageCalls:
         stats = self.registry.stats.get(model)
         first = request.inputs[0].shape if request.inputs else ()
         items = batch_items(self.registry.signatures.get(model), first)
-        # The calls the model makes come back with the request's origin (`pipeline.router.scheduling.callees`).
-        origin = self.callees.begin(model)
+        # The calls the model makes come back with the request's origin (`pipeline.router.scheduling.bls_forecast`).
+        origin = self.forecast.begin(model)
         chain = CallChain.of(metadata) or ROOT
         metadata = [
             *(item for item in metadata if item[0] != CALL_CHAIN_HEADER),
@@ -110,7 +110,7 @@ class StageCalls:
                 stats.request_failed(time.perf_counter_ns() - started)
             raise
         finally:
-            self.callees.end(origin)
+            self.forecast.end(origin)
         elapsed = time.perf_counter_ns() - started
         if stats is not None:
             # NOTE: an unbatched call executes once per request, taking it whole.
@@ -130,7 +130,7 @@ class StageCalls:
         )
 
     async def forward(
-        self, client: StageClient, request: pb.ModelInferRequest, call: CallContext
+        self, client: StageClient, request: pb.ModelInferRequest, call: RequestContext
     ) -> pb.ModelInferResponse:
         """A client's request for a stage model without a batcher: sent to its stage as it came."""
         what = f"model '{request.model_name}'"
@@ -204,10 +204,10 @@ class StageCalls:
         tensors = TensorBatching(signature)
         name = f"stage '{client.endpoint.name}' (model '{model}')"
 
-        async def execute(calls: Sequence[StageCall]) -> list[dict[str, Tensor] | BaseException]:
+        async def execute(calls: Sequence[BatchMember]) -> list[dict[str, Tensor] | BaseException]:
             return await self._execute_batch(model, client, tensors, calls)
 
-        batcher: DynamicBatcher[StageCall, dict[str, Tensor]] = DynamicBatcher(
+        batcher: DynamicBatcher[BatchMember, dict[str, Tensor]] = DynamicBatcher(
             name,
             execute,
             config,
@@ -220,7 +220,9 @@ class StageCalls:
         batcher.start()
         self.registry.batchers[model] = (batcher, tensors)
 
-    async def infer_batched(self, request: pb.ModelInferRequest, call: CallContext) -> pb.ModelInferResponse:
+    async def infer_batched(
+        self, request: pb.ModelInferRequest, call: RequestContext
+    ) -> pb.ModelInferResponse:
         """A client's call of a stage model that has a batcher: it queues like the ensembles' calls."""
         name = request.model_name
         signature = self.registry.signatures[name]
@@ -231,14 +233,14 @@ class StageCalls:
         wanted = requested_outputs(request, signature.outputs, name)
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
         chain = CallChain.of(call.metadata)
-        stage_call = StageCall(inputs, tuple(wanted), request.model_version, deadline, chain)
+        stage_call = BatchMember(inputs, tuple(wanted), request.model_version, deadline, chain)
         outputs = await self.submit(
             name,
             stage_call,
             deadline,
             request.parameters,
             self.telemetry.current_span(),
-            expected=self.callees.take(chain, name),
+            expected=self.forecast.take(chain, name),
         )
         # The version that answered: the one asked, else the default one the stage answered the batch with.
         version = request.model_version or self.caching.default_versions.get(name, "")
@@ -247,7 +249,7 @@ class StageCalls:
     async def submit(
         self,
         model: str,
-        stage_call: StageCall,
+        stage_call: BatchMember,
         deadline: float | None,
         parameters: Mapping[str, pb.InferParameter],
         span: Span | None = None,
@@ -282,7 +284,7 @@ class StageCalls:
         )
 
     async def _execute_batch(
-        self, model: str, client: StageClient, tensors: TensorBatching, calls: Sequence[StageCall]
+        self, model: str, client: StageClient, tensors: TensorBatching, calls: Sequence[BatchMember]
     ) -> list[dict[str, Tensor] | BaseException]:
         """One stage call for a batch of requests; an item the stage refuses fails only its request."""
         request = pb.ModelInferRequest(model_name=model, model_version=calls[0].version)
@@ -334,7 +336,7 @@ class StageCalls:
 _ITEM = re.compile(r"\b([A-Za-z_][\w.]*)\[(\d+)\]")
 
 
-def _item_errors(err: StageError, calls: Sequence[StageCall]) -> dict[int, StageError]:
+def _item_errors(err: StageError, calls: Sequence[BatchMember]) -> dict[int, StageError]:
     """Which requests of a batch a stage's INVALID_ARGUMENT refused, each with its own error (its items'
     indices made its own). The items come from the error's `BadRequest` details; from a stage that sends
     none, the first `NAME[i]` of the message."""

@@ -30,7 +30,7 @@ class _Origin:
     announced: dict[str, DynamicBatcher[Any, Any]]
 
 
-class Callees:
+class BlsForecast:
     """Origins of the requests sent to stage models, and the batched models each model calls.
 
     `batchers`: the router's batchers by model (the registry's, whose values hold the batcher first)."""
