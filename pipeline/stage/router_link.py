@@ -18,7 +18,7 @@ import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.runtime.server import server_options
-from pipeline.transport.server_link import ServerLink
+from pipeline.transport import ServerLink
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,15 @@ transport that server offers, chosen there and nowhere else. Behind it:
 - `frame_client`: the frame protocol's connection (many requests on one plain or TLS stream);
 - `grpc_stream`: one shared `ModelStreamInfer` stream, and the stream of a decoupled model's responses;
 - a unary `ModelInfer` call, for servers that offer neither and calls that carry a client's own metadata.
-The first two share `matched`: requests and their responses matched by `id`, failing as a unary call would.
+The first two share `matched`: requests and their responses matched by `id`, failing as a unary call would,
+and a request cut off by the end of its connection, whichever carried it, with `ConnectionRecycled`.
 
 The router calls its stages' replicas through it (which replica is the router's business:
 `pipeline.router.stages.replicas`), and the stages send their models' calls (BLS) to the router through it. It
-knows neither the router nor the stage runtime."""
+knows neither the router nor the stage runtime. What they need of it is here: `ServerLink` and
+`ConnectionRecycled`; no module outside this package imports the transports' own modules."""
+
+from pipeline.transport.matched import ConnectionRecycled
+from pipeline.transport.server_link import ServerLink
+
+__all__ = ["ConnectionRecycled", "ServerLink"]

@@ -5,9 +5,9 @@ this way, and the stages send their models' calls (BLS) to the router this way.
 
 It behaves as a `ModelStreamInfer` stream does (`pipeline.transport.matched`), down to the errors: a failed
 request raises the `grpc.aio.AioRpcError` a unary call would have raised, with the same status details, and
-a connection that breaks fails what it carried as UNAVAILABLE, so retries and error mapping do not know the
-difference. A request its caller stops waiting for is cancelled at the server with a `CANCEL` frame, where
-the server takes them.
+a connection that breaks fails what it carried with `ConnectionRecycled` (UNAVAILABLE), as a stream's end
+does, so retries and error mapping do not know the difference. A request its caller stops waiting for is
+cancelled at the server with a `CANCEL` frame, where the server takes them.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Sequence
-
-import grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.frames import (
@@ -31,7 +29,7 @@ from pipeline.protocol.frames import (
     FrameProtocol,
     parse,
 )
-from pipeline.transport.matched import MatchedRequests, rpc_error
+from pipeline.transport.matched import ConnectionRecycled, MatchedRequests
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +106,7 @@ class FrameConnection(MatchedRequests):
             frames.write(REQUEST, request.SerializeToString())
             await frames.drain()
         except ConnectionError:
-            raise rpc_error(
-                grpc.StatusCode.UNAVAILABLE, self._reason or "the frame connection ended"
-            ) from None
+            raise ConnectionRecycled(self._reason or "the frame connection ended") from None
 
     def _stop(self, key: str) -> None:
         if self._cancels and self.broken is None:
@@ -129,10 +125,10 @@ class FrameConnection(MatchedRequests):
             return
         ending = "the frame connection ended"
         self._reason = details = f"{ending}: {reason}" if str(reason) else ending
-        self.broken = rpc_error(grpc.StatusCode.UNAVAILABLE, details)
+        self.broken = ConnectionRecycled(details)
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(rpc_error(grpc.StatusCode.UNAVAILABLE, details))
+                future.set_exception(ConnectionRecycled(details))
         self._pending.clear()
         self._frames.close()
 

@@ -28,7 +28,7 @@ import grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.protocol.streams import CANCEL_PARAMETER, EMPTY_FINAL_PARAMETER, is_final
-from pipeline.transport.matched import MatchedRequests, rpc_error
+from pipeline.transport.matched import ConnectionRecycled, MatchedRequests, rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +48,6 @@ _CUT_OFF = frozenset(
         grpc.StatusCode.UNKNOWN,
     }
 )
-
-
-class StreamBroken(grpc.aio.AioRpcError):
-    """A request cut off by the end of its stream, not refused by the server: most often the connection
-    under the stream was recycled (`max_connection_age`) or the server went away. The server may or may not
-    have run the request; no answer came. Sent again on a new stream, it travels on a new connection."""
-
-    def __init__(self, details: str) -> None:
-        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class GrpcStream(MatchedRequests):
@@ -88,7 +79,7 @@ class GrpcStream(MatchedRequests):
             try:
                 await self._call.write(request)
             except asyncio.InvalidStateError:  # the call ended before this request could go
-                raise StreamBroken("the server's stream ended") from None
+                raise ConnectionRecycled("the server's stream ended") from None
             except grpc.aio.AioRpcError as err:  # the call failed as a whole: its status
                 raise self._broken(err) from None
 
@@ -129,28 +120,28 @@ class GrpcStream(MatchedRequests):
     @staticmethod
     def _broken(err: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
         """What the requests of a stream that failed with `err` fail with: the server's own refusal of the
-        whole stream (a credential, an unknown method) as it is, a connection's end as `StreamBroken`."""
+        whole stream (a credential, an unknown method) as it is, a connection's end as `ConnectionRecycled`."""
         if err.code() in _CUT_OFF:
-            return StreamBroken(f"the server's stream ended: {err.details() or err.code().name}")
+            return ConnectionRecycled(f"the server's stream ended: {err.details() or err.code().name}")
         return rpc_error(err.code(), err.details() or "the server's stream failed")
 
     async def _read(self) -> None:
-        broken: grpc.aio.AioRpcError = StreamBroken("the server's stream ended")
+        broken: grpc.aio.AioRpcError = ConnectionRecycled("the server's stream ended")
         try:
             async for response in self._call:
                 self._answered(response)
         except grpc.aio.AioRpcError as err:
             broken = self._broken(err)
         except asyncio.CancelledError:
-            broken = StreamBroken("the server's stream was closed")
+            broken = ConnectionRecycled("the server's stream was closed")
             raise
         finally:
             self.broken = broken
             for future in self._pending.values():
                 if not future.done():
                     future.set_exception(
-                        StreamBroken(broken.details() or "")
-                        if isinstance(broken, StreamBroken)
+                        ConnectionRecycled(broken.details() or "")
+                        if isinstance(broken, ConnectionRecycled)
                         else rpc_error(broken.code(), broken.details() or "")
                     )
             self._pending.clear()
@@ -172,7 +163,7 @@ class GrpcStream(MatchedRequests):
 
     def cancel(self) -> None:
         """Cut the stream off: its requests in flight fail as UNAVAILABLE."""
-        self.broken = self.broken or StreamBroken("the server's stream was closed")
+        self.broken = self.broken or ConnectionRecycled("the server's stream was closed")
         if self._idle is not None:
             self._idle.cancel()
         self._call.cancel()

@@ -37,6 +37,16 @@ def rpc_error(
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
 
 
+class ConnectionRecycled(grpc.aio.AioRpcError):
+    """A request cut off by the end of the connection that carried it (a gRPC stream or a frame connection),
+    not refused by the server: most often the connection was recycled (`max_connection_age`) or the server
+    went away. The server may or may not have run the request; no answer came. Sent again, it travels on a
+    new connection. Whichever transport carried the call, this is how its end is reported (UNAVAILABLE)."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 def raise_streamed_error(response: pb.ModelStreamInferResponse) -> None:
     """Raise what a unary call would have raised, where a streamed response says its request failed."""
     if response.error_message:

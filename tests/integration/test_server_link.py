@@ -4,6 +4,7 @@ chosen in one place, by what the server offers: its frame port, else one shared 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import numpy as np
@@ -12,9 +13,9 @@ import pytest
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.frames import extension as frames_extension
+from pipeline.stage import Stage, TensorSpec
 from pipeline.tools.testing import serving_stages
-from pipeline.transport import grpc_stream, server_link
-from pipeline.transport.server_link import ServerLink
+from pipeline.transport import ConnectionRecycled, ServerLink, grpc_stream, server_link
 from tests.conftest import request_for, wait_serving
 from tests.integration.test_plain_oip_stage import PlainServicer, plain_server
 from tests.stages import Scale
@@ -111,3 +112,42 @@ async def test_an_idle_stream_is_closed_and_the_next_call_opens_another(monkeypa
             second = await link.shared_stream()
             assert second is not None and second is not first
             link.close()
+
+
+class _Held(Stage):
+    """Answers once `release` is set; `entered` says a call has come."""
+
+    name = "held"
+    inputs = (TensorSpec("X", "FP32", (-1, 3)),)
+    outputs = (TensorSpec("Y", "FP32", (-1, 3)),)
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def infer(self, inputs):
+        self.entered.set()
+        self.release.wait(30)
+        return {"Y": inputs["X"]}
+
+
+@pytest.mark.parametrize(("options", "transport"), [({"frames_port": 0}, "frames"), ({}, "stream")])
+async def test_a_connection_that_ends_under_a_call_is_reported_alike_whichever_carried_it(
+    options, transport
+) -> None:
+    # The router retries such a call at once and keeps the replica: it must not tell the transports apart.
+    held = _Held()
+    async with serving_stages([held], options=options) as stage:
+        await wait_serving(stage.address)
+        async with grpc.aio.insecure_channel(stage.address) as channel:
+            link = ServerLink(stage.address, channel, (), 1 << 26)
+            call = asyncio.ensure_future(link.infer(request_for("held", X=X), 10.0, ()))
+            try:
+                assert await asyncio.to_thread(held.entered.wait, 10)
+                assert link.transport == transport
+                link.close()  # its connection ends with the call in flight
+                with pytest.raises(ConnectionRecycled) as cut:
+                    await call
+                assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+            finally:
+                held.release.set()

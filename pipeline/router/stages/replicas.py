@@ -26,7 +26,7 @@ from pipeline.router.stages.targets import Resolve, Target, read_addresses, reso
 from pipeline.runtime.security import ClientTls
 from pipeline.runtime.server import keepalive_options, server_options
 from pipeline.runtime.settings_values import DEFAULT_RESOLVE_INTERVAL_S
-from pipeline.transport.server_link import ServerLink
+from pipeline.transport import ServerLink
 
 log = logging.getLogger(__name__)
 

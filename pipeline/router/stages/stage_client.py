@@ -38,7 +38,7 @@ from pipeline.router.stages.sequence_placement import SequencePlacement, not_kno
 from pipeline.router.stages.targets import Resolve
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.security import ClientTls, bearer_metadata
-from pipeline.transport.grpc_stream import StreamBroken
+from pipeline.transport import ConnectionRecycled
 
 log = logging.getLogger(__name__)
 
@@ -220,16 +220,16 @@ class StageClient:
         again, within the retry attempts, the deadline and the budget; None where it does not. `call`: its
         method, model and version."""
         refused = not_started(err)
-        # A stream that ended under the call (its connection recycled) says nothing of the replica: its
-        # health watch does. Anything else that brought nothing back: the replica is gone or going; skip it
-        # until its health says SERVING.
-        cut_off = isinstance(err, StreamBroken)
+        # A connection that ended under the call (recycled, whether a stream or a frame connection carried
+        # it) says nothing of the replica: its health watch does. Anything else that brought nothing back:
+        # the replica is gone or going; skip it until its health says SERVING.
+        cut_off = isinstance(err, ConnectionRecycled)
         if not refused and not cut_off:
             self.replicas.set_state(replica, DOWN)
         following = self.replicas.pick(*call[:1], tried, *call[1:])
         delay = 0.0
         if following is None and cut_off and attempt == 1:
-            following = replica  # at once, on a new stream
+            following = replica  # at once, on a new connection
         elif following is None and not refused:
             # A lone replica that dropped the call may be back after a pause (a restart).
             following, delay = replica, self.retry.backoff(attempt)
@@ -278,7 +278,7 @@ class StageClient:
                     raise refusal from None
                 if not_started(err):
                     declined = err.details() or ""
-                elif not isinstance(err, StreamBroken):
+                elif not isinstance(err, ConnectionRecycled):
                     self.replicas.set_state(replica, DOWN)
                 if sequence.start and self.budget.try_retry():
                     continue  # nothing of a sequence that starts is lost: the next replica takes it
