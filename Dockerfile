@@ -82,7 +82,7 @@ RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
 # --- the router's compiled front door (front/: pipeline-front, C++ on Debian's grpc++) ------------------
 FROM python AS front
 RUN apt-get update -q \
-    && apt-get install -y -q --no-install-recommends g++ cmake pkg-config libgrpc++-dev >/dev/null \
+    && apt-get install -y -q --no-install-recommends g++ make cmake pkg-config libgrpc++-dev >/dev/null \
     && rm -rf /var/lib/apt/lists/*
 COPY front/ /src/front/
 RUN cmake -S /src/front -B /src/front/build -DCMAKE_BUILD_TYPE=Release >/dev/null \

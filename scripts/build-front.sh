@@ -7,7 +7,7 @@ set -e
 build=$1
 bin=$2
 shift 2
-packages="libgrpc++-dev pkg-config cmake g++"
+packages="libgrpc++-dev pkg-config cmake make g++"
 have_toolchain() {
 	command -v cmake >/dev/null 2>&1 && command -v c++ >/dev/null 2>&1 && pkg-config --exists grpc++ 2>/dev/null
 }

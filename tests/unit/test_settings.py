@@ -8,7 +8,7 @@ import pytest
 
 from pipeline import docgen
 from pipeline.cli import build_parser
-from pipeline.runtime import router_settings, server_settings, service_settings, settings, settings_values
+from pipeline.runtime import router_settings, server_settings, service_settings, settings
 from pipeline.runtime.settings_cli import ProcessSettings, SettingError, add_arguments
 from pipeline.stage.service import python_service_parser
 from pipeline.tools.launcher_settings import LauncherSettings
