@@ -248,13 +248,10 @@ class ProxyCall final : public grpc::ServerGenericBidiReactor {
         continue;
       client_.AddMetadata(name, std::string(value.data(), value.size()));
     }
-    if (settings.client_certificates) {
-      auto names = IdentitiesOf(*context);
-      if (!names.empty()) {
-        client_.AddMetadata(kSecretHeader, settings.secret);
-        for (const auto& name : names) client_.AddMetadata(kIdentitiesHeader, name);
-      }
-    }
+    // The router's gRPC port behind the front answers calls that carry its secret alone.
+    client_.AddMetadata(kSecretHeader, settings.secret);
+    if (settings.client_certificates)
+      for (const auto& name : IdentitiesOf(*context)) client_.AddMetadata(kIdentitiesHeader, name);
     if (context->deadline() != std::chrono::system_clock::time_point::max())
       client_.set_deadline(context->deadline());
     stub.PrepareBidiStreamingCall(&client_, context->method(), grpc::StubOptions(), &upstream_);

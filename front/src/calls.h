@@ -17,7 +17,8 @@ struct Settings {
   // Verified client certificates' identities are passed on (the router checks them as it checks its own
   // clients'): only where the front asks for client certificates.
   bool client_certificates = false;
-  // The secret that lets the router take the identities the front passes on in metadata.
+  // The secret every forwarded call carries: the router's gRPC port answers it alone, and takes the
+  // identities the front passes on in metadata with it.
   std::string secret;
 };
 

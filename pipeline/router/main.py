@@ -183,7 +183,8 @@ def _front_door(
 
 async def _listen(router: _RouterServer, policy: AccessPolicy) -> tuple[grpc.aio.Server, int]:
     """The router's gRPC server, listening where its settings say, with their TLS and access policy; behind
-    a `front`, on loopback in plaintext (the front serves the public port, with the TLS)."""
+    a `front`, on loopback in plaintext, answering the front's calls alone (it serves the public port, with
+    the TLS)."""
     listening, front, limits = router.listening, router.front, router.settings.group(Limits)
     return await create_server(
         f"{listening.host}:{listening.port}" if front is None else front.router_address,

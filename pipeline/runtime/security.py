@@ -491,19 +491,48 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     def _door_identities(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> list[str]:
         """The client certificate's identities the front names, where the call carries the door's secret."""
-        door = self.door
-        if door is None or not metadata:
-            return []
-        presented = next((value for key, value in metadata if key == DOOR_HEADER), None)
-        if not isinstance(presented, str) or not hmac.compare_digest(presented.encode(), door.encode()):
+        if self.door is None or not metadata or not _carries_secret(metadata, self.door):
             return []
         return [value for key, value in metadata if key == IDENTITIES_HEADER and isinstance(value, str)]
 
 
+def _carries_secret(metadata: Sequence[tuple[str, str | bytes]] | None, door: str) -> bool:
+    """Whether a call's metadata carries the compiled front's secret."""
+    presented = next((value for key, value in metadata or () if key == DOOR_HEADER), None)
+    return isinstance(presented, str) and hmac.compare_digest(presented.encode(), door.encode())
+
+
+#: What a call to the router's gRPC port behind its compiled front is told where it does not come from the front.
+FRONT_ONLY_MESSAGE = "this port takes the compiled front's calls alone: call the router's public gRPC port"
+
+
+class FrontOnlyInterceptor(grpc.aio.ServerInterceptor):
+    """The router's gRPC port behind its compiled front (on loopback, in plaintext) answers the front alone:
+    a call without the front's secret (`DOOR_HEADER`), health's too, is refused (UNAUTHENTICATED), so that
+    no client reaches the router past the TLS and client certificates the front's port asks for."""
+
+    def __init__(self, door: str) -> None:
+        self.door = door
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Request, Response] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Request, Response] | None:
+        handler = await continuation(handler_call_details)
+        if handler is None or _carries_secret(handler_call_details.invocation_metadata, self.door):
+            return handler
+        return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, FRONT_ONLY_MESSAGE)
+
+
 def interceptors_of(policy: AccessPolicy, door: str | None = None) -> list[grpc.aio.ServerInterceptor]:
     """The interceptors that enforce `policy` (none where it asks for no credential); `door`: the compiled
-    front's secret, with which a forwarded call names its client's certificate."""
-    return [AuthInterceptor(policy, door)] if policy.enabled else []
+    front's secret, which every call to a router's gRPC port behind the front must carry (`FrontOnlyInterceptor`)
+    and with which a forwarded call names its client's certificate."""
+    front: list[grpc.aio.ServerInterceptor] = [] if door is None else [FrontOnlyInterceptor(door)]
+    return [*front, AuthInterceptor(policy, door)] if policy.enabled else front
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

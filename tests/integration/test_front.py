@@ -5,12 +5,14 @@ bytes that are not the protocol."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import socket
 
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
@@ -19,10 +21,11 @@ from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.frames import DOOR_PARAMETER, HELLO, RESPONSE, frame
 from pipeline.router import front
 from pipeline.runtime.frame_server import FrameServer
-from pipeline.runtime.security import UNAUTHENTICATED_MESSAGE, AccessPolicy
+from pipeline.runtime.security import FRONT_ONLY_MESSAGE, UNAUTHENTICATED_MESSAGE, AccessPolicy
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.tools.testing import serving_router
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
+from tests.e2e.test_tls_listeners import listening_ports
 from tests.integration.test_faults import SLOW_STEPS, Slow, ensemble, serve_plane
 from tests.integration.test_security import certs as certs
 from tests.integration.test_security import credentials, secure_serving
@@ -164,6 +167,39 @@ async def test_mutual_tls_and_certificate_identities_through_the_front(certs, tm
                     _stub(channel).ModelMetadata(pb.ModelMetadataRequest(name="e"), timeout=5),
                 ):
                     assert (await rpc_error(call)).code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await server.stop(0)
+
+
+async def test_the_routers_port_behind_the_front_answers_the_front_alone(certs, tmp_path):
+    """Behind the front, the router's own gRPC port listens on loopback in plaintext: a call that is not the
+    front's (without its secret) is refused there, health's too, so the front's TLS cannot be gone around."""
+    server, address = await serve_plane(Slow())
+    try:
+        ensemble(tmp_path, address, steps=SLOW_STEPS)
+        tls = {**COMPILED, "tls_cert": str(certs / "server.pem"), "tls_key": str(certs / "server-key.pem")}
+        before = listening_ports(os.getpid())
+        async with serving_router(load_ensembles([tmp_path]), options=tls) as router:
+            creds = credentials(certs, client_cert=False)
+            await secure_serving(router.address, creds)
+            async with grpc.aio.secure_channel(router.address, creds) as channel:  # forwarded, and answered
+                await _stub(channel).ModelMetadata(pb.ModelMetadataRequest(name="e"), timeout=10)
+                reply = await _stub(channel).ModelInfer(request_for("e", X=X), timeout=10)
+                np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), X)
+            public = {int(a.rpartition(":")[2]) for a in (router.address, router.http_address) if a}
+            refused = []
+            for port in sorted(listening_ports(os.getpid()) - before - public):  # its gRPC port, its door
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    calls = (
+                        _stub(channel).ModelInfer(request_for("e", X=X), timeout=5),
+                        _stub(channel).ServerLive(pb.ServerLiveRequest(), timeout=5),
+                        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5),
+                    )
+                    errors = [await rpc_error(call) for call in calls]
+                if all(err.code() == grpc.StatusCode.UNAUTHENTICATED for err in errors):
+                    assert {err.details() for err in errors} == {FRONT_ONLY_MESSAGE}
+                    refused.append(port)
+            assert len(refused) == 1, refused  # the router's gRPC port, found
     finally:
         await server.stop(0)
 
