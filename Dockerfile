@@ -82,7 +82,7 @@ RUN /src/pip-install --no-deps . && rm -rf build ./*.egg-info
 # --- the router's compiled front door (front/: pipeline-front, C++ on Debian's grpc++) ------------------
 FROM python AS front
 RUN apt-get update -q \
-    && apt-get install -y -q --no-install-recommends g++ make cmake pkg-config libgrpc++-dev >/dev/null \
+    && apt-get install -y -q --no-install-recommends 'g++=4:12.2.*' 'make=4.3*' 'cmake=3.25.*' 'pkg-config=1.8.*' 'libgrpc++-dev=1.51.*' >/dev/null \
     && rm -rf /var/lib/apt/lists/*
 COPY front/ /src/front/
 RUN cmake -S /src/front -B /src/front/build -DCMAKE_BUILD_TYPE=Release >/dev/null \
@@ -93,7 +93,7 @@ RUN cmake -S /src/front -B /src/front/build -DCMAKE_BUILD_TYPE=Release >/dev/nul
 FROM python AS serve
 # grpc++'s libraries, for the router's front (`pipeline router --front auto` serves with it).
 RUN apt-get update -q \
-    && apt-get install -y -q --no-install-recommends libgrpc++1.51 >/dev/null \
+    && apt-get install -y -q --no-install-recommends 'libgrpc++1.51=1.51.*' >/dev/null \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/venv /opt/venv
 COPY --from=front /opt/pipeline-front /opt/venv/bin/pipeline-front
