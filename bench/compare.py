@@ -141,41 +141,38 @@ def measure(
     ]
 
 
+def peers_level(
+    running: Pipeline, peer_dir: Path, out: Path, label: str, warmup: float, duration: float, concurrency: int
+) -> dict[str, Any]:
+    """The peers' load generator on the pipeline at one concurrency, with each process's CPU per request and
+    the model step's mean batch over the measured interval."""
+    # The pipeline's processes are its own, not the machine's other load, in the load generator's figure.
+    pidfile = out.with_suffix(".pid")
+    pidfile.write_text(f"{running.process.pid}\n")
+    stats_before, cpu_before = statistics(running.router, "refcnn_cnn"), running.cpu()
+    oip = ("--model", "refcnn", "--input-name", "IMAGE", "--output-name", "LABEL")
+    oip += ("--server-pidfile", str(pidfile))
+    row = peers.loadgen(peer_dir, "v2grpc", running.router, label, out, warmup, duration, concurrency, *oip)
+    cpu_after, stats_after = running.cpu(), statistics(running.router, "refcnn_cnn")
+    # CPU over warm-up and measurement alike, per request answered in that time.
+    answered = row["throughput"] * (warmup + duration)
+    row["cpu_us_per_request"] = per_request(cpu_before, cpu_after, answered)
+    row["model_mean_batch"] = mean_batch(stats_before, stats_after)
+    print(
+        f"   cpu µs/request {row['cpu_us_per_request']}; model step mean batch {row['model_mean_batch']}",
+        flush=True,
+    )
+    return row
+
+
 def peers_levels(
     running: Pipeline, peer_dir: Path, out: Path, label: str, warmup: float, duration: float
 ) -> list[dict]:
-    """The peers' load generator on the pipeline at every level, with each process's CPU per request and
-    the model step's mean batch over the measured interval."""
-    rows = []
-    for c in LEVELS:
-        stats_before, cpu_before = statistics(running.router, "refcnn_cnn"), running.cpu()
-        row = peers.loadgen(
-            peer_dir,
-            "v2grpc",
-            running.router,
-            label,
-            out.with_suffix(f".c{c}.json"),
-            warmup,
-            duration,
-            c,
-            "--model",
-            "refcnn",
-            "--input-name",
-            "IMAGE",
-            "--output-name",
-            "LABEL",
-        )
-        cpu_after, stats_after = running.cpu(), statistics(running.router, "refcnn_cnn")
-        # CPU over warm-up and measurement alike, per request answered in that time.
-        answered = row["throughput"] * (warmup + duration)
-        row["cpu_us_per_request"] = per_request(cpu_before, cpu_after, answered)
-        row["model_mean_batch"] = mean_batch(stats_before, stats_after)
-        print(
-            f"   cpu µs/request {row['cpu_us_per_request']}; model step mean batch {row['model_mean_batch']}",
-            flush=True,
-        )
-        rows.append(row)
-    return rows
+    """`peers_level` at every level."""
+    return [
+        peers_level(running, peer_dir, out.with_suffix(f".c{c}.json"), label, warmup, duration, c)
+        for c in LEVELS
+    ]
 
 
 def run_pipeline_variant(

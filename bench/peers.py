@@ -6,12 +6,17 @@ OIP endpoint the same way: one server at a time, each level after the machine ha
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import re
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from bench.running import cpu_seconds, descendants
 
 #: The concurrency levels every system is measured at.
 LEVELS = (1, 8, 32)
@@ -48,13 +53,54 @@ def loadgen(
     return row
 
 
+def tree_cpu(pidfile: Path) -> float:
+    """CPU seconds (user and system) the server started with `pidfile` and every process under it have spent
+    so far: Triton's core and its Python-backend stubs, TorchServe's frontend and its workers."""
+    total = 0.0
+    for pid in descendants(int(pidfile.read_text().split()[0])):
+        with contextlib.suppress(OSError):  # a process that ended between the listing and the reading
+            total += cpu_seconds(pid)
+    return total
+
+
+def measured(
+    pidfile: Path, run: Callable[[], dict[str, Any]], warmup: float, duration: float
+) -> dict[str, Any]:
+    """`run`'s row with the CPU microseconds each request cost the server's processes, all together, counted
+    as the pipeline's are (`bench.compare.peers_levels`): over warm-up and measurement, per request answered in
+    that time."""
+    before = tree_cpu(pidfile)
+    row = run()
+    answered = row["throughput"] * (warmup + duration)
+    row["cpu_us_per_request"] = {"all": (tree_cpu(pidfile) - before) / answered * 1e6 if answered else None}
+    print(f"   cpu µs/request {row['cpu_us_per_request']}", flush=True)
+    return row
+
+
+def oip_level(
+    peers: Path,
+    url: str,
+    label: str,
+    out: Path,
+    warmup: float,
+    duration: float,
+    concurrency: int,
+    pidfile: Path,
+) -> dict[str, Any]:
+    """`loadgen` over OIP gRPC (refcnn: IMAGE in, LABEL out) at one concurrency, against the server started
+    with `pidfile`, with the CPU each request cost it."""
+    oip = ("--model", "refcnn", "--input-name", "IMAGE", "--output-name", "LABEL")
+    oip += ("--server-pidfile", str(pidfile))
+    run = functools.partial(loadgen, peers, "v2grpc", url, label, out, warmup, duration, concurrency, *oip)
+    return measured(pidfile, run, warmup, duration)
+
+
 def oip_levels(
-    peers: Path, url: str, label: str, out: Path, warmup: float, duration: float, *extra: str
+    peers: Path, url: str, label: str, out: Path, warmup: float, duration: float, pidfile: Path
 ) -> list[dict[str, Any]]:
-    """`loadgen` over OIP gRPC (refcnn: IMAGE in, LABEL out) at every level of `LEVELS`."""
-    oip = ("--model", "refcnn", "--input-name", "IMAGE", "--output-name", "LABEL", *extra)
+    """`oip_level` at every level of `LEVELS`."""
     return [
-        loadgen(peers, "v2grpc", url, label, out.with_suffix(f".c{c}.json"), warmup, duration, c, *oip)
+        oip_level(peers, url, label, out.with_suffix(f".c{c}.json"), warmup, duration, c, pidfile)
         for c in LEVELS
     ]
 
@@ -72,8 +118,10 @@ def _stop(peers: Path, pidfile: Path) -> None:
     subprocess.run(["bash", str(peers / "common" / "stop_group.sh"), str(pidfile)], check=False)
 
 
-def torchserve(peers: Path, out: Path, warmup: float, duration: float) -> list[dict[str, Any]]:
-    """TorchServe as the peers run it (batch 32, 5 ms, one worker, one torch thread), over HTTP."""
+@contextlib.contextmanager
+def torchserve_serving(peers: Path) -> Iterator[Path]:
+    """TorchServe up as the peers run it (batch 32, 5 ms, one worker, one torch thread) for the time of the
+    block: its pidfile. The archive is made the first time."""
     folder = peers / "torchserve"
     (folder / "model_store").mkdir(exist_ok=True)
     if not (folder / "model_store" / "refcnn.mar").exists():
@@ -92,51 +140,76 @@ def torchserve(peers: Path, out: Path, warmup: float, duration: float) -> list[d
         subprocess.run(
             [str(archiver), *archive, "--export-path", "model_store", "--force"], cwd=folder, check=True
         )
-    env = {**os.environ, "REF_TORCH_THREADS": "1", "SERVER_TIMEOUT": "900"}
+    env = {**os.environ, "REF_TORCH_THREADS": "1", "SERVER_TIMEOUT": "1800"}
     subprocess.run(["bash", "serve.sh"], cwd=folder, env=env, check=True, timeout=180)
-    url = "http://127.0.0.1:8085/predictions/refcnn"
-    pid = ("--server-pidfile", str(folder / "server.pid"))
     try:
+        yield folder / "server.pid"
+    finally:
+        _stop(peers, folder / "server.pid")
+
+
+def torchserve_level(
+    peers: Path, pidfile: Path, out: Path, warmup: float, duration: float, concurrency: int
+) -> dict[str, Any]:
+    """The load generator on TorchServe's HTTP API at one concurrency, with the CPU each request cost it."""
+    url = "http://127.0.0.1:8085/predictions/refcnn"
+    run = functools.partial(
+        loadgen,
+        peers,
+        "http",
+        url,
+        "torchserve http",
+        out,
+        warmup,
+        duration,
+        concurrency,
+        "--server-pidfile",
+        str(pidfile),
+    )
+    return measured(pidfile, run, warmup, duration)
+
+
+def torchserve(peers: Path, out: Path, warmup: float, duration: float) -> list[dict[str, Any]]:
+    """TorchServe at every level of `LEVELS`, over HTTP."""
+    with torchserve_serving(peers) as pidfile:
         return [
-            loadgen(
-                peers,
-                "http",
-                url,
-                "torchserve http",
-                out.with_suffix(f".c{c}.json"),
-                warmup,
-                duration,
-                c,
-                *pid,
-            )
+            torchserve_level(peers, pidfile, out.with_suffix(f".c{c}.json"), warmup, duration, c)
             for c in LEVELS
         ]
+
+
+#: Triton's gRPC address as the peers' serve.sh starts it.
+TRITON_URL = "127.0.0.1:8091"
+
+
+@contextlib.contextmanager
+def triton_serving(peers: Path, delay: int) -> Iterator[Path]:
+    """Triton 2.51 up for the time of the block, serving the peers' refcnn ensemble of three Python-backend
+    steps with `delay` as every step's max_queue_delay_microseconds: its pidfile."""
+    folder = peers / "triton"
+    models = folder / "models"
+    subprocess.run(["rm", "-rf", str(models)], check=True)
+    subprocess.run(["cp", "-r", str(folder / "repository"), str(models)], check=True)
+    for config in models.glob("*/config.pbtxt"):
+        text = config.read_text()
+        config.write_text(
+            re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {delay}", text)
+        )
+    env = {**os.environ, "REF_TORCH_THREADS": "1", "SERVER_TIMEOUT": "1800"}
+    subprocess.run(["bash", "serve.sh"], cwd=folder, env=env, check=True, timeout=300)
+    try:
+        yield folder / "server.pid"
     finally:
         _stop(peers, folder / "server.pid")
 
 
 def triton(peers: Path, out: Path, warmup: float, duration: float) -> dict[int, list[dict[str, Any]]]:
-    """Triton 2.51 serving the peers' refcnn ensemble of three Python-backend steps, in each of
-    `TRITON_DELAYS` (every step's max_queue_delay_microseconds); gRPC on 127.0.0.1:8091."""
-    folder = peers / "triton"
+    """Triton 2.51 in each of `TRITON_DELAYS` at every level of `LEVELS`; gRPC on `TRITON_URL`."""
     results: dict[int, list[dict[str, Any]]] = {}
     for delay in TRITON_DELAYS:
-        models = folder / "models"
-        subprocess.run(["rm", "-rf", str(models)], check=True)
-        subprocess.run(["cp", "-r", str(folder / "repository"), str(models)], check=True)
-        for config in models.glob("*/config.pbtxt"):
-            text = config.read_text()
-            config.write_text(
-                re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {delay}", text)
-            )
-        env = {**os.environ, "REF_TORCH_THREADS": "1", "SERVER_TIMEOUT": "900"}
-        subprocess.run(["bash", "serve.sh"], cwd=folder, env=env, check=True, timeout=300)
-        try:
-            pid = ("--server-pidfile", str(folder / "server.pid"))
+        with triton_serving(peers, delay) as pidfile:
             label = f"triton ensemble delay={delay}us"
             results[delay] = oip_levels(
-                peers, "127.0.0.1:8091", label, out.with_suffix(f".d{delay}.json"), warmup, duration, *pid
+                peers, TRITON_URL, label, out.with_suffix(f".d{delay}.json"), warmup, duration, pidfile
             )
-        finally:
-            _stop(peers, folder / "server.pid")
     return results
