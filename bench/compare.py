@@ -142,7 +142,14 @@ def measure(
 
 
 def peers_level(
-    running: Pipeline, peer_dir: Path, out: Path, label: str, warmup: float, duration: float, concurrency: int
+    running: Pipeline,
+    peer_dir: Path,
+    out: Path,
+    label: str,
+    warmup: float,
+    duration: float,
+    concurrency: int,
+    quiet_wait: float = 30.0,
 ) -> dict[str, Any]:
     """The peers' load generator on the pipeline at one concurrency, with each process's CPU per request and
     the model step's mean batch over the measured interval."""
@@ -152,7 +159,18 @@ def peers_level(
     stats_before, cpu_before = statistics(running.router, "refcnn_cnn"), running.cpu()
     oip = ("--model", "refcnn", "--input-name", "IMAGE", "--output-name", "LABEL")
     oip += ("--server-pidfile", str(pidfile))
-    row = peers.loadgen(peer_dir, "v2grpc", running.router, label, out, warmup, duration, concurrency, *oip)
+    row = peers.loadgen(
+        peer_dir,
+        "v2grpc",
+        running.router,
+        label,
+        out,
+        warmup,
+        duration,
+        concurrency,
+        *oip,
+        quiet_wait=quiet_wait,
+    )
     cpu_after, stats_after = running.cpu(), statistics(running.router, "refcnn_cnn")
     # CPU over warm-up and measurement alike, per request answered in that time.
     answered = row["throughput"] * (warmup + duration)

@@ -3,7 +3,7 @@ of load run on one after the other, `--rounds` times, so that every server meets
 alike (`bench.front` runs one server's levels after another's, and on a busy machine a server's figures then
 follow whatever else ran in its minutes).
 
-    python -m bench.interleaved RESULTS_DIR --peers DIR [--rounds 2] [--warmup S] [--duration S]
+    python -m bench.interleaved RESULTS_DIR --peers DIR [--rounds 2] [--warmup S] [--duration S] [--quiet-wait S]
 
 The pipeline goes through the compiled front (`--front compiled`) with batching ON; Triton serves the peers'
 ensemble without queue delays (its better configuration at every level in every run so far), TorchServe as the
@@ -34,8 +34,11 @@ LEVELS = peers.LEVELS
 SYSTEMS = ("pipeline", "triton", "torchserve")
 
 
-def run(work: Path, out: Path, peer_dir: Path, rounds: int, warmup: float, duration: float) -> dict[str, Any]:
-    """Every system's row at every level in every round, by system: lists in the order they ran."""
+def run(
+    work: Path, out: Path, peer_dir: Path, rounds: int, warmup: float, duration: float, quiet: float
+) -> dict[str, Any]:
+    """Every system's row at every level in every round, by system: lists in the order they ran (`quiet`: how
+    long each level waits for a quiet machine first)."""
     rows: dict[str, list[dict[str, Any]]] = {system: [] for system in SYSTEMS}
     folder = ensemble_variant(work / "repository", True)
     with contextlib.ExitStack() as stack:
@@ -51,20 +54,17 @@ def run(work: Path, out: Path, peer_dir: Path, rounds: int, warmup: float, durat
                 base = out / f"loadgen-r{round_}-c{c}"
                 print(f"\n== round {round_ + 1}, {c} in flight", flush=True)
                 label = "pipeline compiled door"
-                row = peers_level(
-                    running, peer_dir, base.with_suffix(".pipeline.json"), label, warmup, duration, c
-                )
-                rows["pipeline"].append(row)
+                at = base.with_suffix(".pipeline.json")
+                level = (warmup, duration, c)
+                rows["pipeline"].append(peers_level(running, peer_dir, at, label, *level, quiet))
                 label = "triton delay=0us"
                 at = base.with_suffix(".triton.json")
                 rows["triton"].append(
-                    peers.oip_level(peer_dir, peers.TRITON_URL, label, at, warmup, duration, c, triton)
+                    peers.oip_level(peer_dir, peers.TRITON_URL, label, at, *level, triton, quiet)
                 )
                 if torchserve is not None:
                     at = base.with_suffix(".torchserve.json")
-                    rows["torchserve"].append(
-                        peers.torchserve_level(peer_dir, torchserve, at, warmup, duration, c)
-                    )
+                    rows["torchserve"].append(peers.torchserve_level(peer_dir, torchserve, at, *level, quiet))
     return rows
 
 
@@ -143,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every level on every system")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each measured level")
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per level")
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0.0,
+        help="seconds each level may wait for the machine's other load to fall under 0.15 of a core (default "
+        "none: each server's CPU is read around the load generator's run, which would count its idle CPU over "
+        "the wait, and the servers take turns anyway)",
+    )
     args = parser.parse_args(argv)
     out = args.results
     out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"a bare grpc.aio server: {floor.server_us:.0f} µs of CPU per call at 32 in flight", flush=True)
     results: dict[str, Any] = {"floor": {"server_us": floor.server_us, "calls_per_s": floor.calls_per_s}}
     with tempfile.TemporaryDirectory(prefix="interleaved-bench-") as work:
-        results["rows"] = run(Path(work), out, args.peers, args.rounds, args.warmup, args.duration)
+        results["rows"] = run(
+            Path(work), out, args.peers, args.rounds, args.warmup, args.duration, args.quiet_wait
+        )
     results["seconds"] = time.monotonic() - started
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     summary = summarise(results)

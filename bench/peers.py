@@ -34,8 +34,10 @@ def loadgen(
     duration: float,
     concurrency: int,
     *extra: str,
+    quiet_wait: float = 30.0,
 ) -> dict[str, Any]:
-    """The peers' load generator against `url` at one concurrency: throughput, p50_ms, p99_ms, errors."""
+    """The peers' load generator against `url` at one concurrency: throughput, p50_ms, p99_ms, errors. It first
+    waits up to `quiet_wait` seconds for the machine's other load to fall under 0.15 of a core."""
     command = [str(peers / "loadgen" / "venv" / "bin" / "python"), str(peers / "loadgen" / "loadgen.py")]
     command += ["--mode", mode, "--url", url, "--concurrency", str(concurrency), "--label", label]
     command += [
@@ -46,7 +48,7 @@ def loadgen(
         "--duration",
         str(duration),
         "--quiet-wait",
-        "30",
+        str(quiet_wait),
     ]
     subprocess.run([*command, *extra], check=True, timeout=warmup + duration + 120)
     (row,) = json.loads(out.read_text())
@@ -86,12 +88,15 @@ def oip_level(
     duration: float,
     concurrency: int,
     pidfile: Path,
+    quiet_wait: float = 30.0,
 ) -> dict[str, Any]:
     """`loadgen` over OIP gRPC (refcnn: IMAGE in, LABEL out) at one concurrency, against the server started
     with `pidfile`, with the CPU each request cost it."""
     oip = ("--model", "refcnn", "--input-name", "IMAGE", "--output-name", "LABEL")
     oip += ("--server-pidfile", str(pidfile))
-    run = functools.partial(loadgen, peers, "v2grpc", url, label, out, warmup, duration, concurrency, *oip)
+    run = functools.partial(
+        loadgen, peers, "v2grpc", url, label, out, warmup, duration, concurrency, *oip, quiet_wait=quiet_wait
+    )
     return measured(pidfile, run, warmup, duration)
 
 
@@ -149,7 +154,13 @@ def torchserve_serving(peers: Path) -> Iterator[Path]:
 
 
 def torchserve_level(
-    peers: Path, pidfile: Path, out: Path, warmup: float, duration: float, concurrency: int
+    peers: Path,
+    pidfile: Path,
+    out: Path,
+    warmup: float,
+    duration: float,
+    concurrency: int,
+    quiet_wait: float = 30.0,
 ) -> dict[str, Any]:
     """The load generator on TorchServe's HTTP API at one concurrency, with the CPU each request cost it."""
     url = "http://127.0.0.1:8085/predictions/refcnn"
@@ -165,6 +176,7 @@ def torchserve_level(
         concurrency,
         "--server-pidfile",
         str(pidfile),
+        quiet_wait=quiet_wait,
     )
     return measured(pidfile, run, warmup, duration)
 
