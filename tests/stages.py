@@ -143,6 +143,24 @@ GATE = {"entered": threading.Event(), "release": threading.Event(), "events": []
 #: What the router's repository tests' stages wait on: a call entered and its release, and a load's end.
 HOLD = {"entered": threading.Event(), "release": threading.Event(), "loaded": threading.Event()}
 
+
+class Held(Stage):
+    """Y = X on rows of 3, once `release` is set (one instance: its requests queue behind the first)."""
+
+    max_batch_size = 8
+    inputs = (TensorSpec("X", "FP32", (-1, 3)),)
+    outputs = (TensorSpec("Y", "FP32", (-1, 3)),)
+
+    def __init__(self, name: str = "held") -> None:
+        self.name = name
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def infer(self, inputs):
+        self.entered.set()
+        assert self.release.wait(60)
+        return {"Y": inputs["X"]}
+
+
 GATED_MODEL = """
 from pipeline.stage import Stage, TensorSpec
 from tests.stages import GATE

@@ -5,7 +5,6 @@ details, deadlines, a connection cut off, and tokens."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import grpc
 import numpy as np
@@ -16,33 +15,14 @@ from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
 from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.frames import port_of
-from pipeline.protocol.types import TensorSpec
 from pipeline.router.stages.stage_client import item_errors
-from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from pipeline.transport.frame_client import FrameConnection
 from pipeline.transport.server_link import ServerLink
 from tests.conftest import inference_stub, request_for, wait_serving
-from tests.stages import Scale
+from tests.stages import Held, Scale
 
 FRAMES = {"frames_port": 0}
-
-
-class Held(Stage):
-    """Y = X; a request waits until `release` is set."""
-
-    name = "held"
-    max_batch_size = 8
-    inputs = (TensorSpec("X", "FP32", (-1, 3)),)
-    outputs = (TensorSpec("Y", "FP32", (-1, 3)),)
-
-    def __init__(self) -> None:
-        self.entered, self.release = threading.Event(), threading.Event()
-
-    def infer(self, inputs):
-        self.entered.set()
-        assert self.release.wait(30)
-        return {"Y": inputs["X"]}
 
 
 async def _connection(address: str, channel: grpc.aio.Channel) -> FrameConnection:

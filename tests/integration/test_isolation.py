@@ -6,7 +6,6 @@ until the test releases it, so a request to another model that waited behind it 
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 import grpc
@@ -16,35 +15,16 @@ import pytest
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import response_tensors
-from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.admission import ModelShares
 from pipeline.runtime.metrics import Metrics
-from pipeline.stage.api import Stage
 from pipeline.tools.testing import serving_router, serving_stages
 from pipeline.transport.server_link import ServerLink
 from tests.conftest import inference_stub, request_for, wait_serving
-from tests.stages import Scale
+from tests.stages import Held, Scale
 
 FRAMES = {"frames_port": 0}
 #: More requests of the stuck model than a connection held at once before: 64.
 PILED_UP = 100
-
-
-class Stuck(Stage):
-    """Y = X, once `release` is set: one instance, so its requests queue behind the first."""
-
-    name = "stuck"
-    max_batch_size = 8
-    inputs = (TensorSpec("X", "FP32", (-1, 3)),)
-    outputs = (TensorSpec("Y", "FP32", (-1, 3)),)
-
-    def __init__(self) -> None:
-        self.entered, self.release = threading.Event(), threading.Event()
-
-    def infer(self, inputs):
-        self.entered.set()
-        assert self.release.wait(60)
-        return {"Y": inputs["X"]}
 
 
 def _catalog(folder: Path, address: str):
@@ -106,7 +86,7 @@ async def _scaled(stub, value: float) -> None:
 async def test_a_stuck_model_does_not_hold_the_routers_link_for_the_other_models_of_its_stage(
     options: dict, tmp_path: Path
 ) -> None:
-    stuck = Stuck()
+    stuck = Held("stuck")
     async with serving_stages([stuck, Scale()], options=options) as stage:
         await _ready(stage.address, "stuck", "scale")
         async with serving_router(_catalog(tmp_path, stage.address)) as router:
@@ -132,7 +112,7 @@ async def test_a_model_past_its_share_of_a_connection_is_refused_at_once_and_the
     monkeypatch,
 ) -> None:
     monkeypatch.setattr(ModelShares, "max_requests", 8)
-    stuck = Stuck()
+    stuck = Held("stuck")
     async with serving_stages([stuck, Scale()], options=FRAMES) as stage:
         await _ready(stage.address, "stuck", "scale")
         async with grpc.aio.insecure_channel(stage.address) as channel:
@@ -158,7 +138,7 @@ async def test_a_model_past_its_share_of_a_connection_is_refused_at_once_and_the
 
 
 async def test_a_model_holds_at_most_three_quarters_of_the_routers_door(tmp_path: Path) -> None:
-    stuck = Stuck()
+    stuck = Held("stuck")
     async with serving_stages([stuck, Scale()], options=FRAMES) as stage:
         await _ready(stage.address, "stuck", "scale")
         catalog = _catalog(tmp_path, stage.address)

@@ -30,7 +30,8 @@ from tests.parity import HERE, lay_out
 ANSWERS = HERE / "triton_answers.json"
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """`count` ports on 127.0.0.1 that the OS has free now."""
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:
@@ -84,7 +85,7 @@ def triton_server(
             filter(None, [str(site / "nvidia_pytriton.libs"), os.environ.get("LD_LIBRARY_PATH")])
         ),
     }
-    http, grpc_port, metrics = _free_ports(3)
+    http, grpc_port, metrics = free_ports(3)
     log = work / "server.log"
     command = [
         str(server / "bin" / "tritonserver"),

@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.parity.record import free_ports
 
 #: TorchServe's settings of every run here; `serve` adds the addresses and the caller's own lines.
 PROPERTIES = (
@@ -37,17 +38,6 @@ class TorchServe:
     management: str
     process: subprocess.Popen[bytes]
     config: Path
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def version(home: Path) -> str:
