@@ -238,10 +238,12 @@ class ModelShares:
             return
         count, taken = held
         if count >= self.max_requests or (self._max_bytes is not None and taken + size > self._max_bytes):
+            most = f"{self.max_requests} requests" + (
+                "" if self._max_bytes is None else f" and {_mib(self._max_bytes)}"
+            )
             raise Unavailable(
                 f"model '{model}' has {count} requests ({_mib(taken)}) being served on this connection, its "
-                f"share of what the connection holds (at most {self.max_requests} requests and "
-                f"{_mib(self._max_bytes or 0)}): try again once they are answered"
+                f"share of what the connection holds (at most {most}): try again once they are answered"
             )
         held[0] += 1
         held[1] += size
