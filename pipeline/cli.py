@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["router"]:
+        from pipeline.runtime.allocator import keep_freed_memory
+
+        keep_freed_memory()  # before the imports that start threads (`pipeline.runtime.allocator`)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

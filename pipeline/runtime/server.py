@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.runtime.allocator import give_back_when_idle, keep_freed_memory
+from pipeline.runtime.allocator import give_back_when_idle
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.server_settings import Listening
 from pipeline.runtime.servicer import InferenceServicer
@@ -172,15 +172,14 @@ async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool)
 
 
 def prepare_process(level: str, service: str) -> None:
-    """What every service process does first: its log format, its end with the launcher that started it
-    (`pipeline.runtime.shutdown.die_with_parent`), and an allocator that keeps freed memory for the next
-    message (`pipeline.runtime.allocator`)."""
+    """What every service process does first: its log format and its end with the launcher that started it
+    (`pipeline.runtime.shutdown.die_with_parent`). Its allocator's settings come before, at its entry point
+    (`pipeline.runtime.allocator.keep_freed_memory`)."""
     logging.basicConfig(
         level=level.upper(),
         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
     )
     die_with_parent()
-    keep_freed_memory()
 
 
 async def _start_unless_stopped(

@@ -3,6 +3,11 @@ its Python models that ask for GPUs (`instance_group [ { kind: KIND_GPU } ]`).""
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from pipeline.runtime.allocator import keep_freed_memory
+
+    keep_freed_memory()  # before the imports below start threads (`pipeline.runtime.allocator`)
+
 import argparse
 import logging
 from collections.abc import Sequence

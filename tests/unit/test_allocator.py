@@ -57,20 +57,29 @@ def test_the_environment_wins() -> None:
 
 
 #: Holds 100 MiB in buffers of 4 MiB (kept on the heap once freed), frees them, then lets an idle server's
-#: give-back run, printing the resident MiB at rest, after the free, and after the give-back.
+#: give-back run, printing the resident MiB at rest, after the free, and after the give-back. With "thread",
+#: the buffers come and go on another thread, as a request's bytes do on gRPC's own threads.
 _BURST = """
-import asyncio
+import asyncio, sys
 from pipeline.runtime.allocator import give_back_when_idle, keep_freed_memory, resident_bytes
 
 keep_freed_memory()
 
-async def burst_then_idle():
-    rest = resident_bytes()
-    trimming = asyncio.create_task(give_back_when_idle((), interval=0.01, slack=8 << 20))
-    await asyncio.sleep(0)  # it has read the size at rest
+def burst():
     buffers = [bytearray(4 << 20) for _ in range(25)]
     del buffers
+
+async def burst_then_idle():
+    rest, held = resident_bytes(), []
+    trimming = asyncio.create_task(give_back_when_idle(held, interval=0.01, slack=8 << 20))
+    await asyncio.sleep(0)  # it has read the size at rest
+    held.append("a request")  # the server is busy while the burst comes and goes
+    if sys.argv[1] == "thread":
+        await asyncio.to_thread(burst)
+    else:
+        burst()
     kept = resident_bytes()
+    held.clear()
     for _ in range(500):
         await asyncio.sleep(0.01)
         if resident_bytes() < rest + (16 << 20):
@@ -83,9 +92,12 @@ asyncio.run(burst_then_idle())
 
 
 @pytest.mark.skipif(not _glibc(), reason="malloc_trim is glibc's")
-def test_an_idle_server_gives_back_what_a_burst_left_with_its_allocator() -> None:
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_an_idle_server_gives_back_what_a_burst_left_with_its_allocator(where: str) -> None:
     env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", _BURST], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _BURST, where], env=env, capture_output=True, text=True, check=True
+    )
     rest, kept, after = map(int, out.stdout.split())
     assert kept >= rest + 64, (rest, kept, after)  # the freed burst stayed with the allocator
     assert after < rest + 16, (rest, kept, after)  # and went back once idle
