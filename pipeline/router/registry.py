@@ -1,60 +1,33 @@
 """The router's model registry: what it knows of each model it serves, with one owner.
 
-Each stage model's signature (learnt from its stage), the batcher of each batched stage model, and the
-statistics of every model (ensembles included) live here. The plane, the executor and the stage calls
-share the one registry by reference: whoever learns something about a model writes it here, and every
-reader sees it.
+Each stage model's signature (learnt from its stage by discovery) and the statistics of every model
+(ensembles included; a batched stage model's are its batcher's) live here. The plane, the executor and the
+dispatcher share the one registry by reference: discovery writes the signatures, and every reader sees
+them. The batchers are the dispatcher's (`pipeline.router.scheduling`), which this module knows nothing of.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Container, Iterable, Sequence
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import ModelSignature
-from pipeline.protocol.codec import Tensor, select_version
+from pipeline.protocol.codec import select_version
 from pipeline.protocol.errors import ModelNotFound, echo
-from pipeline.router.scheduling.batching import DynamicBatcher
-from pipeline.router.scheduling.merge import BatchMember, TensorBatching
-from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_statistics import ModelStats
 
 #: The version the router reports for every ensemble.
 ENSEMBLE_VERSION = "1"
 
-#: A batched stage model's batcher, and how its requests' tensors merge into a batch and split back.
-Batched = tuple[DynamicBatcher[BatchMember, dict[str, Tensor]], TensorBatching]
-
 
 class ModelRegistry:
-    """The signatures, batchers and statistics of the models the router serves."""
+    """The signatures and statistics of the models the router serves."""
 
-    def __init__(self, metrics: Metrics | None = None) -> None:
-        """`metrics`: where the batchers' gauges (queue depth, batches in flight) are exported."""
-        #: Stage model -> its interface, learnt from its stage (at start-up, or at its first call).
+    def __init__(self) -> None:
+        #: Stage model -> its interface, learnt from its stage (at start-up, or when discovery finds it).
         self.signatures: dict[str, ModelSignature] = {}
-        #: Batched stage model -> its batcher.
-        self.batchers: dict[str, Batched] = {}
-        #: Per ensemble, and per stage model called without batching (batchers keep their own).
+        #: Per model: an ensemble's, a stage model's own, or a batched stage model's batcher's.
         self.stats: dict[str, ModelStats] = {}
-        if metrics is not None:
-            self._export_gauges(metrics)
-
-    def _export_gauges(self, metrics: Metrics) -> None:
-        batchers = self.batchers
-        metrics.gauge(
-            "pipeline_queue_depth",
-            "Requests waiting now",
-            "model",
-            lambda: [(model, b.queue_depth) for model, (b, _) in batchers.items()],
-        )
-        metrics.gauge(
-            "pipeline_inflight_batches",
-            "Executions running now",
-            "model",
-            lambda: [(model, b.inflight_batches) for model, (b, _) in batchers.items()],
-        )
 
     def learn(self, name: str, signature: ModelSignature) -> bool:
         """Keep the signature of a stage model first called now, and give it statistics; False when a
@@ -65,10 +38,8 @@ class ModelRegistry:
         self.stats.setdefault(name, ModelStats())
         return True
 
-    def stats_of(self, name: str, *, ensemble: bool) -> ModelStats:
-        """The statistics a request for a model counts in: a batched stage model's batcher's, else its own."""
-        if not ensemble and name in self.batchers:
-            return self.batchers[name][0].stats
+    def stats_of(self, name: str) -> ModelStats:
+        """The statistics a request for a model counts in."""
         return self.stats.setdefault(name, ModelStats())
 
     def statistics(
@@ -83,9 +54,7 @@ class ModelRegistry:
         version that `versions_of` the model does not list (oldest first; empty where no one can say)."""
         reply = pb.ModelStatisticsResponse()
         for model in names:
-            if model in self.batchers:
-                stats = self.batchers[model][0].stats
-            elif model in self.stats:
+            if model in self.stats:
                 stats = self.stats[model]
             elif model in served:
                 stats = ModelStats()  # served here, not called yet
@@ -96,10 +65,6 @@ class ModelRegistry:
             label = select_version(model, versions, version) if versions else version or ENSEMBLE_VERSION
             reply.model_stats.append(stats.proto(model, label))
         return reply
-
-    async def close(self) -> None:
-        """Stop every batcher (queued requests fail)."""
-        await asyncio.gather(*(batcher.aclose() for batcher, _ in self.batchers.values()))
 
 
 def batch_items(signature: ModelSignature | None, shape: Sequence[int]) -> int:

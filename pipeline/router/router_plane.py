@@ -3,7 +3,7 @@
 `RouterPlane` answers the protocol by delegating: the stages behind it and which of them serves each model
 are `pipeline.router.stages.discovery`'s, which ensembles can be served and the router's readiness
 `pipeline.router.execution.availability`'s; what is known of each model (signatures, batchers,
-statistics) is the `pipeline.router.registry`'s; ensembles run on the DAG executor
+statistics) is the `pipeline.router.registry`'s, learnt by discovery off the request path; ensembles run on the DAG executor
 (`pipeline.router.execution.executor`) and stage models are called through `pipeline.router.scheduling.dispatch`, batched or
 forwarded; the response cache's policy is `pipeline.router.caching.cache_policy`'s. An ensemble with a decoupled step,
 and a decoupled stage model, answer on streams only, with many responses per request
@@ -24,10 +24,17 @@ from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.ensemble.catalog import declared_batching
 from pipeline.ensemble.pbtxt import ensemble_config
-from pipeline.ensemble.plan import Catalog, EnsemblePlan
+from pipeline.ensemble.plan import Catalog, EnsemblePlan, ModelSignature
 from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.codec import metadata_response, select_version
-from pipeline.protocol.errors import InvalidInput, ModelNotFound, Unavailable, Unimplemented
+from pipeline.protocol.errors import (
+    InvalidInput,
+    ModelNotFound,
+    PipelineError,
+    Unavailable,
+    Unimplemented,
+    echo,
+)
 from pipeline.protocol.parameters import int_parameter
 from pipeline.protocol.streams import DECOUPLED_UNARY
 from pipeline.router.caching.cache_policy import ResponseCaching
@@ -86,16 +93,16 @@ class RouterPlane(DataPlane):
         self.telemetry = telemetry = telemetry or Telemetry()
         self.metrics = metrics = metrics or Metrics()
         self.door = InflightDoor(max_inflight_requests)
-        self.exit_on_error = exit_on_error
-        self.max_batch_items = max_batch_items
-        self.registry = ModelRegistry(metrics)
-        self.caching = ResponseCaching(self.registry, cache_size, telemetry=telemetry, metrics=metrics)
+        self.exit_on_error, self.max_batch_items = exit_on_error, max_batch_items
+        self.registry = registry = ModelRegistry()
+        self.caching = caching = ResponseCaching(registry, cache_size, telemetry=telemetry, metrics=metrics)
+        self.dispatcher = StageDispatcher(registry, caching, telemetry=telemetry, metrics=metrics)
         clients = _stage_clients(
             catalog, metrics, max_message_bytes, stage_tls, stage_token, resolve_interval, resolve
         )
-        self.stages = StageDiscovery(catalog, clients, self.registry, self.caching, metrics)
+        self.stages = StageDiscovery(catalog, clients, registry, caching, metrics, learn=self._learn_models)
         self.ensembles = EnsembleAvailability(
-            catalog, self.stages, self.registry, strict_readiness=strict_readiness
+            catalog, self.stages, registry, strict_readiness=strict_readiness
         )
         self.fleet = FleetControl(
             self.stages,
@@ -104,15 +111,15 @@ class RouterPlane(DataPlane):
             admin_configured=admin_configured,
             metrics=metrics,
         )
-        self.dispatcher = StageDispatcher(self.registry, self.caching, telemetry=telemetry, metrics=metrics)
-        self.executor = Executor(
-            self.registry, clients, self.dispatcher, telemetry=telemetry, metrics=metrics
-        )
+        self.executor = Executor(registry, clients, self.dispatcher, telemetry=telemetry, metrics=metrics)
         self.streams = EnsembleStreams(self.executor)
         #: The ensembles with a decoupled step and the decoupled stage models: served by `stream` only.
         self.decoupled: set[str] = set()
+        #: The stage models found on the stages whose signature their stage could not give at the last look.
+        self._unlearnt: dict[str, PipelineError] = {}
         #: The answers to `ModelStatistics`: the router's own figures, and its stage models' replicas'.
-        self.model_statistics = RouterStatistics(self.stages, self.registry, self._versions)
+        batched = self.dispatcher.batching.batchers
+        self.model_statistics = RouterStatistics(self.stages, registry, self._versions, batched)
         self._count_models((*catalog.ensembles, *self.stages.stage_of_model))
 
     async def reload(self, catalog: Catalog) -> None:
@@ -130,8 +137,10 @@ class RouterPlane(DataPlane):
     async def discover(self, *, retry_interval: float = 0.5) -> None:
         """Wait for the stages, then serve every ensemble whose models they serve: each checked against its
         models' signatures (a mismatch raises `ConfigError`) and its steps batched. The others are
-        UNAVAILABLE until their models are served (see `EnsembleAvailability`)."""
+        UNAVAILABLE until their models are served (see `EnsembleAvailability`). Every other model of the
+        stages' repositories is learnt too (`_learn_models`)."""
         await self.ensembles.discover(retry_interval, self._serve, exit_on_error=self.exit_on_error)
+        await self.stages.refresh_index()
 
     def _serve(self, plan: EnsemblePlan) -> None:
         """An ensemble whose models are known: its response cache checked, its steps batched, and whether it
@@ -139,7 +148,7 @@ class RouterPlane(DataPlane):
         self.caching.check([plan], {step.model_name: step.stage for step in plan.steps})
         catalog = self.ensembles.catalog
         declared = declared_batching(catalog.ensembles.values())
-        self.dispatcher.batch_steps(plan, self.stages.clients, declared, catalog.repository)
+        self.dispatcher.batching.batch_steps(plan, self.stages.clients, declared, catalog.repository)
         signatures = self.registry.signatures
         self.decoupled.update(name for name, signature in signatures.items() if signature.decoupled)
         if self.streams.source(plan) is not None:
@@ -157,7 +166,7 @@ class RouterPlane(DataPlane):
         return self.ensembles.ready()
 
     async def close(self) -> None:
-        await self.registry.close()
+        await self.dispatcher.close()
         await self.stages.close()
 
     # --- model lookup --------------------------------------------------------------------------------
@@ -173,18 +182,49 @@ class RouterPlane(DataPlane):
             select_version(name, (ENSEMBLE_VERSION,), version)
         return plan
 
-    async def _learn(self, name: str, client: StageClient) -> None:
-        """A repository model that no ensemble names, called for the first time: learn its signature and,
-        where its config sets `dynamic_batching`, batch its calls as that says."""
-        signature = await client.signature(name)
-        if not self.registry.learn(name, signature):  # learnt by a concurrent call meanwhile
+    async def _learn_models(self, found: Mapping[str, StageClient]) -> None:
+        """Discovery's look at the stages found `found` (model -> its stage's client): learn the signature of
+        each repository model that no ensemble names and that is not learnt yet, and where its config sets
+        `dynamic_batching`, batch its calls as that says (an ensemble's models are learnt, and batched as its
+        steps say, with their ensemble). A model whose stage cannot say now is asked again at the next look."""
+        members, signatures = self.ensembles.members, self.registry.signatures
+        new = [
+            (name, client) for name, client in found.items() if name not in signatures and name not in members
+        ]
+        if not new:
             return
+        answers = await asyncio.gather(
+            *(client.signature(name) for name, client in new), return_exceptions=True
+        )
+        for (name, client), answer in zip(new, answers, strict=True):
+            if isinstance(answer, PipelineError):
+                log.warning("model '%s': its stage gave no signature yet: %s", name, answer.message)
+                self._unlearnt[name] = answer
+            elif isinstance(answer, BaseException):
+                raise answer
+            elif self.registry.learn(name, answer):
+                self._unlearnt.pop(name, None)
+                self._serve_model(name, client, answer)
+
+    def _serve_model(self, name: str, client: StageClient, signature: ModelSignature) -> None:
+        """A repository model that no ensemble names, learnt now: its cache policy, whether it answers on
+        streams only, and its batcher where its config sets `dynamic_batching`."""
         self.caching.learn(name, signature)
         if signature.decoupled:
             self.decoupled.add(name)
         if signature.batching is not None:
             log.info("model '%s': batched as its own dynamic_batching says (%s)", name, signature.batching)
-            self.dispatcher.add_batcher(name, client, signature.batching)
+            self.dispatcher.batching.add(name, client, signature.batching)
+
+    async def _discovered(self, name: str) -> None:
+        """Wait for discovery to learn a stage model first asked for now (its folder added, or its stage
+        come up, a moment ago): the look at the stages in flight, and where that one began too early, the
+        next. Raises what its stage answered where it could not give the model's signature."""
+        for _ in range(2):
+            await self.stages.refresh_index()
+            if name in self.registry.signatures:
+                return
+        raise self._unlearnt.get(name) or ModelNotFound(f"unknown model '{echo(name)}'")
 
     async def model_ready(self, name: str, version: str) -> bool:
         try:
@@ -247,10 +287,9 @@ class RouterPlane(DataPlane):
             self._check_items(request, plan.max_batch_size > 0)
         else:
             client = await self.stages.stage_client(name)
-            # An ensemble member is learnt (and batched as its steps say) by `discover`.
-            member = name in self.ensembles.members
-            if not member and name not in self.registry.signatures:
-                await self._learn(name, client)
+            # An ensemble member is learnt (and batched as its steps say) with its ensemble.
+            if name not in self.registry.signatures and name not in self.ensembles.members:
+                await self._discovered(name)
         if plan is None and (signature := self.registry.signatures.get(name)) is not None:
             self._check_items(request, signature.max_batch_size > 0)
         versions = self.caching.versions(plan, name, request.model_version)
@@ -285,15 +324,14 @@ class RouterPlane(DataPlane):
         request: pb.ModelInferRequest,
         call: RequestContext,
     ) -> pb.ModelInferResponse:
-        """Run a request: an ensemble's steps, a batched stage model's queue, or a forwarded call."""
+        """Run a request: an ensemble's steps, or a stage model's call (batched or not, as the dispatcher
+        decides)."""
         if self.decoupled and request.model_name in self.decoupled:
             raise Unimplemented(DECOUPLED_UNARY.format(model=request.model_name))
         if plan is not None:
             return await self.executor.infer(plan, request, call)
-        if request.model_name in self.registry.batchers:
-            return await self.dispatcher.infer_batched(request, call)
         assert client is not None
-        return await self.dispatcher.forward(client, request, call)
+        return await self.dispatcher.infer(client, request, call)
 
     # --- statistics and repository -------------------------------------------------------------------
 

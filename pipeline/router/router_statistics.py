@@ -19,7 +19,7 @@ asks the stages once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.router.registry import ModelRegistry
@@ -39,10 +39,13 @@ class RouterStatistics:
         stages: StageDiscovery,
         registry: ModelRegistry,
         versions_of: Callable[[str], Sequence[str]],
+        batched: Container[str],
     ) -> None:
-        """`versions_of(model)`: the versions of a model served here, oldest first (the default one last)."""
+        """`versions_of(model)`: the versions of a model served here, oldest first (the default one last);
+        `batched`: the stage models the router batches, whose figures are its own."""
         self.stages = stages
         self.registry = registry
+        self.batched = batched
         self.versions_of = versions_of
         #: The other router workers on this port (`--workers`), whose figures are summed with ours.
         self.peers: WorkerPeers | None = None
@@ -56,7 +59,7 @@ class RouterStatistics:
             if self.peers is None
             else merge_statistics([own, *await self.peers.peer_statistics(name, version)])
         )
-        batched = self.registry.batchers
+        batched = self.batched
         stage_models = [
             s.name for s in routed.model_stats if s.name not in batched and self._stage_of(s.name) is not None
         ]
@@ -95,8 +98,7 @@ class RouterStatistics:
         cached = pb.ModelStatisticsResponse()
         for entry in reply.model_stats:
             model = entry.name
-            batched = self.registry.batchers.get(model)
-            stats = batched[0].stats if batched is not None else self.registry.stats.get(model)
+            stats = self.registry.stats.get(model)
             if stats is not None and self._stage_of(model) is not None:
                 cached.model_stats.append(stats.cache_proto(model, entry.version))
         return cached

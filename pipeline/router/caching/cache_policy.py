@@ -199,7 +199,7 @@ class ResponseCaching:
         name = request.model_name
         started = time.perf_counter_ns()
         key = request_key(name, versions, request)
-        stats = self.registry.stats_of(name, ensemble=plan is not None)
+        stats = self.registry.stats_of(name)
         computed = False
 
         async def compute() -> tuple[bytes, tuple[Version, ...]]:

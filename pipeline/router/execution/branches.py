@@ -12,6 +12,7 @@ from pipeline.ensemble.plan import EnsemblePlan, PlanStep
 from pipeline.protocol.codec import Tensor
 from pipeline.protocol.datatypes import element_count
 from pipeline.protocol.errors import InvalidInput
+from pipeline.router.scheduling.dispatch import Announcement
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.telemetry import SKIP_REASON, STEP_SKIPPED, Telemetry
 
@@ -30,11 +31,11 @@ class Branches:
         step: PlanStep,
         values: Mapping[str, Tensor],
         attributes: dict[str, Any],
-        awaited: dict[int, Any],
+        announced: Announcement,
     ) -> bool:
         """Whether a step of an ensemble with conditions is skipped for this request: counted either way,
         and a skipped one traced with its reason (its span gets `attributes`) and taken back from its
-        batcher's expected requests (`awaited`, by step index)."""
+        batcher's expected requests (`announced`)."""
         skipped = skip_reason(plan, step, values)
         self._counter(plan.name, step, not skipped).inc()
         if not skipped:
@@ -44,9 +45,7 @@ class Branches:
                 f"step {step.model_name}", {**attributes, STEP_SKIPPED: True, SKIP_REASON: skipped}
             ):
                 pass
-        batcher = awaited.pop(step.index, None)
-        if batcher is not None:
-            batcher.unexpect()  # it will not come: its batch need not wait for it
+        announced.withdraw(step.index)  # it will not come: its batch need not wait for it
         return True
 
     def _counter(self, ensemble: str, step: PlanStep, taken: bool) -> Any:

@@ -21,30 +21,24 @@ import grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import EnsemblePlan, ModelSignature, PlanStep
 from pipeline.ensemble.signatures import check_signatures
-from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.codec import (
     Tensor,
     infer_response,
     request_tensors,
     requested_outputs,
-    response_tensors,
     validate_inputs,
 )
 from pipeline.protocol.errors import (
     ConfigError,
-    DeadlineExceeded,
     InvalidInput,
     PipelineError,
     StageError,
 )
-from pipeline.protocol.sequences import copy_sequence
 from pipeline.protocol.types import TensorSpec
 from pipeline.router.execution.branches import Branches
 from pipeline.router.execution.fanout import gather, split
 from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
-from pipeline.router.scheduling.batching import DynamicBatcher
-from pipeline.router.scheduling.dispatch import StageDispatcher
-from pipeline.router.scheduling.merge import BatchMember
+from pipeline.router.scheduling.dispatch import Announcement, StageDispatcher
 from pipeline.router.stages.stage_client import StageClient
 from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.metrics import Metrics
@@ -103,13 +97,13 @@ class Executor:
         wanted = requested_outputs(request, plan.outputs, plan.name)
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
         values: dict[str, Tensor] = dict(inputs)
-        awaited = self._announce(plan)
+        announced = self.dispatcher.announce(plan)
         try:
             if plan.linear:
                 # A chain: each step waits for the one before it anyway, so they run in this task, with
                 # no task or event of their own.
                 for step in plan.steps:
-                    await self._run_step(plan, step, request, call, deadline, values, awaited, None)
+                    await self._run_step(plan, step, request, call, deadline, values, announced, None)
             else:
                 finished = {step.index: asyncio.Event() for step in plan.steps}
                 # NOTE: a failing step makes the TaskGroup cancel every other step of this request, so no
@@ -117,31 +111,18 @@ class Executor:
                 async with asyncio.TaskGroup() as group:
                     for step in plan.steps:
                         group.create_task(
-                            self._run_step(plan, step, request, call, deadline, values, awaited, finished)
+                            self._run_step(plan, step, request, call, deadline, values, announced, finished)
                         )
         except BaseExceptionGroup as failure:
             raise _first_error(failure) from None
         finally:
-            for batcher in awaited.values():
-                batcher.unexpect()
+            announced.release()
         # An optional output that no step produced on this request's path is left out of the response.
         response = infer_response(
             plan.name, ENSEMBLE_VERSION, request.id, (values[name] for name in wanted if name in values)
         )
         items = next(iter(inputs.values())).shape[0] if plan.max_batch_size > 0 and inputs else 1
         return response, items
-
-    def _announce(self, plan: EnsemblePlan) -> dict[int, DynamicBatcher[BatchMember, dict[str, Tensor]]]:
-        """Tell each batched step's batcher that a request is on its way, so that under load a partial
-        batch may wait for it (`BatchingConfig.batch_upcoming`): the batchers by step index, each taken
-        back (`unexpect`) where the request does not come to it."""
-        batchers = self.registry.batchers
-        awaited = {
-            step.index: batchers[step.model_name][0] for step in plan.steps if step.model_name in batchers
-        }
-        for batcher in awaited.values():
-            batcher.expect()
-        return awaited
 
     async def _run_step(
         self,
@@ -151,7 +132,7 @@ class Executor:
         call: RequestContext,
         deadline: float | None,
         values: dict[str, Tensor],
-        awaited: dict[int, DynamicBatcher[BatchMember, dict[str, Tensor]]],
+        announced: Announcement,
         finished: dict[int, asyncio.Event] | None,
     ) -> None:
         """Run one step of a request once the steps it depends on have `finished` (None: a chain, run in
@@ -165,15 +146,15 @@ class Executor:
             # NOTE: the ensemble and the request id are on the request's span, the parent of this one.
             # Every attribute costs each traced request its encoding, so none is repeated here.
             attributes = {STEP: step.index, MODEL: step.model_name}
-        if plan.conditional and self.branches.skipped(plan, step, values, attributes, awaited):
+        if plan.conditional and self.branches.skipped(plan, step, values, attributes, announced):
             if finished is not None:
                 finished[step.index].set()
             return
         if telemetry.enabled:
             with telemetry.span(f"step {step.model_name}", attributes):
-                outputs = await self.call_step(step, values, request, deadline, call.metadata, awaited)
+                outputs = await self.call_step(step, values, request, deadline, call.metadata, announced)
         else:
-            outputs = await self.call_step(step, values, request, deadline, call.metadata, awaited)
+            outputs = await self.call_step(step, values, request, deadline, call.metadata, announced)
         if (plan.name, step.index) not in self._checked:
             # A request that came before the model's signature was learnt is not checked; a later one is.
             signatures = self.registry.signatures
@@ -192,32 +173,16 @@ class Executor:
         request: pb.ModelInferRequest,
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
-        awaited: dict[int, DynamicBatcher[BatchMember, dict[str, Tensor]]],
+        announced: Announcement,
     ) -> dict[str, Tensor]:
+        """One step's call of its stage model (one per element for a fan-out step), batched or not as the
+        dispatcher decides: its outputs by the ensemble's tensor names."""
         if step.for_each:
-            return await self._fan_out(step, values, request, deadline, metadata, awaited)
-        if step.model_name in self.registry.batchers:
-            stage_call = BatchMember(
-                {stage_tensor: values[name] for stage_tensor, name in step.inputs},
-                tuple(stage_tensor for stage_tensor, _ in step.outputs),
-                step.model_version,
-                deadline,
-                CallChain.of(metadata),
-            )
-            expected = awaited.pop(step.index, None) is not None
-            try:
-                produced = await self.dispatcher.submit(
-                    step.model_name,
-                    stage_call,
-                    deadline,
-                    request.parameters,
-                    self.telemetry.current_span(),
-                    expected=expected,
-                )
-            except StageError as err:
-                raise StageError(f"{step.label}: {err.message}", err.code, items=err.items) from None
-        else:
-            produced = await self._call_stage(step, values, request, deadline, metadata)
+            return await self._fan_out(step, values, request, deadline, metadata, announced)
+        inputs = {stage_tensor: values[name] for stage_tensor, name in step.inputs}
+        produced = await self.dispatcher.call_step(
+            self.clients[step.stage], step, inputs, request, deadline, metadata, announced
+        )
         outputs = {}
         for stage_tensor, tensor_name in step.outputs:
             tensor = produced.get(stage_tensor)
@@ -236,32 +201,18 @@ class Executor:
         request: pb.ModelInferRequest,
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
-        awaited: dict[int, DynamicBatcher[BatchMember, dict[str, Tensor]]],
+        announced: Announcement,
     ) -> dict[str, Tensor]:
         """A fan-out step: one call per element of its `for_each` tensors (each a request of one item, so
         the elements of many requests share the model's batches), the outputs gathered back in order."""
         elements, count = _elements(step, values)
-        # The request's announcement to the model's batcher (`expect`) becomes one per element, all made
-        # before any element is queued: an idle stage then waits for the whole request's elements (as far
-        # as `batch_upcoming` waits) instead of sending the first alone.
-        announced = awaited.pop(step.index, None)  # the model's batcher, where the request was announced
-        batched = self.registry.batchers.get(step.model_name)
-        batcher = batched[0] if batched is not None else None
-        if batcher is not None:
-            for _ in range(count - (announced is not None)):
-                batcher.expect()
-        unsent = count if batcher is not None else 0
+        announced.spread(step.index, self.dispatcher.batcher_of(step.model_name), count)
         results: list[dict[str, Tensor]] = [{} for _ in range(count)]
         element_step = replace(step, for_each=())
 
         async def element(i: int) -> None:
-            nonlocal unsent
             own = {**values, **{name: parts[i] for name, parts in elements.items()}}
-            announcement = {}
-            if batcher is not None:
-                unsent -= 1  # NOTE: its call is queued without an await in between, taking its announcement
-                announcement = {step.index: batcher}
-            results[i] = await self.call_step(element_step, own, request, deadline, metadata, announcement)
+            results[i] = await self.call_step(element_step, own, request, deadline, metadata, announced)
 
         try:
             if count:
@@ -269,48 +220,11 @@ class Executor:
                 async with asyncio.TaskGroup() as group:
                     for i in range(count):
                         group.create_task(element(i))
-            elif announced is not None:
-                announced.unexpect()
         except BaseExceptionGroup as failure:
             raise _first_error(failure) from None
         finally:
-            for _ in range(unsent):  # elements cancelled before they were queued
-                batcher.unexpect()  # type: ignore[union-attr]
+            announced.withdraw(step.index)  # elements cancelled before they were queued
         return _gathered(step, results, self.registry.signatures.get(step.model_name))
-
-    async def _call_stage(
-        self,
-        step: PlanStep,
-        values: Mapping[str, Tensor],
-        request: pb.ModelInferRequest,
-        deadline: float | None,
-        metadata: Sequence[tuple[str, str | bytes]],
-    ) -> dict[str, Tensor]:
-        """One request, one stage call: the step's model has no batcher. The step gets the request's sequence
-        (its correlation id and flags), as Triton gives it to every step of an ensemble."""
-        stage_request = pb.ModelInferRequest(
-            model_name=step.model_name, model_version=step.model_version, id=request.id
-        )
-        copy_sequence(request, stage_request)
-        for stage_tensor, tensor_name in step.inputs:
-            tensor = values[tensor_name]
-            stage_request.inputs.add(name=stage_tensor, datatype=tensor.datatype, shape=tensor.shape)
-            stage_request.raw_input_contents.append(tensor.raw)
-        for stage_tensor, _ in step.outputs:
-            stage_request.outputs.add(name=stage_tensor)
-        timeout = None
-        if deadline is not None:
-            timeout = deadline - time.monotonic()
-            if timeout <= 0:
-                raise DeadlineExceeded(f"deadline exceeded before {step.label}")
-        response = await self.dispatcher.call(
-            self.clients[step.stage],
-            stage_request,
-            timeout=timeout,
-            metadata=metadata,
-            what=step.label,
-        )
-        return response_tensors(response)
 
 
 def _elements(step: PlanStep, values: Mapping[str, Tensor]) -> tuple[dict[str, list[Tensor]], int]:

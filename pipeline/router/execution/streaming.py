@@ -38,6 +38,7 @@ from pipeline.protocol.streams import error_response, is_final, set_final, statu
 from pipeline.router.execution.branches import skip_reason
 from pipeline.router.execution.executor import Executor
 from pipeline.router.registry import ENSEMBLE_VERSION
+from pipeline.router.scheduling.dispatch import Announcement
 from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.error_status import rpc_status_of
 from pipeline.runtime.model_statistics import ModelStats
@@ -215,7 +216,7 @@ class EnsembleStreams:
         executor = self.executor
         if skip_reason(plan, step, values):
             return
-        outputs = await executor.call_step(step, values, request, deadline, call.metadata, {})
+        outputs = await executor.call_step(step, values, request, deadline, call.metadata, Announcement())
         values.update(outputs)
 
     @staticmethod

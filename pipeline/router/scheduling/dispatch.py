@@ -1,30 +1,25 @@
-"""How the router calls a stage model: one request per stage call, or queued and merged into batches.
+"""How the router calls a stage model: the one call (`StageDispatcher.infer` for a client's request,
+`StageDispatcher.call_step` for an ensemble's step) that sends it to the stage as it is, or queues it in the
+model's batcher (`pipeline.router.scheduling.stage_batchers`) where the model has one.
 
-An unbatched call (`StageDispatcher.call`) sends one request to the stage as it is, and counts it: the model's
-statistics (one execution, taking the request whole), its span, the compute-duration and batch-size
-metrics, and the version that answered. Both the calls of ensemble steps and the clients' requests for a
-stage model take that one path. A stage model with a batcher gets its calls queued and merged into one
-`ModelInfer` per batch, split back by offsets (`pipeline.router.scheduling.merge`); an item the stage refuses fails
-only the request that carried it.
+An unbatched call sends one request to the stage as it is, and counts it: the model's statistics (one
+execution, taking the request whole), its span, the compute-duration and batch-size metrics, and the version
+that answered. A batched one is counted by its batcher. The dispatcher also says which calls are on their
+way to a batcher, so that under load a partial batch may wait for them (`DynamicBatcher.expect`): an
+ensemble's later steps (`Announcement`) and the calls that stage models make (`BlsForecast`).
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
-import logging
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
+from typing import Any
 
-import grpc
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import SpanKind
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.catalog import describe_batching, stated_batching
-from pipeline.ensemble.plan import EnsemblePlan
+from pipeline.ensemble.plan import EnsemblePlan, PlanStep
 from pipeline.protocol.call_chain import CALL_CHAIN_HEADER, ROOT, CallChain
 from pipeline.protocol.codec import (
     Tensor,
@@ -34,28 +29,25 @@ from pipeline.protocol.codec import (
     response_tensors,
     validate_inputs,
 )
-from pipeline.protocol.errors import ConfigError, DeadlineExceeded, InvalidInput, ItemError, StageError
-from pipeline.protocol.parameters import int_parameter
-from pipeline.protocol.types import BatchingConfig
+from pipeline.protocol.errors import DeadlineExceeded, StageError
+from pipeline.protocol.sequences import copy_sequence
 from pipeline.router.caching.cache_policy import ResponseCaching
 from pipeline.router.registry import ModelRegistry, batch_items
-from pipeline.router.scheduling.batching import DynamicBatcher, priority_index
+from pipeline.router.scheduling.batching import DynamicBatcher
 from pipeline.router.scheduling.bls_forecast import BlsForecast
-from pipeline.router.scheduling.merge import BatchMember, TensorBatching
+from pipeline.router.scheduling.merge import BatchMember
+from pipeline.router.scheduling.stage_batchers import StageBatchers
 from pipeline.router.stages.stage_client import StageClient
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.repository import CONFIG_FILE
 from pipeline.runtime.servicer import RequestContext
 from pipeline.runtime.telemetry import MODEL, PEER, STAGE, Telemetry
 
-log = logging.getLogger(__name__)
-
 
 class StageDispatcher:
-    """Calls the stage models, unbatched or through their batchers, and counts every call.
+    """Calls the stage models, unbatched or through their batchers (its own, `batching`), and counts every
+    call.
 
-    The batchers and statistics are the `registry`'s; `caching` hears which version answered each call.
-    """
+    The signatures and statistics are the `registry`'s; `caching` hears which version answered each call."""
 
     def __init__(
         self, registry: ModelRegistry, caching: ResponseCaching, *, telemetry: Telemetry, metrics: Metrics
@@ -64,11 +56,125 @@ class StageDispatcher:
         self.caching = caching
         self.telemetry = telemetry
         self.metrics = metrics
-        self.forecast = BlsForecast(registry.batchers)
+        #: The batched stage models' batchers.
+        self.batching = StageBatchers(registry, caching, telemetry=telemetry, metrics=metrics)
+        self.forecast = BlsForecast(self.batching.batchers)
+
+    # --- a client's request for a stage model --------------------------------------------------------
+
+    async def infer(
+        self, client: StageClient, request: pb.ModelInferRequest, call: RequestContext
+    ) -> pb.ModelInferResponse:
+        """A client's request for a stage model: queued like the ensembles' calls where the model has a
+        batcher, else sent to its stage (`client`'s) as it came."""
+        name = request.model_name
+        batched = self.batching.batchers.get(name)
+        if batched is None:
+            what = f"model '{name}'"
+            return await self._call(client, request, timeout=call.timeout, metadata=call.metadata, what=what)
+        signature = self.registry.signatures[name]
+        inputs = validate_inputs(
+            name, request_tensors(request), signature.inputs, batched[0].config.max_batch_size
+        )
+        wanted = requested_outputs(request, signature.outputs, name)
+        deadline = None if call.timeout is None else time.monotonic() + call.timeout
+        chain = CallChain.of(call.metadata)
+        stage_call = BatchMember(inputs, tuple(wanted), request.model_version, deadline, chain)
+        outputs = await self.batching.submit(
+            name,
+            stage_call,
+            deadline,
+            request.parameters,
+            self.telemetry.current_span(),
+            expected=self.forecast.take(chain, name),
+        )
+        # The version that answered: the one asked, else the default one the stage answered the batch with.
+        version = request.model_version or self.caching.default_versions.get(name, "")
+        return infer_response(name, version, request.id, (outputs[n] for n in wanted))
+
+    # --- an ensemble's step --------------------------------------------------------------------------
+
+    def announce(self, plan: EnsemblePlan) -> Announcement:
+        """A request for `plan` begins: announced to the batcher of each of its batched steps."""
+        batchers = self.batching.batchers
+        if not batchers:
+            return Announcement()
+        return Announcement(
+            {step.index: batchers[step.model_name][0] for step in plan.steps if step.model_name in batchers}
+        )
+
+    def batcher_of(self, model: str) -> DynamicBatcher[Any, Any] | None:
+        """The batcher of `model` (None: its calls are not batched)."""
+        batched = self.batching.batchers.get(model)
+        return batched[0] if batched is not None else None
+
+    async def call_step(
+        self,
+        client: StageClient,
+        step: PlanStep,
+        inputs: dict[str, Tensor],
+        request: pb.ModelInferRequest,
+        deadline: float | None,
+        metadata: Sequence[tuple[str, str | bytes]],
+        announced: Announcement,
+    ) -> dict[str, Tensor]:
+        """One step's call of its model on `client`'s stage, with `inputs` (by the model's tensor names): its
+        outputs by the model's names. Queued in the model's batcher (taking up the request's announcement
+        there) where it has one, else one stage call that carries the request's sequence."""
+        if step.model_name not in self.batching.batchers:
+            return await self._call_unbatched(client, step, inputs, request, deadline, metadata)
+        stage_call = BatchMember(
+            inputs,
+            tuple(stage_tensor for stage_tensor, _ in step.outputs),
+            step.model_version,
+            deadline,
+            CallChain.of(metadata),
+        )
+        try:
+            return await self.batching.submit(
+                step.model_name,
+                stage_call,
+                deadline,
+                request.parameters,
+                self.telemetry.current_span(),
+                expected=announced.take(step.index),
+            )
+        except StageError as err:
+            raise StageError(f"{step.label}: {err.message}", err.code, items=err.items) from None
+
+    async def _call_unbatched(
+        self,
+        client: StageClient,
+        step: PlanStep,
+        inputs: Mapping[str, Tensor],
+        request: pb.ModelInferRequest,
+        deadline: float | None,
+        metadata: Sequence[tuple[str, str | bytes]],
+    ) -> dict[str, Tensor]:
+        """One request, one stage call: the step's model has no batcher. The step gets the request's sequence
+        (its correlation id and flags), as Triton gives it to every step of an ensemble."""
+        stage_request = pb.ModelInferRequest(
+            model_name=step.model_name, model_version=step.model_version, id=request.id
+        )
+        copy_sequence(request, stage_request)
+        for stage_tensor, tensor in inputs.items():
+            stage_request.inputs.add(name=stage_tensor, datatype=tensor.datatype, shape=tensor.shape)
+            stage_request.raw_input_contents.append(tensor.raw)
+        for stage_tensor, _ in step.outputs:
+            stage_request.outputs.add(name=stage_tensor)
+        timeout = None
+        if deadline is not None:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                raise DeadlineExceeded(f"deadline exceeded before {step.label}")
+        response = await self._call(
+            client, stage_request, timeout=timeout, metadata=metadata, what=step.label
+        )
+        return response_tensors(response)
 
     # --- one request, one stage call -----------------------------------------------------------------
 
-    async def call(
+    async def _call(
         self,
         client: StageClient,
         request: pb.ModelInferRequest,
@@ -129,235 +235,63 @@ class StageDispatcher:
             kind=SpanKind.CLIENT,
         )
 
-    async def forward(
-        self, client: StageClient, request: pb.ModelInferRequest, call: RequestContext
-    ) -> pb.ModelInferResponse:
-        """A client's request for a stage model without a batcher: sent to its stage as it came."""
-        what = f"model '{request.model_name}'"
-        return await self.call(client, request, timeout=call.timeout, metadata=call.metadata, what=what)
+    async def close(self) -> None:
+        """Stop every batcher (queued requests fail)."""
+        await self.batching.close()
 
-    # --- batches -------------------------------------------------------------------------------------
 
-    def batch_steps(
-        self,
-        plan: EnsemblePlan,
-        clients: Mapping[str, StageClient],
-        declared: Mapping[str, tuple[BatchingConfig | None, str]],
-        repository: str = "",
-    ) -> None:
-        """Give the model of every batched step its one batcher (`clients`: each step's stage's), shared by
-        every ensemble that calls it: as the model's own config says (`dynamic_batching` in its ModelConfig),
-        else as an ensemble states it (`declared`: model -> the setting, None for off, and where it is
-        stated), else none. Raises `ConfigError` for the ensemble where it states a setting that the model's
-        own, or its batcher already running, disagrees with (`repository`: the router's model repository,
-        where the message finds the model's config.pbtxt)."""
-        errors: list[str] = []
-        chosen: dict[str, BatchingConfig | None] = {}
-        for step in sorted(plan.steps, key=lambda s: s.index):
-            model = step.model_name
-            own = self.registry.signatures[model].batching
-            states, stated = stated_batching(step)
-            where = f"{plan.source} ({step.label})"
-            if states and own is not None and stated != own:
-                config = Path(repository, model, CONFIG_FILE)
-                file = str(config) if repository and config.is_file() else "its own config.pbtxt"
-                errors.append(
-                    f"{where}: model '{model}' has dynamic_batching {describe_batching(stated)} here but "
-                    f"{describe_batching(own)} in {file} (its ModelConfig on stage '{step.stage}'); a model "
-                    "has one batcher, so one setting: drop the ensemble's"
-                )
-                continue
-            batching = own if own is not None else declared.get(model, (None, ""))[0]
-            if batching is not None and self.registry.signatures[model].sequence:
-                errors.append(
-                    f"{where}: model '{model}' has sequence_batching (its ModelConfig on stage '{step.stage}'): "
-                    "the stage that keeps each sequence's state batches its requests, so it takes no "
-                    "dynamic_batching; drop the ensemble's"
-                )
-                continue
-            running = self.registry.batchers.get(model)
-            if running is not None and running[0].config != batching:
-                errors.append(
-                    f"{where}: model '{model}' has dynamic_batching {describe_batching(batching)} here but its "
-                    f"batcher runs with {describe_batching(running[0].config)}; a model's batcher is set once: "
-                    "restart the router to change it"
-                )
-                continue
-            chosen[model] = batching
-        if errors:
-            raise ConfigError("\n".join(errors))
-        for step in plan.steps:
-            batching = chosen[step.model_name]
-            if batching is not None and step.model_name not in self.registry.batchers:
-                log.info("model '%s': batched with %s", step.model_name, batching)
-                self.add_batcher(step.model_name, clients[step.stage], batching)
+class Announcement:
+    """The batched steps that one ensemble request was announced to (`DynamicBatcher.expect`), so that under
+    load a partial batch may wait for it (`BatchingConfig.batch_upcoming`): each announcement is taken up as
+    the step's call is queued (`take`), or taken back where the call does not come (`withdraw`, `release`).
+    A fan-out step's one announcement becomes one per element (`spread`)."""
 
-    def add_batcher(self, model: str, client: StageClient, config: BatchingConfig) -> None:
-        """Queue the calls of `model` (on `client`'s stage) and send them as batches, as `config` says; raises
-        `ConfigError` when the batches would be larger than the model takes."""
-        signature = self.registry.signatures[model]
-        if signature.max_batch_size and config.max_batch_size > signature.max_batch_size:
-            raise ConfigError(
-                f"model '{model}': dynamic_batching max_batch_size {config.max_batch_size} is larger than the "
-                f"stage model's own max_batch_size {signature.max_batch_size}"
-            )
-        tensors = TensorBatching(signature)
-        name = f"stage '{client.endpoint.name}' (model '{model}')"
+    __slots__ = ("_waiting",)
 
-        async def execute(calls: Sequence[BatchMember]) -> list[dict[str, Tensor] | BaseException]:
-            return await self._execute_batch(model, client, tensors, calls)
+    def __init__(self, batchers: Mapping[int, DynamicBatcher[Any, Any]] | None = None) -> None:
+        """`batchers`: the batcher of each batched step, by step index; each is told now."""
+        #: Step index -> its batcher and the calls announced there and not queued yet.
+        self._waiting: dict[int, tuple[DynamicBatcher[Any, Any], int]] = {}
+        if batchers:
+            for index, batcher in batchers.items():
+                batcher.expect()
+                self._waiting[index] = (batcher, 1)
 
-        batcher: DynamicBatcher[BatchMember, dict[str, Tensor]] = DynamicBatcher(
-            name,
-            execute,
-            config,
-            telemetry=self.telemetry,
-            metrics=self.metrics,
-            model=model,
-            replicas=lambda: client.replicas.serving(model),
-        )
-        client.replicas.listeners.append(batcher.replicas_changed)
-        batcher.start()
-        self.registry.batchers[model] = (batcher, tensors)
+    def take(self, index: int) -> bool:
+        """Whether a call of step `index` being queued now was announced (it is taken up)."""
+        entry = self._waiting.get(index)
+        if entry is None:
+            return False
+        batcher, count = entry
+        if count > 1:
+            self._waiting[index] = (batcher, count - 1)
+        else:
+            del self._waiting[index]
+        return True
 
-    async def infer_batched(
-        self, request: pb.ModelInferRequest, call: RequestContext
-    ) -> pb.ModelInferResponse:
-        """A client's call of a stage model that has a batcher: it queues like the ensembles' calls."""
-        name = request.model_name
-        signature = self.registry.signatures[name]
-        batcher, _ = self.registry.batchers[name]
-        inputs = validate_inputs(
-            name, request_tensors(request), signature.inputs, batcher.config.max_batch_size
-        )
-        wanted = requested_outputs(request, signature.outputs, name)
-        deadline = None if call.timeout is None else time.monotonic() + call.timeout
-        chain = CallChain.of(call.metadata)
-        stage_call = BatchMember(inputs, tuple(wanted), request.model_version, deadline, chain)
-        outputs = await self.submit(
-            name,
-            stage_call,
-            deadline,
-            request.parameters,
-            self.telemetry.current_span(),
-            expected=self.forecast.take(chain, name),
-        )
-        # The version that answered: the one asked, else the default one the stage answered the batch with.
-        version = request.model_version or self.caching.default_versions.get(name, "")
-        return infer_response(name, version, request.id, (outputs[n] for n in wanted))
-
-    async def submit(
-        self,
-        model: str,
-        stage_call: BatchMember,
-        deadline: float | None,
-        parameters: Mapping[str, pb.InferParameter],
-        span: Span | None = None,
-        *,
-        expected: bool = False,
-    ) -> dict[str, Tensor]:
-        """Queue one request's call of a batched model and wait for its outputs; `parameters` may give its
-        `priority` (else the call inherits its chain's) and queue `timeout`, `expected`: announced to the
-        batcher by `expect()`."""
-        batcher, tensors = self.registry.batchers[model]
-        try:
-            requested = int_parameter(parameters, "priority") if parameters else None
-            if requested is None and stage_call.chain is not None:
-                requested = stage_call.chain.priority  # what the request whose model calls asked for
-            priority = priority_index(batcher.config, requested)
-            queue_deadline = batcher.deadline_of(
-                deadline, int_parameter(parameters, "timeout") if parameters else None
-            )
-            key = tensors.key(stage_call)
-        except BaseException:
-            if expected:
+    def withdraw(self, index: int) -> None:
+        """Step `index` will not call (any more): what was announced there is taken back, so that its batch
+        need not wait for it."""
+        entry = self._waiting.pop(index, None)
+        if entry is not None:
+            batcher, count = entry
+            for _ in range(count):
                 batcher.unexpect()
-            raise
-        return await batcher.submit(
-            stage_call,
-            size=stage_call.size,
-            key=key,
-            deadline=queue_deadline,
-            priority=priority,
-            span=span,
-            expected=expected,
-        )
 
-    async def _execute_batch(
-        self, model: str, client: StageClient, tensors: TensorBatching, calls: Sequence[BatchMember]
-    ) -> list[dict[str, Tensor] | BaseException]:
-        """One stage call for a batch of requests; an item the stage refuses fails only its request."""
-        request = pb.ModelInferRequest(model_name=model, model_version=calls[0].version)
-        for tensor in tensors.merge(calls):
-            request.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
-            request.raw_input_contents.append(tensor.raw)
-        for name in dict.fromkeys(name for call in calls for name in call.outputs):
-            request.outputs.add(name=name)
-        what = f"a batch of {len(calls)} requests for model '{model}'"
-        metadata: Sequence[tuple[str, str | bytes]] = ()
-        if self.telemetry.enabled:
-            # The batcher made the batch span current: the stage continues it.
-            span = self.telemetry.current_span()
-            if span is not None:
-                span.set_attributes({STAGE: client.endpoint.name, PEER: client.endpoint.address})
-            metadata = self.telemetry.inject(())
-        chain = CallChain.merged(call.chain for call in calls)
-        if chain is not None:
-            metadata = (*metadata, (CALL_CHAIN_HEADER, chain.header()))
-        # The batch's deadline is its last member's: the stage works on while anyone still waits for it.
-        deadlines = [call.deadline for call in calls if call.deadline is not None]
-        timeout = None
-        if len(deadlines) == len(calls):
-            timeout = max(deadlines) - time.monotonic()
-            if timeout <= 0:
-                raise DeadlineExceeded(f"deadline exceeded before {what} was sent")
-        try:
-            response = await client.call("ModelInfer", request, timeout=timeout, metadata=metadata, what=what)
-        except StageError as err:
-            refused = _item_errors(err, calls) if len(calls) > 1 else {}
-            if not refused or len(refused) == len(calls):
-                if refused:  # every request carried a bad item: each hears of its own
-                    return [refused[i] for i in range(len(calls))]
-                raise
-            # Answer the requests whose items were refused, and send the others again without them: one
-            # more stage call, however many items were bad (the stage reports them all).
-            if self.telemetry.enabled and (span := self.telemetry.current_span()) is not None:
-                span.add_event(
-                    "items refused; the rest sent again", {"pipeline.batch.items": sorted(refused)}
-                )
-            rest = [call for i, call in enumerate(calls) if i not in refused]
-            answers = iter(await self._execute_batch(model, client, tensors, rest))
-            return [refused[i] if i in refused else next(answers) for i in range(len(calls))]
-        self.caching.observe_version(model, calls[0].version, response.model_version)
-        return list(tensors.split(response_tensors(response), calls))
+    def spread(self, index: int, batcher: DynamicBatcher[Any, Any] | None, count: int) -> None:
+        """A fan-out step of `count` elements: the request's announcement to the step's `batcher` (None:
+        not batched) becomes one per element, all made before any element is queued, so that an idle stage
+        waits for the whole request's elements (as far as `batch_upcoming` waits) instead of sending the
+        first alone."""
+        if batcher is None or count == 0:
+            self.withdraw(index)
+            return
+        _, announced = self._waiting.get(index, (batcher, 0))
+        for _ in range(count - announced):
+            batcher.expect()
+        self._waiting[index] = (batcher, count)
 
-
-#: A foreign stage's refusal names its item only in the message (`NAME[i]: ...`); ours send details.
-_ITEM = re.compile(r"\b([A-Za-z_][\w.]*)\[(\d+)\]")
-
-
-def _item_errors(err: StageError, calls: Sequence[BatchMember]) -> dict[int, StageError]:
-    """Which requests of a batch a stage's INVALID_ARGUMENT refused, each with its own error (its items'
-    indices made its own). The items come from the error's `BadRequest` details; from a stage that sends
-    none, the first `NAME[i]` of the message."""
-    if err.code != grpc.StatusCode.INVALID_ARGUMENT:
-        return {}
-    items = list(err.items)
-    if not items:
-        match = _ITEM.search(err.message)
-        if match is None:
-            return {}
-        items = [ItemError(match.group(1), int(match.group(2)), err.message[match.end() :].lstrip(": "))]
-    starts = list(itertools.accumulate((call.size for call in calls), initial=0))
-    mine: dict[int, list[ItemError]] = {}
-    for item in items:
-        index = bisect.bisect_right(starts, item.index) - 1
-        if not 0 <= index < len(calls) or item.index >= starts[-1]:
-            return {}  # an index outside the batch: the error is not about items of this batch
-        mine.setdefault(index, []).append(
-            ItemError(item.tensor, item.index - starts[index], item.description)
-        )
-    return {
-        index: StageError(InvalidInput.for_items(own).message, err.code, items=own)
-        for index, own in mine.items()
-    }
+    def release(self) -> None:
+        """The request is done: every announcement it did not take up is taken back."""
+        for index in list(self._waiting):
+            self.withdraw(index)

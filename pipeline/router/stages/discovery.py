@@ -10,13 +10,18 @@ Each replica of a stage is asked for its own index: replicas may serve different
 on one, or each started with its own `--load-model`). A stage serves what any of its replicas lists, and each
 model's calls go only to the replicas that list it (`Replicas.pick`); `pipeline_stage_model_replicas_ready`
 says how many serve each model.
+
+Each look at the indexes (at start-up, every second while the router serves, when a request names a model
+not seen yet, after a load through the router) hands the models found to the router's `learn`, which learns
+the signature of each new one and gives it its batcher: the request path only looks them up, and a request
+for a model that appeared a moment ago waits for the look that finds it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Container, Iterable, Mapping
 
 import grpc
 
@@ -36,6 +41,10 @@ log = logging.getLogger(__name__)
 #: How long a scrape waits for a replica's model metric families.
 FAMILIES_TIMEOUT_S = 2.0
 
+#: What a look at the stages' indexes hands its models to: every model of the stages' repositories, with
+#: the client of the stage that serves it.
+Learn = Callable[[Mapping[str, StageClient]], Awaitable[None]]
+
 
 class StageDiscovery:
     """The stages' clients, their repository indexes, and the stage that serves each model."""
@@ -47,10 +56,11 @@ class StageDiscovery:
         registry: ModelRegistry,
         caching: ResponseCaching,
         metrics: Metrics | None = None,
+        learn: Learn | None = None,
     ) -> None:
         """`clients`: stage key -> its client, in the order the stages are declared. A model found on a stage
         gets its statistics in `registry`; a refreshed repository index tells `caching` which versions are
-        still served."""
+        still served, and `learn` the models the stages serve (see the module's docstring)."""
         self.catalog = catalog
         self.clients = clients
         self.registry = registry
@@ -63,6 +73,7 @@ class StageDiscovery:
         #: Every model of the stages' repositories -> the first declared stage that serves it.
         self.repository_models: dict[str, str] = {}
         self._refreshing: asyncio.Future[None] | None = None
+        self._learn = learn
         if metrics is not None:
             self._export_gauges(metrics)
 
@@ -143,7 +154,8 @@ class StageDiscovery:
     # --- repository indexes --------------------------------------------------------------------------
 
     async def refresh_index(self) -> None:
-        """Ask every stage for its `RepositoryIndex` (READY models) now; calls made meanwhile share one."""
+        """Ask every stage for its `RepositoryIndex` (READY models) now, and hand the models found to `learn`;
+        calls made meanwhile share one."""
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.ensure_future(self._refresh_index())
         await asyncio.shield(self._refreshing)
@@ -160,6 +172,11 @@ class StageDiscovery:
                 served.setdefault(model, key)
         self.repository_models = served
         self.caching.drop_unserved(self.ready_versions)
+        if self._learn is not None:
+            clients = self.clients
+            await self._learn(
+                {model: clients[self.stage_of_model.get(model, key)] for model, key in served.items()}
+            )
 
     def ready_versions(self, model: str) -> frozenset[str] | None:
         """The versions of `model` that the stage serving it lists as READY; None where it cannot say (no
