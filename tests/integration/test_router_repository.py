@@ -21,6 +21,7 @@ from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.errors import ConfigError
 from pipeline.router.main import add_router_arguments, router_catalog, serve_router
+from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.router_settings import RouterSettings
 from pipeline.runtime.server import INFERENCE_SERVICE
@@ -542,3 +543,36 @@ def test_the_ensembles_folder_is_optional_and_readiness_is_strict_unless_told(tm
     fresh = argparse.ArgumentParser()
     add_router_arguments(fresh)
     assert fresh.parse_args([]).strict_readiness is False
+
+
+async def test_discovery_learns_each_model_and_gives_it_its_batcher_before_any_request(tmp_path):
+    """A repository model that no ensemble names is learnt by the router's discovery, not by its first
+    request: once the router is ready, the batcher its own dynamic_batching asks for runs (its queue-depth
+    gauge is exported) before any request for it; a model whose folder is added and loaded through the
+    router after start has its batcher when the load returns. Each then serves its requests, batched at the
+    router (its statistics are the router's own batches)."""
+    explicit = {"model_control_mode": "explicit"}
+    root = stage_repository(tmp_path / "stage", {"lonely": offset_model()}, {"lonely": ""})
+    stage = serving_stages(
+        [], repository=ModelRepository(root), backends=[PythonBackend()], options=explicit, models=["lonely"]
+    )
+    metrics = Metrics()
+
+    def queue_depth(model: str) -> float | None:
+        return metrics.registry.get_sample_value("pipeline_queue_depth", {"model": model})
+
+    async with stage as a:
+        catalog = load_catalog(repository=tmp_path / "ensembles", stages={"a": a.address})
+        async with (
+            serving_router(catalog, metrics=metrics, options=explicit) as router,
+            inference_stub(router.address) as stub,
+        ):
+            await wait_serving(router.address)
+            assert queue_depth("lonely") == 0.0
+            stage_repository(root, {"later": scale_model()}, {"later": ""})
+            await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="later"), timeout=60)
+            assert queue_depth("later") == 0.0
+            for model, expected in (("lonely", X + 1), ("later", 2 * X)):
+                reply = await stub.ModelInfer(request_for(model, X=X), timeout=20)
+                np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), expected)
+                assert await router_batches(router.address, model) == {2: 1}
