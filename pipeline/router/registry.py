@@ -30,8 +30,8 @@ class ModelRegistry:
         self.stats: dict[str, ModelStats] = {}
 
     def learn(self, name: str, signature: ModelSignature) -> bool:
-        """Keep the signature of a stage model first called now, and give it statistics; False when a
-        concurrent call learnt it meanwhile (the first one stays)."""
+        """Keep the signature of a stage model that discovery found now, and give it statistics; False when
+        it was learnt before (the first one stays)."""
         if name in self.signatures:
             return False
         self.signatures[name] = signature

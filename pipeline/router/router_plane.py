@@ -100,7 +100,7 @@ class RouterPlane(DataPlane):
         clients = _stage_clients(
             catalog, metrics, max_message_bytes, stage_tls, stage_token, resolve_interval, resolve
         )
-        self.stages = StageDiscovery(catalog, clients, registry, caching, metrics, learn=self._learn_models)
+        self.stages = StageDiscovery(catalog, clients, registry, metrics, found=self._found)
         self.ensembles = EnsembleAvailability(
             catalog, self.stages, registry, strict_readiness=strict_readiness
         )
@@ -138,7 +138,7 @@ class RouterPlane(DataPlane):
         """Wait for the stages, then serve every ensemble whose models they serve: each checked against its
         models' signatures (a mismatch raises `ConfigError`) and its steps batched. The others are
         UNAVAILABLE until their models are served (see `EnsembleAvailability`). Every other model of the
-        stages' repositories is learnt too (`_learn_models`)."""
+        stages' repositories is learnt too (`_found`)."""
         await self.ensembles.discover(retry_interval, self._serve, exit_on_error=self.exit_on_error)
         await self.stages.refresh_index()
 
@@ -182,11 +182,13 @@ class RouterPlane(DataPlane):
             select_version(name, (ENSEMBLE_VERSION,), version)
         return plan
 
-    async def _learn_models(self, found: Mapping[str, StageClient]) -> None:
-        """Discovery's look at the stages found `found` (model -> its stage's client): learn the signature of
-        each repository model that no ensemble names and that is not learnt yet, and where its config sets
-        `dynamic_batching`, batch its calls as that says (an ensemble's models are learnt, and batched as its
-        steps say, with their ensemble). A model whose stage cannot say now is asked again at the next look."""
+    async def _found(self, found: Mapping[str, StageClient]) -> None:
+        """Discovery's look at the stages found `found` (model -> its stage's client): the cached responses of
+        the versions no stage serves any more are dropped, and each repository model that no ensemble names
+        and that is not learnt yet is learnt: its signature, and where its config sets `dynamic_batching`,
+        its batcher (an ensemble's models are learnt, and batched as its steps say, with their ensemble). A
+        model whose stage cannot say now is asked again at the next look."""
+        self.caching.drop_unserved(self.stages.ready_versions)
         members, signatures = self.ensembles.members, self.registry.signatures
         new = [
             (name, client) for name, client in found.items() if name not in signatures and name not in members

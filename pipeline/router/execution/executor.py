@@ -3,8 +3,9 @@
 Each step runs as soon as the tensors it consumes exist, so independent steps run concurrently (fan-out)
 and a step that consumes several steps' outputs waits for all of them (fan-in). Tensors move between
 stages as raw bytes; the router never decodes elements. The client's deadline and metadata go with every
-stage call. Each step's stage call, batched or not, goes through `pipeline.router.scheduling.dispatch`; in an ensemble
-with conditions, whether a request takes a step is `pipeline.router.execution.branches`'s to say.
+stage call. Each step's stage call goes through `pipeline.router.scheduling.dispatch`, which decides whether
+it is batched; in an ensemble with conditions, whether a request takes a step is
+`pipeline.router.execution.branches`'s to say.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ log = logging.getLogger(__name__)
 
 
 class Executor:
-    """Runs ensemble plans: each step's stage call goes through the `dispatcher`, with the `registry`'s signatures
-    and batchers; `clients` are the stages' by key. Whether a request takes a conditional step is asked of
-    `branches`."""
+    """Runs ensemble plans: each step's stage call goes through the `dispatcher`, which decides whether it is
+    batched (and hears which batched steps a request is on its way to); the `registry` gives the signatures
+    and statistics; `clients` are the stages' by key. Whether a request takes a conditional step is asked
+    of `branches`."""
 
     def __init__(
         self,

@@ -33,7 +33,7 @@ class _Origin:
 class BlsForecast:
     """Origins of the requests sent to stage models, and the batched models each model calls.
 
-    `batchers`: the router's batchers by model (the registry's, whose values hold the batcher first)."""
+    `batchers`: the router's batchers by model (the dispatcher's, whose values hold the batcher first)."""
 
     def __init__(self, batchers: Mapping[str, tuple[DynamicBatcher[Any, Any], Any]]) -> None:
         self._batchers = batchers

@@ -12,9 +12,10 @@ model's calls go only to the replicas that list it (`Replicas.pick`); `pipeline_
 says how many serve each model.
 
 Each look at the indexes (at start-up, every second while the router serves, when a request names a model
-not seen yet, after a load through the router) hands the models found to the router's `learn`, which learns
-the signature of each new one and gives it its batcher: the request path only looks them up, and a request
-for a model that appeared a moment ago waits for the look that finds it.
+not seen yet, after a load through the router) hands the models found to the router's `found`, which learns
+the signature of each new one and gives it its batcher, and drops the cached responses of the versions no
+longer served: the request path only looks them up, and a request for a model that appeared a moment ago
+waits for the look that finds it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.plan import Catalog
 from pipeline.protocol.errors import ModelNotFound, PipelineError, StageError, Unavailable, echo
-from pipeline.router.caching.cache_policy import ResponseCaching
 from pipeline.router.registry import ModelRegistry
 from pipeline.router.stages.replicas import DOWN, SERVING, Replica
 from pipeline.router.stages.stage_client import StageClient
@@ -41,9 +41,9 @@ log = logging.getLogger(__name__)
 #: How long a scrape waits for a replica's model metric families.
 FAMILIES_TIMEOUT_S = 2.0
 
-#: What a look at the stages' indexes hands its models to: every model of the stages' repositories, with
-#: the client of the stage that serves it.
-Learn = Callable[[Mapping[str, StageClient]], Awaitable[None]]
+#: What hears of every look at the stages' indexes: every model of the stages' repositories, with the client
+#: of the stage that serves it.
+Found = Callable[[Mapping[str, StageClient]], Awaitable[None]]
 
 
 class StageDiscovery:
@@ -54,17 +54,15 @@ class StageDiscovery:
         catalog: Catalog,
         clients: Mapping[str, StageClient],
         registry: ModelRegistry,
-        caching: ResponseCaching,
         metrics: Metrics | None = None,
-        learn: Learn | None = None,
+        found: Found | None = None,
     ) -> None:
         """`clients`: stage key -> its client, in the order the stages are declared. A model found on a stage
-        gets its statistics in `registry`; a refreshed repository index tells `caching` which versions are
-        still served, and `learn` the models the stages serve (see the module's docstring)."""
+        gets its statistics in `registry`; `found` hears of each look at the indexes (see the module's
+        docstring)."""
         self.catalog = catalog
         self.clients = clients
         self.registry = registry
-        self.caching = caching
         #: Stage model -> the stage that serves it: as the steps name it, or as found.
         self.stage_of_model: dict[str, str] = catalog.stage_models()
         #: Stage key -> the models its `RepositoryIndex` lists as READY, with their READY versions; None for
@@ -73,7 +71,7 @@ class StageDiscovery:
         #: Every model of the stages' repositories -> the first declared stage that serves it.
         self.repository_models: dict[str, str] = {}
         self._refreshing: asyncio.Future[None] | None = None
-        self._learn = learn
+        self._found = found
         if metrics is not None:
             self._export_gauges(metrics)
 
@@ -154,7 +152,7 @@ class StageDiscovery:
     # --- repository indexes --------------------------------------------------------------------------
 
     async def refresh_index(self) -> None:
-        """Ask every stage for its `RepositoryIndex` (READY models) now, and hand the models found to `learn`;
+        """Ask every stage for its `RepositoryIndex` (READY models) now, and hand the models found to `found`;
         calls made meanwhile share one."""
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.ensure_future(self._refresh_index())
@@ -171,10 +169,9 @@ class StageDiscovery:
             for model in sorted(self.indexes.get(key) or ()):
                 served.setdefault(model, key)
         self.repository_models = served
-        self.caching.drop_unserved(self.ready_versions)
-        if self._learn is not None:
+        if self._found is not None:
             clients = self.clients
-            await self._learn(
+            await self._found(
                 {model: clients[self.stage_of_model.get(model, key)] for model, key in served.items()}
             )
 
