@@ -200,7 +200,9 @@ class RouterPlane(DataPlane):
         )
         for (name, client), answer in zip(new, answers, strict=True):
             if isinstance(answer, PipelineError):
-                log.warning("model '%s': its stage gave no signature yet: %s", name, answer.message)
+                known = self._unlearnt.get(name)
+                if known is None or known.message != answer.message:
+                    log.warning("model '%s': its stage gives no signature now: %s", name, answer.message)
                 self._unlearnt[name] = answer
             elif isinstance(answer, BaseException):
                 raise answer

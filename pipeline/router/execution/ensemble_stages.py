@@ -23,7 +23,6 @@ from pipeline.router.registry import ModelRegistry
 from pipeline.router.stages.discovery import StageDiscovery
 from pipeline.router.stages.replicas import NOT_SERVING
 from pipeline.router.stages.stage_client import StageClient
-from pipeline.runtime.model_statistics import ModelStats
 
 #: How long the router waits at start-up for a stage it cannot reach before it serves what the others serve.
 SETTLE_S = 30.0
@@ -180,11 +179,9 @@ class EnsembleStages:
             if model in signatures:
                 continue
             try:
-                signatures[model] = await self.clients[step.stage].signature(model)
+                self.registry.learn(model, await self.clients[step.stage].signature(model))
             except PipelineError as err:
                 problems.append(f"{step.label}: {err.message}")
-                continue
-            self.registry.stats.setdefault(model, ModelStats())
         if problems:
             raise NotServed("; ".join(problems))
 
