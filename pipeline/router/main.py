@@ -69,7 +69,7 @@ from pipeline.runtime.server_settings import (
     Shutdown,
 )
 from pipeline.runtime.servicer import InferenceServicer
-from pipeline.runtime.settings_cli import ProcessSettings, SettingError, add_arguments
+from pipeline.runtime.settings_cli import ProcessSettings, add_arguments
 from pipeline.runtime.shutdown import ABANDON_S
 from pipeline.runtime.telemetry import Telemetry
 
@@ -370,14 +370,9 @@ async def serve_router(
     )
 
 
-def run_router(args: argparse.Namespace) -> int:
-    """Entry point of the router process: its command line, parsed by `pipeline router`, read into its
-    settings once."""
-    try:
-        settings = router_settings.RouterSettings.of(args)
-    except SettingError as err:
-        log.error("%s", err)
-        return 2
+def run_router(settings: ProcessSettings) -> int:
+    """Entry point of the router process, with the settings `pipeline router` read its command line into (a
+    worker of `--workers N` runs the same command line)."""
     prepare_process(settings.group(Logging).level, "router")
     try:
         if settings.group(RouterOptions).workers > 1:

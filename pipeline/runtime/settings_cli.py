@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, create_model
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -29,7 +29,9 @@ class SettingError(ValueError):
 @dataclass(frozen=True)
 class Option:
     """A setting's flag(s), its environment variable and its help; `parse` reads the flag's and the
-    variable's text (argparse's `type`). A setting without flags is read from its variable alone."""
+    variable's text (argparse's `type`). A setting without flags is read from its variable alone; one whose
+    flag is a plain name (no leading `-`) is a positional argument. A field without a default is a flag the
+    command line must give."""
 
     flags: tuple[str, ...]
     help: str
@@ -42,6 +44,10 @@ class Option:
     nargs: str | None = None
     #: How the variable's text is read where it differs from one flag value's (a list: `parse` reads one item).
     env_parse: Callable[[str], Any] | None = None
+    #: The values the flag takes, where it takes only some (argparse's `choices`).
+    choices: tuple[str, ...] | None = None
+    #: The flags of the same `exclusive` name are mutually exclusive: a command line gives one of them at most.
+    exclusive: str | None = None
 
 
 def option(*flags: str, help: str, **more: Any) -> Option:
@@ -152,6 +158,17 @@ class ProcessSettings(BaseSettings):
         except ValidationError as err:
             raise SettingError(_refused(cls, err)) from None
 
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Each field's value where its flag is not given: its variable's, else its default (None for a field
+        that the command line must give); `SettingError` names a variable that does not parse."""
+        # The fields the command line must give have no default: a model of the others reads the environment.
+        required: dict[str, Any] = {
+            name: (Any, None) for name, field in cls.model_fields.items() if field.is_required()
+        }
+        model = create_model(cls.__name__, __base__=cls, **required) if required else cls
+        return dict(model())
+
     def group(self, kind: type[G]) -> G:
         """This process's settings of one group, typed as that group (the process's model is a subclass of
         each of its groups): what a part of the server that needs only those settings is given."""
@@ -218,11 +235,14 @@ def add_arguments(parser: argparse.ArgumentParser, settings: type[ProcessSetting
     """A flag for each of the settings' options, its default the environment's value, else the field's; a
     variable that does not parse stops with a usage error that names it."""
     try:
-        defaults = settings()
+        defaults = settings.defaults()
     except SettingError as err:
         parser.error(str(err))
-    for name, found, _ in settings.options():
-        arguments: dict[str, Any] = {"dest": name, "default": getattr(defaults, name), "help": found.help}
+    exclusive: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for name, found, field in settings.options():
+        arguments: dict[str, Any] = {"default": defaults[name], "help": found.help}
+        if found.flags[0].startswith("-"):
+            arguments.update(dest=name, required=field.is_required())
         if found.action == "append":
             arguments["action"] = _AppendOverDefault
         elif found.action == "boolean":
@@ -230,5 +250,12 @@ def add_arguments(parser: argparse.ArgumentParser, settings: type[ProcessSetting
         elif found.action is not None:
             arguments["action"] = found.action
         if found.action not in _SWITCHES:
-            arguments.update(type=found.parse, metavar=found.metavar, nargs=found.nargs)
-        parser.add_argument(*found.flags, **arguments)
+            arguments.update(
+                type=found.parse, metavar=found.metavar, nargs=found.nargs, choices=found.choices
+            )
+        target: argparse._ActionsContainer = parser
+        if found.exclusive is not None:
+            if found.exclusive not in exclusive:
+                exclusive[found.exclusive] = parser.add_mutually_exclusive_group()
+            target = exclusive[found.exclusive]
+        target.add_argument(*found.flags, **arguments)

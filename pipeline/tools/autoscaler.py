@@ -9,7 +9,7 @@ router has stopped choosing it (it drains what it still has, as on any stop). Th
 the others are (restarted where they die). The launcher looks at the router's metrics every `interval`
 seconds, logs every change with its reason and figures, and counts every decision in its own metrics
 (`pipeline_autoscaler_decisions_total{stage,direction,reason}`, `pipeline_autoscaler_replicas{stage}`),
-served on `--autoscale-metrics-port`.
+served on `--autoscale-metrics-port`. Its settings are `Autoscaling`, a group of `pipeline run`'s.
 """
 
 from __future__ import annotations
@@ -22,14 +22,20 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from pydantic import BaseModel
 
+from pipeline.runtime.settings_cli import option
 from pipeline.tools.scaling import (
+    COOLDOWN_S,
     DOWN,
     HOLD,
+    INFLIGHT_PER_REPLICA,
+    QUEUE_SECONDS_TARGET,
     UP,
     Autoscaler,
     RouterSample,
@@ -55,6 +61,66 @@ def autoscale_bounds(text: str) -> dict[str, tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"expected STAGE=MIN:MAX with 1 <= MIN <= MAX, got {item!r}")
         bounds[stage] = (int(low), int(high))
     return bounds
+
+
+class Autoscaling(BaseModel):
+    """The autoscaler's settings, `pipeline run`'s `--autoscale*` flags: a stage's local replicas between
+    bounds, and the targets they are scaled to."""
+
+    autoscale: Annotated[
+        dict[str, tuple[int, int]],
+        option(
+            "--autoscale",
+            parse=autoscale_bounds,
+            metavar="STAGE=MIN:MAX[,STAGE=MIN:MAX]",
+            help="scale a stage's processes between MIN and MAX replicas on the router's queue time, queue "
+            "depth and calls in flight (the Kubernetes HPAs' signals and targets), e.g. model=1:4",
+        ),
+    ] = {}
+    autoscale_queue_ms: Annotated[
+        float,
+        option(
+            "--autoscale-queue-ms",
+            parse=float,
+            help="target of the mean time requests wait in the router's queues for a stage's models "
+            "(default %(default)s, as the HPAs')",
+        ),
+    ] = QUEUE_SECONDS_TARGET * 1000
+    autoscale_inflight: Annotated[
+        float,
+        option(
+            "--autoscale-inflight",
+            parse=float,
+            help="target of the router's calls in flight per replica of a stage (default %(default)s, as the "
+            "HPAs': a replica busy 90%% of the time asks for another); 0 scales on the queue alone",
+        ),
+    ] = INFLIGHT_PER_REPLICA
+    autoscale_cooldown: Annotated[
+        float,
+        option(
+            "--autoscale-cooldown",
+            parse=float,
+            help="seconds a stage's need must stay lower before a replica is removed, and between removals "
+            "(default %(default)s, the HPAs' scale-down stabilization window)",
+        ),
+    ] = COOLDOWN_S
+    autoscale_interval: Annotated[
+        float,
+        option(
+            "--autoscale-interval",
+            parse=float,
+            help="seconds between looks at the router's metrics (default %(default)s)",
+        ),
+    ] = 2.0
+    autoscale_metrics_port: Annotated[
+        int,
+        option(
+            "--autoscale-metrics-port",
+            parse=int,
+            help="Prometheus port of the autoscaler's decisions and replica counts (0: one the OS picks; "
+            "printed)",
+        ),
+    ] = 0
 
 
 @dataclass
@@ -272,14 +338,14 @@ def _serving(address: str, credentials: grpc.ChannelCredentials | None) -> bool:
 
 
 def scaled_stage(
-    kind: str, bounds: tuple[int, int], args: argparse.Namespace, addresses: Path, serving: list[Service]
+    kind: str, bounds: tuple[int, int], settings: Autoscaling, addresses: Path, serving: list[Service]
 ) -> ScaledStage:
-    """An autoscaled stage as `pipeline run`'s flags say, its first replicas `serving`."""
+    """An autoscaled stage as `pipeline run`'s settings say, its first replicas `serving`."""
     targets = ScalingTargets(
         minimum=bounds[0],
         maximum=bounds[1],
-        queue_seconds=args.autoscale_queue_ms / 1000,
-        inflight_per_replica=args.autoscale_inflight,
-        cooldown=args.autoscale_cooldown,
+        queue_seconds=settings.autoscale_queue_ms / 1000,
+        inflight_per_replica=settings.autoscale_inflight,
+        cooldown=settings.autoscale_cooldown,
     )
     return ScaledStage(kind, Autoscaler(targets), addresses, serving, next_number=len(serving) + 1)

@@ -4,19 +4,20 @@ appears as it is written)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Annotated
 
 import grpc
 import numpy as np
+from pydantic import BaseModel
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.sequences import SequenceId
-from pipeline.runtime.client_settings import ClientSettings
-from pipeline.runtime.settings_cli import add_arguments
+from pipeline.runtime.client_settings import Client
+from pipeline.runtime.settings_cli import ProcessSettings, option, process_settings
 from pipeline.tools.client import InferenceClient, StreamError, StreamResponse, bytes_batch, value_array
 
 
@@ -24,91 +25,122 @@ class InputError(ValueError):
     """The inputs asked for on the command line cannot be made for this model."""
 
 
-def add_infer_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `pipeline infer`."""
-    parser.add_argument("files", nargs="*", help="files sent as the model's BYTES input, one batch item each")
-    parser.add_argument("--model", "-m", required=True, help="ensemble or model name, e.g. digits")
-    add_arguments(parser, ClientSettings)
-    parser.add_argument(
-        "--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", help="a numeric input"
-    )
-    parser.add_argument(
-        "--value",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="an input of one element, of the datatype the model declares: a number, or text for BYTES "
-        "(e.g. --value PROMPT='To be' --value MAX_TOKENS=80)",
-    )
-    parser.add_argument(
-        "--stream",
-        action="store_true",
-        help="send the request over ModelStreamInfer and print each response as it arrives (BYTES outputs "
-        "as text, one after the other), up to the one flagged final",
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=30.0, help="deadline in seconds (of the whole stream)"
-    )
-    parser.add_argument("--json", action="store_true", help="print the outputs as JSON (a line per response)")
-    parser.add_argument(
-        "--sequence-id",
-        metavar="ID",
-        help="send the request as one of a sequence, for a stateful model (sequence_batching): an unsigned "
-        "integer, or any other text as a string id",
-    )
-    parser.add_argument(
-        "--start", action="store_true", help="the request starts its sequence (with --sequence-id)"
-    )
-    parser.add_argument(
-        "--end", action="store_true", help="the request ends its sequence (with --sequence-id)"
-    )
+class InferTarget(BaseModel):
+    """What `pipeline infer` calls, and the files it sends."""
+
+    files: Annotated[
+        list[str],
+        option("files", nargs="*", help="files sent as the model's BYTES input, one batch item each"),
+    ] = []
+    model: Annotated[str, option("--model", "-m", help="ensemble or model name, e.g. digits")]
 
 
-def run_infer_command(args: argparse.Namespace) -> int:
+class InferRequest(BaseModel):
+    """The request `pipeline infer` sends, and how it prints the answer."""
+
+    input: Annotated[
+        list[str], option("--input", "-i", action="append", metavar="NAME=FILE.npy", help="a numeric input")
+    ] = []
+    value: Annotated[
+        list[str],
+        option(
+            "--value",
+            action="append",
+            metavar="NAME=VALUE",
+            help="an input of one element, of the datatype the model declares: a number, or text for BYTES "
+            "(e.g. --value PROMPT='To be' --value MAX_TOKENS=80)",
+        ),
+    ] = []
+    stream: Annotated[
+        bool,
+        option(
+            "--stream",
+            action="store_true",
+            help="send the request over ModelStreamInfer and print each response as it arrives (BYTES outputs "
+            "as text, one after the other), up to the one flagged final",
+        ),
+    ] = False
+    timeout: Annotated[
+        float, option("--timeout", parse=float, help="deadline in seconds (of the whole stream)")
+    ] = 30.0
+    as_json: Annotated[
+        bool, option("--json", action="store_true", help="print the outputs as JSON (a line per response)")
+    ] = False
+    sequence_id: Annotated[
+        str | None,
+        option(
+            "--sequence-id",
+            metavar="ID",
+            help="send the request as one of a sequence, for a stateful model (sequence_batching): an unsigned "
+            "integer, or any other text as a string id",
+        ),
+    ] = None
+    start: Annotated[
+        bool,
+        option("--start", action="store_true", help="the request starts its sequence (with --sequence-id)"),
+    ] = False
+    end: Annotated[
+        bool, option("--end", action="store_true", help="the request ends its sequence (with --sequence-id)")
+    ] = False
+
+
+#: `pipeline infer`'s settings: the model and files, the server (`client_settings.Client`), the request.
+InferSettings = process_settings("InferSettings", (InferTarget, Client, InferRequest))
+
+
+def run_infer_command(settings: ProcessSettings) -> int:
     """`pipeline infer`: 0 when answered, 1 when the server refused, 2 when the inputs cannot be made."""
-    client = InferenceClient(
-        args.url, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token=args.token
+    target, server, request = (
+        settings.group(InferTarget),
+        settings.group(Client),
+        settings.group(InferRequest),
     )
+    client = InferenceClient(
+        server.url, tls_ca=server.tls_ca, tls_cert=server.tls_cert, tls_key=server.tls_key, token=server.token
+    )
+    model, timeout = target.model, request.timeout
     with client:
         try:
-            sequence = sequence_of_arguments(args)
-            inputs = build_inputs(client.model_metadata(args.model, timeout=args.timeout), args)
-            if args.stream:
-                responses = client.stream(args.model, inputs, timeout=args.timeout, sequence=sequence)
-                return _print_stream(responses, args.json)
-            outputs = client.infer(args.model, inputs, timeout=args.timeout, sequence=sequence)
+            sequence = sequence_of_arguments(request)
+            inputs = build_inputs(client.model_metadata(model, timeout=timeout), request, target.files)
+            if request.stream:
+                responses = client.stream(model, inputs, timeout=timeout, sequence=sequence)
+                return _print_stream(responses, request.as_json)
+            outputs = client.infer(model, inputs, timeout=timeout, sequence=sequence)
         except InputError as err:
             print(err, file=sys.stderr)
             return 2
         except grpc.RpcError as err:
             print(f"{err.code().name}: {err.details()}", file=sys.stderr)
             return 1
-    _print_outputs(outputs, args.files, args.json)
+    _print_outputs(outputs, target.files, request.as_json)
     return 0
 
 
-def sequence_of_arguments(args: argparse.Namespace) -> SequenceId | None:
+def sequence_of_arguments(request: InferRequest) -> SequenceId | None:
     """The sequence `--sequence-id`, `--start` and `--end` name (None without `--sequence-id`)."""
-    if args.sequence_id is None:
-        if args.start or args.end:
+    if request.sequence_id is None:
+        if request.start or request.end:
             raise InputError("--start and --end need --sequence-id")
         return None
-    text = args.sequence_id
+    text = request.sequence_id
     value: int | str = int(text) if text.isascii() and text.isdigit() else text
     if not value:
         raise InputError("--sequence-id must not be 0 or empty: that names no sequence")
-    return SequenceId(value, args.start, args.end)
+    return SequenceId(value, request.start, request.end)
 
 
-def build_inputs(meta: pb.ModelMetadataResponse, args: argparse.Namespace) -> dict[str, np.ndarray]:
-    """The request's inputs from `--input` (.npy files), `--value` and the files (the model's one BYTES
+def build_inputs(
+    meta: pb.ModelMetadataResponse, request: InferRequest, files: Sequence[str] = ()
+) -> dict[str, np.ndarray]:
+    """The request's inputs from `--input` (.npy files), `--value` and the `files` (the model's one BYTES
     input); `InputError` for what does not fit the model's metadata."""
     inputs = {}
-    for item in args.input:
+    for item in request.input:
         name, _, path = item.partition("=")
         inputs[name] = np.load(path, allow_pickle=False)
     declared = {tensor.name: tensor for tensor in meta.inputs}
-    for item in args.value:
+    for item in request.value:
         name, sep, text = item.partition("=")
         if not sep or name not in declared:
             raise InputError(
@@ -116,14 +148,14 @@ def build_inputs(meta: pb.ModelMetadataResponse, args: argparse.Namespace) -> di
                 f"({', '.join(declared) or 'none'}), got {item!r}"
             )
         inputs[name] = one_element(declared[name], text)
-    if args.files:
+    if files:
         byte_inputs = [t for t in meta.inputs if t.datatype == "BYTES"]
         if len(byte_inputs) != 1:
             raise InputError(
                 f"model '{meta.name}' has no single BYTES input to send files to; use --input NAME=file.npy"
             )
         target = byte_inputs[0]
-        inputs[target.name] = bytes_batch([Path(f).read_bytes() for f in args.files], target.shape)
+        inputs[target.name] = bytes_batch([Path(f).read_bytes() for f in files], target.shape)
     return inputs
 
 

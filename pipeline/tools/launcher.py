@@ -11,7 +11,6 @@ SIGKILLed. The services end with the launcher even when it is killed (`pipeline.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import secrets
@@ -29,19 +28,27 @@ from pipeline.ensemble.plan import EnsemblePlan
 from pipeline.ensemble.selection import named, selection
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import server_settings
-from pipeline.runtime.router_settings import RouterOptions
+from pipeline.runtime.router_settings import Front, Readiness, RouterOptions
 from pipeline.runtime.security import channel_credentials
-from pipeline.runtime.server_settings import RouterToken, Security
-from pipeline.runtime.settings_cli import add_arguments, from_environment, variable_of, variable_text
+from pipeline.runtime.server_settings import Logging, ModelControl, RouterToken, Security
+from pipeline.runtime.settings_cli import ProcessSettings, from_environment, variable_of, variable_text
 from pipeline.tools.autoscaler import (
     RESOLVE_INTERVAL_S,
+    Autoscaling,
     LocalAutoscaler,
     scaled_stage,
     write_addresses,
 )
-from pipeline.tools.launcher_settings import LauncherSettings
+from pipeline.tools.launcher_settings import (
+    Launcher,
+    LauncherLoading,
+    LauncherPorts,
+    LauncherSecurity,
+    LauncherStagePorts,
+    Restarts,
+)
 from pipeline.tools.model_selection import load_model_flags, stage_models, unknown_names
-from pipeline.tools.model_store import model_store_repository
+from pipeline.tools.model_store import LauncherModelStore, model_store_repository
 from pipeline.tools.supervisor import (
     RestartPolicy,
     Service,
@@ -116,52 +123,48 @@ def _ensembles(folder: Path, model_dir: Path, load_model: list[str]) -> list[str
     )
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """`pipeline run`'s flags (`pipeline.tools.launcher_settings.LauncherSettings`)."""
-    add_arguments(parser, LauncherSettings)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Start the pipeline and supervise it until a signal, or until a process keeps dying; returns the exit
-    code."""
+def run(settings: ProcessSettings) -> int:
+    """Start the pipeline as `pipeline run`'s settings (`pipeline.tools.launcher_settings.LauncherSettings`)
+    say, and supervise it until a signal, or until a process keeps dying; returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
     try:
-        refused = _refusal(args)
-        store_repository = None if refused else model_store_repository(args)
+        refused = _refusal(settings)
+        store_repository = None if refused else model_store_repository(settings.group(LauncherModelStore))
     except ConfigError as err:
         refused = str(err)
     if refused:
         log.error("%s", refused)
         return 2
     if store_repository is not None:
-        args.model_dir = store_repository  # the store's archives, as a model repository (this run's)
-    tls_dir: Path | None = getattr(args, "tls_dir", None)
-    tls = _tls(tls_dir, args.mtls) if tls_dir is not None else _Tls()
-    grace = ["--grace-period", str(args.grace_period)]
+        # The store's archives, as a model repository (this run's).
+        settings = settings.model_copy(update={"model_dir": store_repository})
+    security, launcher = settings.group(LauncherSecurity), settings.group(Launcher)
+    tls = _tls(security.tls_dir, security.mtls) if security.tls_dir is not None else _Tls()
+    grace = ["--grace-period", str(launcher.grace_period)]
     # One repository for every service: each serves the entries whose backend it runs.
     ports = Path(tempfile.mkdtemp(prefix="pipeline-ports-"))
     # The models' calls to other models (BLS) go to the router, whose port the stages read where it writes it.
     router_port = ["--router-port-file", str(ports / "router")]
-    stage_flags = _stage_flags(args, [*grace, *tls.stage, *router_port])
-    stages = _stage_services(args, stage_flags)
+    stage_flags = _stage_flags(settings, [*grace, *tls.stage, *router_port])
+    stages = _stage_services(settings, stage_flags)
     http_port_file = ports / "router.http"
-    router = _router_service(args, grace, tls.router, http_port_file)
+    router = _router_service(settings, grace, tls.router, http_port_file)
     everything = [router, *stages]  # stop order: the router drains while the stages still serve
     stage_env = _hand_tokens(router, stages)
-    autoscale: dict[str, tuple[int, int]] = getattr(args, "autoscale", {})
+    autoscale = settings.group(Autoscaling).autoscale
+    host = settings.group(LauncherPorts).host
     signals = _StopOnSignal()
     supervisor: Supervisor | None = None
     autoscaler: LocalAutoscaler | None = None
     try:
         signals.install()
-        _start(stages, router, args.host, ports, args.startup_timeout, tls.credentials, autoscale)
+        _start(stages, router, host, ports, launcher.startup_timeout, tls.credentials, autoscale)
         _pin_ports(everything, ports, http_port_file)
-        supervisor = _supervisor(args, everything, ports, tls.credentials)
+        supervisor = _supervisor(settings, everything, ports, tls.credentials)
         if autoscale:
-            autoscaler = _autoscaler(args, autoscale, stages, router, supervisor, stage_flags, stage_env)
-        _announce(
-            args, router, stages, ports, http_port_file, secure=tls_dir is not None, autoscaler=autoscaler
-        )
+            autoscaler = _autoscaler(settings, stages, router, supervisor, stage_flags, stage_env)
+        secure = security.tls_dir is not None
+        _announce(settings, router, stages, ports, http_port_file, secure=secure, autoscaler=autoscaler)
         return supervisor.run(lambda: signals.stopping, tick=autoscaler.step if autoscaler else None)
     except _Stop:
         return 0
@@ -172,26 +175,27 @@ def run(args: argparse.Namespace) -> int:
         log.info("stopping: router first, then the stages")
         if autoscaler is not None:
             autoscaler.close()
-        _stop_all(router, supervisor.services if supervisor is not None else everything, args)
+        _stop_all(router, supervisor.services if supervisor is not None else everything, launcher)
         shutil.rmtree(ports, ignore_errors=True)
         if store_repository is not None:
             shutil.rmtree(store_repository, ignore_errors=True)
 
 
 def _supervisor(
-    args: argparse.Namespace,
+    settings: ProcessSettings,
     services: list[Service],
     ports: Path,
     credentials: grpc.ChannelCredentials | None,
 ) -> Supervisor:
     """What restarts the services that die, as `--restart-limit` and `--restart-window` say."""
+    restarts, host = settings.group(Restarts), settings.group(LauncherPorts).host
     return Supervisor(
         services,
-        RestartPolicy(limit=args.restart_limit, window=args.restart_window),
-        host=args.host,
-        connect=_connect_address(args.host),
+        RestartPolicy(limit=restarts.restart_limit, window=restarts.restart_window),
+        host=host,
+        connect=_connect_address(host),
         ports=ports,
-        startup_timeout=args.startup_timeout,
+        startup_timeout=settings.group(Launcher).startup_timeout,
         credentials=credentials,
     )
 
@@ -207,28 +211,28 @@ def _hand_tokens(router: Service, stages: list[Service]) -> dict[str, str]:
     return stage_env
 
 
-def _refusal(args: argparse.Namespace) -> str | None:
-    """Why the flags cannot run the pipeline, if they cannot: missing TLS files, autoscaling that cannot work,
-    `--load-model` names that are not there."""
-    tls_dir: Path | None = getattr(args, "tls_dir", None)
+def _refusal(settings: ProcessSettings) -> str | None:
+    """Why the settings cannot run the pipeline, if they cannot: missing TLS files, autoscaling that cannot
+    work, `--load-model` names that are not there."""
+    tls_dir, launcher = settings.group(LauncherSecurity).tls_dir, settings.group(Launcher)
     if tls_dir is not None and (missing := _missing_tls_files(tls_dir)):
         return f"--tls-dir: missing {', '.join(missing)} (make them with scripts/make-certs.sh)"
-    autoscale: dict[str, tuple[int, int]] = getattr(args, "autoscale", {})
-    if autoscale and args.metrics_port is None:
+    autoscale = settings.group(Autoscaling).autoscale
+    if autoscale and launcher.metrics_port is None:
         return "--autoscale reads the router's metrics: it needs --metrics-port (not 'off')"
     if unknown := sorted(set(autoscale) - set(STAGES)):
         return f"--autoscale: unknown stage(s) {', '.join(unknown)} (stages: {', '.join(STAGES)})"
-    if unknown := unknown_names(args.load_model, args.model_dir, args.ensembles):
+    load_model = settings.group(LauncherLoading).load_model
+    if unknown := unknown_names(load_model, launcher.model_dir, launcher.ensembles):
         return (
             f"--load-model: no model or ensemble named {', '.join(map(repr, unknown))} in the model "
-            f"repository {args.model_dir} or the ensembles of {args.ensembles}"
+            f"repository {launcher.model_dir} or the ensembles of {launcher.ensembles}"
         )
     return None
 
 
 def _autoscaler(
-    args: argparse.Namespace,
-    autoscale: dict[str, tuple[int, int]],
+    settings: ProcessSettings,
     stages: list[Service],
     router: Service,
     supervisor: Supervisor,
@@ -236,16 +240,16 @@ def _autoscaler(
     env: dict[str, str],
 ) -> LocalAutoscaler:
     """The autoscaler of `pipeline run --autoscale`, its stages' first replicas those started."""
-    ports = supervisor.ports
+    ports, autoscaling = supervisor.ports, settings.group(Autoscaling)
     scaled = [
         scaled_stage(
             kind,
             bounds,
-            args,
+            autoscaling,
             addresses_file(ports, kind),
             [s for s in stages if s.name.split("-")[0] == kind],
         )
-        for kind, bounds in autoscale.items()
+        for kind, bounds in autoscaling.autoscale.items()
     ]
 
     def new_replica(kind: str, number: int) -> Service:
@@ -262,25 +266,25 @@ def _autoscaler(
         new_replica=new_replica,
         supervisor=supervisor,
         metrics_url=metrics_url,
-        interval=args.autoscale_interval,
-        stop_within=_stop_within(args),
-        metrics_port=args.autoscale_metrics_port,
-        host=args.host,
+        interval=autoscaling.autoscale_interval,
+        stop_within=_stop_within(settings.group(Launcher)),
+        metrics_port=autoscaling.autoscale_metrics_port,
+        host=settings.group(LauncherPorts).host,
     )
 
 
-def _stop_all(router: Service, services: list[Service], args: argparse.Namespace) -> None:
+def _stop_all(router: Service, services: list[Service], launcher: Launcher) -> None:
     """Stop the router first (it drains while the stages still serve), then every other service at once."""
-    within = _stop_within(args)
+    within = _stop_within(launcher)
     stop([router], within)
     stop([s for s in services if s is not router], within)
 
 
-def _stop_within(args: argparse.Namespace) -> float:
+def _stop_within(launcher: Launcher) -> float:
     """How long a service gets to stop before it is killed: its drain delay (from the environment, as the
     services read it), the grace period and margins (`pipeline.tools.supervisor.stop_within`)."""
     given, delay = from_environment(server_settings.Shutdown, "drain_delay")
-    return stop_within(args.grace_period, delay if given else server_settings.Shutdown().drain_delay)
+    return stop_within(launcher.grace_period, delay if given else server_settings.Shutdown().drain_delay)
 
 
 def _pin_ports(services: list[Service], ports: Path, http_port_file: Path) -> None:
@@ -320,40 +324,40 @@ def _tls(tls_dir: Path, mtls: bool) -> _Tls:
     return _Tls(stage=[*served, "--tls-ca", ca], router=router, credentials=credentials)
 
 
-def _triton_flags(args: argparse.Namespace) -> list[str]:
+def _triton_flags(settings: ProcessSettings) -> list[str]:
     """The flags of Triton's that every service takes, as `pipeline run` was given them."""
+    logging_ = settings.group(Logging)
     return [
-        f"--model-control-mode={args.model_control_mode}",
-        f"--log-level={args.log_level}",
-        f"--log-verbose={args.log_verbose}",
+        f"--model-control-mode={settings.group(ModelControl).model_control_mode}",
+        f"--log-level={logging_.log_level}",
+        f"--log-verbose={logging_.log_verbose}",
     ]
 
 
-def _stage_flags(args: argparse.Namespace, shared: list[str]) -> dict[str, list[str]]:
+def _stage_flags(settings: ProcessSettings, shared: list[str]) -> dict[str, list[str]]:
     """Each kind of stage's flags: `shared`, the model repository, Triton's flags, and where `--load-model`
     selects the models, those of them it runs (`pipeline.tools.model_selection`)."""
-    loads = stage_models(args.load_model, args.model_dir, args.ensembles)
-    flags = ["--model-dir", str(args.model_dir), *shared, *_triton_flags(args)]
+    launcher = settings.group(Launcher)
+    loads = stage_models(settings.group(LauncherLoading).load_model, launcher.model_dir, launcher.ensembles)
+    flags = ["--model-dir", str(launcher.model_dir), *shared, *_triton_flags(settings)]
     return {kind: [*flags, *([] if loads is None else load_model_flags(loads[kind]))] for kind in STAGES}
 
 
-def _stage_services(args: argparse.Namespace, flags: Mapping[str, list[str]]) -> list[Service]:
+def _stage_services(settings: ProcessSettings, flags: Mapping[str, list[str]]) -> list[Service]:
     """Every stage service, `--replicas` processes of each (at least an autoscaled stage's minimum), each with
     its kind's `flags`."""
-    ports = {
-        "preprocess": args.preprocess_port,
-        "model": args.model_port,
-        "postprocess": args.postprocess_port,
-    }
-    autoscale = getattr(args, "autoscale", {})
+    ports = settings.group(LauncherStagePorts).stage_ports()
+    autoscale = settings.group(Autoscaling).autoscale
+    replicas = settings.group(LauncherSecurity).replicas
     stages: list[Service] = []
     for kind in STAGES:
-        count = args.replicas.get(kind, 1)
+        count = replicas.get(kind, 1)
         if kind in autoscale:
             count = min(max(count, autoscale[kind][0]), autoscale[kind][1])
         numbered = count > 1 or kind in autoscale
         for i in range(count):
-            stages.append(_stage_service(kind, i + 1 if numbered else 0, ports[kind] if i == 0 else 0, flags))
+            port = ports[kind] if i == 0 else 0
+            stages.append(_stage_service(kind, i + 1 if numbered else 0, port, flags))
     return stages
 
 
@@ -371,26 +375,38 @@ def _stage_service(kind: str, number: int, port: int, flags: Mapping[str, list[s
 
 
 def _router_service(
-    args: argparse.Namespace, grace: list[str], tls: list[str], http_port_file: Path
+    settings: ProcessSettings, grace: list[str], tls: list[str], http_port_file: Path
 ) -> Service:
     """The router service; it writes the HTTP port it binds to `http_port_file`."""
-    router_metrics = ["--metrics-port", "off" if args.metrics_port is None else str(args.metrics_port)]
-    router_http = ["--http-port", "off" if args.http_port is None else str(args.http_port)]
+    where, launcher, readiness = (
+        settings.group(LauncherPorts),
+        settings.group(Launcher),
+        settings.group(Readiness),
+    )
+    router_metrics = [
+        "--metrics-port",
+        "off" if launcher.metrics_port is None else str(launcher.metrics_port),
+    ]
+    router_http = ["--http-port", "off" if where.http_port is None else str(where.http_port)]
     router_http += ["--http-port-file", str(http_port_file)]
     router = Service(
         "router",
         ["-m", "pipeline", "router"],
-        args.port,
-        ["--ensembles", str(args.ensembles), *grace, *router_metrics, *router_http, *tls],
+        where.port,
+        ["--ensembles", str(launcher.ensembles), *grace, *router_metrics, *router_http, *tls],
     )
-    router.args += ["--model-dir", str(args.model_dir)]  # its config.pbtxt ensembles, the stages' models
-    router.args += ["--workers", str(max(1, args.router_workers)), *_triton_flags(args)]
-    router.args += ["--front", args.front]
-    router.args += [f"--strict-readiness={str(args.strict_readiness).lower()}"]
-    router.args += [f"--exit-on-error={str(args.exit_on_error).lower()}"]
-    router.args += [f"--load-model={name}" for name in named(args.load_model) or ()]
-    if getattr(args, "model_store", None) is not None:
-        router.args += ["--model-store", str(args.model_store)]  # TorchServe's register reads it
+    router.args += ["--model-dir", str(launcher.model_dir)]  # its config.pbtxt ensembles, the stages' models
+    workers = max(1, settings.group(LauncherSecurity).router_workers)
+    router.args += ["--workers", str(workers), *_triton_flags(settings)]
+    router.args += ["--front", settings.group(Front).front]
+    router.args += [f"--strict-readiness={str(readiness.strict_readiness).lower()}"]
+    router.args += [f"--exit-on-error={str(readiness.exit_on_error).lower()}"]
+    router.args += [
+        f"--load-model={name}" for name in named(settings.group(LauncherLoading).load_model) or ()
+    ]
+    store = settings.group(LauncherModelStore).model_store
+    if store is not None:
+        router.args += ["--model-store", str(store)]  # TorchServe's register reads it
     return router
 
 
@@ -442,7 +458,7 @@ def _start(
 
 
 def _announce(
-    args: argparse.Namespace,
+    settings: ProcessSettings,
     router: Service,
     stages: list[Service],
     ports: Path,
@@ -452,12 +468,13 @@ def _announce(
     autoscaler: LocalAutoscaler | None = None,
 ) -> None:
     """Print what the pipeline serves and where, and where each process's Prometheus metrics are."""
-    connect = _connect_address(args.host)
+    connect, launcher = _connect_address(settings.group(LauncherPorts).host), settings.group(Launcher)
     http = ""
     if http_port_file.exists():  # written before the router's gRPC port, so there by now
         scheme = "https" if secure else "http"
         http = f" and {scheme}://{connect}:{int(http_port_file.read_text())} (HTTP/REST)"
-    ensembles = ", ".join(_ensembles(args.ensembles, args.model_dir, args.load_model)) or "no ensemble"
+    load_model = settings.group(LauncherLoading).load_model
+    ensembles = ", ".join(_ensembles(launcher.ensembles, launcher.model_dir, load_model)) or "no ensemble"
     print(
         f"pipeline: serving {ensembles} on "
         f"{connect}:{router.port} (gRPC{' over TLS' if secure else ''}){http}, Open Inference Protocol; "

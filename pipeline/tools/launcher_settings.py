@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
-from pydantic import BaseModel, create_model
+from pydantic import BaseModel
 
 from pipeline.runtime.router_settings import Front, Readiness, http_port_option
 from pipeline.runtime.server_settings import Logging, ModelControl, model_dir_option
-from pipeline.runtime.settings_cli import option, process_settings
+from pipeline.runtime.settings_cli import Option, option, process_settings
 from pipeline.runtime.settings_values import (
     DEFAULT_MODEL_DIR,
     PORTS,
@@ -21,9 +21,8 @@ from pipeline.runtime.settings_values import (
     positive_int,
 )
 from pipeline.runtime.shutdown import EXIT_MARGIN_S
-from pipeline.tools.autoscaler import autoscale_bounds
+from pipeline.tools.autoscaler import Autoscaling
 from pipeline.tools.model_store import LauncherModelStore
-from pipeline.tools.scaling import COOLDOWN_S, INFLIGHT_PER_REPLICA, QUEUE_SECONDS_TARGET
 from pipeline.tools.supervisor import KILL_MARGIN_S, RestartPolicy
 
 
@@ -61,16 +60,26 @@ class LauncherPorts(BaseModel):
     ] = 8000
 
 
-def _stage_port(stage: str) -> tuple[Any, int]:
-    """`--<stage>-port` of `pipeline run`, as a `create_model` field."""
+def _stage_port(stage: str) -> Option:
+    """`--<stage>-port` of `pipeline run`."""
     env = f"PIPELINE_{stage.upper()}_PORT"
-    found = option(f"--{stage}-port", env=env, parse=int, help=f"{stage} service port (env {env})")
-    return Annotated[int, found], PORTS[stage]
+    return option(f"--{stage}-port", env=env, parse=int, help=f"{stage} service port (env {env})")
 
 
-_STAGE_PORTS: dict[str, Any] = {f"{stage}_port": _stage_port(stage) for stage in STAGES}
-#: `pipeline run`'s `--preprocess-port`, `--model-port` and `--postprocess-port`.
-LauncherStagePorts = create_model("LauncherStagePorts", **_STAGE_PORTS)
+class LauncherStagePorts(BaseModel):
+    """`pipeline run`'s `--preprocess-port`, `--model-port` and `--postprocess-port`."""
+
+    preprocess_port: Annotated[int, _stage_port("preprocess")] = PORTS["preprocess"]
+    model_port: Annotated[int, _stage_port("model")] = PORTS["model"]
+    postprocess_port: Annotated[int, _stage_port("postprocess")] = PORTS["postprocess"]
+
+    def stage_ports(self) -> dict[str, int]:
+        """The three stages' ports by their names."""
+        return {
+            "preprocess": self.preprocess_port,
+            "model": self.model_port,
+            "postprocess": self.postprocess_port,
+        }
 
 
 class Launcher(BaseModel):
@@ -137,66 +146,6 @@ class Restarts(BaseModel):
             help="seconds over which --restart-limit counts a process's deaths (default %(default)s)",
         ),
     ] = RestartPolicy().window
-
-
-class Autoscaling(BaseModel):
-    """`--autoscale`: a stage's local replicas between bounds, on the router's metrics
-    (`pipeline.tools.autoscaler`)."""
-
-    autoscale: Annotated[
-        dict[str, tuple[int, int]],
-        option(
-            "--autoscale",
-            parse=autoscale_bounds,
-            metavar="STAGE=MIN:MAX[,STAGE=MIN:MAX]",
-            help="scale a stage's processes between MIN and MAX replicas on the router's queue time, queue "
-            "depth and calls in flight (the Kubernetes HPAs' signals and targets), e.g. model=1:4",
-        ),
-    ] = {}
-    autoscale_queue_ms: Annotated[
-        float,
-        option(
-            "--autoscale-queue-ms",
-            parse=float,
-            help="target of the mean time requests wait in the router's queues for a stage's models "
-            "(default %(default)s, as the HPAs')",
-        ),
-    ] = QUEUE_SECONDS_TARGET * 1000
-    autoscale_inflight: Annotated[
-        float,
-        option(
-            "--autoscale-inflight",
-            parse=float,
-            help="target of the router's calls in flight per replica of a stage (default %(default)s, as the "
-            "HPAs': a replica busy 90%% of the time asks for another); 0 scales on the queue alone",
-        ),
-    ] = INFLIGHT_PER_REPLICA
-    autoscale_cooldown: Annotated[
-        float,
-        option(
-            "--autoscale-cooldown",
-            parse=float,
-            help="seconds a stage's need must stay lower before a replica is removed, and between removals "
-            "(default %(default)s, the HPAs' scale-down stabilization window)",
-        ),
-    ] = COOLDOWN_S
-    autoscale_interval: Annotated[
-        float,
-        option(
-            "--autoscale-interval",
-            parse=float,
-            help="seconds between looks at the router's metrics (default %(default)s)",
-        ),
-    ] = 2.0
-    autoscale_metrics_port: Annotated[
-        int,
-        option(
-            "--autoscale-metrics-port",
-            parse=int,
-            help="Prometheus port of the autoscaler's decisions and replica counts (0: one the OS picks; "
-            "printed)",
-        ),
-    ] = 0
 
 
 class LauncherSecurity(BaseModel):

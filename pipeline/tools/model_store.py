@@ -91,27 +91,27 @@ class LauncherModelStore(TorchServeStore):
     ] = None
 
 
-def model_store_repository(args: argparse.Namespace) -> Path | None:
+def model_store_repository(settings: LauncherModelStore) -> Path | None:
     """The repository of the run's archives (a new folder the caller removes), None without --model-store;
     `ConfigError` naming what is wrong with the store, the archives or the configuration."""
-    if getattr(args, "model_store", None) is None:
+    if settings.model_store is None:
         return None
     repository = Path(tempfile.mkdtemp(prefix="pipeline-model-store-"))
-    write_store_models(args, repository)
+    write_store_models(settings, repository)
     return repository
 
 
-def write_store_models(args: argparse.Namespace, repository: Path) -> list[ArchiveModel]:
-    """Write the folders of the archives `args` names (`--models`, else config.properties' `load_models`)
-    into `repository`, and remove the folders of archives it no longer names; `ConfigError` naming what is
-    wrong with the store, the archives or the configuration (then nothing is written)."""
-    store: Path = args.model_store
-    if not store.is_dir():
+def write_store_models(settings: LauncherModelStore, repository: Path) -> list[ArchiveModel]:
+    """Write the folders of the archives the settings name (`--models`, else config.properties'
+    `load_models`) into `repository`, and remove the folders of archives they no longer name; `ConfigError`
+    naming what is wrong with the store, the archives or the configuration (then nothing is written)."""
+    store = settings.model_store
+    if store is None or not store.is_dir():
         raise ConfigError(f"--model-store {store}: no such folder")
-    properties = read_properties(args.ts_config) if getattr(args, "ts_config", None) else {}
-    models = getattr(args, "models", None) or properties.get("load_models", "")
+    properties = read_properties(settings.ts_config) if settings.ts_config else {}
+    models = settings.models or properties.get("load_models", "")
     try:
-        archives = startup_models(store, models, properties, getattr(args, "split_handlers", None) or "")
+        archives = startup_models(store, models, properties, settings.split_handlers or "")
     except (PipelineError, ValueError) as exc:
         raise ConfigError(f"--model-store {store}: {getattr(exc, 'message', exc)}") from None
     named = {archive.name for archive in archives}
@@ -163,16 +163,17 @@ def main(argv: list[str] | None = None) -> int:
         description="Write the folders of a TorchServe model store's archives into a model repository.",
     )
     add_arguments(parser, ModelStoreSettings)
-    args = parser.parse_args(argv)
-    if args.model_store is None:
+    settings = ModelStoreSettings.parse(parser, argv)
+    store, repository = settings.group(LauncherModelStore), settings.group(Repository).model_dir
+    if store.model_store is None:
         parser.error("--model-store (env PIPELINE_MODEL_STORE) is required")
     try:
-        archives = write_store_models(args, args.model_dir)
+        archives = write_store_models(store, repository)
     except ConfigError as err:
         log.error("%s", err)
         return 2
     names = ", ".join(f"{a.name} ({a.url})" for a in archives) or "none"
-    log.info("%s: archives served: %s", args.model_dir, names)
+    log.info("%s: archives served: %s", repository, names)
     return 0
 
 

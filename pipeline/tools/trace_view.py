@@ -10,14 +10,17 @@ it) beneath the member's span that it links to, marked `↗`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel
+
+from pipeline.runtime.settings_cli import ProcessSettings, option, process_settings
 
 #: Attributes worth a glance beside a span's name.
 _SHOWN = {
@@ -181,28 +184,43 @@ def render_png(rows: Sequence[Row], trace_id: str, path: Path) -> None:
     plt.close(fig)
 
 
-def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", type=Path, help="JSON-lines span file (PIPELINE_TRACE_FILE of the services)")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--trace-id", help="the trace to show (hex; a unique prefix will do)")
-    which.add_argument("--last", action="store_true", help="the most recent trace (the default)")
-    parser.add_argument(
-        "--png", type=Path, help="also draw the waterfall to this PNG file (needs matplotlib)"
-    )
-    parser.add_argument("--width", type=int, default=40, help="width of the bars, in characters")
+class TraceChoice(BaseModel):
+    """`pipeline trace`'s file, the trace of it shown, and how."""
+
+    file: Annotated[
+        Path, option("file", parse=Path, help="JSON-lines span file (PIPELINE_TRACE_FILE of the services)")
+    ]
+    trace_id: Annotated[
+        str | None,
+        option("--trace-id", exclusive="which", help="the trace to show (hex; a unique prefix will do)"),
+    ] = None
+    last: Annotated[
+        bool,
+        option("--last", action="store_true", exclusive="which", help="the most recent trace (the default)"),
+    ] = False
+    png: Annotated[
+        Path | None,
+        option("--png", parse=Path, help="also draw the waterfall to this PNG file (needs matplotlib)"),
+    ] = None
+    width: Annotated[int, option("--width", parse=int, help="width of the bars, in characters")] = 40
 
 
-def run_trace_command(args: argparse.Namespace) -> int:
+#: `pipeline trace`'s settings.
+TraceSettings = process_settings("TraceSettings", (TraceChoice,))
+
+
+def run_trace_command(settings: ProcessSettings) -> int:
     """`pipeline trace FILE [--trace-id ID | --last] [--png out.png]`."""
+    choice = settings.group(TraceChoice)
     try:
-        spans = load_spans(args.file)
-        trace_id = pick_trace(spans, args.trace_id)
+        spans = load_spans(choice.file)
+        trace_id = pick_trace(spans, choice.trace_id)
     except (OSError, LookupError) as err:
         print(f"pipeline trace: {err}", file=sys.stderr)
         return 1
     rows = waterfall(spans, trace_id)
-    print(format_waterfall(rows, trace_id, width=max(10, args.width)))
-    if args.png is not None:
-        render_png(rows, trace_id, args.png)
-        print(f"wrote {args.png}")
+    print(format_waterfall(rows, trace_id, width=max(10, choice.width)))
+    if choice.png is not None:
+        render_png(rows, trace_id, choice.png)
+        print(f"wrote {choice.png}")
     return 0

@@ -26,7 +26,6 @@ version policy serves the latest), and going back is removing the folder or pinn
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -46,7 +45,7 @@ from pipeline.protocol.errors import RepositoryError
 from pipeline.protocol.model_config import tensor_specs
 from pipeline.runtime.repository import ModelRepository, RepositoryEntry
 from pipeline.runtime.service_settings import Repository, Runners
-from pipeline.runtime.settings_cli import SettingError, add_arguments, option, process_settings
+from pipeline.runtime.settings_cli import ProcessSettings, option, process_settings
 from pipeline.runtime.settings_values import SettingValueError
 from services.model.artifacts import ONNX, export_onnx, first_line
 from services.model.backend import ONNX_FILENAME, ModelBackend, ModelFile
@@ -206,9 +205,17 @@ class QuantizeSettings(BaseModel):
     runs: Annotated[int, Field(ge=1)] = 20
 
 
-#: `pipeline quantize`'s settings: the model repository (`--model-dir`, env `PIPELINE_MODEL_DIR`) and how to
-#: quantize.
-QuantizeCommand = process_settings("QuantizeCommand", (Repository, QuantizeSettings))
+class QuantizeTarget(BaseModel):
+    """The model `pipeline quantize` quantizes."""
+
+    model: Annotated[
+        str, option("model", help="the model to quantize (an ONNX or PyTorch model of the repository)")
+    ]
+
+
+#: `pipeline quantize`'s settings: the model, the model repository (`--model-dir`, env `PIPELINE_MODEL_DIR`)
+#: and how to quantize.
+QuantizeCommand = process_settings("QuantizeCommand", (QuantizeTarget, Repository, QuantizeSettings))
 
 
 def quantize(root: str | os.PathLike[str], name: str, settings: QuantizeSettings | None = None) -> Report:
@@ -430,19 +437,12 @@ def _write_version(entry: RepositoryEntry, version: str, int8: Path, report: Rep
 # ---- command line ---------------------------------------------------------------------------------------------
 
 
-def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
-    """`pipeline quantize`'s flags."""
-    parser.add_argument("model", help="the model to quantize (an ONNX or PyTorch model of the repository)")
-    add_arguments(parser, QuantizeCommand)
-
-
-def run_quantize_command(args: argparse.Namespace) -> int:
+def run_quantize_command(settings: ProcessSettings) -> int:
     """Quantize, print the report; 1 with the reason when the model cannot be quantized."""
+    root, name = settings.group(Repository).model_dir, settings.group(QuantizeTarget).model
     try:
-        settings = QuantizeCommand.of(args)
-        root = settings.group(Repository).model_dir
-        report = quantize(root, args.model, settings.group(QuantizeSettings))
-    except (RepositoryError, SettingError) as exc:
+        report = quantize(root, name, settings.group(QuantizeSettings))
+    except RepositoryError as exc:
         print(f"pipeline quantize: {getattr(exc, 'message', exc)}")
         return 1
     print(report.text())

@@ -20,13 +20,12 @@ from PIL import Image
 
 from examples.pagenumber import draw_page, held_out_pages
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.cli import build_parser
+from pipeline.cli import main
 from pipeline.ensemble.catalog import load_catalog
 from pipeline.protocol.codec import response_tensors
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.service_settings import Runners
 from pipeline.stage.python_backend import PythonBackend
-from pipeline.tools.infer import run_infer_command
 from pipeline.tools.testing import Running, serving_router, serving_stages
 from services.model.backend import ModelBackend
 from tests.conftest import inference_stub, request_for, wait_serving
@@ -121,16 +120,12 @@ async def test_pipeline_infer_prints_a_pages_number(
     path = tmp_path / "page.png"
     path.write_bytes(page)
     async with pipeline(repository, tmp_path) as router:
-        args = build_parser().parse_args(
-            ["infer", "--model", "pagenumber", "--url", router.address, "--timeout", "60", str(path)]
-        )
-        assert await asyncio.to_thread(run_infer_command, args) == 0
+        argv = ["infer", "--model", "pagenumber", "--url", router.address, "--timeout", "60", str(path)]
+        assert await asyncio.to_thread(main, argv) == 0
         assert f"NUMBER={number}" in capsys.readouterr().out
         # --json: the BYTES output as text
-        args = build_parser().parse_args(
-            ["infer", "--model", "pagenumber", "--url", router.address, "--json", str(path)]
-        )
-        assert await asyncio.to_thread(run_infer_command, args) == 0
+        argv = ["infer", "--model", "pagenumber", "--url", router.address, "--json", str(path)]
+        assert await asyncio.to_thread(main, argv) == 0
     assert json.loads(capsys.readouterr().out)["NUMBER"] == [number]
 
 

@@ -295,10 +295,12 @@ def test_samples_that_do_not_fit_and_models_it_cannot_take_are_refused(tmp_path:
 
 def test_the_command_line_is_read_into_its_settings_and_a_bad_value_is_named(tmp_path, monkeypatch, capsys):
     """`pipeline quantize` reads its flags (and PIPELINE_MODEL_DIR) into its settings model; a value the
-    model refuses is named, and nothing is quantized."""
+    model refuses stops it with a usage error that names it, and nothing is quantized."""
     monkeypatch.setenv("PIPELINE_MODEL_DIR", str(tmp_path / "nowhere"))
-    assert pipeline_main(["quantize", "tiny", "--min-agreement", "2"]) == 1
-    said = capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        pipeline_main(["quantize", "tiny", "--min-agreement", "2"])
+    assert refused.value.code == 2
+    said = capsys.readouterr().err
     assert "--min-agreement" in said and "the least agreement is a share from 0 to 1, got 2.0" in said
     assert pipeline_main(["quantize", "tiny"]) == 1
     assert str(tmp_path / "nowhere") in capsys.readouterr().out

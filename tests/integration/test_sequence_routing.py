@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.cli import build_parser
+from pipeline.cli import main
 from pipeline.ensemble.catalog import load_catalog, load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.router.stages.replicas import rendezvous
@@ -233,8 +233,7 @@ async def test_pipeline_infer_sends_a_sequence(tmp_path: Path, capsys) -> None:
 
             async def infer(*flags: str) -> int:
                 argv = ["infer", "-m", "accumulate", "-u", router.address, "--json", "--value", *flags]
-                args = build_parser().parse_args(argv)
-                return await asyncio.to_thread(args.func, args)
+                return await asyncio.to_thread(main, argv)
 
             assert await infer("INPUT=4", "--sequence-id", "77", "--start") == 0
             assert await infer("INPUT=5", "--sequence-id", "77", "--end") == 0

@@ -3,7 +3,6 @@ instance_group (a Python model that asks for GPUs is the model service's, and a 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from pipeline.ensemble.catalog import repository_ensembles
@@ -14,7 +13,7 @@ from pipeline.stage.placement import (
     python_models_of,
     unplaced_python_models,
 )
-from pipeline.tools.model_store import write_store_models
+from pipeline.tools.model_store import LauncherModelStore, write_store_models
 from tests.stages import EXAMPLE_REPOSITORY, write_model
 from tests.torchserve.archive import archive_with_zipfile
 
@@ -138,7 +137,7 @@ def test_a_torchserve_archives_model_is_the_model_services(tmp_path: Path) -> No
     root = tmp_path / "repository"
     store = tmp_path / "store"
     archive_with_zipfile(store)
-    write_store_models(argparse.Namespace(model_store=store, models="words.mar", ts_config=None), root)
+    write_store_models(LauncherModelStore(model_store=store, models="words.mar"), root)
     write_model(root, "spare", PYTHON, 'backend: "python"\n')
     repository = ModelRepository(root)
     assert python_models_of("preprocess", repository, []) == ["spare"]
@@ -153,8 +152,9 @@ def test_a_split_handlers_methods_run_on_their_three_services(tmp_path: Path) ->
     root = tmp_path / "repository"
     store = tmp_path / "store"
     archive_with_zipfile(store)
-    args = argparse.Namespace(model_store=store, models="words.mar", ts_config=None, split_handlers="words")
-    write_store_models(args, root)
+    write_store_models(
+        LauncherModelStore(model_store=store, models="words.mar", split_handlers="words"), root
+    )
     repository = ModelRepository(root)
     plans = load_repository_ensembles(root)
     assert [plan.name for plan in plans] == ["words"]

@@ -5,7 +5,6 @@ need where it is missing). The install is checked offline: a wheel made here, pi
 
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import json
@@ -20,7 +19,7 @@ from google.protobuf import json_format
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime.torchserve_store import model_config, pack, read_model, unpack
 from pipeline.stage.torchserve.handler_model import TritonPythonModel
-from pipeline.tools.model_store import main, write_store_models
+from pipeline.tools.model_store import LauncherModelStore, main, write_store_models
 from tests.torchserve.archive import archive_with_zipfile
 
 #: A handler that answers with a value of the package its requirements.txt names.
@@ -69,8 +68,8 @@ def dependent_store(tmp_path: Path) -> Path:
     return store
 
 
-def _args(store: Path, models: str, properties: Path | None = None) -> argparse.Namespace:
-    return argparse.Namespace(model_store=store, models=models, ts_config=properties, split_handlers=None)
+def _args(store: Path, models: str, properties: Path | None = None) -> LauncherModelStore:
+    return LauncherModelStore(model_store=store, models=models, ts_config=properties)
 
 
 def test_a_requirements_file_is_refused_without_install_py_dep_per_model(

@@ -3,7 +3,6 @@ methods hand each other, cut per request and put back together for batches the r
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime.torchserve_store import archive_models, read_model, remove_model, write_model
 from pipeline.stage.torchserve.handler_values import merge_rows, split_rows
-from pipeline.tools.model_store import write_store_models
+from pipeline.tools.model_store import LauncherModelStore, write_store_models
 from tests.torchserve.archive import archive_with_zipfile
 
 
@@ -70,8 +69,9 @@ def test_rows_of_different_shapes_do_not_make_a_batch() -> None:
 
 
 def _write(store: Path, repository: Path, split: str | None) -> None:
-    args = argparse.Namespace(model_store=store, models="words.mar", ts_config=None, split_handlers=split)
-    write_store_models(args, repository)
+    write_store_models(
+        LauncherModelStore(model_store=store, models="words.mar", split_handlers=split), repository
+    )
 
 
 def test_a_split_archive_is_an_ensemble_of_its_three_methods(tmp_path: Path) -> None:
