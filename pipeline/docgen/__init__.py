@@ -153,13 +153,13 @@ def command_section(command: Command, level: str = "##") -> str:
 
 
 def _settings() -> dict[str, type[ProcessSettings]]:
-    """The settings model of each process, by its command."""
+    """The settings model of each process, by its command: every `pipeline` subcommand's and every
+    service's."""
+    from pipeline.cli import subcommands
     from pipeline.runtime import settings
-    from pipeline.runtime.client_settings import ClientSettings
-    from pipeline.tools.launcher_settings import LauncherSettings
 
-    clients = {"pipeline infer": ClientSettings, "pipeline bench": ClientSettings}
-    return {"pipeline run": LauncherSettings, **settings.processes(), **clients}
+    pipeline = {f"pipeline {name}": command.settings for name, command in subcommands().items()}
+    return {**pipeline, **settings.processes()}
 
 
 def variables(groups: list[list[Command]]) -> dict[str, dict[str, list[str]]]:

@@ -4,15 +4,29 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Annotated
+
+from pydantic import BaseModel
 
 import pipeline.docgen as docgen
+from pipeline.runtime.settings_cli import add_arguments, option, process_settings
+
+
+class Docgen(BaseModel):
+    """Whether to write the pages or check them."""
+
+    check: Annotated[
+        bool, option("--check", action="store_true", help="fail if the committed pages are stale")
+    ] = False
+
+
+DocgenSettings = process_settings("DocgenSettings", (Docgen,))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.docgen", description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="fail if the committed pages are stale")
-    args = parser.parse_args(argv)
-    if args.check:
+    add_arguments(parser, DocgenSettings)
+    if DocgenSettings.parse(parser, argv).group(Docgen).check:
         names = docgen.stale()
         if names:
             print(f"stale reference pages: {', '.join(names)}; run `make docs-reference`", file=sys.stderr)

@@ -181,7 +181,7 @@ class CompiledFront:
     """A router process's side of the front: its door (a frame port on loopback that takes the front's
     connections alone) and, where this process starts it, the front's process. A worker of `--workers N`
     (`door_file`: where it writes its door's port) opens its door only: the parent starts the front, in front
-    of every worker's door and of their shared gRPC port (`args.port`, on loopback)."""
+    of every worker's door and of their shared gRPC port (their `--port`, on loopback)."""
 
     def __init__(
         self,

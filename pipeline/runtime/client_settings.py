@@ -8,12 +8,12 @@ from typing import Annotated
 
 from pydantic import BaseModel
 
-from pipeline.runtime.settings_cli import option, process_settings
+from pipeline.runtime.settings_cli import option
 from pipeline.runtime.settings_values import CLIENT_TLS_HELP, PORTS
 
 
 class Client(BaseModel):
-    """The server a client calls, and how."""
+    """The server a client calls, and how: a group of `pipeline infer`'s and `pipeline bench`'s settings."""
 
     url: Annotated[
         str,
@@ -57,7 +57,3 @@ class Client(BaseModel):
             help="bearer token sent with every call, for a server that asks for one (env PIPELINE_TOKEN)",
         ),
     ] = None
-
-
-#: The client flags of `pipeline infer` and `pipeline bench`.
-ClientSettings = process_settings("ClientSettings", (Client,))

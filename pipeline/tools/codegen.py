@@ -15,6 +15,11 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel
+
+from pipeline.runtime.settings_cli import add_arguments, option, process_settings
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 REPO = PACKAGE_DIR.parent
@@ -61,15 +66,26 @@ def existing() -> dict[str, str]:
     }
 
 
+class Codegen(BaseModel):
+    """Whether to write the stubs or check them."""
+
+    check: Annotated[
+        bool, option("--check", action="store_true", help="fail if the committed stubs are stale")
+    ] = False
+
+
+CodegenSettings = process_settings("CodegenSettings", (Codegen,))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pipeline.tools.codegen", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--check", action="store_true", help="fail if the committed stubs are stale")
-    args = parser.parse_args(argv)
+    add_arguments(parser, CodegenSettings)
+    check = CodegenSettings.parse(parser, argv).group(Codegen).check
     wanted = generate()
     have = existing()
-    if args.check:
+    if check:
         stale = sorted(name for name in wanted.keys() | have.keys() if wanted.get(name) != have.get(name))
         if stale:
             print(f"stale generated stubs: {', '.join(stale)}; run `make protos`", file=sys.stderr)
