@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeline.runtime.settings_cli import ProcessSettings, SettingError, add_arguments
@@ -73,19 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line once into its subcommand's settings, and run the subcommand with them; a value
-    the settings refuse stops with a usage error that names it."""
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["router"]:
-        from pipeline.runtime.allocator import keep_freed_memory
-
-        keep_freed_memory()  # before the imports that start threads (`pipeline.runtime.allocator`)
+def parse(argv: Sequence[str] | None = None) -> tuple[Subcommand, ProcessSettings]:
+    """The subcommand a command line names, and the settings it gives (parsed once, into the subcommand's
+    model); a value the settings refuse stops with a usage error that names it."""
     args = build_parser().parse_args(argv)
     subcommand: Subcommand = args.subcommand
     try:
-        settings = subcommand.settings.of(args)
+        return subcommand, subcommand.settings.of(args)
     except SettingError as err:
         args.parser.error(str(err))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the subcommand the command line names, with its settings."""
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["router"]:
+        from pipeline.runtime.allocator import keep_freed_memory
+
+        keep_freed_memory()  # before the imports that start threads (`pipeline.runtime.allocator`)
+    subcommand, settings = parse(argv)
     return int(subcommand.run(settings) or 0)
 
 

@@ -1,19 +1,28 @@
-"""Each process's settings model (`pipeline.runtime.settings`, `pipeline.tools.launcher_settings`): its flags,
-the `PIPELINE_*` variables they default from, and the groups the processes share."""
+"""Each process's settings model (`pipeline.runtime.settings`, `pipeline.tools.launcher_settings`, each
+`pipeline` subcommand's in `pipeline.cli`): its flags, the `PIPELINE_*` variables they default from, and the
+groups the processes share."""
 
 import argparse
 from pathlib import Path
 
 import pytest
 
-from pipeline import docgen
+from pipeline import cli, docgen
 from pipeline.cli import build_parser
 from pipeline.runtime import router_settings, server_settings, service_settings, settings
+from pipeline.runtime.client_settings import Client
+from pipeline.runtime.service_settings import Repository
 from pipeline.runtime.settings_cli import ProcessSettings, SettingError, add_arguments
 from pipeline.stage.service import python_service_parser
+from pipeline.tools import launcher_settings
+from pipeline.tools.autoscaler import Autoscaling
+from pipeline.tools.bench.settings import BenchOutput, BenchTarget, Workload
+from pipeline.tools.infer import InferRequest, InferSettings, InferTarget
 from pipeline.tools.launcher_settings import LauncherSettings
 from pipeline.tools.supervisor import RestartPolicy
+from pipeline.tools.trace_view import TraceChoice
 from services.model.__main__ import build_parser as model_parser
+from services.model.quantize import QuantizeSettings, QuantizeTarget
 
 
 def parse(model: type[ProcessSettings], argv: list[str]) -> ProcessSettings:
@@ -145,7 +154,73 @@ def test_the_reference_lists_every_variable_with_the_flags_that_read_it():
 
 def test_the_launchers_restart_defaults_are_the_supervisors(monkeypatch):
     monkeypatch.setenv("PIPELINE_PREPROCESS_PORT", "9101")
-    args = build_parser().parse_args(["run", "--autoscale", "model=1:3", "--replicas", "preprocess=2"])
-    assert (args.restart_limit, args.restart_window) == (RestartPolicy().limit, RestartPolicy().window)
-    assert args.autoscale == {"model": (1, 3)} and args.replicas == {"preprocess": 2}
-    assert args.preprocess_port == 9101 and args.model_port == 8102
+    command, settings = cli.parse(["run", "--autoscale", "model=1:3", "--replicas", "preprocess=2"])
+    assert command.settings is LauncherSettings
+    restarts = settings.group(launcher_settings.Restarts)
+    assert (restarts.restart_limit, restarts.restart_window) == (
+        RestartPolicy().limit,
+        RestartPolicy().window,
+    )
+    assert settings.group(Autoscaling).autoscale == {"model": (1, 3)}
+    assert settings.group(launcher_settings.LauncherSecurity).replicas == {"preprocess": 2}
+    ports = settings.group(launcher_settings.LauncherStagePorts).stage_ports()
+    assert ports == {"preprocess": 9101, "model": 8102, "postprocess": 8103}
+
+
+def test_each_subcommand_reads_its_command_line_into_its_settings(monkeypatch, tmp_path):
+    """`pipeline infer`, `bench`, `trace` and `quantize` parse into their models: positional arguments,
+    flags the command line must give, flags whose attribute is not their name, and the client's variables."""
+    monkeypatch.setenv("PIPELINE_URL", "server:1")
+    _, settings = cli.parse(["infer", "a.png", "b.png", "-m", "digits", "--json", "--value", "X=1"])
+    assert settings.group(Client).url == "server:1"
+    target = settings.group(InferTarget)
+    assert target.files == ["a.png", "b.png"] and target.model == "digits"
+    request = settings.group(InferRequest)
+    assert request.as_json and request.value == ["X=1"] and request.timeout == 30.0 and not request.stream
+    _, settings = cli.parse(["bench", "-m", "m", "--rate", "5,10", "--json", "out.json", "--no-progress"])
+    assert settings.group(BenchTarget).model == "m" and settings.group(Workload).rate == [5.0, 10.0]
+    assert settings.group(Workload).concurrency == [1]
+    output = settings.group(BenchOutput)
+    assert output.json_file == Path("out.json") and output.progress is False
+    _, settings = cli.parse(["trace", str(tmp_path / "spans.jsonl"), "--trace-id", "ab"])
+    choice = settings.group(TraceChoice)
+    assert (choice.file, choice.trace_id, choice.last) == (tmp_path / "spans.jsonl", "ab", False)
+    _, settings = cli.parse(["quantize", "tiny", "--per-tensor", "--model-dir", str(tmp_path)])
+    assert settings.group(QuantizeTarget).model == "tiny" and settings.group(Repository).model_dir == tmp_path
+    assert settings.group(QuantizeSettings).per_channel is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["infer", "a.png"], "the following arguments are required: --model/-m"),
+        (
+            ["bench", "-m", "m", "--concurrency", "1", "--rate", "2"],
+            "not allowed with argument --concurrency",
+        ),
+        (["bench", "-m", "m", "--protocol", "ftp"], "argument --protocol: invalid choice: 'ftp'"),
+        (
+            ["trace", "x", "--last", "--trace-id", "ab"],
+            "argument --trace-id: not allowed with argument --last",
+        ),
+        (["quantize"], "the following arguments are required: model"),
+        (
+            ["quantize", "tiny", "--min-agreement", "2"],
+            "--min-agreement: Value error, the least agreement is",
+        ),
+    ],
+)
+def test_a_command_line_its_settings_refuse_is_a_usage_error_naming_the_flag(argv, said, capsys):
+    with pytest.raises(SystemExit) as refused:
+        cli.parse(argv)
+    assert refused.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_the_defaults_of_a_model_with_a_flag_it_must_be_given_are_the_environments(monkeypatch):
+    monkeypatch.setenv("PIPELINE_TOKEN", "secret")
+    defaults = InferSettings.defaults()
+    assert defaults["model"] is None and defaults["token"] == "secret" and defaults["files"] == []
+    assert "model" not in dict(launcher_settings.LauncherSettings.defaults())
+    monkeypatch.setenv("PIPELINE_URL", " ")
+    assert InferSettings.defaults()["url"] == Client().url
