@@ -78,10 +78,11 @@ def parse(argv: Sequence[str] | None = None) -> tuple[Subcommand, ProcessSetting
     model); a value the settings refuse stops with a usage error that names it."""
     args = build_parser().parse_args(argv)
     subcommand: Subcommand = args.subcommand
+    parser: argparse.ArgumentParser = args.parser
     try:
         return subcommand, subcommand.settings.of(args)
     except SettingError as err:
-        args.parser.error(str(err))
+        parser.error(str(err))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
