@@ -25,8 +25,8 @@ def subcommands() -> dict[str, Subcommand]:
     """Every `pipeline` subcommand, by its name, in the order `--help` lists them."""
     from pipeline.router.main import run_router
     from pipeline.runtime.router_settings import RouterSettings
+    from pipeline.tools.bench.bench_settings import BenchSettings
     from pipeline.tools.bench.command import run_bench_command
-    from pipeline.tools.bench.settings import BenchSettings
     from pipeline.tools.infer import InferSettings, run_infer_command
     from pipeline.tools.launcher import run
     from pipeline.tools.launcher_settings import LauncherSettings

@@ -16,7 +16,7 @@ from pipeline.runtime.settings_cli import ProcessSettings, SettingError, add_arg
 from pipeline.stage.service import python_service_parser
 from pipeline.tools import launcher_settings
 from pipeline.tools.autoscaler import Autoscaling
-from pipeline.tools.bench.settings import BenchOutput, BenchTarget, Workload
+from pipeline.tools.bench.bench_settings import BenchOutput, BenchTarget, Workload
 from pipeline.tools.infer import InferRequest, InferSettings, InferTarget
 from pipeline.tools.launcher_settings import LauncherSettings
 from pipeline.tools.supervisor import RestartPolicy

@@ -19,8 +19,9 @@ Where the server lists `statistics` in `ServerMetadata.extensions`, Triton's `Mo
 and after each measured interval and the differences are reported per model: requests, executions, mean
 batch size, queue wait and compute time. Elsewhere only the client's own figures are reported.
 
-The modules, in the order a run uses them: `settings` (the flags), `command` (the command), `options` (what to measure, the levels),
-`endpoints` (the protocol's gRPC or HTTP/REST side), `payloads` (the inputs and the request), `load` (one
-process's load), `processes` (the load processes), `statistics` (the server's figures and process CPU),
-`progress` (the bar), `run` (a whole run) and `report` (the tables, JSON and the plot).
+The modules, in the order a run uses them: `bench_settings` (the flags), `command` (the command), `options`
+(what to measure, the levels), `endpoints` (the protocol's gRPC or HTTP/REST side), `payloads` (the inputs
+and the request), `load` (one process's load), `processes` (the load processes), `statistics` (the server's
+figures and process CPU), `progress` (the bar), `run` (a whole run) and `report` (the tables, JSON and the
+plot).
 """

@@ -1,5 +1,5 @@
-"""The `pipeline bench` command: the options its settings (`pipeline.tools.bench.settings`) make, and the
-command itself."""
+"""The `pipeline bench` command: the options its settings (`pipeline.tools.bench.bench_settings`) make, and
+the command itself."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import uvloop
 
 from pipeline.runtime.client_settings import Client
 from pipeline.runtime.settings_cli import ProcessSettings
+from pipeline.tools.bench.bench_settings import BenchOutput, BenchTarget, LoadClient, Workload
 from pipeline.tools.bench.options import BenchError, BenchOptions
 from pipeline.tools.bench.report import format_report, write_json, write_plot
 from pipeline.tools.bench.run import run_bench
-from pipeline.tools.bench.settings import BenchOutput, BenchTarget, LoadClient, Workload
 
 
 def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
