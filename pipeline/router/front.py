@@ -6,7 +6,7 @@ bytes: each `ModelInfer` goes to the router's door (a frame port on loopback, `p
 only the front may use: its hello carries a secret made at each start) with the request's bytes unparsed and
 the call's deadline, trace context and credentials appended as parameters; every other RPC is forwarded as it
 is to the router's own gRPC port. Every check stays in the router, in one place: the door's requests go
-through the servicer's `infer` as gRPC's do, their credentials checked by the same access policy
+through the router's `InferenceHandler` as gRPC's do, their credentials checked by the same access policy
 (`FrameServer`, `AuthInterceptor`: a verified client certificate's identities travel with the secret).
 
 `--front auto` (the default) serves with the front where its binary is there (`pipeline-front` beside the
@@ -29,14 +29,13 @@ import time
 from pathlib import Path
 
 from pipeline.protocol.errors import ConfigError
-from pipeline.runtime.frame_server import FrameServer
+from pipeline.runtime.handler import InferenceHandler
 from pipeline.runtime.router_settings import Front as FrontSettings
-from pipeline.runtime.security import AccessPolicy
 from pipeline.runtime.server import write_port
 from pipeline.runtime.server_settings import Limits, Listening, Security, Shutdown
-from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.settings_cli import ProcessSettings
 from pipeline.runtime.shutdown import child_environment
+from pipeline.transport import FrameServer
 
 log = logging.getLogger(__name__)
 
@@ -178,17 +177,17 @@ class FrontProcess:
 
 
 class CompiledFront:
-    """A router process's side of the front: its door (a frame port on loopback that takes the front's
-    connections alone) and, where this process starts it, the front's process. A worker of `--workers N`
-    (`door_file`: where it writes its door's port) opens its door only: the parent starts the front, in front
-    of every worker's door and of their shared gRPC port (their `--port`, on loopback)."""
+    """A router process's side of the front, one of its doors (`pipeline.runtime.lifecycle.Door`): a frame
+    port on loopback that takes the front's connections alone and, where this process starts it, the front's
+    process. A worker of `--workers N` (`door_file`: where it writes its door's port) opens its door only: the
+    parent starts the front, in front of every worker's door and of their shared gRPC port (their `--port`, on
+    loopback)."""
 
     def __init__(
         self,
         path: Path,
-        servicer: InferenceServicer,
+        handler: InferenceHandler,
         settings: ProcessSettings,
-        policy: AccessPolicy,
         *,
         secret: str | None = None,
         door_file: Path | None = None,
@@ -196,23 +195,28 @@ class CompiledFront:
         #: The door's secret: made at each start, or the parent's.
         self.secret = secret or new_secret()
         max_frame_bytes = settings.group(Limits).max_message_bytes + HOP_BYTES
-        self.door = FrameServer(servicer, max_frame_bytes=max_frame_bytes, policy=policy, door=self.secret)
+        self.door = FrameServer(
+            handler, max_frame_bytes=max_frame_bytes, door=self.secret, address=(LOOPBACK, 0)
+        )
         self.door_file = door_file
         self.process = None if door_file is not None else FrontProcess(path, self.secret)
         #: Where the router's own gRPC server listens: the port the parent shares out, else one the OS picks.
         port = settings.group(Listening).port
         self.router_address = f"{LOOPBACK}:{port if door_file is not None else 0}"
+        self.settings = settings
 
-    async def start(self, settings: ProcessSettings, router_port: int) -> int:
-        """Open the door, then start the front before the router's gRPC server on `router_port`; returns
-        the public port (a worker: its door's, written to its file, and `router_port`)."""
-        door = await self.door.start(LOOPBACK, 0)
+    async def open(self, port: int) -> int:
+        """Open the door, then start the front before the router's gRPC server on `port`; returns the public
+        port (a worker: its door's, written to its file, and `port`)."""
+        await self.door.open(port)
+        door = self.door.port
+        assert door is not None
         if self.process is None:
             write_port(self.door_file, door)
-            return router_port
-        return await self.process.start(settings, router_port, [door])
+            return port
+        return await self.process.start(self.settings, port, [door])
 
-    async def stop(self, within: float) -> None:
+    async def close(self, within: float) -> None:
         """Drain the front, then the door: what the front holds in flight is answered through it."""
         loop = asyncio.get_running_loop()
         until = loop.time() + within
@@ -221,15 +225,11 @@ class CompiledFront:
         await self.door.close(max(0.0, until - loop.time()))
 
 
-def front_of(
-    settings: ProcessSettings, servicer: InferenceServicer, policy: AccessPolicy
-) -> CompiledFront | None:
+def front_of(settings: ProcessSettings, handler: InferenceHandler) -> CompiledFront | None:
     """The router's compiled front as `--front` says, or None where its own gRPC server serves; in a worker
     of `--workers N` behind the parent's front, its door alone."""
     door_file, secret = os.environ.get(DOOR_FILE_ENV), os.environ.get(SECRET_ENV)
     if door_file and secret:
-        return CompiledFront(
-            Path(BINARY), servicer, settings, policy, secret=secret, door_file=Path(door_file)
-        )
+        return CompiledFront(Path(BINARY), handler, settings, secret=secret, door_file=Path(door_file))
     path = compiled(settings.group(FrontSettings).front)
-    return None if path is None else CompiledFront(path, servicer, settings, policy)
+    return None if path is None else CompiledFront(path, handler, settings)

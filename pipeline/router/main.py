@@ -13,7 +13,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import grpc
 import uvloop
 from grpc_health.v1 import health, health_pb2
 
@@ -29,7 +28,8 @@ from pipeline.router.router_plane import RouterPlane
 from pipeline.router.stages.targets import Resolve
 from pipeline.router.workers import WorkerPeers, run_workers
 from pipeline.runtime import router_settings
-from pipeline.runtime.frame_server import frame_server_of
+from pipeline.runtime.handler import InferenceHandler
+from pipeline.runtime.lifecycle import Door, ServerLifecycle
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.router_settings import Catalog as CatalogSettings
 from pipeline.runtime.router_settings import (
@@ -52,12 +52,7 @@ from pipeline.runtime.security import (
 )
 from pipeline.runtime.server import (
     INFERENCE_SERVICE,
-    create_server,
     prepare_process,
-    serve,
-    set_serving,
-    start_metrics,
-    write_port,
 )
 from pipeline.runtime.server_settings import (
     Limits,
@@ -68,10 +63,10 @@ from pipeline.runtime.server_settings import (
     Security,
     Shutdown,
 )
-from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.settings_cli import ProcessSettings, add_arguments
 from pipeline.runtime.shutdown import ABANDON_S
 from pipeline.runtime.telemetry import Telemetry
+from pipeline.transport import frame_server_of
 
 log = logging.getLogger(__name__)
 
@@ -164,37 +159,17 @@ def _readiness(health_servicer: health.aio.HealthServicer) -> Callable[[bool], A
     return readiness
 
 
-def _front_door(
-    servicer: InferenceServicer, settings: ProcessSettings, policy: AccessPolicy
-) -> RestFrontDoor:
-    """The HTTP/REST endpoints over the gRPC servicer, with its tokens and limits."""
+def _front_door(handler: InferenceHandler, settings: ProcessSettings) -> RestFrontDoor:
+    """The HTTP/REST endpoints over the router's handler, with its limits."""
     http = settings.group(Http)
     return RestFrontDoor(
-        servicer,
-        policy=policy,
+        handler,
         max_body_bytes=settings.group(Limits).max_message_bytes,
         max_json_output_bytes=http.max_json_output_mb << 20,
         codec=CodecPool(http.http_codec_processes),
         torchserve=TorchServeApi(
-            servicer, settings.group(CatalogSettings).model_dir, settings.group(TorchServeStore).model_store
+            handler, settings.group(CatalogSettings).model_dir, settings.group(TorchServeStore).model_store
         ),
-    )
-
-
-async def _listen(router: _RouterServer, policy: AccessPolicy) -> tuple[grpc.aio.Server, int]:
-    """The router's gRPC server, listening where its settings say, with their TLS and access policy; behind
-    a `front`, on loopback in plaintext, answering the front's calls alone (it serves the public port, with
-    the TLS)."""
-    listening, front, limits = router.listening, router.front, router.settings.group(Limits)
-    return await create_server(
-        f"{listening.host}:{listening.port}" if front is None else front.router_address,
-        router.servicer,
-        router.health,
-        max_message_bytes=limits.max_message_bytes,
-        max_connection_age_s=limits.max_connection_age_s,
-        credentials=server_credentials_of(router.settings.group(Security)) if front is None else None,
-        interceptors=interceptors_of(policy, None if front is None else front.secret),
-        reuse_port=router.reuse_port,
     )
 
 
@@ -227,9 +202,10 @@ def _log_serving(plane: RouterPlane, address: str) -> None:
     log.info("router serving ensembles %s on %s%s", ", ".join(served) or "(none)", address, missing)
 
 
-class _RouterServer:
-    """One router's servers (gRPC, HTTP/REST, frames, metrics) around its plane, and what starts and stops
-    them."""
+class _RouterServer(ServerLifecycle):
+    """One router's life around its plane: its handler under every door (gRPC, HTTP/REST, frames, the
+    compiled front) and what it does once they are open (find its stages, report readiness) and at its
+    stop."""
 
     def __init__(
         self,
@@ -239,49 +215,48 @@ class _RouterServer:
         metrics: Metrics,
         *,
         reuse_port: bool = False,
+        http_bound: Callable[[int], None] | None = None,
     ) -> None:
-        self.settings, self.plane, self.metrics = settings, plane, metrics
-        self.listening = settings.group(Listening)
+        self.settings, self.plane = settings, plane
         #: A worker of `--workers N` shares its ports with the others.
         self.reuse_port = reuse_port
-        limits, security = settings.group(Limits), settings.group(Security)
-        self.health = health.aio.HealthServicer()
-        self.servicer = InferenceServicer(
-            plane,
-            "pipeline-router",
-            telemetry=plane.telemetry,
-            metrics=metrics,
-            max_inflight_bytes=limits.max_inflight_bytes,
+        limits, listening = settings.group(Limits), settings.group(Listening)
+        handler = InferenceHandler(
+            plane, "pipeline-router", limits, policy=policy, telemetry=plane.telemetry, metrics=metrics
         )
         # HTTP drains on gRPC's clock: its requests still held at the end of the grace period are answered
         # 503 (`pipeline.runtime.shutdown`), and have `ABANDON_S` for it.
         grace = settings.group(Shutdown).grace_period + ABANDON_S
-        self.rest = RestServer(_front_door(self.servicer, settings, policy), grace=grace)
-        # The stages' models send their calls (BLS) here; every other call is gRPC's.
-        self.frames = frame_server_of(self.servicer, self.listening, limits, security, policy)
+        rest = RestServer(
+            _front_door(handler, settings), settings, grace=grace, bound=http_bound, reuse_port=reuse_port
+        )
+        doors: list[Door] = [rest]
+        # The stages' models send their calls (BLS) to the frame port; every other call is gRPC's.
+        frames = frame_server_of(handler, listening, limits, settings.group(Security), reuse_port=reuse_port)
+        if frames is not None:
+            doors.append(frames)
         #: The compiled front that serves the gRPC port, where `--front` asks for it.
-        self.front = front_of(settings, self.servicer, policy)
+        self.front = front_of(settings, handler)
+        if self.front is not None:
+            doors.append(self.front)
+        super().__init__(handler, settings, doors)
         self.tasks: list[asyncio.Task[None]] = []
 
-    async def start(
-        self, port: int, bound: Callable[[int], None] | None, http_bound: Callable[[int], None] | None
-    ) -> None:
-        """Serve the HTTP, frame and metrics ports, wait for the stages, then report live and ready."""
+    async def listen_router(self) -> None:
+        """The router's gRPC server, listening where its settings say, with their TLS and access policy;
+        behind a `front`, on loopback in plaintext, answering the front's calls alone (it serves the public
+        port, with the TLS)."""
+        listening, front = self.listening, self.front
+        await self.listen(
+            f"{listening.host}:{listening.port}" if front is None else front.router_address,
+            credentials=server_credentials_of(self.settings.group(Security)) if front is None else None,
+            interceptors=interceptors_of(self.handler.policy, None if front is None else front.secret),
+            reuse_port=self.reuse_port,
+        )
+
+    async def ready(self, port: int) -> None:
+        """Wait for the stages, then report live and ready."""
         settings, listening, plane = self.settings, self.listening, self.plane
-        peers = plane.model_statistics.peers
-        if peers is not None:
-            await peers.start(plane.model_statistics.local, plane.model_statistics.local_cache_hits)
-        start_metrics(self.metrics, listening)
-        await self.rest.start(settings, http_bound, reuse_port=self.reuse_port)
-        if self.frames is not None and listening.frames_port is not None:
-            self.servicer.frames_port = await self.frames.start(
-                listening.host, listening.frames_port, reuse_port=self.reuse_port
-            )
-        if self.front is not None:
-            port = await self.front.start(settings, port)
-        write_port(listening.port_file, port)
-        if bound is not None:
-            bound(port)
         stages = ", ".join(plane.stages.clients)
         log.info("router listening on %s:%d; waiting for stages %s", listening.host, port, stages)
         await plane.discover()
@@ -295,23 +270,13 @@ class _RouterServer:
             self.tasks.append(asyncio.create_task(_poll_ensembles(settings, plane, interval)))
         _log_serving(plane, f"{listening.host}:{port}")
 
-    async def drain(self, within: float) -> None:
-        """Drain the HTTP and frame ports as gRPC's drains: what they hold in flight gets `within` seconds."""
-        ports = [self.rest.stop(), *(() if self.frames is None else (self.frames.close(within),))]
-        await asyncio.gather(*ports, *(() if self.front is None else (self.front.stop(within),)))
-
-    async def stop(self, telemetry: Telemetry | None) -> None:
-        """Stop everything `start` started but the ports `drain` closed; `telemetry`: the tracing to shut
-        down, where the router owns it."""
+    async def close(self) -> None:
+        """Stop what `ready` started, the worker peers and the plane."""
         for task in self.tasks:
             task.cancel()
         if self.plane.model_statistics.peers is not None:
             await self.plane.model_statistics.peers.stop()
         await self.plane.close()
-        self.metrics.close()
-        if telemetry is not None:
-            # Flushing may wait on an exporter's endpoint: not on the event loop.
-            await asyncio.to_thread(telemetry.shutdown)
 
 
 async def serve_router(
@@ -343,31 +308,15 @@ async def serve_router(
         resolve=resolve,
         admin_configured=policy.admin_configured,
     )
-    plane.model_statistics.peers = WorkerPeers.from_env()
+    peers = plane.model_statistics.peers = WorkerPeers.from_env()
     # A worker of `--workers N` shares its ports with the others.
-    reuse_port = plane.model_statistics.peers is not None
-    router = _RouterServer(settings, plane, policy, metrics, reuse_port=reuse_port)
-    await set_serving(router.health, False)
-    server, port = await _listen(router, policy)
-
-    async def start() -> None:
-        await router.start(port, bound, http_bound)
-
-    async def stop() -> None:
-        await router.stop(telemetry if owned else None)
-
-    shutdown = settings.group(Shutdown)
-    await serve(
-        server,
-        router.health,
-        grace=shutdown.grace_period,
-        start=start,
-        stop=stop,
-        stopping=stopping,
-        drain_delay=shutdown.drain_delay,
-        drain=router.drain,
-        held=router.servicer.held,
+    router = _RouterServer(
+        settings, plane, policy, metrics, reuse_port=peers is not None, http_bound=http_bound
     )
+    await router.listen_router()
+    if peers is not None:
+        await peers.start(plane.model_statistics.local, plane.model_statistics.local_cache_hits)
+    await router.run(stopping=stopping, bound=bound, telemetry=telemetry if owned else None)
 
 
 def run_router(settings: ProcessSettings) -> int:

@@ -49,10 +49,10 @@ from pipeline.router.stages.discovery import StageDiscovery
 from pipeline.router.stages.fleet import FleetControl
 from pipeline.router.stages.stage_client import StageClient
 from pipeline.router.stages.targets import Resolve
+from pipeline.runtime.data_plane import DataPlane, RequestContext
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_statistics import ModelStats
 from pipeline.runtime.security import ClientTls
-from pipeline.runtime.servicer import DataPlane, RequestContext
 from pipeline.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)

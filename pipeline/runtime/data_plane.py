@@ -1,6 +1,8 @@
 """What every server does, free of gRPC types: the `DataPlane` a stage service and the router implement,
-and the `RequestContext` of the call each of its methods serves. The front doors (the gRPC servicer,
-`pipeline.runtime.servicer`; the frame port; the router's HTTP/REST) adapt their transport to it."""
+and the `RequestContext` of the call each of its methods serves. A server's `InferenceHandler`
+(`pipeline.runtime.handler`) runs its inference over the plane; the doors (the gRPC servicer,
+`pipeline.runtime.servicer`; the frame port, `pipeline.transport.frame_server`; the router's HTTP/REST) adapt
+their transport to the handler and the plane."""
 
 from __future__ import annotations
 

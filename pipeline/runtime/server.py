@@ -1,19 +1,14 @@
-"""The server runtime every service stands on: the protocol servicer, health, reflection and shutdown.
-
-A servicer is thin: it hands each RPC to a `DataPlane` (a stage service's or the router's) and maps the
-`PipelineError`s the plane raises to gRPC status codes, in one place.
+"""The gRPC server every service stands on: the protocol servicer (`pipeline.runtime.servicer`), health and
+reflection, with the channel options servers and clients share, and what a server process does first and
+once it is up. Its life (start, serve, drain, stop) is `pipeline.runtime.lifecycle`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import gc
 import logging
-import signal
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,18 +16,12 @@ from grpc_reflection.v1alpha import reflection
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import grpc_service_pb2_grpc as pb_grpc
-from pipeline.runtime.allocator import give_back_when_idle
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.server_settings import Listening
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.settings_values import DEFAULT_MAX_CONNECTION_AGE_S
 from pipeline.runtime.shutdown import (
-    ABANDON_S,
-    CLOSE_S,
-    HeldRequests,
     die_with_parent,
-    exit_deadline,
-    exit_within,
 )
 
 log = logging.getLogger(__name__)
@@ -180,96 +169,6 @@ def prepare_process(level: str, service: str) -> None:
         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
     )
     die_with_parent()
-
-
-async def _start_unless_stopped(
-    start: Callable[[], Coroutine[Any, Any, None]], stopping: asyncio.Event
-) -> None:
-    """Run `start` to its end, unless `stopping` is set first (then `start` is cancelled)."""
-    starting = asyncio.create_task(start())
-    waiting = asyncio.create_task(stopping.wait())
-    await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():
-        starting.cancel()
-    else:
-        waiting.cancel()
-        starting.result()
-
-
-async def serve(
-    server: grpc.aio.Server,
-    health_servicer: health.aio.HealthServicer,
-    *,
-    grace: float,
-    start: Callable[[], Coroutine[Any, Any, None]] | None = None,
-    stop: Callable[[], Awaitable[None]] | None = None,
-    stopping: asyncio.Event | None = None,
-    drain_delay: float = 0.0,
-    drain: Callable[[float], Awaitable[None]] | None = None,
-    held: HeldRequests | None = None,
-) -> None:
-    """Run a server until `stopping` is set (by default: SIGTERM or SIGINT), then drain.
-
-    Draining reports NOT_SERVING first and keeps serving for `drain_delay` seconds, so that clients that
-    watch health (the router does) move to other replicas before any call is refused; then it
-    refuses new RPCs and gives in-flight ones `grace` seconds, those of the server's other ports too
-    (`drain(seconds)`, at the same time); then answers the requests still `held` UNAVAILABLE and closes
-    every call and connection `ABANDON_S` later; then `stop()`. Where it stops on a signal (the process's
-    own server), the process exits within `exit_deadline` of it, whatever its threads do
-    (`pipeline.runtime.shutdown`).
-    """
-    loop = asyncio.get_running_loop()
-    signals: tuple[signal.Signals, ...] = ()
-    if stopping is None:
-        stopping = asyncio.Event()
-        signals = (signal.SIGTERM, signal.SIGINT)
-    for sig in signals:
-        loop.add_signal_handler(sig, stopping.set)
-    await server.start()
-    trimming: asyncio.Task[None] | None = None
-    try:
-        if start is not None:
-            await _start_unless_stopped(start, stopping)
-        settle_garbage_collection()
-        trimming = asyncio.create_task(give_back_when_idle(held if held is not None else ()))
-        await stopping.wait()
-    finally:
-        if trimming is not None:
-            trimming.cancel()
-        bound = exit_deadline(drain_delay, grace)
-        watchdog = exit_within(bound, f"stopping ({bound:.0f}s allowed)") if signals else None
-        log.info("shutting down: draining in-flight requests (grace %.1fs)", grace)
-        await health_servicer.enter_graceful_shutdown()
-        if drain_delay > 0:
-            await asyncio.sleep(drain_delay)
-        await _drain(server, grace, drain, held)
-        if watchdog is not None:
-            # Nothing is held any more: closing (and the threads' end) gets what is left of the margin, from
-            # now, however soon the drain ended.
-            watchdog.cancel()
-            exit_within(CLOSE_S, "closing after the drain")
-        if stop is not None:
-            await stop()
-        for sig in signals:
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(sig)
-
-
-async def _drain(
-    server: grpc.aio.Server,
-    grace: float,
-    drain: Callable[[float], Awaitable[None]] | None,
-    held: HeldRequests | None,
-) -> None:
-    """Refuse new calls and give those in flight `grace` seconds, on the server's other ports too (`drain`);
-    then answer what is still `held` UNAVAILABLE, and close every call and connection `ABANDON_S` later."""
-    closing = asyncio.gather(
-        server.stop(grace + ABANDON_S), *(() if drain is None else (drain(grace + ABANDON_S),))
-    )
-    done, _ = await asyncio.wait((closing,), timeout=grace)
-    if not done and held is not None and (count := held.abandon()):
-        log.warning("%d requests still held after the grace period: answered UNAVAILABLE", count)
-    await closing
 
 
 def settle_garbage_collection() -> None:

@@ -1,6 +1,6 @@
 """How a server process stops within a bound, and why it never outlives the process that started it.
 
-Stopping (`pipeline.runtime.server.serve`): SIGTERM reports NOT_SERVING and keeps serving for the drain
+Stopping (`pipeline.runtime.lifecycle.ServerLifecycle.run`): SIGTERM reports NOT_SERVING and keeps serving for the drain
 delay, then new calls are refused and those in flight get the grace period. Whatever is still held then (a
 request waiting on a model instance that never returns, on a sequence's slot, on a BLS call, on a stage) is
 answered UNAVAILABLE (`HeldRequests.abandon`, `Stopped`), and those answers get `ABANDON_S` to go out before

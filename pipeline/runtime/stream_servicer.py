@@ -1,12 +1,12 @@
 """The requests of one `ModelStreamInfer` stream, read while the stream has room and each run as a task of
-its own (`StreamRequests`); the servicer writes their responses (`pipeline.runtime.servicer`)."""
+its own (`StreamRequests`) by the server's `InferenceHandler`; the gRPC servicer writes their responses
+(`pipeline.runtime.servicer`)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -21,29 +21,14 @@ from pipeline.protocol.streams import (
     hop_context,
     wants_empty_final,
 )
-from pipeline.runtime.admission import CONNECTION_INFLIGHT, ByteBudget, ModelShares, StreamHold
-from pipeline.runtime.data_plane import DataPlane, RequestContext
+from pipeline.runtime.admission import CONNECTION_INFLIGHT, ModelShares, StreamHold
+from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.error_status import internal_error, rpc_status_of
+from pipeline.runtime.handler import InferenceHandler
 
 #: The responses of a stream's decoupled requests held at once, past each request's first (see
 #: `ModelStreamInfer`).
 STREAM_INFLIGHT = 64
-
-
-class StreamServer(Protocol):
-    """What runs a stream's requests: the servicer's two inference paths, its plane and its byte budget."""
-
-    plane: DataPlane
-    budget: ByteBudget
-
-    async def infer(self, request: pb.ModelInferRequest, call: RequestContext) -> pb.ModelInferResponse: ...
-
-    async def stream(
-        self,
-        request: pb.ModelInferRequest,
-        call: RequestContext,
-        send: Callable[[pb.ModelStreamInferResponse], Awaitable[None]],
-    ) -> None: ...
 
 
 class StreamRequests:
@@ -58,18 +43,18 @@ class StreamRequests:
         "closed",
         "decoupled",
         "done",
+        "handler",
         "hold",
         "ids",
         "responses",
         "sequences",
-        "servicer",
         "shares",
         "slots",
         "tasks",
     )
 
-    def __init__(self, servicer: StreamServer, call: RequestContext) -> None:
-        self.servicer = servicer
+    def __init__(self, handler: InferenceHandler, call: RequestContext) -> None:
+        self.handler = handler
         self.call = call
         self.done: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int, asyncio.Semaphore] | None] = (
             asyncio.Queue()
@@ -77,13 +62,13 @@ class StreamRequests:
         self.slots = asyncio.Semaphore(CONNECTION_INFLIGHT)
         #: A decoupled request's responses past its first, not sent yet.
         self.responses = asyncio.Semaphore(STREAM_INFLIGHT)
-        self.hold = StreamHold(servicer.budget, self.done, self.slots)
-        self.shares = ModelShares(servicer.budget)
+        self.hold = StreamHold(handler.budget, self.done, self.slots)
+        self.shares = ModelShares(handler.budget)
         self.tasks: set[asyncio.Task[None]] = set()
         #: The requests running, by their `id` (those that have one), for their cancellation.
         self.ids: dict[str, asyncio.Task[None]] = {}
         self.closed = False
-        self.decoupled = servicer.plane.decoupled
+        self.decoupled = handler.plane.decoupled
         #: The requests of each sequence on this stream, in order: each waits for the one before it to be
         #: in line.
         self.sequences = SequenceLine()
@@ -147,7 +132,7 @@ class StreamRequests:
         timeout, metadata = hop_context(request, call.metadata)
         own = call if timeout is None and metadata is call.metadata else RequestContext(timeout, metadata)
         try:
-            response = pb.ModelStreamInferResponse(infer_response=await self.servicer.infer(request, own))
+            response = pb.ModelStreamInferResponse(infer_response=await self.handler.infer(request, own))
         except asyncio.CancelledError:
             self._dropped(size)
             raise
@@ -201,7 +186,7 @@ class StreamRequests:
             sent += 1
 
         try:
-            await self.servicer.stream(request, self.call, send)
+            await self.handler.stream(request, self.call, send)
         finally:
             if not sent:
                 self._dropped(size)

@@ -9,15 +9,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import grpc
 import uvloop
-from grpc_health.v1 import health
 
 from pipeline.ensemble.catalog import ensemble_plans
 from pipeline.ensemble.selection import EVERYTHING
 from pipeline.protocol.errors import ConfigError
 from pipeline.runtime import service_settings
-from pipeline.runtime.frame_server import frame_server_of
+from pipeline.runtime.handler import InferenceHandler
+from pipeline.runtime.lifecycle import ServerLifecycle
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.model_metrics import MODEL_FAMILIES, Snapshot, families_handler
 from pipeline.runtime.repository import ModelRepository
@@ -30,12 +29,8 @@ from pipeline.runtime.security import (
     server_credentials_of,
 )
 from pipeline.runtime.server import (
-    create_server,
     prepare_process,
-    serve,
     set_serving,
-    start_metrics,
-    write_port,
 )
 from pipeline.runtime.server_settings import (
     Instances,
@@ -45,11 +40,9 @@ from pipeline.runtime.server_settings import (
     ModelControl,
     RouterLink,
     Security,
-    Shutdown,
     StageToken,
 )
 from pipeline.runtime.service_settings import Loading, Repository, StageEnsembles
-from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.settings_cli import ProcessSettings, add_arguments
 from pipeline.runtime.telemetry import Telemetry
 from pipeline.stage.api import Stage
@@ -58,6 +51,7 @@ from pipeline.stage.placement import python_models_of, unplaced_python_models
 from pipeline.stage.python_backend import PythonBackend
 from pipeline.stage.router_link import RouterClient
 from pipeline.stage.stage_plane import StagePlane
+from pipeline.transport import frame_server_of
 
 if TYPE_CHECKING:
     from pipeline.stage.backend import Backend
@@ -74,50 +68,25 @@ def repository_models(loading: Loading) -> list[str] | None:
     return None if EVERYTHING in names else names
 
 
-class _StageServer:
-    """A stage service's servers (gRPC, frames, metrics) around its plane, and what starts and stops them."""
+class _StageServer(ServerLifecycle):
+    """A stage service's life around its plane: its handler under its doors (gRPC, frames) and what it does
+    once they are open (load its models, report SERVING) and at its stop."""
 
     def __init__(
         self, plane: StagePlane, settings: ProcessSettings, service: str, policy: AccessPolicy
     ) -> None:
         self.plane, self.service = plane, service
-        self.listening = settings.group(Listening)
-        self.limits = settings.group(Limits)
         self.security = settings.group(Security)
-        self.health = health.aio.HealthServicer()
-        self.servicer = InferenceServicer(
-            plane,
-            service,
-            telemetry=plane.telemetry,
-            metrics=plane.metrics,
-            max_inflight_bytes=self.limits.max_inflight_bytes,
+        limits, listening = settings.group(Limits), settings.group(Listening)
+        handler = InferenceHandler(
+            plane, service, limits, policy=policy, telemetry=plane.telemetry, metrics=plane.metrics
         )
-        self.frames = frame_server_of(self.servicer, self.listening, self.limits, self.security, policy)
+        frames = frame_server_of(handler, listening, limits, self.security)
+        super().__init__(handler, settings, () if frames is None else (frames,))
 
-    async def listen(self, policy: AccessPolicy) -> tuple[grpc.aio.Server, int]:
-        """The service's gRPC server, NOT_SERVING, listening where its settings say with their TLS and access
-        policy (not started); and its port."""
-        listening = self.listening
-        await set_serving(self.health, False)
-        return await create_server(
-            f"{listening.host}:{listening.port}",
-            self.servicer,
-            self.health,
-            max_message_bytes=self.limits.max_message_bytes,
-            max_connection_age_s=self.limits.max_connection_age_s,
-            credentials=server_credentials_of(self.security),
-            interceptors=interceptors_of(policy),
-        )
-
-    async def start(self, port: int, bound: Callable[[int], None] | None) -> None:
-        """Serve the frame and metrics ports, load the models, then report SERVING."""
+    async def ready(self, port: int) -> None:
+        """Load the models, then report SERVING."""
         listening, plane, service = self.listening, self.plane, self.service
-        start_metrics(plane.metrics, listening)
-        if self.frames is not None and listening.frames_port is not None:
-            self.servicer.frames_port = await self.frames.start(listening.host, listening.frames_port)
-        write_port(listening.port_file, port)
-        if bound is not None:
-            bound(port)
         source = f" and the repository {plane.repository.root}" if plane.repository is not None else ""
         log.info("%s listening on %s:%d, loading its models%s", service, listening.host, port, source)
         await plane.load()
@@ -125,16 +94,11 @@ class _StageServer:
         models = ", ".join(plane.model_names) or "no model"
         log.info("%s serving %s on %s:%d", service, models, listening.host, port)
 
-    async def stop(self, telemetry: Telemetry | None) -> None:
-        """Unload the models and close what the service opened; `telemetry`: the tracing to shut down, where
-        the service owns it."""
+    async def close(self) -> None:
+        """Unload the models and close the link to the router."""
         await self.plane.unload()
         if self.plane.router is not None:
             await self.plane.router.close()
-        self.plane.metrics.close()
-        if telemetry is not None:
-            # Flushing may wait on an exporter's endpoint: not on the event loop.
-            await asyncio.to_thread(telemetry.shutdown)
 
 
 async def serve_stages(
@@ -174,29 +138,17 @@ async def serve_stages(
         router=_router_calls(settings),
     )
     stage = _StageServer(plane, settings, service, policy)
-    server, port = await stage.listen(policy)
+    listening = settings.group(Listening)
+    server = await stage.listen(
+        f"{listening.host}:{listening.port}",
+        credentials=server_credentials_of(stage.security),
+        interceptors=interceptors_of(policy),
+    )
     # The metric families its models make (Triton's custom metrics) are the process's: shown on its /metrics,
     # and given to the router, which shows every stage's on its own.
     plane.metrics.export_families(_model_families)
     server.add_generic_rpc_handlers((families_handler(_model_families),))
-
-    async def start() -> None:
-        await stage.start(port, bound)
-
-    async def stop() -> None:
-        await stage.stop(telemetry if owned else None)
-
-    await serve(
-        server,
-        stage.health,
-        grace=settings.group(Shutdown).grace_period,
-        drain_delay=settings.group(Shutdown).drain_delay,
-        start=start,
-        stop=stop,
-        stopping=stopping,
-        drain=None if stage.frames is None else stage.frames.close,
-        held=stage.servicer.held,
-    )
+    await stage.run(stopping=stopping, bound=bound, telemetry=telemetry if owned else None)
 
 
 async def _model_families() -> list[Snapshot]:

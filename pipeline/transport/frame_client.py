@@ -26,9 +26,9 @@ from pipeline.protocol.frames import (
     HELLO,
     REQUEST,
     RESPONSE,
-    FrameProtocol,
     parse,
 )
+from pipeline.transport.frame_protocol import FrameProtocol
 from pipeline.transport.matched import ConnectionRecycled, MatchedRequests
 
 log = logging.getLogger(__name__)

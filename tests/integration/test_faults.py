@@ -22,6 +22,7 @@ from pipeline.protocol.errors import ModelNotFound
 from pipeline.protocol.model_config import read_config
 from pipeline.protocol.types import TensorSpec
 from pipeline.runtime.data_plane import DataPlane, RequestContext
+from pipeline.runtime.handler import InferenceHandler
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.server import INFERENCE_SERVICE, create_server, set_serving
 from pipeline.runtime.servicer import InferenceServicer
@@ -93,7 +94,9 @@ class Slow(DataPlane):
 
 async def serve_plane(plane: DataPlane) -> tuple[grpc.aio.Server, str]:
     health_servicer = health.aio.HealthServicer()
-    server, port = await create_server("127.0.0.1:0", InferenceServicer(plane, "spy"), health_servicer)
+    server, port = await create_server(
+        "127.0.0.1:0", InferenceServicer(InferenceHandler(plane, "spy")), health_servicer
+    )
     await server.start()
     await set_serving(health_servicer, True)
     return server, f"127.0.0.1:{port}"

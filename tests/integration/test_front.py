@@ -20,10 +20,10 @@ from pipeline.ensemble.catalog import load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.frames import DOOR_PARAMETER, HELLO, RESPONSE, frame
 from pipeline.router import front
-from pipeline.runtime.frame_server import FrameServer
-from pipeline.runtime.security import FRONT_ONLY_MESSAGE, UNAUTHENTICATED_MESSAGE, AccessPolicy
-from pipeline.runtime.servicer import InferenceServicer
+from pipeline.runtime.handler import InferenceHandler
+from pipeline.runtime.security import FRONT_ONLY_MESSAGE, UNAUTHENTICATED_MESSAGE
 from pipeline.tools.testing import serving_router
+from pipeline.transport import FrameServer
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
 from tests.e2e.test_tls_listeners import listening_ports
 from tests.integration.test_faults import SLOW_STEPS, Slow, ensemble, serve_plane
@@ -303,10 +303,9 @@ def _send_and_close(host: str, port: int, data: bytes) -> None:
 
 
 async def test_the_door_takes_only_the_fronts_connections():
-    door = FrameServer(
-        InferenceServicer(Slow(), "spy"), max_frame_bytes=1 << 20, policy=AccessPolicy(), door="the secret"
-    )
-    port = await door.start("127.0.0.1", 0)
+    door = FrameServer(InferenceHandler(Slow(), "spy"), max_frame_bytes=1 << 20, door="the secret")
+    await door.open(0)
+    port = door.port
     try:
         for secret in (None, "", "a guess"):
             hello = pb.ModelInferRequest(id="hello")

@@ -19,6 +19,7 @@ from pipeline.protocol.errors import ConfigError, InvalidInput, ModelNotFound
 from pipeline.protocol.types import TensorSpec
 from pipeline.router.main import serve_router
 from pipeline.runtime.data_plane import DataPlane, RequestContext
+from pipeline.runtime.handler import InferenceHandler
 from pipeline.runtime.server import create_server, set_serving
 from pipeline.runtime.servicer import InferenceServicer
 from pipeline.stage.api import Stage
@@ -131,7 +132,9 @@ class Served:
 async def served(tmp_path_factory):
     recorder = Recorder()
     spy_health = health.aio.HealthServicer()
-    spy_server, spy_port = await create_server("127.0.0.1:0", InferenceServicer(recorder, "spy"), spy_health)
+    spy_server, spy_port = await create_server(
+        "127.0.0.1:0", InferenceServicer(InferenceHandler(recorder, "spy")), spy_health
+    )
     await spy_server.start()
     await set_serving(spy_health, True)
     folder: Path = tmp_path_factory.mktemp("ensembles")

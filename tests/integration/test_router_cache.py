@@ -23,6 +23,7 @@ from pipeline.protocol.errors import ConfigError, ModelNotFound
 from pipeline.protocol.types import TensorSpec
 from pipeline.router.router_plane import RouterPlane
 from pipeline.runtime.data_plane import DataPlane
+from pipeline.runtime.handler import InferenceHandler
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.repository import ModelRepository
 from pipeline.runtime.server import create_server, set_serving
@@ -444,7 +445,9 @@ steps:
 async def test_a_version_change_or_not_found_drops_entries_of_a_plain_stage(tmp_path: Path):
     stage = Flipping()
     stage_health = health.aio.HealthServicer()
-    server, port = await create_server("127.0.0.1:0", InferenceServicer(stage, "flip"), stage_health)
+    server, port = await create_server(
+        "127.0.0.1:0", InferenceServicer(InferenceHandler(stage, "flip")), stage_health
+    )
     await server.start()
     await set_serving(stage_health, True)
     (tmp_path / "flipped.yaml").write_text(FLIP.format(address=f"127.0.0.1:{port}"))

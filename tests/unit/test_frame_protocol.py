@@ -14,7 +14,8 @@ import pytest
 import uvloop
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.protocol.frames import HEADER, READ_AHEAD, FrameProtocol, stream_response
+from pipeline.protocol.frames import HEADER, stream_response
+from pipeline.transport.frame_protocol import READ_AHEAD, FrameProtocol
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, None]], None]] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
 SIZES = (0, 1, 4, 5, 100, 65_530, 65_536, 65_541, 200_000, 3 << 20)

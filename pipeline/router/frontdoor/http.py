@@ -2,8 +2,9 @@
 
 aiohttp serves it on the router's own asyncio loop. The handlers only translate: JSON (and Triton's binary
 tensor data extension) in, a `pb.ModelInferRequest` or a plane call out, and back. Inference goes through
-`InferenceServicer.infer`, the gRPC side's own path (span, metrics), so both front doors share one data
-plane: the same validation, errors, limits, batching and statistics. A `PipelineError`'s gRPC status is
+the server's `InferenceHandler` (`pipeline.runtime.handler`), as gRPC's and the frame port's do, so every
+door shares one path: the same budget of bytes in flight, access policy, spans, metrics, validation, errors,
+batching and statistics. A `PipelineError`'s gRPC status is
 mapped once to an HTTP status (`HTTP_STATUS`) with a `{"error": "..."}` body.
 
 Triton's generate extension: `POST .../generate` takes one JSON object and answers one, and
@@ -50,17 +51,16 @@ from pipeline.router.frontdoor.torchserve_api import TorchServeApi
 from pipeline.runtime.admission import REQUEST_COST, cost_of
 from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.error_status import internal_error
+from pipeline.runtime.handler import InferenceHandler
 from pipeline.runtime.router_settings import Http
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
-    AccessPolicy,
     Scope,
     certificate_names,
     server_ssl_context_of,
 )
 from pipeline.runtime.server import write_port
 from pipeline.runtime.server_settings import Listening, Security
-from pipeline.runtime.servicer import InferenceServicer
 from pipeline.runtime.settings_cli import ProcessSettings
 
 log = logging.getLogger(__name__)
@@ -107,13 +107,12 @@ def error_response(status: int, message: str) -> web.Response:
 
 
 class RestFrontDoor:
-    """The REST endpoints over the gRPC servicer's data plane (`servicer.plane`) and inference path."""
+    """The REST endpoints over a server's `InferenceHandler` and its data plane (`handler.plane`)."""
 
     def __init__(
         self,
-        servicer: InferenceServicer,
+        handler: InferenceHandler,
         *,
-        policy: AccessPolicy | None = None,
         max_body_bytes: int = 64 * 1024 * 1024,
         max_json_output_bytes: int = 64 * 1024 * 1024,
         codec: CodecPool | None = None,
@@ -121,13 +120,14 @@ class RestFrontDoor:
     ) -> None:
         """`max_body_bytes`: the largest request body, decompressed, and the most its inputs may hold;
         `max_json_output_bytes`: the largest JSON a response's outputs may take (0: no limit; binary data
-        has none); `codec`: where large bodies and responses are decoded and encoded; `policy`: who may
-        call what, as on the gRPC side (bearer tokens, and client certificates where the server requires
-        them); `torchserve`: TorchServe's inference and management APIs beside the protocol's."""
-        self.servicer = servicer
+        has none); `codec`: where large bodies and responses are decoded and encoded; `torchserve`:
+        TorchServe's inference and management APIs beside the protocol's. Who may call what is the
+        handler's access policy, as on the gRPC side (bearer tokens, and client certificates where the
+        server requires them)."""
+        self.handler = handler
         self.torchserve = torchserve
-        self.plane = servicer.plane
-        self.policy = policy or AccessPolicy()
+        self.plane = handler.plane
+        self.policy = handler.policy
         self.max_body_bytes = max_body_bytes
         self.max_json_output_bytes = max_json_output_bytes
         self.codec = codec or CodecPool()
@@ -233,7 +233,7 @@ class RestFrontDoor:
     async def server_metadata(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
-                "name": self.servicer.name,
+                "name": self.handler.name,
                 "version": pipeline.__version__,
                 "extensions": ["binary_tensor_data", *self.plane.extensions],
             }
@@ -290,7 +290,7 @@ class RestFrontDoor:
     async def infer(self, request: web.Request) -> web.StreamResponse:
         name, version = _model_of(request)
         encoding = check_encoding(request.headers.get("Content-Encoding", ""))
-        budget = self.servicer.budget
+        budget = self.handler.budget
         # A body whose length is told is refused by what it would cost before it is read, as a gRPC
         # `ModelInfer` is at the door (`pipeline.runtime.admission`).
         if request.content_length is not None and not budget.fits(cost_of(request.content_length)):
@@ -309,7 +309,7 @@ class RestFrontDoor:
             del body
             budget.charge(size := (REQUEST_COST - 1) * infer_req.ByteSize())
             held += size
-            reply = await self.servicer.infer(infer_req, _call_of(request))
+            reply = await self.handler.infer(infer_req, _call_of(request))
             budget.charge(size := reply.ByteSize())
             held += size
             payload, header_length = await self.codec.infer_response(reply, form, self.max_json_output_bytes)
@@ -337,7 +337,7 @@ class RestFrontDoor:
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """The responses to a generate request: a decoupled model's, or a plain model's one."""
         if infer_req.model_name not in self.plane.decoupled:
-            yield pb.ModelStreamInferResponse(infer_response=await self.servicer.infer(infer_req, call))
+            yield pb.ModelStreamInferResponse(infer_response=await self.handler.infer(infer_req, call))
             return
         replies: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(maxsize=1)
 
@@ -346,7 +346,7 @@ class RestFrontDoor:
 
         async def run() -> None:
             try:
-                await self.servicer.stream(infer_req, call, send)
+                await self.handler.stream(infer_req, call, send)
             finally:
                 await replies.put(None)
 
@@ -420,34 +420,43 @@ def _repository_call(request: web.Request) -> RequestContext:
 
 
 class RestServer:
-    """The HTTP site of a server: started beside the gRPC server on the same event loop."""
+    """The HTTP site of a server, a door beside its gRPC server on the same event loop
+    (`pipeline.runtime.lifecycle.Door`): where `--http-port` says, with the server's TLS settings."""
 
-    def __init__(self, front_door: RestFrontDoor, *, grace: float = 10.0) -> None:
+    def __init__(
+        self,
+        front_door: RestFrontDoor,
+        settings: ProcessSettings,
+        *,
+        grace: float = 10.0,
+        bound: Callable[[int], None] | None = None,
+        reuse_port: bool = False,
+    ) -> None:
+        """`grace`: what in-flight requests get once it closes; `bound` is called with the port once it
+        listens; `reuse_port` for router workers, which share the port (SO_REUSEPORT), as their gRPC servers
+        do."""
         self.front_door = front_door
+        self.http, self.host = settings.group(Http), settings.group(Listening).host
+        self.ssl_context = server_ssl_context_of(settings.group(Security))
         self.grace = grace
+        self.bound = bound
+        self.reuse_port = reuse_port
         self._runner: web.AppRunner | None = None
 
-    async def start(
-        self,
-        settings: ProcessSettings,
-        bound: Callable[[int], None] | None = None,
-        *,
-        reuse_port: bool = False,
-    ) -> int | None:
-        """Listen where `--http-port` says, with the server's TLS settings; None when it is off. Writes
-        `--http-port-file` and calls `bound` with the port once listening; `reuse_port` for router workers,
-        which share the port (SO_REUSEPORT), as their gRPC servers do."""
-        http, host = settings.group(Http), settings.group(Listening).host
-        port = http.http_port
-        if port is None:
-            return None
-        ssl_context = server_ssl_context_of(settings.group(Security))
+    async def open(self, port: int) -> int:
+        """Listen (not where `--http-port` is off), and write `--http-port-file`; returns the server's
+        public port, `port`."""
+        http, host, ssl_context = self.http, self.host, self.ssl_context
+        if http.http_port is None:
+            return port
         # Request bodies are decompressed by the codec, within the size limit and with the protocol's errors.
         runner = web.AppRunner(
             self.front_door.app(), access_log=None, shutdown_timeout=self.grace, auto_decompress=False
         )
         await runner.setup()
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None)
+        site = web.TCPSite(
+            runner, host, http.http_port, ssl_context=ssl_context, reuse_port=self.reuse_port or None
+        )
         try:
             await site.start()
         except OSError:
@@ -456,14 +465,14 @@ class RestServer:
         self._runner = runner
         bound_port = int(runner.addresses[0][1])
         write_port(http.http_port_file, bound_port)
-        if bound is not None:
-            bound(bound_port)
+        if self.bound is not None:
+            self.bound(bound_port)
         log.info("HTTP/REST on %s://%s:%d/v2", "https" if ssl_context else "http", host, bound_port)
-        return bound_port
+        return port
 
-    async def stop(self) -> None:
-        """Stop listening and let in-flight requests finish (within the grace period), then the codec's
-        workers."""
+    async def close(self, grace: float) -> None:
+        """Stop listening and let in-flight requests finish (within the grace period it was made with, on
+        gRPC's clock), then the codec's workers."""
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()

@@ -40,7 +40,7 @@ from aiohttp import BodyPartReader, web
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.protocol.errors import PipelineError
 from pipeline.runtime.data_plane import RequestContext
-from pipeline.runtime.servicer import InferenceServicer
+from pipeline.runtime.handler import InferenceHandler
 from pipeline.runtime.torchserve_store import (
     REQUEST_TENSOR,
     ArchiveModel,
@@ -84,12 +84,12 @@ def ts_error(status: int, kind: str, message: str) -> web.Response:
 
 
 class TorchServeApi:
-    """The routes over the servicer's inference path and plane, for the archive models of `repository`;
+    """The routes over a server's `InferenceHandler` and its plane, for the archive models of `repository`;
     `store`: the model store that `POST /models` registers archives from (None: registering is refused)."""
 
-    def __init__(self, servicer: InferenceServicer, repository: Path | None, store: Path | None) -> None:
-        self.servicer = servicer
-        self.plane = servicer.plane
+    def __init__(self, handler: InferenceHandler, repository: Path | None, store: Path | None) -> None:
+        self.handler = handler
+        self.plane = handler.plane
         self.repository = repository
         self.store = store
         #: Archive models by name, as last read from the repository.
@@ -138,7 +138,7 @@ class TorchServeApi:
         infer_req.inputs.add(name=REQUEST_TENSOR, datatype="BYTES", shape=[1, 1])
         infer_req.raw_input_contents.append(len(blob).to_bytes(4, "little") + blob)
         try:
-            reply = await self.servicer.infer(infer_req, RequestContext(None, ()))
+            reply = await self.handler.infer(infer_req, RequestContext(None, ()))
         except PipelineError as err:
             if err.code == grpc.StatusCode.NOT_FOUND:
                 self._models.pop(name, None)

@@ -38,8 +38,8 @@ from pipeline.router.scheduling.bls_forecast import BlsForecast
 from pipeline.router.scheduling.merge import BatchMember
 from pipeline.router.scheduling.stage_batchers import StageBatchers
 from pipeline.router.stages.stage_client import StageClient
+from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.metrics import Metrics
-from pipeline.runtime.servicer import RequestContext
 from pipeline.runtime.telemetry import MODEL, PEER, STAGE, Telemetry
 
 

@@ -1,7 +1,7 @@
 """A server's frame port (`pipeline.protocol.frames`): inference requests in frames on a stream of their own.
 
-Each request goes through the servicer's own inference path (`InferenceServicer.infer`: its span, metrics
-and statistics), as a `ModelStreamInfer` request would. A connection holds at most `CONNECTION_INFLIGHT`
+Each request goes through the server's `InferenceHandler` (`pipeline.runtime.handler`: its span, metrics,
+statistics and shared memory), as a gRPC request does: this is a door, which only translates frames to it. A connection holds at most `CONNECTION_INFLIGHT`
 requests at once, answered or not, and its bytes count in the server's budget of bytes in flight
 (`pipeline.runtime.admission`): a caller that stops reading its responses is not read from either. The
 requests of one model hold at most their share of both (`ModelShares`): past it, a request of that model is
@@ -47,7 +47,6 @@ from pipeline.protocol.frames import (
     IDENTITIES_PARAMETER,
     REQUEST,
     RESPONSE,
-    FrameProtocol,
     parse,
     stream_response,
 )
@@ -56,6 +55,7 @@ from pipeline.protocol.streams import error_response, hop_context
 from pipeline.runtime.admission import CONNECTION_INFLIGHT, ModelShares
 from pipeline.runtime.data_plane import RequestContext
 from pipeline.runtime.error_status import internal_error, rpc_status_of
+from pipeline.runtime.handler import InferenceHandler
 from pipeline.runtime.security import (
     UNAUTHENTICATED_MESSAGE,
     AccessPolicy,
@@ -63,30 +63,35 @@ from pipeline.runtime.security import (
     server_ssl_context_of,
 )
 from pipeline.runtime.server_settings import Limits, Listening, Security
-from pipeline.runtime.servicer import InferenceServicer
+from pipeline.transport.frame_protocol import FrameProtocol
 
 log = logging.getLogger(__name__)
 
 
 class FrameServer:
-    """Takes frames on a port and answers them through `servicer`'s inference path; with `tls` (the server's
-    TLS, `server_ssl_context`), over TLS only."""
+    """Takes frames on a port and answers them through `handler`, with its access policy; with `tls` (the
+    server's TLS, `server_ssl_context`), over TLS only."""
 
     def __init__(
         self,
-        servicer: InferenceServicer,
+        handler: InferenceHandler,
         *,
         max_frame_bytes: int,
-        policy: AccessPolicy,
         tls: ssl.SSLContext | None = None,
         door: str | None = None,
+        address: tuple[str, int] = ("127.0.0.1", 0),
+        reuse_port: bool = False,
     ) -> None:
-        """`door`: the secret of a door's hello (its requests then carry their callers' credentials)."""
-        self.servicer = servicer
+        """`door`: the secret of a door's hello (its requests then carry their callers' credentials);
+        `address` (host, port: 0 for one the OS picks) and `reuse_port` (shared with other processes, the
+        router's workers): where `open` listens."""
+        self.handler = handler
         self.max_frame_bytes = max_frame_bytes
-        self.policy = policy
+        self.policy = handler.policy
         self.tls = tls
         self.door = door
+        self.address = address
+        self.reuse_port = reuse_port
         self._server: asyncio.AbstractServer | None = None
         self._connections: dict[asyncio.Task[None], FrameProtocol] = {}
         #: The requests being answered, on every connection.
@@ -94,15 +99,18 @@ class FrameServer:
         self._closing = False
         self.port: int | None = None
 
-    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> int:
-        """Listen on `host:port` (0: a port the OS picks; `reuse_port`: shared with other processes, the
-        router's workers); returns the port."""
+    async def open(self, port: int) -> int:
+        """Listen at `address` (a server's door, `pipeline.runtime.lifecycle.Door`): where it is not a door's
+        port, the handler names it in `ServerMetadata`. Returns the server's public port, `port`."""
+        host, listen = self.address
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self._connection, host, port, ssl=self.tls, reuse_port=reuse_port or None
+            self._connection, host, listen, ssl=self.tls, reuse_port=self.reuse_port or None
         )
         self.port = self._server.sockets[0].getsockname()[1]
-        return self.port
+        if self.door is None:
+            self.handler.frames_port = self.port
+        return port
 
     async def close(self, grace: float) -> None:
         """Stop listening and refuse new requests (UNAVAILABLE, not started: a router sends them to another
@@ -155,7 +163,7 @@ class FrameServer:
             return
         kind, payload = await frames.read()
         slots = asyncio.Semaphore(CONNECTION_INFLIGHT)
-        shares = ModelShares(self.servicer.budget)
+        shares = ModelShares(self.handler.budget)
         tasks: set[asyncio.Task[None]] = set()
         #: The requests being answered, by their ids on this connection (for `CANCEL`).
         ids: dict[str, asyncio.Task[None]] = {}
@@ -226,7 +234,7 @@ class FrameServer:
             shares.take(request.model_name, size)
         except PipelineError as err:
             return err
-        budget = self.servicer.budget
+        budget = self.handler.budget
         if self.door is None:
             await budget.wait(size)  # not read further until its bytes fit
             return None
@@ -245,7 +253,7 @@ class FrameServer:
         held: tuple[asyncio.Semaphore, ModelShares],
         turn: Turn | None,
     ) -> None:
-        budget = self.servicer.budget
+        budget = self.handler.budget
         model, taken = request.model_name, size
         try:
             if turn is not None:
@@ -254,7 +262,7 @@ class FrameServer:
             try:
                 if self._closing:
                     raise Unavailable("the server is shutting down")
-                reply = await self.servicer.infer(request, RequestContext(timeout, metadata))
+                reply = await self.handler.infer(request, RequestContext(timeout, metadata))
                 answer: tuple[bytes, ...] = stream_response(reply)
             except PipelineError as err:
                 answer = (_refused(request, err),)
@@ -302,21 +310,23 @@ def _refused(request: pb.ModelInferRequest, err: PipelineError) -> bytes:
 
 
 def frame_server_of(
-    servicer: InferenceServicer,
+    handler: InferenceHandler,
     listening: Listening,
     limits: Limits,
     security: Security,
-    policy: AccessPolicy,
+    *,
+    reuse_port: bool = False,
 ) -> FrameServer | None:
-    """A server's frame port, unless `--frames-port off`: with the TLS of the server's gRPC port where it
-    has TLS (the same settings), client certificates and all, and its access policy."""
+    """A server's frame port where `--frames-port` says, unless it is off: with the TLS of the server's gRPC
+    port where it has TLS (the same settings), client certificates and all, and its handler's access policy."""
     if listening.frames_port is None:
         return None
     return FrameServer(
-        servicer,
+        handler,
         max_frame_bytes=limits.max_message_bytes,
-        policy=policy,
         tls=server_ssl_context_of(security),
+        address=(listening.host, listening.frames_port),
+        reuse_port=reuse_port,
     )
 
 
