@@ -1,2 +1,3 @@
-"""What every server stands on: the protocol servicer and its error mapping, server bootstrap, metrics,
-statistics, tracing, security and the model repository's layout."""
+"""What every server stands on: the inference handler every door shares, the gRPC servicer over it and the
+error mapping, the server's life from start to stop, metrics, statistics, tracing, security and the model
+repository's layout."""

@@ -26,10 +26,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-#: gRPC status code names by number.
-_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
-
-
 async def _guarded(
     context: grpc.aio.ServicerContext, work: Awaitable[T], reply: Callable[[T], R] | None = None
 ) -> R | T | None:
