@@ -2,7 +2,7 @@
 
 A stage is a `Stage` subclass in a model repository's `<model>/<version>/model.py`, which the stage
 services serve through the python backend (`pipeline.stage.python_backend`), or a `Stage` object handed to
-`pipeline.runtime.server.serve_stages` directly; the runtime does the protocol, validation, health and errors.
+`pipeline.stage.service.serve_stages` directly; the runtime does the protocol, validation, health and errors.
 
 From a repository, the model is named after its folder, and an optional `config.pbtxt` beside the version
 folders may declare the tensors, `max_batch_size` and `instance_group` (see `pipeline.stage.python_backend`).
