@@ -24,8 +24,6 @@ constexpr char kTimeoutParameter[] = "pipeline.timeout_us";
 constexpr char kAuthorization[] = "authorization";
 constexpr char kIdentitiesParameter[] = "pipeline.peer_identities";
 constexpr const char* kTraceHeaders[] = {"traceparent", "tracestate", "pipeline-call-chain"};
-// The response parameter carrying a failed request's google.rpc.Status, base64.
-constexpr char kStatusParameter[] = "pipeline.status";
 
 std::string_view View(const grpc::string_ref& ref) { return {ref.data(), ref.size()}; }
 
@@ -40,7 +38,7 @@ std::vector<std::string> IdentitiesOf(const grpc::ServerContextBase& context) {
 }
 
 // The time the client still waits, in microseconds; 0 where it set no deadline.
-int64_t TimeLeftUs(const grpc::ServerContextBase& context) {
+int64_t TimeLeftOf(const grpc::ServerContextBase& context) {
   auto deadline = context.deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) return 0;
   auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - std::chrono::system_clock::now());
@@ -48,11 +46,12 @@ int64_t TimeLeftUs(const grpc::ServerContextBase& context) {
 }
 
 // A ModelInfer, handed to the router as a frame: its bytes as they came, followed by the hop's parameters
-// and an id of the connection's own, the client's id written back into the answer.
-class InferCall final : public grpc::ServerGenericBidiReactor, public Waiter {
+// and an id of the connection's own, the client's id written back into the answer. A request of a model the
+// router lets the front merge goes through the batcher (batches.h), alone or in a batch.
+class InferCall final : public grpc::ServerGenericBidiReactor, public Waiter, public Member {
  public:
-  InferCall(grpc::GenericCallbackServerContext* context, Door& door, const Settings& settings)
-      : context_(context), door_(door), settings_(settings) {
+  InferCall(grpc::GenericCallbackServerContext* context, Door& door, Batcher& batcher, const Settings& settings)
+      : context_(context), door_(door), batcher_(batcher), settings_(settings) {
     StartRead(&request_);
   }
 
@@ -61,50 +60,49 @@ class InferCall final : public grpc::ServerGenericBidiReactor, public Waiter {
       FinishOnce(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ModelInfer: the call ended before its request came"));
       return;
     }
-    std::vector<grpc::Slice> body;
-    if (!request_.Dump(&body).ok()) {
+    if (!request_.Dump(&body_).ok()) {
       FinishOnce(grpc::Status(grpc::StatusCode::INTERNAL, "the front could not read the request"));
       return;
     }
-    size_t size = 0;
-    for (const auto& slice : body) size += slice.size();
-    // The client's id, to be given back in the answer (the last of the field, as protobuf reads it).
-    std::string joined;
     std::string_view message;
-    if (body.size() == 1) {
-      message = {reinterpret_cast<const char*>(body[0].begin()), body[0].size()};
+    if (body_.size() == 1) {
+      message = {reinterpret_cast<const char*>(body_[0].begin()), body_[0].size()};
     } else {
-      joined.reserve(size);
-      for (const auto& slice : body) joined.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
-      message = joined;
+      for (const auto& slice : body_) joined_.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+      body_ = {grpc::Slice(joined_)};
+      message = {reinterpret_cast<const char*>(body_[0].begin()), body_[0].size()};
     }
+    // The client's id, to be given back in the answer (the last of the field, as protobuf reads it), and the
+    // model it asks for.
+    std::string_view name, version;
     wire::Reader fields(message);
     wire::Field field;
-    while (fields.Next(field))
-      if (field.number == 3 && field.type == wire::kLengthDelimited) id_ = std::string(field.bytes);
+    while (fields.Next(field)) {
+      if (field.type != wire::kLengthDelimited) continue;
+      if (field.number == 3) id_ = std::string(field.bytes);
+      else if (field.number == 1) name = field.bytes;
+      else if (field.number == 2) version = field.bytes;
+      else if (field.number == 4 && !claims_merged_) {
+        auto key = wire::FindField(field.bytes, 1);
+        claims_merged_ = key && key->bytes == kMergedParameter;
+      }
+    }
     if (fields.failed()) {
       FinishOnce(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ModelInfer: the request is not a valid ModelInferRequest message"));
       return;
     }
-    if (!joined.empty()) body = {grpc::Slice(joined)};
-    auto connection = door_.Pick();
-    if (!connection) {
-      FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is not reachable (its door has no connection)"));
-      return;
+    model_.append(name).push_back('\0');
+    model_.append(version);
+    credentials_ = Credentials();
+    if (int64_t limit = batcher_.Limit(model_); limit > 0 && !Traced()) {
+      mergeable_ = MergeableOf(message, credentials_);
+      if (mergeable_ && mergeable_->rows <= limit) {
+        batched_ = true;
+        batcher_.Submit(model_, this);
+        return;
+      }
     }
-    std::string key = connection->Send(body, HopParameters(), this);
-    if (key.empty()) {
-      FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router's frame connection broke"));
-      return;
-    }
-    bool cancelled;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      connection_ = connection;
-      key_ = key;
-      cancelled = cancelled_;
-    }
-    if (cancelled && connection->Forget(key)) FinishOnce(grpc::Status::CANCELLED);
+    SendAlone(false);
   }
 
   void OnCancel() override {
@@ -116,39 +114,101 @@ class InferCall final : public grpc::ServerGenericBidiReactor, public Waiter {
       connection = connection_;
       key = key_;
     }
-    if (connection && connection->Forget(key)) FinishOnce(grpc::Status::CANCELLED);
+    if (batched_) {
+      std::shared_ptr<Batch> batch;
+      if (batcher_.Withdraw(model_, this, batch)) {
+        FinishOnce(grpc::Status::CANCELLED);
+        return;
+      }
+      if (batch) {
+        batch->Leave(this);  // it answers this call with the rest
+        return;
+      }
+    }
+    if (connection && connection->Forget(key)) EndWait(grpc::Status::CANCELLED);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override { Release(); }
+
+  // --- Member ---
+
+  const Mergeable& mergeable() const override { return *mergeable_; }
+  const std::string& id() const override { return id_; }
+  int64_t TimeLeftUs() const override { return TimeLeftOf(*context_); }
+  const std::string& credentials() const override { return credentials_; }
+
+  // Sent from a reaction (OnReadDone) or by the batcher on another call's thread: its answer may finish
+  // the call before this returns, so the call is held (`owners_`) until it does.
+  void SendAlone(bool tracked) override {
+    owners_.fetch_add(1);
+    tracked_ = tracked;
+    auto connection = door_.Pick();
+    std::string key = connection ? connection->Send(body_, HopParameters(), this) : "";
+    if (key.empty()) {
+      EndWait(grpc::Status(grpc::StatusCode::UNAVAILABLE, connection ? "the router's frame connection broke"
+                                                                     : "the router is not reachable (its door has no connection)"));
+      Release();
+      return;
+    }
+    bool cancelled;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      connection_ = connection;
+      key_ = key;
+      cancelled = cancelled_;
+    }
+    if (cancelled && connection->Forget(key)) EndWait(grpc::Status::CANCELLED);
+    Release();
+  }
+
+  void Reply(std::vector<grpc::Slice> pieces) override {
+    if (finished_.exchange(true)) return;
+    response_ = grpc::ByteBuffer(pieces.data(), pieces.size());
+    StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+
+  void End(const grpc::Status& status) override { FinishOnce(status); }
+
+  // --- Waiter: the answer to this request sent alone ---
 
   void Answer(grpc::Slice payload) override {
     std::string_view bytes(reinterpret_cast<const char*>(payload.begin()), payload.size());
     auto error = wire::FindField(bytes, 1);
     auto reply = wire::FindField(bytes, 2);
     if (error && !error->bytes.empty()) {
-      FinishOnce(StatusOf(error->bytes, reply ? reply->bytes : std::string_view{}));
+      EndWait(StatusOf(error->bytes, reply ? reply->bytes : std::string_view{}));
       return;
     }
     if (!reply) {
-      FinishOnce(grpc::Status(grpc::StatusCode::INTERNAL, "the router answered without a response"));
+      EndWait(grpc::Status(grpc::StatusCode::INTERNAL, "the router answered without a response"));
       return;
     }
-    // The response as the router made it but for its id, which becomes the client's again.
+    // The response as the router made it but for its id, which becomes the client's again, and the
+    // parameter that tells the front whether it may merge the model's requests, which is the front's.
     size_t base = static_cast<size_t>(reply->bytes.data() - bytes.data());
     std::vector<grpc::Slice> pieces;
     size_t from = 0;
     bool placed = false;
+    int64_t limit = 0;
     wire::Reader fields(reply->bytes);
     wire::Field field;
     while (fields.Next(field)) {
-      if (field.number != 3 || field.type != wire::kLengthDelimited) continue;
+      if (field.type != wire::kLengthDelimited) continue;
+      if (field.number == 4) {
+        auto key = wire::FindField(field.bytes, 1);
+        auto value = wire::FindField(field.bytes, 2);
+        if (!key || key->bytes != kFrontBatchParameter) continue;
+        if (value) limit = wire::Int64Parameter(value->bytes);
+      } else if (field.number != 3) {
+        continue;
+      }
       if (field.begin > from) pieces.push_back(payload.sub(base + from, base + field.begin));
-      if (!placed && !id_.empty()) {
+      if (field.number == 3 && !placed && !id_.empty()) {
         std::string id;
         wire::PutBytes(id, 3, id_);
         pieces.emplace_back(id);
       }
-      placed = true;
+      placed = placed || field.number == 3;
       from = field.end;
     }
     if (from < reply->bytes.size()) pieces.push_back(payload.sub(base + from, base + reply->bytes.size()));
@@ -157,12 +217,14 @@ class InferCall final : public grpc::ServerGenericBidiReactor, public Waiter {
       wire::PutBytes(id, 3, id_);
       pieces.emplace_back(id);
     }
-    if (finished_.exchange(true)) return;
-    response_ = grpc::ByteBuffer(pieces.data(), pieces.size());
-    StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+    batcher_.Learn(model_, limit);
+    Batcher* tracking = tracked_ ? &batcher_ : nullptr;
+    std::string model = tracking ? model_ : std::string();
+    Reply(std::move(pieces));  // the call may be gone once it returns
+    if (tracking) tracking->Done(model);
   }
 
-  void Fail(const grpc::Status& status) override { FinishOnce(status); }
+  void Fail(const grpc::Status& status) override { EndWait(status); }
 
  private:
   void FinishOnce(const grpc::Status& status) {
@@ -170,17 +232,32 @@ class InferCall final : public grpc::ServerGenericBidiReactor, public Waiter {
     Finish(status);  // the last thing done here: the call may be gone once it returns
   }
 
-  // What the router needs of the call beyond its message: the deadline, trace context and credentials. The
-  // credentials are always written, empty or not, so that a client's own parameters of those names never
-  // count.
-  std::string HopParameters() const {
-    std::string tail;
-    if (int64_t left = TimeLeftUs(*context_); left > 0) wire::PutInt64Parameter(tail, kTimeoutParameter, left);
+  // grpc++ is done with the call (OnDone), or a send that held it is over: the last of them deletes it.
+  void Release() {
+    if (owners_.fetch_sub(1) == 1) delete this;
+  }
+
+  // This request, sent alone, is over: the batcher told where it counted it in flight.
+  void EndWait(const grpc::Status& status) {
+    Batcher* tracking = tracked_ ? &batcher_ : nullptr;
+    std::string model = tracking ? model_ : std::string();
+    FinishOnce(status);
+    if (tracking) tracking->Done(model);
+  }
+
+  // Whether the client sent trace context (it asks for this request to be traced: it goes alone).
+  bool Traced() const {
     const auto& metadata = context_->client_metadata();
-    for (const char* key : kTraceHeaders) {
-      auto found = metadata.find(key);
-      if (found != metadata.end()) wire::PutStringParameter(tail, key, View(found->second));
-    }
+    for (const char* key : kTraceHeaders)
+      if (metadata.find(key) != metadata.end()) return true;
+    return false;
+  }
+
+  // The caller's credentials as the hop's parameters. They are always written, empty or not, so that a
+  // client's own parameters of those names never count.
+  std::string Credentials() const {
+    std::string tail;
+    const auto& metadata = context_->client_metadata();
     auto authorization = metadata.find(kAuthorization);
     wire::PutStringParameter(tail, kAuthorization,
                              authorization == metadata.end() ? std::string_view{} : View(authorization->second));
@@ -195,35 +272,38 @@ class InferCall final : public grpc::ServerGenericBidiReactor, public Waiter {
     return tail;
   }
 
-  // A failed request's status: the google.rpc.Status its response carries (code, message and details, the
-  // details sent as grpc-status-details-bin), else UNKNOWN with its error message.
-  static grpc::Status StatusOf(std::string_view message, std::string_view reply) {
-    auto parameter = wire::FindParameter(reply, 4, kStatusParameter);
-    auto decoded = parameter ? wire::Base64Decode(wire::StringParameter(*parameter)) : std::nullopt;
-    if (decoded) {
-      wire::Reader fields(*decoded);
-      wire::Field field;
-      int code = static_cast<int>(grpc::StatusCode::UNKNOWN);
-      std::string text(message);
-      while (fields.Next(field)) {
-        if (field.number == 1 && field.type == wire::kVarint) code = static_cast<int>(field.varint);
-        if (field.number == 2 && field.type == wire::kLengthDelimited) text = std::string(field.bytes);
-      }
-      if (!fields.failed() && code > 0 && code <= 16) {
-        bool details = wire::FindField(*decoded, 3).has_value();
-        return grpc::Status(static_cast<grpc::StatusCode>(code), text, details ? *decoded : std::string());
-      }
+  // What the router needs of the call beyond its message: the deadline, trace context and credentials (and
+  // that it carries one request, where the client's own parameters said otherwise).
+  std::string HopParameters() const {
+    std::string tail;
+    if (int64_t left = TimeLeftOf(*context_); left > 0) wire::PutInt64Parameter(tail, kTimeoutParameter, left);
+    const auto& metadata = context_->client_metadata();
+    for (const char* key : kTraceHeaders) {
+      auto found = metadata.find(key);
+      if (found != metadata.end()) wire::PutStringParameter(tail, key, View(found->second));
     }
-    return grpc::Status(grpc::StatusCode::UNKNOWN, std::string(message));
+    tail += credentials_;
+    if (claims_merged_) wire::PutInt64Parameter(tail, kMergedParameter, 1);
+    return tail;
   }
 
   grpc::GenericCallbackServerContext* context_;
   Door& door_;
+  Batcher& batcher_;
   const Settings& settings_;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
+  std::vector<grpc::Slice> body_;
+  std::string joined_;
   std::string id_;
+  std::string model_;  // its name and version
+  std::string credentials_;
+  bool claims_merged_ = false;
+  std::optional<Mergeable> mergeable_;
+  std::atomic<bool> batched_{false};
+  bool tracked_ = false;
   std::atomic<bool> finished_{false};
+  std::atomic<int> owners_{1};  // grpc++, and each send under way
   std::mutex mutex_;
   bool cancelled_ = false;
   std::shared_ptr<Connection> connection_;
@@ -363,7 +443,7 @@ class ProxyCall final : public grpc::ServerGenericBidiReactor {
 }  // namespace
 
 grpc::ServerGenericBidiReactor* Service::CreateReactor(grpc::GenericCallbackServerContext* context) {
-  if (context->method() == kModelInfer) return new InferCall(context, door_, settings_);
+  if (context->method() == kModelInfer) return new InferCall(context, door_, batcher_, settings_);
   return new ProxyCall(context, stub_, settings_);
 }
 

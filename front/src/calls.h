@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "batches.h"
 #include "door.h"
 
 namespace front {
@@ -20,18 +21,23 @@ struct Settings {
   // The secret every forwarded call carries: the router's gRPC port answers it alone, and takes the
   // identities the front passes on in metadata with it.
   std::string secret;
+  // Batches of each model the front may merge requests of, at most, at the router at once (0: merge none).
+  int merge_inflight = 2;
+  // The largest message the router takes: a merged request is never larger.
+  size_t max_message_bytes = 64 << 20;
 };
 
 class Service final : public grpc::CallbackGenericService {
  public:
   Service(Door& door, std::shared_ptr<grpc::Channel> router, Settings settings)
-      : door_(door), stub_(std::move(router)), settings_(std::move(settings)) {}
+      : door_(door), stub_(std::move(router)), settings_(std::move(settings)), batcher_(door, settings_.merge_inflight, settings_.max_message_bytes) {}
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override;
 
  private:
   Door& door_;
   grpc::GenericStub stub_;
   Settings settings_;
+  Batcher batcher_;
 };
 
 }  // namespace front

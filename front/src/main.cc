@@ -24,7 +24,7 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: pipeline-front --listen HOST:PORT --router HOST:PORT --door HOST:PORT [--door HOST:PORT ...]\n"
-    "  [--connections N] [--port-file PATH] [--max-message-bytes N] [--grace-seconds S]\n"
+    "  [--connections N] [--port-file PATH] [--max-message-bytes N] [--grace-seconds S] [--merge-inflight K]\n"
     "  [--tls-cert PEM --tls-key PEM [--tls-ca PEM]]\n"
     "The router's door secret is read from the environment (PIPELINE_FRONT_SECRET).\n";
 
@@ -35,6 +35,9 @@ struct Flags {
   long long max_message_bytes = 64LL << 20;
   double grace_seconds = 10;
   int min_ping_interval_ms = 1000;
+  // Batches (or lone requests) of a model whose requests may be merged that the front keeps at the router
+  // at once; past them its requests queue, and go as one batch when one comes back (0: merge none).
+  int merge_inflight = 2;
 };
 
 bool SplitHostPort(const std::string& text, front::Endpoint& endpoint) {
@@ -73,6 +76,7 @@ bool Parse(int argc, char** argv, Flags& flags, std::string& error) {
       else if (name == "--max-message-bytes") flags.max_message_bytes = std::stoll(value);
       else if (name == "--grace-seconds") flags.grace_seconds = std::stod(value);
       else if (name == "--min-ping-interval-ms") flags.min_ping_interval_ms = std::stoi(value);
+      else if (name == "--merge-inflight") flags.merge_inflight = std::stoi(value);
       else if (name == "--tls-cert") flags.tls_cert = value;
       else if (name == "--tls-key") flags.tls_key = value;
       else if (name == "--tls-ca") flags.tls_ca = value;
@@ -180,7 +184,8 @@ int main(int argc, char** argv) {
   channel.SetMaxSendMessageSize(static_cast<int>(flags.max_message_bytes));
   auto router = grpc::CreateCustomChannel(flags.router, grpc::InsecureChannelCredentials(), channel);
 
-  front::Service service(door, router, {!flags.tls_ca.empty(), secret});
+  front::Service service(door, router,
+                         {!flags.tls_ca.empty(), secret, flags.merge_inflight, static_cast<size_t>(flags.max_message_bytes)});
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(flags.listen, credentials, &port);

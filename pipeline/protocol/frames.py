@@ -27,7 +27,10 @@ from __future__ import annotations
 import struct
 from typing import TypeVar, cast
 
+import grpc
 from google.protobuf.message import Message
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
 
 #: `ServerMetadata.extensions` entry, `pipeline_frames:PORT`: the server takes frames on that port.
 FRAMES_EXTENSION = "pipeline_frames"
@@ -43,6 +46,29 @@ AUTHORIZATION = "authorization"
 #: client certificate (one a line) beside its `AUTHORIZATION`.
 DOOR_PARAMETER = "pipeline.door"
 IDENTITIES_PARAMETER = "pipeline.peer_identities"
+#: On a door (the router's compiled front), the front merges requests of a model into one where the router
+#: says it may: the response parameter that says so on each answer of that model (int64: the most items a
+#: merged request may carry; absent: merge none), the request parameter of a merged request (int64: how many
+#: requests it carries, each counted in the statistics), and the response parameter of a merged request that
+#: failed with an error one of its requests may have caused (bool: send each alone; the failure is then not
+#: counted, each request being counted as it fares alone).
+FRONT_BATCH_PARAMETER = "pipeline.front_batch"
+MERGED_PARAMETER = "pipeline.merged"
+RESEND_PARAMETER = "pipeline.resend_alone"
+#: The codes of a merged request's failure that one of its requests may have caused (its values, its size):
+#: the front then sends each alone, so that one bad request gets its own error and fails no other. The
+#: others (the model unavailable, a deadline, the caller's credentials) are every request's alike.
+RESEND_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
 
 
 def frame(kind: int, payload: bytes) -> bytes:
@@ -54,18 +80,27 @@ def frame(kind: int, payload: bytes) -> bytes:
 _INFER_RESPONSE_TAG = 0x12
 
 
-def stream_response(reply: Message) -> tuple[bytes, bytes]:
-    """The `ModelStreamInferResponse` that carries `reply` (a `ModelInferResponse`), as two pieces to write one
+def stream_response(reply: Message, extra: bytes = b"") -> tuple[bytes, ...]:
+    """The `ModelStreamInferResponse` that carries `reply` (a `ModelInferResponse`), as pieces to write one
     after the other: in protobuf's wire format that message is the field's tag and length, then the reply's
-    own bytes, so the reply is serialized once instead of being copied into a new message first."""
+    own bytes, so the reply is serialized once instead of being copied into a new message first. `extra`:
+    more of the reply's fields, serialized (`int64_parameter`), which protobuf merges into it."""
     inner = reply.SerializeToString()
     prefix = bytearray((_INFER_RESPONSE_TAG,))
-    length = len(inner)
+    length = len(inner) + len(extra)
     while length >= 0x80:  # the length as a varint: seven bits a byte, low bits first
         prefix.append(length & 0x7F | 0x80)
         length >>= 7
     prefix.append(length)
-    return bytes(prefix), inner
+    return (bytes(prefix), inner, extra) if extra else (bytes(prefix), inner)
+
+
+def int64_parameter(key: str, value: int) -> bytes:
+    """A `parameters` entry (field 4 of a `ModelInferRequest` and a `ModelInferResponse`) of `key` set to
+    `value`, serialized: appended to a message's bytes, protobuf merges it into the message's map."""
+    message = pb.ModelInferResponse()
+    message.parameters[key].int64_param = value
+    return message.SerializeToString()
 
 
 M = TypeVar("M", bound=Message)

@@ -15,6 +15,7 @@ import grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import Unimplemented
+from pipeline.protocol.frames import RESEND_CODES
 from pipeline.protocol.streams import STREAM_STATUS_EXTENSION
 from pipeline.runtime.security import DOOR_HEADER, IDENTITIES_HEADER
 from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
@@ -43,6 +44,16 @@ class RequestContext:
 
     timeout: float | None
     metadata: tuple[tuple[str, str | bytes], ...]
+    #: How many clients' requests the call carries: more than one where the compiled front merged them into
+    #: one (`pipeline.protocol.frames.MERGED_PARAMETER`); statistics and metrics count each.
+    requests: int = 1
+
+    def failures(self, outcome: str) -> int:
+        """How many failed requests a call that failed with `outcome` (a status code's name) counts: none for
+        merged requests that the front sends again each alone (`RESEND_CODES`), each counted as it fares."""
+        if self.requests == 1:
+            return 1
+        return 0 if grpc.StatusCode[outcome] in RESEND_CODES else self.requests
 
     @classmethod
     def of(cls, context: grpc.aio.ServicerContext, *, credentials: bool = False) -> RequestContext:
@@ -71,6 +82,11 @@ class DataPlane(abc.ABC):
     #: The models that answer a request with any number of responses (decoupled), by name: served by
     #: `stream`, on streams only. Empty on a server that has none, which costs ordinary requests one check.
     decoupled: Collection[str] = frozenset()
+
+    def front_batch(self, model: str) -> int:
+        """The most items the compiled front (`pipeline.router.front`) may merge requests of `model` into one
+        request with; 0 (the default): it merges none."""
+        return 0
 
     @abc.abstractmethod
     def ready(self) -> bool:

@@ -126,9 +126,22 @@ class InferenceHandler:
                     record_error(span, err, outcome)
                 raise
             finally:
-                self.metrics.requests.labels(model, outcome).inc()
-                if outcome == "OK":
-                    self.metrics.request_duration.labels(model).observe(time.perf_counter() - started)
+                if call.requests == 1:
+                    self.metrics.requests.labels(model, outcome).inc()
+                    if outcome == "OK":
+                        self.metrics.request_duration.labels(model).observe(time.perf_counter() - started)
+                else:
+                    self._count_merged(model, outcome, call, time.perf_counter() - started)
+
+    def _count_merged(self, model: str, outcome: str, call: RequestContext, seconds: float) -> None:
+        """The metrics of a call carrying several requests (merged by the compiled front): each counted."""
+        count = call.requests if outcome == "OK" else call.failures(outcome)
+        if count:
+            self.metrics.requests.labels(model, outcome).inc(count)
+        if outcome == "OK":
+            duration = self.metrics.request_duration.labels(model)
+            for _ in range(count):
+                duration.observe(seconds)
 
     async def stream(
         self,

@@ -147,9 +147,10 @@ class ModelStats:
         """A request the response cache could not answer; it is counted as it runs, as any other."""
         self.cache_miss.add(cache_ns)
 
-    def request_failed(self, total_ns: int) -> None:
-        """A request failed (refused, timed out in the queue, or its execution failed)."""
-        self.fail.add(total_ns)
+    def request_failed(self, total_ns: int, requests: int = 1) -> None:
+        """A request failed (refused, timed out in the queue, or its execution failed); `requests` requests
+        merged into one, each after `total_ns`."""
+        self.fail.add(total_ns * requests, requests)
 
     def batch_done(self, size: int, compute_ns: int) -> None:
         """One execution of the model on a batch of `size` items."""

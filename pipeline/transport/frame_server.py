@@ -22,7 +22,10 @@ connections whose hello carries its secret, and checks each request's own creden
 checks each call's: the caller's `authorization` and the identities of its verified client certificate
 travel in the request's parameters (`AUTHORIZATION`, `IDENTITIES_PARAMETER`), which the front always sets.
 Its connections carry every client's requests, so a request past the budget of bytes in flight is refused
-(UNAVAILABLE) as gRPC's door refuses it, where a stage's connection waits.
+(UNAVAILABLE) as gRPC's door refuses it, where a stage's connection waits. Each answer of a model whose
+requests the front may merge says so (`FRONT_BATCH_PARAMETER`, `DataPlane.front_batch`); a merged request
+says how many it carries (`MERGED_PARAMETER`), and where it fails with an error one of them may have caused,
+its answer asks the front to send each alone (`RESEND_PARAMETER`).
 """
 
 from __future__ import annotations
@@ -43,10 +46,15 @@ from pipeline.protocol.frames import (
     CANCEL,
     CANCELS_PARAMETER,
     DOOR_PARAMETER,
+    FRONT_BATCH_PARAMETER,
     HELLO,
     IDENTITIES_PARAMETER,
+    MERGED_PARAMETER,
     REQUEST,
+    RESEND_CODES,
+    RESEND_PARAMETER,
     RESPONSE,
+    int64_parameter,
     parse,
     stream_response,
 )
@@ -98,6 +106,8 @@ class FrameServer:
         self._answering: set[asyncio.Task[None]] = set()
         self._closing = False
         self.port: int | None = None
+        #: The serialized `FRONT_BATCH_PARAMETER` of each limit, appended to a door's answers.
+        self._front_batches: dict[int, bytes] = {}
 
     async def open(self, port: int) -> int:
         """Listen at `address` (a server's door, `pipeline.runtime.lifecycle.Door`): where it is not a door's
@@ -259,16 +269,18 @@ class FrameServer:
             if turn is not None:
                 await turn.wait()
             timeout, metadata = hop_context(request, ())
+            requests = _merged(request) if self.door is not None else 1
             try:
                 if self._closing:
                     raise Unavailable("the server is shutting down")
-                reply = await self.handler.infer(request, RequestContext(timeout, metadata))
-                answer: tuple[bytes, ...] = stream_response(reply)
+                reply = await self.handler.infer(request, RequestContext(timeout, metadata, requests))
+                extra = self._front_batch(model) if self.door is not None else b""
+                answer: tuple[bytes, ...] = stream_response(reply, extra)
             except PipelineError as err:
-                answer = (_refused(request, err),)
+                answer = (_refused(request, err, requests),)
             except Exception:
                 internal = error_response(request, grpc.StatusCode.INTERNAL, internal_error(), None)
-                answer = (internal.SerializeToString(),)
+                answer = (_resend(internal, grpc.StatusCode.INTERNAL, requests).SerializeToString(),)
             answered = sum(map(len, answer))
             budget.charge(answered)
             size += answered
@@ -278,6 +290,36 @@ class FrameServer:
             budget.release(size)
             held[1].free(model, taken)
             held[0].release()
+
+    def _front_batch(self, model: str) -> bytes:
+        """The parameter that tells the front how many items it may merge for `model` (none: b"")."""
+        limit = self.handler.plane.front_batch(model)
+        if not limit:
+            return b""
+        entry = self._front_batches.get(limit)
+        if entry is None:
+            entry = self._front_batches[limit] = int64_parameter(FRONT_BATCH_PARAMETER, limit)
+        return entry
+
+
+def _merged(request: pb.ModelInferRequest) -> int:
+    """How many requests a door's request carries (the front's `MERGED_PARAMETER`, taken off it)."""
+    parameters = request.parameters
+    if MERGED_PARAMETER not in parameters:
+        return 1
+    count = parameters[MERGED_PARAMETER].int64_param
+    del parameters[MERGED_PARAMETER]
+    return max(1, count)
+
+
+def _resend(
+    response: pb.ModelStreamInferResponse, code: grpc.StatusCode, requests: int
+) -> pb.ModelStreamInferResponse:
+    """`response` to a failed request, asking the front to send again alone each of the `requests` it
+    merged, where `code` is an error one of them may have caused."""
+    if requests > 1 and code in RESEND_CODES:
+        response.infer_response.parameters[RESEND_PARAMETER].bool_param = True
+    return response
 
 
 def _forget(tasks: dict[str, asyncio.Task[None]], key: str, done: asyncio.Task[None]) -> None:
@@ -304,9 +346,10 @@ def _check_caller(request: pb.ModelInferRequest, policy: AccessPolicy) -> None:
         raise _Unauthenticated(UNAUTHENTICATED_MESSAGE)
 
 
-def _refused(request: pb.ModelInferRequest, err: PipelineError) -> bytes:
-    """The response frame's payload of a request that failed with `err`."""
-    return error_response(request, err.code, err.message, rpc_status_of(err)).SerializeToString()
+def _refused(request: pb.ModelInferRequest, err: PipelineError, requests: int = 1) -> bytes:
+    """The response frame's payload of a request (carrying `requests` merged ones) that failed with `err`."""
+    response = error_response(request, err.code, err.message, rpc_status_of(err))
+    return _resend(response, err.code, requests).SerializeToString()
 
 
 def frame_server_of(

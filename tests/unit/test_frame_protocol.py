@@ -14,7 +14,7 @@ import pytest
 import uvloop
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.protocol.frames import HEADER, stream_response
+from pipeline.protocol.frames import FRONT_BATCH_PARAMETER, HEADER, int64_parameter, stream_response
 from pipeline.transport.frame_protocol import READ_AHEAD, FrameProtocol
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, None]], None]] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
@@ -148,3 +148,15 @@ def test_a_stream_response_in_two_pieces_is_the_message_protobuf_writes() -> Non
         reply = pb.ModelInferResponse(model_name="m", id="7", raw_output_contents=[b"\x01" * size])
         expected = pb.ModelStreamInferResponse(infer_response=reply).SerializeToString()
         assert b"".join(stream_response(reply)) == expected
+
+
+def test_a_parameter_appended_to_a_stream_response_is_merged_into_its_reply() -> None:
+    reply = pb.ModelInferResponse(model_name="m", id="7", raw_output_contents=[b"\x01" * 300])
+    reply.parameters["kept"].bool_param = True
+    sent = pb.ModelStreamInferResponse.FromString(
+        b"".join(stream_response(reply, int64_parameter(FRONT_BATCH_PARAMETER, 48)))
+    )
+    expected = pb.ModelInferResponse()
+    expected.CopyFrom(reply)
+    expected.parameters[FRONT_BATCH_PARAMETER].int64_param = 48
+    assert sent.infer_response == expected

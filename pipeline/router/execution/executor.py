@@ -42,6 +42,7 @@ from pipeline.router.registry import ENSEMBLE_VERSION, ModelRegistry
 from pipeline.router.scheduling.dispatch import Announcement, StageDispatcher
 from pipeline.router.stages.stage_client import StageClient
 from pipeline.runtime.data_plane import RequestContext
+from pipeline.runtime.error_status import outcome_of
 from pipeline.runtime.metrics import Metrics
 from pipeline.runtime.telemetry import MODEL, STEP, Telemetry
 
@@ -75,19 +76,23 @@ class Executor:
     async def infer(
         self, plan: EnsemblePlan, request: pb.ModelInferRequest, call: RequestContext
     ) -> pb.ModelInferResponse:
-        """One request for an ensemble, counted in the ensemble's statistics."""
+        """One request for an ensemble, counted in the ensemble's statistics (as the requests it carries,
+        where the front merged several: `RequestContext.requests`)."""
         stats = self.registry.stats.get(plan.name)
         started = time.perf_counter_ns()
         try:
             response, items = await self.run(plan, request, call)
-        except BaseException:
+        except BaseException as err:
             if stats is not None:
-                stats.request_failed(time.perf_counter_ns() - started)
+                failed = call.failures(outcome_of(err))
+                if failed:
+                    stats.request_failed(time.perf_counter_ns() - started, failed)
             raise
         if stats is not None:
             elapsed = time.perf_counter_ns() - started
             # NOTE: an ensemble executes once per request, taking it whole.
-            stats.request_done(items=items, total_ns=elapsed, compute_ns=elapsed)
+            requests = call.requests
+            stats.requests_done(requests, items=items, total_ns=elapsed * requests, compute_ns=elapsed)
             stats.batch_done(items, elapsed)
         return response
 

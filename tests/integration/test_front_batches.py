@@ -1,0 +1,218 @@
+"""The compiled front merges requests into batches (`front/src/batches.h`): for an ensemble whose every step
+the router batches, requests that come while the router holds enough of that model's go to it as one, and
+each client gets exactly its own rows, its own errors and its own statistics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline._gen.inference import grpc_service_pb2 as pb
+from pipeline.ensemble.catalog import load_ensembles
+from pipeline.protocol.codec import response_tensors
+from pipeline.protocol.types import TensorSpec
+from pipeline.router import front
+from pipeline.runtime.metrics import Metrics
+from pipeline.tools.testing import serving_router, serving_stages
+from tests.conftest import inference_stub, request_for, wait_serving
+from tests.stages import Held, Scale
+
+pytestmark = pytest.mark.skipif(front.binary() is None, reason="pipeline-front is not built (make front)")
+
+
+class Labelled(Scale):
+    """Scale's Y = 2X (refusing negative rows, naming the row), and L: each row's sum as text (BYTES)."""
+
+    outputs = (*Scale.outputs, TensorSpec("L", "BYTES", (-1, 1)))
+
+    def infer(self, inputs):
+        out = super().infer(inputs)
+        out["L"] = np.array([[f"sum {row.sum():g}".encode()] for row in inputs["X"]], dtype=object)
+        return out
+
+
+def _ensemble(name: str, address: str, suffix: str, batching: str) -> str:
+    return f"""
+name: {name}
+stages:
+  s{suffix}: {{address: "{address}"{batching}}}
+inputs: [{{name: X, datatype: FP32, shape: [-1, 3]}}]
+outputs: [{{name: Y, datatype: FP32, shape: [-1, 3]}}, {{name: L, datatype: BYTES, shape: [-1, 1]}}]
+steps:
+  - {{model_name: held{suffix}, stage: s{suffix}, input_map: {{X: X}}, output_map: {{Y: H}}}}
+  - {{model_name: labelled{suffix}, stage: s{suffix}, input_map: {{X: H}}, output_map: {{Y: Y, L: L}}}}
+"""
+
+
+class Served:
+    def __init__(self, address: str, held: dict[str, Held], metrics: Metrics) -> None:
+        self.address, self.held, self.metrics = address, held, metrics
+
+
+@pytest.fixture(scope="module")
+async def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("front-batches")
+    held = {"merged": Held("held"), "unmerged": Held("held_plain")}
+    for stage in held.values():
+        stage.max_batch_size = 64
+        stage.release.set()
+    async with (
+        serving_stages([held["merged"], Labelled("labelled", max_batch_size=64)]) as stage,
+        serving_stages([held["unmerged"], Labelled("labelled_plain", max_batch_size=64)]) as plain,
+    ):
+        batching = ", dynamic_batching: {max_batch_size: 64}"
+        (folder / "merged.yaml").write_text(_ensemble("merged", stage.address, "", batching))
+        (folder / "unmerged.yaml").write_text(_ensemble("unmerged", plain.address, "_plain", ""))
+        metrics = Metrics()
+        async with serving_router(
+            load_ensembles([folder]), metrics=metrics, options={"front": "compiled"}
+        ) as router:
+            await wait_serving(router.address)
+            async with inference_stub(router.address) as stub:
+                for model in ("merged", "unmerged"):  # the front learns from an answer what it may merge
+                    await stub.ModelInfer(request_for(model, X=np.ones((1, 3), np.float32)), timeout=20)
+            yield Served(router.address, held, metrics)
+
+
+def _rows(i: int) -> np.ndarray:
+    """Request i's input: 1 to 3 rows of values of its own."""
+    return np.arange(3 * (i % 3 + 1), dtype=np.float32).reshape(-1, 3) + 10 * i
+
+
+async def _statistics(stub, model: str) -> tuple[int, int, int]:
+    """An ensemble's successes, failures and executions."""
+    reply = await stub.ModelStatistics(pb.ModelStatisticsRequest(name=model))
+    stats = reply.model_stats[0]
+    return stats.inference_stats.success.count, stats.inference_stats.fail.count, stats.execution_count
+
+
+def _answered(metrics: Metrics, model: str) -> tuple[float, float]:
+    """The router's metrics of a model: requests answered OK, and latencies observed."""
+    families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}
+    ok = sum(
+        s.value
+        for s in families["pipeline_requests"].samples
+        if s.labels == {"model": model, "outcome": "OK"}
+    )
+    observed = sum(
+        s.value
+        for s in families["pipeline_request_duration_seconds"].samples
+        if s.name.endswith("_count") and s.labels.get("model") == model
+    )
+    return ok, observed
+
+
+async def _held_while(served: Served, stub, first: pb.ModelInferRequest, requests: list, metadata=None):
+    """Send `first`, and `requests` once the stage holds it (so that they wait at the front behind it); each
+    one's reply or error once the stage lets them go."""
+    held = served.held[first.model_name]
+    held.release.clear()
+    try:
+        head = asyncio.ensure_future(stub.ModelInfer(first, timeout=30))
+        assert await asyncio.to_thread(held.entered.wait, 10)
+        calls = [asyncio.ensure_future(stub.ModelInfer(r, timeout=30, metadata=metadata)) for r in requests]
+        # A round trip through the front on the same connection: the requests before it have reached it.
+        await stub.ServerLive(pb.ServerLiveRequest(), timeout=10)
+    finally:
+        held.entered.clear()
+        held.release.set()
+    await head
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+async def test_concurrent_requests_are_merged_and_each_gets_its_own_rows(served):
+    requests = [request_for("merged", f"request {i}", X=_rows(i)) for i in range(12)]
+    async with inference_stub(served.address) as stub:
+        alone = [await stub.ModelInfer(r, timeout=20) for r in requests]  # one at a time: never merged
+        before, answered = await _statistics(stub, "merged"), _answered(served.metrics, "merged")
+        replies = await _held_while(served, stub, request_for("merged", X=_rows(99)), requests)
+        after = await _statistics(stub, "merged")
+    assert [a - b for a, b in zip(_answered(served.metrics, "merged"), answered, strict=True)] == [13, 13]
+    for i, (reply, single) in enumerate(zip(replies, alone, strict=True)):
+        assert not isinstance(reply, BaseException), reply
+        assert reply.id == f"request {i}"
+        out = response_tensors(reply)
+        np.testing.assert_array_equal(out["Y"].to_array(), 2 * _rows(i))
+        assert [row[0] for row in out["L"].to_array().tolist()] == [
+            f"sum {row.sum():g}".encode() for row in _rows(i)
+        ]
+        assert reply.SerializeToString(deterministic=True) == single.SerializeToString(deterministic=True)
+    successes, failures, executions = (a - b for a, b in zip(after, before, strict=True))
+    assert (successes, failures) == (13, 0)
+    assert executions < successes, "the requests that waited at the front went to the router merged"
+
+
+async def test_one_bad_request_among_merged_ones_fails_alone_with_its_own_error(served):
+    bad = request_for("merged", "bad", X=np.array([[1, 2, 3], [4, -5, 6]], np.float32))
+    requests = [request_for("merged", f"request {i}", X=_rows(i)) for i in range(6)]
+    requests.insert(3, bad)
+    async with inference_stub(served.address) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as alone:
+            await stub.ModelInfer(bad, timeout=20)
+        before = await _statistics(stub, "merged")
+        results = await _held_while(served, stub, request_for("merged", X=_rows(99)), requests)
+        after = await _statistics(stub, "merged")
+    err = results.pop(3)
+    assert isinstance(err, grpc.aio.AioRpcError)
+    assert err.code() == alone.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Its own row named, as alone (the router's batcher words it by the stage call it rode in).
+    for details in (err.details(), alone.value.details()):
+        assert details.startswith("step 1 (labelled): ")
+        assert details.endswith("X[1]: negative values are not allowed")
+    for i, reply in enumerate(results):
+        assert not isinstance(reply, BaseException), reply
+        np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * _rows(i))
+    successes, failures, _ = (a - b for a, b in zip(after, before, strict=True))
+    assert (successes, failures) == (7, 1), "each request counted once, as it fared alone"
+
+
+@pytest.mark.parametrize("case", ["no dynamic batching", "traced"])
+async def test_requests_are_not_merged_where_they_may_not_be(served, case):
+    model = "unmerged" if case == "no dynamic batching" else "merged"
+    metadata = (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),)
+    requests = [request_for(model, f"request {i}", X=_rows(i)) for i in range(6)]
+    async with inference_stub(served.address) as stub:
+        before = await _statistics(stub, model)
+        replies = await _held_while(
+            served,
+            stub,
+            request_for(model, X=_rows(99)),
+            requests,
+            metadata=metadata if case == "traced" else None,
+        )
+        after = await _statistics(stub, model)
+    for i, reply in enumerate(replies):
+        assert not isinstance(reply, BaseException), reply
+        np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * _rows(i))
+    successes, _, executions = (a - b for a, b in zip(after, before, strict=True))
+    assert successes == executions == 7
+
+
+async def test_a_client_that_gives_up_leaves_the_others_answered(served):
+    requests = [request_for("merged", f"request {i}", X=_rows(i)) for i in range(6)]
+    async with inference_stub(served.address) as stub:
+        held = served.held["merged"]
+        held.release.clear()
+        try:
+            head = asyncio.ensure_future(stub.ModelInfer(request_for("merged", X=_rows(99)), timeout=30))
+            assert await asyncio.to_thread(held.entered.wait, 10)
+            # The third request's client stops waiting (its deadline) while it waits behind the first.
+            calls = [
+                asyncio.ensure_future(stub.ModelInfer(r, timeout=0.5 if i == 2 else 30))
+                for i, r in enumerate(requests)
+            ]
+            gone = await asyncio.gather(calls[2], return_exceptions=True)
+        finally:
+            held.entered.clear()
+            held.release.set()
+        await head
+        results = await asyncio.gather(*calls, return_exceptions=True)
+    assert isinstance(gone[0], grpc.aio.AioRpcError) and gone[0].code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for i, reply in enumerate(results):
+        if i != 2:
+            assert not isinstance(reply, BaseException), reply
+            np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * _rows(i))
