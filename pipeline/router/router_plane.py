@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
@@ -153,29 +153,14 @@ class RouterPlane(DataPlane):
         self.decoupled.update(name for name, signature in signatures.items() if signature.decoupled)
         if self.streams.source(plan) is not None:
             self.decoupled.add(plan.name)
-        self.registry.front_batches[plan.name] = self._front_batch(plan)
+        self.registry.front_batches[plan.name] = (
+            0
+            if plan.name in self.decoupled or self.caching.versions(plan, plan.name, "") is not None
+            else front_batch_of(plan, signatures, self.dispatcher.batching.batchers, self.max_batch_items)
+        )
 
     def front_batch(self, model: str) -> int:
         return self.registry.front_batches.get(model, 0)
-
-    def _front_batch(self, plan: EnsemblePlan) -> int:
-        """The most items the compiled front may merge requests of `plan` into one request with (0: none
-        may be merged). Requests may be merged where that changes nothing but how the rows of each step's
-        batches arrive: every step's model is batched here (its calls merged along dimension 0 anyway), none
-        is decoupled or a sequence's, no condition or fan-out reads the values, and no response is cached."""
-        if plan.max_batch_size <= 0 or plan.conditional or plan.name in self.decoupled:
-            return 0
-        if self.caching.versions(plan, plan.name, "") is not None:
-            return 0
-        signatures, batchers = self.registry.signatures, self.dispatcher.batching.batchers
-        for step in plan.steps:
-            signature = signatures.get(step.model_name)
-            if step.for_each or step.model_name not in batchers or signature is None:
-                return 0
-            if signature.decoupled or signature.sequence:
-                return 0
-        limit = plan.max_batch_size
-        return min(limit, self.max_batch_items) if self.max_batch_items else limit
 
     async def monitor(
         self, interval: float = 1.0, on_ready: Callable[[bool], Awaitable[None]] | None = None
@@ -431,3 +416,26 @@ def _prioritized(request: pb.ModelInferRequest, call: RequestContext) -> Request
     except InvalidInput:
         return call  # a batcher refuses it, naming it; a model without one ignores it
     return replace(call, metadata=CallChain.prioritized(call.metadata, priority or 0))
+
+
+def front_batch_of(
+    plan: EnsemblePlan,
+    signatures: Mapping[str, ModelSignature],
+    batched: Collection[str],
+    max_batch_items: int,
+) -> int:
+    """The most items the compiled front may merge requests of `plan` into one request with (0: none may be
+    merged), for an ensemble neither decoupled nor cached. Requests may be merged where that changes nothing
+    but how the rows of each step's batches arrive: every step's model is batched here (`batched`: its calls
+    merged along dimension 0 anyway), none is decoupled or a sequence's, and no condition or fan-out reads
+    the values."""
+    if plan.max_batch_size <= 0 or plan.conditional:
+        return 0
+    for step in plan.steps:
+        signature = signatures.get(step.model_name)
+        if step.for_each or step.model_name not in batched or signature is None:
+            return 0
+        if signature.decoupled or signature.sequence:
+            return 0
+    limit = plan.max_batch_size
+    return min(limit, max_batch_items) if max_batch_items else limit
