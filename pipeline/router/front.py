@@ -118,6 +118,7 @@ class FrontProcess:
         command += ["--connections", str(CONNECTIONS), "--port-file", str(self._port_file)]
         command += ["--max-message-bytes", str(settings.group(Limits).max_message_bytes)]
         command += ["--grace-seconds", str(settings.group(Shutdown).grace_period)]
+        command += ["--merge-inflight", str(settings.group(FrontSettings).front_merge_inflight)]
         for flag, value in (
             ("--tls-cert", security.tls_cert),
             ("--tls-key", security.tls_key),

@@ -30,6 +30,7 @@ from pipeline.runtime.settings_values import (
     boolean,
     byte_count,
     names,
+    non_negative_int,
     port_or_off,
     positive_int,
     stage_argument,
@@ -233,6 +234,18 @@ class Front(BaseModel):
             "(make front), else python, said in one line (env PIPELINE_FRONT; default %(default)s)",
         ),
     ] = "auto"
+    front_merge_inflight: Annotated[
+        int,
+        option(
+            "--front-merge-inflight",
+            env="PIPELINE_FRONT_MERGE_INFLIGHT",
+            parse=non_negative_int,
+            help="with the compiled front: how many requests (or merged requests) of an ensemble whose every step "
+            "is batched it has at the router at once; those that come meanwhile wait at the front and go on as "
+            "one request when one comes back (0: never merge; env PIPELINE_FRONT_MERGE_INFLIGHT; default "
+            "%(default)s)",
+        ),
+    ] = 2
 
 
 def http_port_option(help: str) -> Option:

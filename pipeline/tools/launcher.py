@@ -398,7 +398,8 @@ def _router_service(
     router.args += ["--model-dir", str(launcher.model_dir)]  # its config.pbtxt ensembles, the stages' models
     workers = max(1, settings.group(LauncherSecurity).router_workers)
     router.args += ["--workers", str(workers), *_triton_flags(settings)]
-    router.args += ["--front", settings.group(Front).front]
+    front = settings.group(Front)
+    router.args += ["--front", front.front, "--front-merge-inflight", str(front.front_merge_inflight)]
     router.args += [f"--strict-readiness={str(readiness.strict_readiness).lower()}"]
     router.args += [f"--exit-on-error={str(readiness.exit_on_error).lower()}"]
     router.args += [

@@ -216,3 +216,27 @@ async def test_a_client_that_gives_up_leaves_the_others_answered(served):
         if i != 2:
             assert not isinstance(reply, BaseException), reply
             np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * _rows(i))
+
+
+async def test_a_router_told_not_to_merge_has_its_front_send_every_request_alone(tmp_path):
+    held = Held("held")
+    held.max_batch_size = 64
+    held.release.set()
+    async with serving_stages([held, Labelled("labelled", max_batch_size=64)]) as stage:
+        batching = ", dynamic_batching: {max_batch_size: 64}"
+        (tmp_path / "merged.yaml").write_text(_ensemble("merged", stage.address, "", batching))
+        options = {"front": "compiled", "front_merge_inflight": 0}
+        async with serving_router(load_ensembles([tmp_path]), options=options) as router:
+            await wait_serving(router.address)
+            unmerged = Served(router.address, {"merged": held}, Metrics())
+            requests = [request_for("merged", f"request {i}", X=_rows(i)) for i in range(6)]
+            async with inference_stub(router.address) as stub:
+                await stub.ModelInfer(request_for("merged", X=np.ones((1, 3), np.float32)), timeout=20)
+                before = await _statistics(stub, "merged")
+                replies = await _held_while(unmerged, stub, request_for("merged", X=_rows(99)), requests)
+                after = await _statistics(stub, "merged")
+    for i, reply in enumerate(replies):
+        assert not isinstance(reply, BaseException), reply
+        np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * _rows(i))
+    successes, _, executions = (a - b for a, b in zip(after, before, strict=True))
+    assert successes == executions == 7
