@@ -37,7 +37,7 @@ from pipeline.runtime.router_settings import Front as FrontSettings
 from pipeline.runtime.server import write_port
 from pipeline.runtime.server_settings import Limits, Listening, Security, Shutdown
 from pipeline.runtime.settings_cli import ProcessSettings
-from pipeline.runtime.shutdown import child_environment
+from pipeline.runtime.shutdown import ABANDON_S, child_environment
 from pipeline.transport import FrameServer
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,10 @@ START_TIMEOUT_S = 30.0
 CONNECTIONS = 2
 #: Bytes a door's frame may carry past the largest message: the hop's parameters the front appends.
 HOP_BYTES = 64 * 1024
+#: How long past the router's grace period the front keeps its calls open: the router answers what it still
+#: holds UNAVAILABLE at the end of its grace period, and those answers must reach the clients before the
+#: front cancels what is left.
+FRONT_GRACE_MARGIN_S = ABANDON_S / 2
 
 
 def binary() -> Path | None:
@@ -117,7 +121,7 @@ class FrontProcess:
             command += ["--door", f"{LOOPBACK}:{door}"]
         command += ["--connections", str(CONNECTIONS), "--port-file", str(self._port_file)]
         command += ["--max-message-bytes", str(settings.group(Limits).max_message_bytes)]
-        command += ["--grace-seconds", str(settings.group(Shutdown).grace_period)]
+        command += ["--grace-seconds", str(settings.group(Shutdown).grace_period + FRONT_GRACE_MARGIN_S)]
         command += ["--merge-inflight", str(settings.group(FrontSettings).front_merge_inflight)]
         for flag, value in (
             ("--tls-cert", security.tls_cert),

@@ -22,6 +22,7 @@ from pipeline.protocol.frames import DOOR_PARAMETER, HELLO, RESPONSE, frame
 from pipeline.router import front
 from pipeline.runtime.handler import InferenceHandler
 from pipeline.runtime.security import FRONT_ONLY_MESSAGE, UNAUTHENTICATED_MESSAGE
+from pipeline.runtime.shutdown import STOPPED_MESSAGE
 from pipeline.tools.testing import serving_router
 from pipeline.transport import FrameServer
 from tests.conftest import inference_stub, request_for, rpc_error, wait_serving
@@ -251,6 +252,27 @@ async def test_a_request_in_flight_is_answered_while_the_front_drains(tmp_path):
             router.stopping.set()
             reply = await call
             np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), X)
+            await channel.close()
+    finally:
+        await server.stop(0)
+
+
+async def test_a_request_held_past_the_grace_period_gets_the_routers_answer_through_the_front(tmp_path):
+    # The stage answers long after the router's grace period: the router answers the request UNAVAILABLE at
+    # its end, and the front, draining too, lets that answer through instead of cancelling the call itself.
+    spy = Slow(delay=30)
+    server, address = await serve_plane(spy)
+    try:
+        ensemble(tmp_path, address, steps=SLOW_STEPS)
+        async with serving_router(load_ensembles([tmp_path]), grace=0.5, options=COMPILED) as router:
+            await wait_serving(router.address)
+            channel = grpc.aio.insecure_channel(router.address)
+            call = _stub(channel).ModelInfer(request_for("e", X=X), timeout=20)
+            await _until(lambda: spy.running == 1)
+            router.stopping.set()
+            error = await rpc_error(call)
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            assert error.details() == STOPPED_MESSAGE
             await channel.close()
     finally:
         await server.stop(0)
