@@ -54,8 +54,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         #: Whether the peer may still read once it has ended its side (TLS closes both sides at once).
         self._half_close = True
-        #: Frames written since the loop last ran its callbacks, sent together (`_flush`): one system call
-        #: for all the frames a loop iteration writes instead of one each.
+        #: Whether this iteration of the event loop has written a frame: the frames written after it in the same
+        #: iteration wait in `_outgoing` and go together at its end (`_flush`), one system call for them all.
+        self._gathering = False
+        #: Frames written in this iteration, and whether the last iteration that wrote wrote several (then the
+        #: next one gathers from its first frame on: under load, a batch's answers leave in one call).
+        self._written = 0
+        self._several = False
         self._outgoing: list[bytes] = []
         self._outgoing_bytes = 0
         self._loop = asyncio.get_running_loop()
@@ -95,23 +100,37 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def write(self, kind: int, *payload: bytes) -> None:
         """Send a frame whose payload is the pieces given, one after the other (raises `ConnectionError` once
-        the connection is closing). The frames written in one iteration of the event loop go out together
-        at its end, or at once past `WRITE_AHEAD` bytes."""
+        the connection is closing). The first frame written in an iteration of the event loop goes at once,
+        unless the last iteration that wrote wrote several; the others go together at the iteration's end, or
+        at once past `WRITE_AHEAD` bytes."""
         transport = self.transport
         if transport is None or transport.is_closing():
             raise ConnectionError("the frame connection is closed")
         length = sum(map(len, payload))
-        outgoing = self._outgoing
-        if not outgoing:
+        self._written += 1
+        if not self._gathering:
+            self._gathering = True
             self._loop.call_soon(self._flush)
+            if not self._several:
+                # NOTE: a lone frame (every hop of a request at low load) leaves before the loop's other callbacks
+                # and its next turn.
+                transport.writelines((HEADER.pack(length, kind), *payload))
+                return
+        outgoing = self._outgoing
         outgoing.append(HEADER.pack(length, kind))
         outgoing.extend(payload)
         self._outgoing_bytes += length
         if self._outgoing_bytes > WRITE_AHEAD:
-            self._flush()
+            self._send_gathered()
 
     def _flush(self) -> None:
-        """Hand the frames written so far to the transport, in one call."""
+        """At the end of an iteration that wrote: send the frames gathered in it, in one call."""
+        self._send_gathered()
+        self._gathering = False
+        self._several, self._written = self._written > 1, 0
+
+    def _send_gathered(self) -> None:
+        """Hand the frames gathered so far to the transport, in one call."""
         outgoing = self._outgoing
         if not outgoing:
             return
@@ -128,7 +147,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 raise ConnectionError("the frame connection was lost")
 
     def close(self) -> None:
-        self._flush()  # what was written goes before the connection closes
+        self._send_gathered()  # what was written goes before the connection closes
         if self.transport is not None:
             self.transport.close()
 

@@ -1,7 +1,9 @@
 """The frame protocol's reader and writer on both event loops the services run on (asyncio's and uvloop,
 whose transports are not asyncio's classes): frames of every size around its read buffer come back whole and
 in order, a frame over the limit and a connection cut inside a frame end it with the reason, a peer that
-half-closes still gets its answers, and a reader that stops reading stops the connection being read."""
+half-closes still gets its answers, a reader that stops reading stops the connection being read, and a lone
+frame leaves at once while those written after it in the same turn of the loop leave together (and, after a
+turn of several, those of the next turn from its first on)."""
 
 from __future__ import annotations
 
@@ -139,6 +141,51 @@ def test_a_reader_that_stops_reading_stops_the_connection_being_read(loop: str) 
         await client.drain()
         client.close()
         server.close()
+
+    LOOPS[loop](main())
+
+
+class _Recorded(asyncio.Transport):
+    """A transport that keeps what each `writelines` call was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[bytes] = []
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.calls.append(b"".join(list_of_data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_lone_frame_leaves_at_once_and_those_after_it_in_the_same_turn_together(loop: str) -> None:
+    async def main() -> None:
+        frames = FrameProtocol(1 << 20)
+        transport = _Recorded()
+        frames.connection_made(transport)
+        frames.write(2, b"first")
+        # Handed to the transport before the loop turns: a lone request's hop waits for nothing else.
+        assert transport.calls == [HEADER.pack(5, 2) + b"first"]
+        frames.write(3, b"sec", b"ond")
+        frames.write(4, b"third")
+        assert len(transport.calls) == 1
+        await asyncio.sleep(0)  # the end of the turn: the two that followed go in one call
+        assert transport.calls[1:] == [HEADER.pack(6, 3) + b"second" + HEADER.pack(5, 4) + b"third"]
+        # After a turn of several frames (a load's batches), the next turn gathers from its first frame on.
+        frames.write(2, b"gathered")
+        assert len(transport.calls) == 2
+        await asyncio.sleep(0)
+        assert transport.calls[2:] == [HEADER.pack(8, 2) + b"gathered"]
+        frames.write(2, b"again")  # after a turn of one frame, the first leaves at once again
+        assert transport.calls[3:] == [HEADER.pack(5, 2) + b"again"]
 
     LOOPS[loop](main())
 
