@@ -270,10 +270,13 @@ class FrameServer:
                 await turn.wait()
             timeout, metadata = hop_context(request, ())
             requests = _merged(request) if self.door is not None else 1
+            batched = self.door is not None and self.handler.plane.front_batch(model) > 0
             try:
                 if self._closing:
                     raise Unavailable("the server is shutting down")
-                reply = await self.handler.infer(request, RequestContext(timeout, metadata, requests))
+                reply = await self.handler.infer(
+                    request, RequestContext(timeout, metadata, requests, batched)
+                )
                 extra = self._front_batch(model) if self.door is not None else b""
                 answer: tuple[bytes, ...] = stream_response(reply, extra)
             except PipelineError as err:

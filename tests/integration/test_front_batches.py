@@ -240,3 +240,53 @@ async def test_a_router_told_not_to_merge_has_its_front_send_every_request_alone
         np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * _rows(i))
     successes, _, executions = (a - b for a, b in zip(after, before, strict=True))
     assert successes == executions == 7
+
+
+def _two_steps(name: str, first: str, address: str) -> str:
+    """An ensemble of `first`, then labelled, on one stage whose batchers wait up to 30 s for the requests
+    they were told are on their way (`batch_upcoming`)."""
+    batching = "dynamic_batching: {max_batch_size: 64, max_queue_delay_microseconds: 30000000}"
+    return f"""
+name: {name}
+stages:
+  s: {{address: "{address}", {batching}}}
+inputs: [{{name: X, datatype: FP32, shape: [-1, 3]}}]
+outputs: [{{name: Y, datatype: FP32, shape: [-1, 3]}}, {{name: L, datatype: BYTES, shape: [-1, 1]}}]
+steps:
+  - {{model_name: {first}, stage: s, input_map: {{X: X}}, output_map: {{Y: H}}}}
+  - {{model_name: labelled, stage: s, input_map: {{X: H}}, output_map: {{Y: Y, L: L}}}}
+"""
+
+
+async def test_a_stage_does_not_wait_for_a_request_the_front_batches(tmp_path):
+    # Two ensembles share their second step's model. One's request is held at its first step; the other's,
+    # reaching the shared step, goes at once: the front batches these ensembles' requests itself (it sends
+    # the next batch only when one comes back), so the router does not tell its batchers of them ahead, and
+    # no stage waits for them.
+    gate = Held("gate")
+    gate.max_batch_size = 64
+    gate.release.set()
+    models = [gate, Scale("scale", max_batch_size=64), Labelled("labelled", max_batch_size=64)]
+    async with serving_stages(models) as stage:
+        for name, first in (("gated", "gate"), ("scaled", "scale")):
+            (tmp_path / f"{name}.yaml").write_text(_two_steps(name, first, stage.address))
+        async with serving_router(load_ensembles([tmp_path]), options={"front": "compiled"}) as router:
+            await wait_serving(router.address)
+            async with inference_stub(router.address) as stub:
+                for model in ("gated", "scaled"):  # the front learns from an answer what it may merge
+                    await stub.ModelInfer(request_for(model, X=_rows(0)), timeout=20)
+                gate.entered.clear()
+                gate.release.clear()
+                try:
+                    held = asyncio.ensure_future(
+                        stub.ModelInfer(request_for("gated", X=_rows(1)), timeout=60)
+                    )
+                    assert await asyncio.to_thread(gate.entered.wait, 10)
+                    # Told of the held request, labelled's batcher would wait for it (30 s, or until it came).
+                    passing = stub.ModelInfer(request_for("scaled", X=_rows(2)), timeout=60)
+                    reply = await asyncio.wait_for(passing, 20)
+                    assert not held.done(), "the held request was still at its first step"
+                finally:
+                    gate.release.set()
+                np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 4 * _rows(2))
+                np.testing.assert_array_equal(response_tensors(await held)["Y"].to_array(), 2 * _rows(1))

@@ -104,7 +104,8 @@ class Executor:
         wanted = requested_outputs(request, plan.outputs, plan.name)
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
         values: dict[str, Tensor] = dict(inputs)
-        announced = self.dispatcher.announce(plan)
+        # NOTE: the front's batches are not announced: the front sends the next one only when one comes back.
+        announced = Announcement() if call.front_batched else self.dispatcher.announce(plan)
         try:
             if plan.linear:
                 # A chain: each step waits for the one before it anyway, so they run in this task, with
