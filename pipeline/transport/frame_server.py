@@ -270,14 +270,14 @@ class FrameServer:
                 await turn.wait()
             timeout, metadata = hop_context(request, ())
             requests = _merged(request) if self.door is not None else 1
-            batched = self.door is not None and self.handler.plane.front_batch(model) > 0
+            limit = self.handler.plane.front_batch(model) if self.door is not None else 0
             try:
                 if self._closing:
                     raise Unavailable("the server is shutting down")
                 reply = await self.handler.infer(
-                    request, RequestContext(timeout, metadata, requests, batched)
+                    request, RequestContext(timeout, metadata, requests, limit > 0)
                 )
-                extra = self._front_batch(model) if self.door is not None else b""
+                extra = self._front_batch(limit)
                 answer: tuple[bytes, ...] = stream_response(reply, extra)
             except PipelineError as err:
                 answer = (_refused(request, err, requests),)
@@ -294,9 +294,8 @@ class FrameServer:
             held[1].free(model, taken)
             held[0].release()
 
-    def _front_batch(self, model: str) -> bytes:
-        """The parameter that tells the front how many items it may merge for `model` (none: b"")."""
-        limit = self.handler.plane.front_batch(model)
+    def _front_batch(self, limit: int) -> bytes:
+        """The parameter that tells the front it may merge `limit` items of a model's requests (none: b"")."""
         if not limit:
             return b""
         entry = self._front_batches.get(limit)
