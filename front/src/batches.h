@@ -1,5 +1,5 @@
-// Requests merged into batches before the router: for a model the router says may be merged (an ensemble
-// whose every step it batches), the front sends a request at once while fewer than a few of that model's
+// Requests merged into batches before the router: for a model the router says may be merged (a model it
+// batches, an ensemble whose every step it batches), the front sends a request at once while fewer than a few of that model's
 // requests are at the router, and otherwise queues it; when one comes back, the queued requests that may share
 // a request (the same model, caller, input names, datatypes and trailing shapes, and requested outputs) go as
 // one, their inputs joined along dimension 0, and its answer is split back by rows. The router's Python

@@ -71,6 +71,15 @@ RESEND_CODES = frozenset(
 )
 
 
+def failed_requests(requests: int, outcome: str) -> int:
+    """How many failed requests a call carrying `requests` of them (more than one: merged by the front) counts
+    when it failed with `outcome` (a status code's name): none for merged requests that the front sends again
+    each alone (`RESEND_CODES`), each then counted as it fares."""
+    if requests == 1:
+        return 1
+    return 0 if grpc.StatusCode[outcome] in RESEND_CODES else requests
+
+
 def frame(kind: int, payload: bytes) -> bytes:
     """A frame of `kind` carrying `payload`."""
     return HEADER.pack(len(payload), kind) + payload

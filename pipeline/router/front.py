@@ -8,7 +8,8 @@ the call's deadline, trace context and credentials appended as parameters; every
 is to the router's own gRPC port. Every check stays in the router, in one place: the door's requests go
 through the router's `InferenceHandler` as gRPC's do, their credentials checked by the same access policy
 (`FrameServer`, `AuthInterceptor`: a verified client certificate's identities travel with the secret).
-Where the router says it may (`DataPlane.front_batch`: an ensemble whose every step it batches), the front
+Where the router says it may (`DataPlane.front_batch`: a stage model it batches, an ensemble whose every
+step it batches), the front
 merges requests that wait behind the ones the router holds into one request (`front/src/batches.h`), so
 that the router's per-request work is done once per batch.
 

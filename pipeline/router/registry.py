@@ -28,7 +28,8 @@ class ModelRegistry:
         self.signatures: dict[str, ModelSignature] = {}
         #: Per model: an ensemble's, a stage model's own, or a batched stage model's batcher's.
         self.stats: dict[str, ModelStats] = {}
-        #: Per ensemble, the most items the compiled front may merge its requests into one with (0: none).
+        #: Per ensemble or batched stage model, the most items the compiled front may merge its requests into
+        #: one with (0: none).
         self.front_batches: dict[str, int] = {}
 
     def learn(self, name: str, signature: ModelSignature) -> bool:

@@ -37,6 +37,7 @@ from pipeline.protocol.errors import (
 )
 from pipeline.protocol.parameters import int_parameter
 from pipeline.protocol.streams import DECOUPLED_UNARY
+from pipeline.protocol.types import BatchingConfig
 from pipeline.router.caching.cache_policy import ResponseCaching
 from pipeline.router.execution.availability import EnsembleAvailability
 from pipeline.router.execution.executor import Executor
@@ -153,11 +154,8 @@ class RouterPlane(DataPlane):
         self.decoupled.update(name for name, signature in signatures.items() if signature.decoupled)
         if self.streams.source(plan) is not None:
             self.decoupled.add(plan.name)
-        self.registry.front_batches[plan.name] = (
-            0
-            if plan.name in self.decoupled or self.caching.versions(plan, plan.name, "") is not None
-            else front_batch_of(plan, signatures, self.dispatcher.batching.batchers, self.max_batch_items)
-        )
+        # A client may call a batched step's model directly too: its requests merge as a plain model's.
+        _note_front_batches(self, plan, {step.model_name for step in plan.steps})
 
     def front_batch(self, model: str) -> int:
         return self.registry.front_batches.get(model, 0)
@@ -227,6 +225,7 @@ class RouterPlane(DataPlane):
         if signature.batching is not None:
             log.info("model '%s': batched as its own dynamic_batching says (%s)", name, signature.batching)
             self.dispatcher.batching.add(name, client, signature.batching)
+            _note_front_batches(self, None, (name,))
 
     async def _discovered(self, name: str) -> None:
         """Wait for discovery to learn a stage model first asked for now (its folder added, or its stage
@@ -416,6 +415,33 @@ def _prioritized(request: pb.ModelInferRequest, call: RequestContext) -> Request
     except InvalidInput:
         return call  # a batcher refuses it, naming it; a model without one ignores it
     return replace(call, metadata=CallChain.prioritized(call.metadata, priority or 0))
+
+
+def _note_front_batches(plane: RouterPlane, plan: EnsemblePlan | None, models: Iterable[str]) -> None:
+    """Note how many items the compiled front may merge requests of `plan` (where given) and of each of `models`
+    into one request with: none for one that answers on streams, or whose responses are cached (each request is
+    its own cache entry), or a model the router does not batch."""
+    registry, caching, limit = plane.registry, plane.caching, plane.max_batch_items
+    batchers, front_batches = plane.dispatcher.batching.batchers, registry.front_batches
+    if plan is not None:
+        merges = plan.name not in plane.decoupled and caching.versions(plan, plan.name, "") is None
+        front_batches[plan.name] = front_batch_of(plan, registry.signatures, batchers, limit) if merges else 0
+    for name in models:
+        batched = batchers.get(name)
+        if batched is None or caching.versions(None, name, "") is not None:
+            front_batches[name] = 0
+        else:
+            front_batches[name] = model_front_batch(registry.signatures[name], batched[0].config, limit)
+
+
+def model_front_batch(signature: ModelSignature, batching: BatchingConfig, max_batch_items: int) -> int:
+    """The most items the compiled front may merge requests of a stage model that the router batches (as
+    `batching` says) into one request with (0: none may be merged): its requests' rows reach the model in
+    the batcher's merged calls anyway, unless it answers on streams or keeps a sequence's state."""
+    if signature.max_batch_size <= 0 or signature.decoupled or signature.sequence:
+        return 0
+    limit = min(signature.max_batch_size, batching.max_batch_size)
+    return min(limit, max_batch_items) if max_batch_items else limit
 
 
 def front_batch_of(

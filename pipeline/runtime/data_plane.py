@@ -15,7 +15,7 @@ import grpc
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline._gen.inference import model_config_pb2 as mc
 from pipeline.protocol.errors import Unimplemented
-from pipeline.protocol.frames import RESEND_CODES
+from pipeline.protocol.frames import failed_requests
 from pipeline.protocol.streams import STREAM_STATUS_EXTENSION
 from pipeline.runtime.security import DOOR_HEADER, IDENTITIES_HEADER
 from pipeline.runtime.shared_memory import EXTENSION as SHARED_MEMORY_EXTENSION
@@ -56,9 +56,7 @@ class RequestContext:
     def failures(self, outcome: str) -> int:
         """How many failed requests a call that failed with `outcome` (a status code's name) counts: none for
         merged requests that the front sends again each alone (`RESEND_CODES`), each counted as it fares."""
-        if self.requests == 1:
-            return 1
-        return 0 if grpc.StatusCode[outcome] in RESEND_CODES else self.requests
+        return failed_requests(self.requests, outcome)
 
     @classmethod
     def of(cls, context: grpc.aio.ServicerContext, *, credentials: bool = False) -> RequestContext:
@@ -89,8 +87,8 @@ class DataPlane(abc.ABC):
     decoupled: Collection[str] = frozenset()
 
     def front_batch(self, model: str) -> int:
-        """The most items the compiled front (`pipeline.router.front`) may merge requests of `model` into one
-        request with; 0 (the default): it merges none."""
+        """The most items the compiled front (`pipeline.router.front`) may merge requests of `model` (an ensemble
+        or a model) into one request with; 0 (the default): it merges none."""
         return 0
 
     @abc.abstractmethod

@@ -240,8 +240,9 @@ class Front(BaseModel):
             "--front-merge-inflight",
             env="PIPELINE_FRONT_MERGE_INFLIGHT",
             parse=non_negative_int,
-            help="with the compiled front: how many requests (or merged requests) of an ensemble whose every step "
-            "is batched it has at the router at once; those that come meanwhile wait at the front and go on as "
+            help="with the compiled front: how many requests (or merged requests) of a model the router batches "
+            "(a stage model with dynamic_batching, an ensemble whose every step is batched) it has at the router at "
+            "once; those that come meanwhile wait at the front and go on as "
             "one request when one comes back (0: never merge; env PIPELINE_FRONT_MERGE_INFLIGHT; default "
             "%(default)s)",
         ),

@@ -1,25 +1,32 @@
-"""The compiled front merges requests into batches (`front/src/batches.h`): for an ensemble whose every step
-the router batches, requests that come while the router holds enough of that model's go to it as one, and
-each client gets exactly its own rows, its own errors and its own statistics."""
+"""The compiled front merges requests into batches (`front/src/batches.h`): for a stage model the router batches
+and an ensemble whose every step it batches, requests that come while the router holds enough of that model's go
+to it as one, and each client gets exactly its own rows, its own errors and its own statistics."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
-from pipeline.ensemble.catalog import load_ensembles
+from pipeline.ensemble.catalog import load_catalog, load_ensembles
 from pipeline.protocol.codec import response_tensors
 from pipeline.protocol.types import TensorSpec
 from pipeline.router import front
 from pipeline.runtime.metrics import Metrics
+from pipeline.runtime.repository import ModelRepository
+from pipeline.runtime.telemetry import Telemetry
+from pipeline.stage.python_backend import PythonBackend
 from pipeline.tools.testing import serving_router, serving_stages
 from tests.conftest import inference_stub, request_for, wait_serving
-from tests.stages import Held, Scale
+from tests.stages import GATE, Held, Scale, write_model
 
 pytestmark = pytest.mark.skipif(front.binary() is None, reason="pipeline-front is not built (make front)")
 
@@ -106,10 +113,9 @@ def _answered(metrics: Metrics, model: str) -> tuple[float, float]:
     return ok, observed
 
 
-async def _held_while(served: Served, stub, first: pb.ModelInferRequest, requests: list, metadata=None):
-    """Send `first`, and `requests` once the stage holds it (so that they wait at the front behind it); each
-    one's reply or error once the stage lets them go."""
-    held = served.held[first.model_name]
+async def _held_while(held, stub, first: pb.ModelInferRequest, requests: list, metadata=None):
+    """Send `first`, and `requests` once the stage holds it at `held` (its `entered` and `release` events), so
+    that they wait at the front behind it; each one's reply or error once the stage lets them go."""
     held.release.clear()
     try:
         head = asyncio.ensure_future(stub.ModelInfer(first, timeout=30))
@@ -129,7 +135,7 @@ async def test_concurrent_requests_are_merged_and_each_gets_its_own_rows(served)
     async with inference_stub(served.address) as stub:
         alone = [await stub.ModelInfer(r, timeout=20) for r in requests]  # one at a time: never merged
         before, answered = await _statistics(stub, "merged"), _answered(served.metrics, "merged")
-        replies = await _held_while(served, stub, request_for("merged", X=_rows(99)), requests)
+        replies = await _held_while(served.held["merged"], stub, request_for("merged", X=_rows(99)), requests)
         after = await _statistics(stub, "merged")
     assert [a - b for a, b in zip(_answered(served.metrics, "merged"), answered, strict=True)] == [13, 13]
     for i, (reply, single) in enumerate(zip(replies, alone, strict=True)):
@@ -154,7 +160,7 @@ async def test_one_bad_request_among_merged_ones_fails_alone_with_its_own_error(
         with pytest.raises(grpc.aio.AioRpcError) as alone:
             await stub.ModelInfer(bad, timeout=20)
         before = await _statistics(stub, "merged")
-        results = await _held_while(served, stub, request_for("merged", X=_rows(99)), requests)
+        results = await _held_while(served.held["merged"], stub, request_for("merged", X=_rows(99)), requests)
         after = await _statistics(stub, "merged")
     err = results.pop(3)
     assert isinstance(err, grpc.aio.AioRpcError)
@@ -178,7 +184,7 @@ async def test_requests_are_not_merged_where_they_may_not_be(served, case):
     async with inference_stub(served.address) as stub:
         before = await _statistics(stub, model)
         replies = await _held_while(
-            served,
+            served.held[model],
             stub,
             request_for(model, X=_rows(99)),
             requests,
@@ -228,12 +234,11 @@ async def test_a_router_told_not_to_merge_has_its_front_send_every_request_alone
         options = {"front": "compiled", "front_merge_inflight": 0}
         async with serving_router(load_ensembles([tmp_path]), options=options) as router:
             await wait_serving(router.address)
-            unmerged = Served(router.address, {"merged": held}, Metrics())
             requests = [request_for("merged", f"request {i}", X=_rows(i)) for i in range(6)]
             async with inference_stub(router.address) as stub:
                 await stub.ModelInfer(request_for("merged", X=np.ones((1, 3), np.float32)), timeout=20)
                 before = await _statistics(stub, "merged")
-                replies = await _held_while(unmerged, stub, request_for("merged", X=_rows(99)), requests)
+                replies = await _held_while(held, stub, request_for("merged", X=_rows(99)), requests)
                 after = await _statistics(stub, "merged")
     for i, reply in enumerate(replies):
         assert not isinstance(reply, BaseException), reply
@@ -290,3 +295,101 @@ async def test_a_stage_does_not_wait_for_a_request_the_front_batches(tmp_path):
                     gate.release.set()
                 np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 4 * _rows(2))
                 np.testing.assert_array_equal(response_tensors(await held)["Y"].to_array(), 2 * _rows(1))
+
+
+#: A stage model that no ensemble names, batched by the router as its config says: Y = 2X on rows of 3 (a
+#: negative row refused, naming it), each call held at `GATE` while it is cleared.
+DOUBLED = """
+import numpy as np
+from pipeline.stage import InvalidInput, ItemError, Stage, TensorSpec
+from tests.stages import GATE
+
+class Doubled(Stage):
+    max_batch_size = 64
+    inputs = (TensorSpec("X", "FP32", (-1, 3)),)
+    outputs = (TensorSpec("Y", "FP32", (-1, 3)),)
+
+    def infer(self, inputs):
+        GATE["entered"].set()
+        assert GATE["release"].wait(30)
+        x = inputs["X"]
+        bad = [ItemError("X", int(i), "negative values are not allowed") for i in np.flatnonzero((x < 0).any(axis=1))]
+        if bad:
+            raise InvalidInput.for_items(bad)
+        return {"Y": 2 * x}
+"""
+
+#: Where `doubled`'s calls wait.
+GATED = SimpleNamespace(entered=GATE["entered"], release=GATE["release"])
+
+DOUBLED_CONFIG = """
+name: "doubled"
+backend: "python"
+max_batch_size: 64
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 3 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 3 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+dynamic_batching { }
+"""
+
+
+@pytest.fixture(scope="module")
+async def plain(tmp_path_factory):
+    """The router (behind the compiled front) serving `doubled` from a stage's repository, tracing its calls."""
+    root = tmp_path_factory.mktemp("plain-batched")
+    write_model(root, "doubled", DOUBLED, DOUBLED_CONFIG)
+    GATE["release"].set()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with serving_stages([], repository=ModelRepository(root), backends=[PythonBackend()]) as stage:
+        catalog = load_catalog(repository=root, stages={"python": stage.address})
+        options = {"front": "compiled"}
+        async with serving_router(catalog, telemetry=Telemetry(provider), options=options) as router:
+            await wait_serving(router.address)
+            async with inference_stub(router.address) as stub:  # the front learns it may merge
+                await stub.ModelInfer(request_for("doubled", X=np.ones((1, 3), np.float32)), timeout=20)
+            yield Plain(router.address, exporter)
+
+
+class Plain:
+    def __init__(self, address: str, exporter: InMemorySpanExporter) -> None:
+        self.address, self.exporter = address, exporter
+
+    def calls(self) -> int:
+        """The router's calls of `doubled` so far: a server span each (none of the clients traced theirs)."""
+        return sum(span.name == "ModelInfer doubled" for span in self.exporter.get_finished_spans())
+
+
+async def test_requests_for_a_batched_model_no_ensemble_names_are_merged_and_counted_each(plain):
+    requests = [request_for("doubled", f"request {i}", X=_rows(i)) for i in range(12)]
+    async with inference_stub(plain.address) as stub:
+        before, calls = await _statistics(stub, "doubled"), plain.calls()
+        replies = await _held_while(GATED, stub, request_for("doubled", X=_rows(99)), requests)
+        after = await _statistics(stub, "doubled")
+    assert plain.calls() - calls < 13, "the requests that waited at the front reached the router merged"
+    for i, reply in enumerate(replies):
+        assert not isinstance(reply, BaseException), reply
+        assert reply.id == f"request {i}"
+        np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * _rows(i))
+    successes, failures, executions = (a - b for a, b in zip(after, before, strict=True))
+    assert (successes, failures) == (13, 0), "each client's request counted once"
+    assert executions < successes
+
+
+async def test_a_bad_request_merged_with_others_for_a_batched_model_fails_alone(plain):
+    bad = request_for("doubled", "bad", X=np.array([[1, 2, 3], [4, -5, 6]], np.float32))
+    requests = [request_for("doubled", f"request {i}", X=_rows(i)) for i in range(6)]
+    requests.insert(3, bad)
+    async with inference_stub(plain.address) as stub:
+        before = await _statistics(stub, "doubled")
+        results = await _held_while(GATED, stub, request_for("doubled", X=_rows(99)), requests)
+        after = await _statistics(stub, "doubled")
+    err = results.pop(3)
+    assert isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().endswith("X[1]: negative values are not allowed"), err.details()
+    for i, reply in enumerate(results):
+        assert not isinstance(reply, BaseException), reply
+        np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * _rows(i))
+    successes, failures, _ = (a - b for a, b in zip(after, before, strict=True))
+    assert (successes, failures) == (7, 1), "each request counted once, as it fared alone"

@@ -160,9 +160,13 @@ class Executor:
             return
         if telemetry.enabled:
             with telemetry.span(f"step {step.model_name}", attributes):
-                outputs = await self.call_step(step, values, request, deadline, call.metadata, announced)
+                outputs = await self.call_step(
+                    step, values, request, deadline, call.metadata, announced, call.requests
+                )
         else:
-            outputs = await self.call_step(step, values, request, deadline, call.metadata, announced)
+            outputs = await self.call_step(
+                step, values, request, deadline, call.metadata, announced, call.requests
+            )
         if (plan.name, step.index) not in self._checked:
             # A request that came before the model's signature was learnt is not checked; a later one is.
             signatures = self.registry.signatures
@@ -182,14 +186,16 @@ class Executor:
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
         announced: Announcement,
+        requests: int = 1,
     ) -> dict[str, Tensor]:
         """One step's call of its stage model (one per element for a fan-out step), batched or not as the
-        dispatcher decides: its outputs by the ensemble's tensor names."""
+        dispatcher decides: its outputs by the ensemble's tensor names. `requests`: how many clients'
+        requests the call carries (the compiled front's merged ones), each counted in the model's statistics."""
         if step.for_each:
             return await self._fan_out(step, values, request, deadline, metadata, announced)
         inputs = {stage_tensor: values[name] for stage_tensor, name in step.inputs}
         produced = await self.dispatcher.call_step(
-            self.clients[step.stage], step, inputs, request, deadline, metadata, announced
+            self.clients[step.stage], step, inputs, request, deadline, metadata, announced, requests
         )
         outputs = {}
         for stage_tensor, tensor_name in step.outputs:

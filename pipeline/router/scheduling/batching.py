@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 from opentelemetry.trace import Span
 
 from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
+from pipeline.protocol.frames import failed_requests
 from pipeline.protocol.types import BatchingConfig
 from pipeline.router.scheduling.batch_spans import batch_span
 from pipeline.router.scheduling.clock import Clock, Timer, Wakeups
+from pipeline.runtime.error_status import outcome_of
 from pipeline.runtime.model_statistics import ModelStats
 from pipeline.runtime.spans import Current
 
@@ -58,6 +60,8 @@ class _Pending(Generic[In, Out]):
     enqueued: float
     deadline: float | None
     future: asyncio.Future[Out]
+    #: How many clients' requests it carries (the compiled front's merged ones): each is counted.
+    requests: int = 1
     span: Span | None = None
     state: int = _QUEUED
     timer: Timer | None = None
@@ -264,7 +268,7 @@ class DynamicBatcher(Generic[In, Out]):
         self._wakeups.close()
         for pending in self._waiting.clear():
             if not pending.future.done():
-                self.stats.request_failed(int((self._clock.now() - pending.enqueued) * 1e9))
+                _failed(self.stats, pending, int((self._clock.now() - pending.enqueued) * 1e9), "UNAVAILABLE")
                 pending.future.set_exception(Unavailable(f"{self.name}: shutting down"))
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
@@ -320,20 +324,21 @@ class DynamicBatcher(Generic[In, Out]):
         priority: int = 0,
         span: Span | None = None,
         expected: bool = False,
+        requests: int = 1,
     ) -> Out:
         """Queue one request and wait for its result. `deadline` is on the batcher's clock; `span` is the
         request's span that the batch span links to (ignored with tracing off); `expected`: announced by
-        `expect()`."""
+        `expect()`; `requests`: how many clients' requests it carries, each counted in the statistics."""
         config = self.config
         if expected:
             self._upcoming -= 1
-        self._admit(size)
+        self._admit(size, requests)
         wakeups = self._wakeups
         if not wakeups.started:
             self.start()
         future: asyncio.Future[Out] = wakeups.loop.create_future()
         now = self._clock.now()
-        pending = _Pending(payload, size, key, priority, next(self._seq), now, deadline, future)
+        pending = _Pending(payload, size, key, priority, next(self._seq), now, deadline, future, requests)
         if span is not None and self._telemetry is not None:
             pending.span = span
         if (
@@ -377,7 +382,7 @@ class DynamicBatcher(Generic[In, Out]):
             if all(member.future.cancelled() for member in members):
                 running.cancel()
 
-    def _admit(self, size: int) -> None:
+    def _admit(self, size: int, requests: int) -> None:
         """Refuse a request of more items than a batch holds, or one that the full queue has no room for."""
         config = self.config
         if size > config.max_batch_size:
@@ -386,7 +391,7 @@ class DynamicBatcher(Generic[In, Out]):
             )
         if config.max_queue_size and self._waiting.requests >= config.max_queue_size:
             self.counters.rejected_full += 1
-            self.stats.request_failed(0)
+            self.stats.request_failed(0, failed_requests(requests, "UNAVAILABLE"))
             raise Unavailable(
                 f"{self.name} is saturated: {self._waiting.requests} requests queued (max_queue_size "
                 f"{config.max_queue_size}); retry later"
@@ -399,7 +404,7 @@ class DynamicBatcher(Generic[In, Out]):
             return
         self._waiting.drop(pending)
         self.counters.dropped_deadline += 1
-        self.stats.request_failed(int((self._clock.now() - pending.enqueued) * 1e9))
+        _failed(self.stats, pending, int((self._clock.now() - pending.enqueued) * 1e9), "DEADLINE_EXCEEDED")
         if not pending.future.done():
             pending.future.set_exception(
                 DeadlineExceeded(f"{self.name}: the request's deadline passed while it was queued")
@@ -552,6 +557,13 @@ def _deliver(batch: Sequence[_Pending[In, Out]], results: Sequence[Out | BaseExc
             pending.future.set_result(result)
 
 
+def _failed(stats: ModelStats, pending: _Pending[In, Out], ns: int, outcome: str) -> None:
+    """A request failed after `ns` with `outcome` (a code's name): as many as it carries (`failed_requests`)."""
+    failed = failed_requests(pending.requests, outcome)
+    if failed:
+        stats.request_failed(ns, failed)
+
+
 def _account(
     stats: ModelStats,
     metrics: Metrics | None,
@@ -571,17 +583,18 @@ def _account(
         metrics.compute_duration.labels(model).observe(compute_ns / 1e9)
         queue = metrics.queue_duration.labels(model)
         for pending in batch:
-            queue.observe(now - pending.enqueued)
+            for _ in range(pending.requests):  # each of the requests the front merged waited as long
+                queue.observe(now - pending.enqueued)
     # The successes are counted together, in one call for the batch.
     done = items = total_ns = queue_ns = 0
     for pending, result in zip(batch, results, strict=True):
         request_ns = int((finished - pending.enqueued) * 1e9)
         if isinstance(result, BaseException):
-            stats.request_failed(request_ns)
+            _failed(stats, pending, request_ns, outcome_of(result))
         else:
-            done += 1
+            done += pending.requests
             items += pending.size
-            total_ns += request_ns
-            queue_ns += int((now - pending.enqueued) * 1e9)
+            total_ns += request_ns * pending.requests
+            queue_ns += int((now - pending.enqueued) * 1e9) * pending.requests
     if done:
         stats.requests_done(done, items=items, total_ns=total_ns, queue_ns=queue_ns, compute_ns=compute_ns)

@@ -79,7 +79,7 @@ class StageDispatcher:
         wanted = requested_outputs(request, signature.outputs, name)
         deadline = None if call.timeout is None else time.monotonic() + call.timeout
         chain = CallChain.of(call.metadata)
-        stage_call = BatchMember(inputs, tuple(wanted), request.model_version, deadline, chain)
+        stage_call = BatchMember(inputs, tuple(wanted), request.model_version, deadline, chain, call.requests)
         outputs = await self.batching.submit(
             name,
             stage_call,
@@ -117,10 +117,12 @@ class StageDispatcher:
         deadline: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
         announced: Announcement,
+        requests: int = 1,
     ) -> dict[str, Tensor]:
         """One step's call of its model on `client`'s stage, with `inputs` (by the model's tensor names): its
         outputs by the model's names. Queued in the model's batcher (taking up the request's announcement
-        there) where it has one, else one stage call that carries the request's sequence."""
+        there) where it has one, else one stage call that carries the request's sequence. `requests`: how
+        many clients' requests it carries (merged by the compiled front)."""
         if step.model_name not in self.batching.batchers:
             return await self._call_unbatched(client, step, inputs, request, deadline, metadata)
         stage_call = BatchMember(
@@ -129,6 +131,7 @@ class StageDispatcher:
             step.model_version,
             deadline,
             CallChain.of(metadata),
+            requests,
         )
         try:
             return await self.batching.submit(

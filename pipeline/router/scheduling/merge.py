@@ -32,6 +32,8 @@ class BatchMember:
     #: The chain of model calls the request belongs to, when a model made it (Triton's BLS): a batch's
     #: stage call carries its members' chains merged.
     chain: CallChain | None = None
+    #: How many clients' requests it carries: more than one where the compiled front merged them into one.
+    requests: int = 1
     #: Dimension 0: how many items the request carries (read from its inputs).
     size: int = field(init=False)
 

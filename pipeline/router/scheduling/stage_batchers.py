@@ -193,6 +193,7 @@ class StageBatchers:
             priority=priority,
             span=span,
             expected=expected,
+            requests=stage_call.requests,
         )
 
     async def _execute_batch(
