@@ -33,7 +33,7 @@ front-check: $(STAMP)
 	PIPELINE_FRONT_BINARY=$(abspath front/build/sanitize/pipeline-front) \
 		ASAN_OPTIONS=detect_leaks=1:log_path=$(abspath front/build/sanitize/findings/asan) \
 		UBSAN_OPTIONS=print_stacktrace=1:log_path=$(abspath front/build/sanitize/findings/ubsan) \
-		$(BIN)/python -m pytest -q tests/integration/test_front.py tests/e2e/test_front.py
+		$(BIN)/python -m pytest -q tests/integration/test_front.py tests/integration/test_front_batches.py tests/e2e/test_front.py
 	@if ls front/build/sanitize/findings/* >/dev/null 2>&1; then cat front/build/sanitize/findings/*; \
 		echo "front-check: the sanitizers found the above"; exit 1; else echo "front-check: no finding"; fi
 

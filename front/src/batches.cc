@@ -182,21 +182,36 @@ void Batcher::Learn(const std::string& model, int64_t limit) {
 }
 
 void Batcher::Submit(const std::string& model, Member* member) {
+  bool tracked = true;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& state = models_[model];
     if (state.inflight >= inflight_ || !state.queue.empty()) {
-      state.queue.push_back(member);
-      return;
+      const Mergeable& request = member->mergeable();
+      if (state.queued_rows + request.rows <= state.limit * inflight_ &&
+          state.queued_bytes + request.bytes <= max_bytes_ * static_cast<size_t>(inflight_)) {
+        state.queue.push_back(member);
+        state.queued_rows += request.rows;
+        state.queued_bytes += request.bytes;
+        return;
+      }
+      tracked = false;  // the queue is full: the router's door decides
+    } else {
+      ++state.inflight;
     }
-    ++state.inflight;
   }
-  member->SendAlone(true);
+  member->SendAlone(tracked);
+}
+
+void Batcher::Dequeued(Model& state, const Member* member) {
+  state.queued_rows -= member->mergeable().rows;
+  state.queued_bytes -= member->mergeable().bytes;
 }
 
 std::vector<Member*> Batcher::Take(Model& state) {
   std::vector<Member*> members{state.queue.front()};
   state.queue.pop_front();
+  Dequeued(state, members[0]);
   const Mergeable& first = members[0]->mergeable();
   int64_t rows = first.rows;
   size_t bytes = first.bytes;
@@ -206,6 +221,7 @@ std::vector<Member*> Batcher::Take(Model& state) {
       rows += next.rows;
       bytes += next.bytes;
       members.push_back(*it);
+      Dequeued(state, *it);
       it = state.queue.erase(it);
     } else {
       ++it;
@@ -244,6 +260,7 @@ bool Batcher::Withdraw(const std::string& model, Member* member, std::shared_ptr
   auto& state = found->second;
   auto queued = std::find(state.queue.begin(), state.queue.end(), member);
   if (queued != state.queue.end()) {
+    Dequeued(state, member);
     state.queue.erase(queued);
     return true;
   }

@@ -81,7 +81,10 @@ class Batcher {
   int64_t Limit(const std::string& model);
   // The router's answer to a request of `model` said `limit` (0 where it said nothing).
   void Learn(const std::string& model, int64_t limit);
-  // Take a request of `model` (whose limit is positive): sent at once, or queued.
+  // Take a request of `model` (whose limit is positive): sent at once, or queued. The queue holds at most
+  // what fills the batches in flight again (`inflight` batches of the limit's rows and the largest message's
+  // bytes); a request past that goes to the router alone at once, where the router's own limits (its
+  // in-flight requests, its byte budget) take it or refuse it: a flood waits at the router's door, not here.
   void Submit(const std::string& model, Member* member);
   // A request or batch of `model` the batcher sent is answered (or failed, or given up): the queue moves on.
   void Done(const std::string& model);
@@ -95,10 +98,14 @@ class Batcher {
     int64_t limit = 0;
     int inflight = 0;
     std::deque<Member*> queue;
+    int64_t queued_rows = 0;  // the rows and bytes of the requests in `queue`
+    size_t queued_bytes = 0;
     std::unordered_map<Member*, std::shared_ptr<Batch>> batched;  // members of the batches in flight
   };
   // Under the lock: the next batch of the queue (one member or more).
   std::vector<Member*> Take(Model& state);
+  // Under the lock: `member` is no longer queued.
+  static void Dequeued(Model& state, const Member* member);
   void Send(const std::string& model, std::vector<Member*> members);
   friend class Batch;
 
