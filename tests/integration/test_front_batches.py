@@ -5,6 +5,7 @@ to it as one, and each client gets exactly its own rows, its own errors and its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 
 import grpc
@@ -224,23 +225,31 @@ async def test_a_client_that_gives_up_leaves_the_others_answered(served):
             np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * _rows(i))
 
 
-async def test_a_router_told_not_to_merge_has_its_front_send_every_request_alone(tmp_path):
+@contextlib.asynccontextmanager
+async def _merging(folder, **options):
+    """A router with `options`, behind the compiled front, serving the `merged` ensemble from a stage of its
+    own: a stub to it, once the front has learnt what it may merge, and the stage's held model."""
     held = Held("held")
     held.max_batch_size = 64
     held.release.set()
     async with serving_stages([held, Labelled("labelled", max_batch_size=64)]) as stage:
         batching = ", dynamic_batching: {max_batch_size: 64}"
-        (tmp_path / "merged.yaml").write_text(_ensemble("merged", stage.address, "", batching))
-        options = {"front": "compiled", "front_merge_inflight": 0}
-        async with serving_router(load_ensembles([tmp_path]), options=options) as router:
+        (folder / "merged.yaml").write_text(_ensemble("merged", stage.address, "", batching))
+        options = {"front": "compiled", **options}
+        async with serving_router(load_ensembles([folder]), options=options) as router:
             await wait_serving(router.address)
-            requests = [request_for("merged", f"request {i}", X=_rows(i)) for i in range(6)]
             async with inference_stub(router.address) as stub:
                 await stub.ModelInfer(request_for("merged", X=np.ones((1, 3), np.float32)), timeout=20)
                 held.entered.clear()
-                before = await _statistics(stub, "merged")
-                replies = await _held_while(held, stub, request_for("merged", X=_rows(99)), requests)
-                after = await _statistics(stub, "merged")
+                yield stub, held
+
+
+async def test_a_router_told_not_to_merge_has_its_front_send_every_request_alone(tmp_path):
+    requests = [request_for("merged", f"request {i}", X=_rows(i)) for i in range(6)]
+    async with _merging(tmp_path, front_merge_inflight=0) as (stub, held):
+        before = await _statistics(stub, "merged")
+        replies = await _held_while(held, stub, request_for("merged", X=_rows(99)), requests)
+        after = await _statistics(stub, "merged")
     for i, reply in enumerate(replies):
         assert not isinstance(reply, BaseException), reply
         np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * _rows(i))
@@ -399,20 +408,9 @@ async def test_a_bad_request_merged_with_others_for_a_batched_model_fails_alone(
 async def test_a_flood_of_requests_that_may_merge_meets_the_routers_door_not_the_fronts_memory(tmp_path):
     # The front queues what fills the batches in flight again (two of two rows here); the rest go to the
     # router at once, whose in-flight limit (4: three for one model) refuses what it cannot hold.
-    held = Held("held")
-    held.max_batch_size = 64
-    held.release.set()
-    async with serving_stages([held, Labelled("labelled", max_batch_size=64)]) as stage:
-        batching = ", dynamic_batching: {max_batch_size: 64}"
-        (tmp_path / "merged.yaml").write_text(_ensemble("merged", stage.address, "", batching))
-        options = {"front": "compiled", "max_batch_items": 2, "max_inflight_requests": 4}
-        async with serving_router(load_ensembles([tmp_path]), options=options) as router:
-            await wait_serving(router.address)
-            requests = [request_for("merged", f"request {i}", X=_rows(0) + i) for i in range(12)]
-            async with inference_stub(router.address) as stub:
-                await stub.ModelInfer(request_for("merged", X=np.ones((1, 3), np.float32)), timeout=20)
-                held.entered.clear()
-                results = await _held_while(held, stub, request_for("merged", X=_rows(99)), requests)
+    requests = [request_for("merged", f"request {i}", X=_rows(0) + i) for i in range(12)]
+    async with _merging(tmp_path, max_batch_items=2, max_inflight_requests=4) as (stub, held):
+        results = await _held_while(held, stub, request_for("merged", X=_rows(99)), requests)
     refused = [r for r in results if isinstance(r, BaseException)]
     assert refused, "every request was held at the front, past the router's in-flight limit"
     for err in refused:
