@@ -130,12 +130,18 @@ std::optional<Mergeable> MergeableOf(std::string_view message, std::string_view 
   for (size_t i = 0; i < raws.size(); ++i) {
     auto& input = request.inputs[i];
     input.raw = raws[i];
-    size_t item = ItemSize(input.datatype);
     int64_t per_row = RowElements(input.shape);
     int64_t rows = input.shape[0];
-    if (item == 0 || per_row < 0 || rows < 1 || (i > 0 && rows != request.rows)) return std::nullopt;
+    if (per_row < 0 || rows < 1 || (i > 0 && rows != request.rows)) return std::nullopt;
     if (per_row > 0 && rows > (int64_t{1} << 40) / per_row) return std::nullopt;
-    if (static_cast<uint64_t>(rows * per_row) * item != input.raw.size()) return std::nullopt;
+    if (input.datatype == "BYTES") {
+      // Its elements (a 4-byte length, then the bytes) one after the other: rows join by concatenation.
+      std::vector<size_t> at;
+      if (!BytesRows(input.raw, per_row, {rows}, at)) return std::nullopt;
+    } else {
+      size_t item = ItemSize(input.datatype);
+      if (item == 0 || static_cast<uint64_t>(rows * per_row) * item != input.raw.size()) return std::nullopt;
+    }
     request.rows = rows;
     request.key.append(input.name).push_back('\0');
     request.key.append(input.datatype).push_back('\0');

@@ -44,7 +44,7 @@ struct Mergeable {
 };
 
 // `message` read as a request that may be merged, for the caller `caller` (its credentials): all its inputs
-// raw and of fixed-size datatypes whose bytes agree with their shapes, one dimension 0, no parameters (of the
+// raw, their bytes agreeing with their shapes (fixed-size datatypes, or BYTES elements), one dimension 0, no parameters (of the
 // request, its inputs or its outputs). Nothing where it may not (it then goes alone).
 std::optional<Mergeable> MergeableOf(std::string_view message, std::string_view caller);
 

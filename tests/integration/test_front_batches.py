@@ -329,6 +329,36 @@ class Doubled(Stage):
         return {"Y": 2 * x}
 """
 
+#: Another such model, of text: each row's length and its upper case.
+LENGTHS = """
+import numpy as np
+from pipeline.stage import Stage, TensorSpec
+from tests.stages import GATE
+
+class Lengths(Stage):
+    max_batch_size = 64
+    inputs = (TensorSpec("T", "BYTES", (-1, 1)),)
+    outputs = (TensorSpec("N", "INT64", (-1, 1)), TensorSpec("U", "BYTES", (-1, 1)))
+
+    def infer(self, inputs):
+        GATE["entered"].set()
+        assert GATE["release"].wait(30)
+        texts = [row[0] for row in inputs["T"]]
+        return {
+            "N": np.array([[len(t)] for t in texts], np.int64),
+            "U": np.array([[t.upper()] for t in texts], dtype=object),
+        }
+"""
+
+LENGTHS_CONFIG = """
+name: "lengths"
+backend: "python"
+max_batch_size: 64
+input [ { name: "T" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "N" data_type: TYPE_INT64 dims: [ 1 ] }, { name: "U" data_type: TYPE_STRING dims: [ 1 ] } ]
+dynamic_batching { }
+"""
+
 #: Where `doubled`'s calls wait.
 GATED = SimpleNamespace(entered=GATE["entered"], release=GATE["release"])
 
@@ -348,6 +378,7 @@ async def plain(tmp_path_factory):
     """The router (behind the compiled front) serving `doubled` from a stage's repository, tracing its calls."""
     root = tmp_path_factory.mktemp("plain-batched")
     write_model(root, "doubled", DOUBLED, DOUBLED_CONFIG)
+    write_model(root, "lengths", LENGTHS, LENGTHS_CONFIG)
     GATE["release"].set()
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -359,6 +390,7 @@ async def plain(tmp_path_factory):
             await wait_serving(router.address)
             async with inference_stub(router.address) as stub:  # the front learns it may merge
                 await stub.ModelInfer(request_for("doubled", X=np.ones((1, 3), np.float32)), timeout=20)
+                await stub.ModelInfer(request_for("lengths", T=_texts(0)), timeout=20)
             yield Plain(router.address, exporter)
 
 
@@ -366,9 +398,14 @@ class Plain:
     def __init__(self, address: str, exporter: InMemorySpanExporter) -> None:
         self.address, self.exporter = address, exporter
 
-    def calls(self) -> int:
-        """The router's calls of `doubled` so far: a server span each (none of the clients traced theirs)."""
-        return sum(span.name == "ModelInfer doubled" for span in self.exporter.get_finished_spans())
+    def calls(self, model: str = "doubled") -> int:
+        """The router's calls of `model` so far: a server span each (none of the clients traced theirs)."""
+        return sum(span.name == f"ModelInfer {model}" for span in self.exporter.get_finished_spans())
+
+
+def _texts(i: int) -> np.ndarray:
+    """Request i's text input: 1 to 3 rows of its own, of different lengths (one empty)."""
+    return np.array([[f"row {r} of request {i}".encode() * (r % 2)] for r in range(i % 3 + 1)], dtype=object)
 
 
 async def test_requests_for_a_batched_model_no_ensemble_names_are_merged_and_counted_each(plain):
@@ -420,3 +457,28 @@ async def test_a_flood_of_requests_that_may_merge_meets_the_routers_door_not_the
     assert answered, "what the router held, and what waited at the front behind it, answered"
     for i, reply in answered:
         np.testing.assert_array_equal(response_tensors(reply)["Y"].to_array(), 2 * (_rows(0) + i))
+
+
+async def test_text_requests_are_merged_and_each_gets_its_own_rows(plain):
+    requests = [request_for("lengths", f"request {i}", T=_texts(i)) for i in range(12)]
+    # Two rows declared, one element sent: never merged, refused as it is alone.
+    bad = request_for("lengths", "bad", T=_texts(0))
+    bad.inputs[0].shape[0] = 2
+    requests.insert(5, bad)
+    async with inference_stub(plain.address) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as alone:
+            await stub.ModelInfer(bad, timeout=20)
+        calls = plain.calls("lengths")
+        replies = await _held_while(GATED, stub, request_for("lengths", T=_texts(99)), requests)
+    merged = plain.calls("lengths") - calls
+    assert merged < 14, "the requests that waited at the front reached the router merged"
+    err = replies.pop(5)
+    assert isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == alone.value.details()
+    for i, reply in enumerate(replies):
+        assert not isinstance(reply, BaseException), reply
+        assert reply.id == f"request {i}"
+        out = response_tensors(reply)
+        texts = [row[0] for row in _texts(i)]
+        assert out["N"].to_array().ravel().tolist() == [len(t) for t in texts]
+        assert [row[0] for row in out["U"].to_array().tolist()] == [t.upper() for t in texts]
