@@ -96,7 +96,8 @@ class InferCall final : public grpc::ServerGenericBidiReactor, public Waiter, pu
     credentials_ = Credentials();
     if (int64_t limit = batcher_.Limit(model_); limit > 0 && !Traced()) {
       mergeable_ = MergeableOf(message, credentials_);
-      if (mergeable_ && mergeable_->rows <= limit) {
+      // A request that fills a batch alone goes as it came: waiting would gain it nothing.
+      if (mergeable_ && mergeable_->rows < limit) {
         batched_ = true;
         batcher_.Submit(model_, this);
         return;

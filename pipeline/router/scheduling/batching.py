@@ -583,8 +583,7 @@ def _account(
         metrics.compute_duration.labels(model).observe(compute_ns / 1e9)
         queue = metrics.queue_duration.labels(model)
         for pending in batch:
-            for _ in range(pending.requests):  # each of the requests the front merged waited as long
-                queue.observe(now - pending.enqueued)
+            queue.observe(now - pending.enqueued)  # once per queue entry, a merged one too
     # The successes are counted together, in one call for the batch.
     done = items = total_ns = queue_ns = 0
     for pending, result in zip(batch, results, strict=True):
