@@ -47,8 +47,8 @@ class RequestContext:
     #: How many clients' requests the call carries: more than one where the compiled front merged them into
     #: one (`pipeline.protocol.frames.MERGED_PARAMETER`); statistics and metrics count each.
     requests: int = 1
-    #: Whether the compiled front batches this model's requests itself (its door, for an ensemble it may merge:
-    #: `DataPlane.front_batch`). The router's batchers are then not told of the request ahead of its steps
+    #: Whether the compiled front batches this model's requests itself (its door, for a model or ensemble it may
+    #: merge: `DataPlane.front_batch`). An ensemble's batchers are then not told of the request ahead of its steps
     #: (`batch_upcoming`): the front holds the next batch until one comes back, and a stage that waited for
     #: another of the front's batches would only make the batches at the router take turns through the stages.
     front_batched: bool = False
