@@ -237,12 +237,14 @@ def _equal(triton: Any, ours: Any) -> None:
     assert ours == triton
 
 
-#: How many executions more than Triton's the batches of `seq_batches_stream` may take here. How they form
-#: depends on when each request comes, which a busy machine shifts: Triton 2.51 took 15 to 19 on two shared
-#: cores; here 15 to 17 as a rule, up to 25 with both cores kept busy meanwhile, when the first requests reach
-#: the stage slower than it runs them (before a stream's next requests of a sequence could wait at the stage:
-#: 18 to 27, in batches of 4 and 2).
-BATCHES_MARGIN = 8
+#: How many executions more than Triton's the batches of `seq_batches_stream` may take here. Its model takes
+#: 0.1 s a batch, so every request of the stream reaches the server while the first batch runs and the
+#: batches form at the instance's pace: Triton 2.51 took 16 to 20 executions, 11 to 13 of them of 5; here 15
+#: or 16, 13 or 14 of 5, on a quiet machine and with six busy processes on two cores alike. (When the model
+#: took no time, how the batches formed depended on when each request came: a full suite's busy machine
+#: formed none of 5.) A stage whose batch cannot wait for a sequence's next request, sent by the router only
+#: once the one before is answered, runs 24 (batches of 4 and 2, or of 5 and 1).
+BATCHES_MARGIN = 4
 
 
 def _same_batches(triton: dict[str, Any], ours: dict[str, Any]) -> None:
@@ -252,11 +254,10 @@ def _same_batches(triton: dict[str, Any], ours: dict[str, Any]) -> None:
     assert sum(int(size) * count for size, count in ours["batches"].items()) == 72, ours
     assert sum(ours["batches"].values()) == ours["executions"], ours
     # As few batches as Triton's, give or take, and of the same shape: Triton's most common size (one past
-    # the preferred 4, taken while the instance runs) forms here too: at least two such batches (before, none
-    # or one; on a quiet machine about as many as Triton's, and three on a full suite's busy one).
+    # the preferred 4, taken while the instance runs) is the most common here too.
     assert ours["executions"] <= triton["executions"] + BATCHES_MARGIN, (ours, triton)
     size, _ = max(triton["batches"].items(), key=lambda item: item[1])
-    assert size == "5" and ours["batches"].get(size, 0) >= 2, (ours, triton)
+    assert size == "5" and max(ours["batches"].items(), key=lambda item: item[1])[0] == size, (ours, triton)
 
 
 #: Answers compared as a whole (HTTP/REST JSON, metrics), each in its own way.
