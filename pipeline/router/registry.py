@@ -41,6 +41,14 @@ class ModelRegistry:
         self.stats.setdefault(name, ModelStats())
         return True
 
+    def relearn(self, name: str, signature: ModelSignature) -> bool:
+        """Replace the signature of a stage model loaded again; whether it changed."""
+        if self.signatures.get(name) == signature:
+            return False
+        self.signatures[name] = signature
+        self.stats.setdefault(name, ModelStats())
+        return True
+
     def stats_of(self, name: str) -> ModelStats:
         """The statistics a request for a model counts in."""
         return self.stats.setdefault(name, ModelStats())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -39,7 +40,7 @@ from pipeline.protocol.parameters import int_parameter
 from pipeline.protocol.streams import DECOUPLED_UNARY
 from pipeline.protocol.types import BatchingConfig
 from pipeline.router.caching.cache_policy import ResponseCaching
-from pipeline.router.execution.availability import EnsembleAvailability
+from pipeline.router.execution.availability import EnsembleAvailability, repository_index
 from pipeline.router.execution.executor import Executor
 from pipeline.router.execution.streaming import EnsembleStreams
 from pipeline.router.inflight import InflightDoor
@@ -82,15 +83,14 @@ class RouterPlane(DataPlane):
         admin_configured: bool = False,
     ) -> None:
         """`max_message_bytes`, `stage_tls`, `stage_token`, `resolve_interval` and `resolve`: how the stages
-        are called (see `_stage_clients`). `max_inflight_requests`: inference requests the router holds at
-        once, in all and per model (`pipeline.router.inflight`; 0: no limit).
-        `max_batch_items`: items (dimension 0) one request may carry (0: no limit). `cache_size`: bytes of
-        the response cache, for the models and ensembles that enable it (0: off). `strict_readiness`: ready
-        only while every ensemble is available and every stage healthy (Triton's `--strict-readiness`, its
-        default), else once started. `exit_on_error`: an ensemble that fails its checks at start-up raises
-        `ConfigError` (Triton's `--exit-on-error`, its default), else it is UNAVAILABLE with the reason and
-        the others serve. `model_control` (explicit model-control mode) or `admin_configured` allow
-        `RepositoryModelLoad`/`Unload` across the stages' replicas (`pipeline.router.stages.fleet`)."""
+        are called (see `_stage_clients`). `max_inflight_requests`: inference requests held at once, in all
+        and per model (`pipeline.router.inflight`; 0: no limit). `max_batch_items`: items (dimension 0) one
+        request may carry (0: no limit). `cache_size`: bytes of the response cache, for the models and
+        ensembles enabling it (0: off). `strict_readiness`: ready only while every ensemble is available and
+        every stage healthy (Triton's `--strict-readiness`, its default), else once started. `exit_on_error`:
+        an ensemble that fails its checks at start-up raises `ConfigError` (Triton's `--exit-on-error`, its
+        default), else it is UNAVAILABLE with the reason and the others serve. `model_control` (explicit model
+        control) or `admin_configured` allow `RepositoryModelLoad`/`Unload`, through the router."""
         self.telemetry = telemetry = telemetry or Telemetry()
         self.metrics = metrics = metrics or Metrics()
         self.door = InflightDoor(max_inflight_requests)
@@ -111,6 +111,7 @@ class RouterPlane(DataPlane):
             explicit=model_control,
             admin_configured=admin_configured,
             metrics=metrics,
+            relearn=functools.partial(_relearn, self),
         )
         self.executor = Executor(registry, clients, self.dispatcher, telemetry=telemetry, metrics=metrics)
         self.streams = EnsembleStreams(self.executor)
@@ -363,8 +364,8 @@ class RouterPlane(DataPlane):
         return signature.versions if signature is not None else ()
 
     async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
-        """The ensembles, then every stage's models (see `EnsembleAvailability.repository_index`)."""
-        return await self.ensembles.repository_index(ready_only)
+        """The ensembles, then every stage's models (see `availability.repository_index`)."""
+        return await repository_index(self.ensembles, ready_only)
 
     async def repository_load(
         self, name: str, parameters: Mapping[str, object], call: RequestContext
@@ -415,6 +416,38 @@ def _prioritized(request: pb.ModelInferRequest, call: RequestContext) -> Request
     except InvalidInput:
         return call  # a batcher refuses it, naming it; a model without one ignores it
     return replace(call, metadata=CallChain.prioritized(call.metadata, priority or 0))
+
+
+async def _relearn(plane: RouterPlane, name: str) -> None:
+    """A model loaded through the router: its signature learnt again, and where it changed, the model
+    served as it says now: its batcher (the model's own `dynamic_batching`, else its ensembles'), whether
+    it answers on streams only, and the ensembles that call it checked against it again. Where its stage
+    cannot give the signature now, the one learnt before stays."""
+    if name not in plane.registry.signatures:
+        return  # discovery learns it as it is now
+    client = await plane.stages.stage_client(name)
+    try:
+        signature = await client.signature(name)
+    except PipelineError as err:
+        log.warning("model '%s': loaded, but its stage gives no signature now: %s", name, err.message)
+        return
+    if not plane.registry.relearn(name, signature):
+        return
+    log.info("model '%s': loaded again with another signature; served as it says now", name)
+    member = name in plane.ensembles.members
+    batching = signature.batching
+    if batching is None and member and not signature.sequence:
+        declared = declared_batching(plane.ensembles.catalog.ensembles.values())
+        batching = declared.get(name, (None, ""))[0]
+    plane.dispatcher.batching.refit(name, client, batching)
+    if member:
+        plane.ensembles.refit(name)
+    else:
+        plane.caching.learn(name, signature)
+    plane.decoupled.discard(name)
+    if signature.decoupled:
+        plane.decoupled.add(name)
+    _note_front_batches(plane, None, (name,))
 
 
 def _note_front_batches(plane: RouterPlane, plan: EnsemblePlan | None, models: Iterable[str]) -> None:

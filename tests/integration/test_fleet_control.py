@@ -560,8 +560,8 @@ async def test_a_name_no_repository_can_hold_gets_one_answer_from_router_and_sta
 
 async def test_a_config_with_many_inputs_loaded_as_an_admin_leaves_the_other_models_alone(tmp_path):
     """`versioned` reloaded through the router with 5,000 more required inputs: another model of its stage
-    answers as before; `versioned` itself, and the ensemble that calls it, refuse a request without them with
-    a short message naming the first few and how many more."""
+    answers as before; `versioned` itself refuses a request without them, and the ensemble that calls it no
+    longer fits it (UNAVAILABLE), each with a short message naming the first few and how many more."""
     root = tmp_path / "a"
     repository = _repository(root, ("1", VERSIONED_MODEL))
     _add_model(root, "other")
@@ -585,11 +585,16 @@ async def test_a_config_with_many_inputs_loaded_as_an_admin_leaves_the_other_mod
             load = pb.RepositoryModelLoadRequest(model_name="versioned", parameters=parameters)
             await stub.RepositoryModelLoad(load, timeout=120)
             assert await _version(stub, "other") == 1.0
-            for model in ("versioned", "follows"):
-                error = await rpc_error(_version(stub, model))
-                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "expects input(s) IN_0, IN_1, IN_2, IN_3, IN_4, IN_5, IN_6, IN_7 and 4,992 more" in (
-                    error.details()
-                )
-                assert len(error.details()) < 300, error.details()
+            error = await rpc_error(_version(stub, "versioned"))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "expects input(s) IN_0, IN_1, IN_2, IN_3, IN_4, IN_5, IN_6, IN_7 and 4,992 more" in (
+                error.details()
+            )
+            assert len(error.details()) < 300, error.details()
+            error = await rpc_error(_version(stub, "follows"))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "IN_0, IN_1, IN_2, IN_3, IN_4, IN_5, IN_6, IN_7 and 4,992 more are not mapped" in (
+                error.details()
+            )
+            assert len(error.details()) < 400, error.details()
             assert await _version(stub, "other") == 1.0

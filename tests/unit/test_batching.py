@@ -545,3 +545,25 @@ async def test_a_lone_request_never_waits_for_the_batch():
     assert await batcher.submit(1, expected=True) == 10
     assert stage.batches == [[1]]
     await batcher.aclose()
+
+
+async def test_a_draining_batcher_sends_what_it_holds_at_once_then_stops():
+    """A batcher giving way to a new one (its model loaded again): the queued requests go without waiting out
+    their delay, in batches up to max_batch_size, the batch in flight finishes, then it is closed."""
+    stage = Stage(gated=True)
+    config = BatchingConfig(
+        max_batch_size=2, max_queue_delay_microseconds=10**9, max_inflight_batches=1, idle_dispatch=False
+    )
+    batcher = make(config, stage)
+    tasks = await submit_all(batcher, [1, 2, 3])  # one full batch runs; 3 waits out its delay (1,000 s)
+    assert stage.batches == [[1, 2]]
+    drained = asyncio.ensure_future(batcher.drain())
+    await settle()
+    assert stage.batches == [[1, 2]] and not drained.done()  # one batch in flight at a time
+    stage.release(0)
+    await settle()
+    assert stage.batches == [[1, 2], [3]]
+    stage.release(1)
+    await settle()
+    assert drained.done() and [t.result() for t in tasks] == [10, 20, 30]
+    assert batcher.queue_depth == 0 and batcher.inflight_batches == 0

@@ -263,6 +263,14 @@ class EnsembleAvailability:
                 self._not_available(name, unserved)
                 self._changed.set()
 
+    def refit(self, model: str) -> None:
+        """`model` was loaded again with another signature: each available ensemble that calls it is
+        UNAVAILABLE until checked against it at the next look (`complete`), as Triton loads them again."""
+        for name, plan in self.plans.items():
+            if name not in self.unavailable and any(step.model_name == model for step in plan.steps):
+                self._not_available(name, f"model '{model}' was loaded again; checking the ensemble")
+                self._changed.set()
+
     async def available_plan(self, name: str, timeout: float | None) -> EnsemblePlan:
         """The plan of an ensemble that can be served now, each step's stage filled in; `Unavailable` with
         the reason where it cannot. While the router starts, a request waits for its first look at the
@@ -300,21 +308,6 @@ class EnsembleAvailability:
         if reason is not None:
             return reason
         return self.ensemble_stages.problem(self.plans[name])
-
-    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
-        """The ensembles (UNAVAILABLE with the reason where they cannot serve now), then every stage's
-        models (see `StageDiscovery.stage_models_index`)."""
-        reply = pb.RepositoryIndexResponse()
-        for name in sorted({*self.plans, *self.failed}):
-            reason = self.ensemble_problem(name)
-            if reason is None:
-                # A file read again that failed: its last good plan serves, and the index says why.
-                reload_error = self.reload_errors.get(name, "")
-                reply.models.add(name=name, version=ENSEMBLE_VERSION, state="READY", reason=reload_error)
-            elif not ready_only:
-                reply.models.add(name=name, version=ENSEMBLE_VERSION, state="UNAVAILABLE", reason=reason)
-        reply.models.extend(await self.stages.stage_models_index(ready_only, self.plans))
-        return reply
 
     # --- health --------------------------------------------------------------------------------------
 
@@ -361,3 +354,19 @@ class EnsembleAvailability:
             return f"ensemble(s) {', '.join(sorted({*self.unavailable, *self.failed}))} not available"
         down = self.ensemble_stages.down()
         return f"stage(s) {', '.join(down)} down" if down else ""
+
+
+async def repository_index(ensembles: EnsembleAvailability, ready_only: bool) -> pb.RepositoryIndexResponse:
+    """The router's `RepositoryIndex`: the ensembles (UNAVAILABLE with the reason where they cannot serve now),
+    then every stage's models (see `StageDiscovery.stage_models_index`)."""
+    reply = pb.RepositoryIndexResponse()
+    for name in sorted({*ensembles.plans, *ensembles.failed}):
+        reason = ensembles.ensemble_problem(name)
+        if reason is None:
+            # A file read again that failed: its last good plan serves, and the index says why.
+            reload_error = ensembles.reload_errors.get(name, "")
+            reply.models.add(name=name, version=ENSEMBLE_VERSION, state="READY", reason=reload_error)
+        elif not ready_only:
+            reply.models.add(name=name, version=ENSEMBLE_VERSION, state="UNAVAILABLE", reason=reason)
+    reply.models.extend(await ensembles.stages.stage_models_index(ready_only, ensembles.plans))
+    return reply

@@ -32,9 +32,9 @@ from opentelemetry.trace import Span
 from pipeline.protocol.errors import DeadlineExceeded, InvalidInput, Unavailable
 from pipeline.protocol.frames import failed_requests
 from pipeline.protocol.types import BatchingConfig
+from pipeline.router.scheduling.batch_accounting import account_batch, count_failed
 from pipeline.router.scheduling.batch_spans import batch_span
 from pipeline.router.scheduling.clock import Clock, Timer, Wakeups
-from pipeline.runtime.error_status import outcome_of
 from pipeline.runtime.model_statistics import ModelStats
 from pipeline.runtime.spans import Current
 
@@ -203,6 +203,20 @@ class QueueCounters:
     rejected_full: int = 0
 
 
+def queue_deadline(
+    config: BatchingConfig, now: float, grpc_deadline: float | None, timeout_us: int | None
+) -> float | None:
+    """The earlier of a request's gRPC deadline and its queue timeout at a batcher of `config` (the request's
+    `timeout`, in microseconds, or the default), on the batcher's clock (`now`)."""
+    timeout = config.default_timeout_microseconds
+    if timeout_us is not None and config.allow_timeout_override:
+        timeout = timeout_us
+    deadlines = [d for d in (grpc_deadline,) if d is not None]
+    if timeout > 0:
+        deadlines.append(now + timeout / 1e6)
+    return min(deadlines) if deadlines else None
+
+
 def priority_index(config: BatchingConfig, requested: int | None) -> int:
     """The queue index for a request's `priority` (1 is highest) at a batcher of `config`: as Triton takes it,
     none, 0 or one outside 1..priority_levels is the default level."""
@@ -252,6 +266,7 @@ class DynamicBatcher(Generic[In, Out]):
         #: Batches executing: the scheduler's tasks and batches of one run by their submitter.
         self._busy = 0
         self._previous_done: asyncio.Future[None] | None = None
+        self._draining = False  # set by `drain`: what is queued goes without waiting out its delay
         #: The scheduler: a callback of the event loop, once per wake-up, not a task.
         self._wakeups = Wakeups(self._clock, self._schedule)
         self.stats = ModelStats()
@@ -268,10 +283,20 @@ class DynamicBatcher(Generic[In, Out]):
         self._wakeups.close()
         for pending in self._waiting.clear():
             if not pending.future.done():
-                _failed(self.stats, pending, int((self._clock.now() - pending.enqueued) * 1e9), "UNAVAILABLE")
+                count_failed(self.stats, pending, self._clock.now(), "UNAVAILABLE")
                 pending.future.set_exception(Unavailable(f"{self.name}: shutting down"))
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
+
+    async def drain(self) -> None:
+        """Send every queued request without waiting out its delay, let the batches finish, then stop: the
+        batcher of a model loaded again with other settings gives way to a new one."""
+        self._draining = True
+        self._schedule()
+        while self._inflight:
+            await asyncio.wait(set(self._inflight), return_when=asyncio.FIRST_COMPLETED)
+            self._schedule()
+        await self.aclose()
 
     @property
     def queue_depth(self) -> int:
@@ -293,6 +318,10 @@ class DynamicBatcher(Generic[In, Out]):
 
     # --- requests ------------------------------------------------------------------------------------
 
+    def deadline_of(self, grpc_deadline: float | None, timeout_us: int | None) -> float | None:
+        """A request's deadline in this batcher's queue (see `queue_deadline`)."""
+        return queue_deadline(self.config, self._clock.now(), grpc_deadline, timeout_us)
+
     def expect(self) -> None:
         """Say that a request the router holds will be submitted here (`submit(..., expected=True)`), so
         that a partial batch may wait for it (`batch_upcoming`)."""
@@ -302,17 +331,6 @@ class DynamicBatcher(Generic[In, Out]):
         """An expected request will not be submitted after all (its request failed, or skipped the step)."""
         self._upcoming -= 1
         self._wake()
-
-    def deadline_of(self, grpc_deadline: float | None, timeout_us: int | None) -> float | None:
-        """The earlier of the gRPC deadline and the queue timeout (the request's `timeout` or the default)."""
-        config = self.config
-        timeout = config.default_timeout_microseconds
-        if timeout_us is not None and config.allow_timeout_override:
-            timeout = timeout_us
-        deadlines = [d for d in (grpc_deadline,) if d is not None]
-        if timeout > 0:
-            deadlines.append(self._clock.now() + timeout / 1e6)
-        return min(deadlines) if deadlines else None
 
     async def submit(
         self,
@@ -330,7 +348,7 @@ class DynamicBatcher(Generic[In, Out]):
         request's span that the batch span links to (ignored with tracing off); `expected`: announced by
         `expect()`; `requests`: how many clients' requests it carries, each counted in the statistics."""
         config = self.config
-        if expected:
+        if expected and self._upcoming > 0:  # (see `StageBatchers.refit`)
             self._upcoming -= 1
         self._admit(size, requests)
         wakeups = self._wakeups
@@ -404,7 +422,7 @@ class DynamicBatcher(Generic[In, Out]):
             return
         self._waiting.drop(pending)
         self.counters.dropped_deadline += 1
-        _failed(self.stats, pending, int((self._clock.now() - pending.enqueued) * 1e9), "DEADLINE_EXCEEDED")
+        count_failed(self.stats, pending, self._clock.now(), "DEADLINE_EXCEEDED")
         if not pending.future.done():
             pending.future.set_exception(
                 DeadlineExceeded(f"{self.name}: the request's deadline passed while it was queued")
@@ -449,7 +467,7 @@ class DynamicBatcher(Generic[In, Out]):
                 return self._waiting.take(queue, largest_preferred), None
             due = oldest + config.max_delay
             # NOTE: the same expression decides and schedules, so a wake-up at that time always sends.
-            if now >= due:
+            if now >= due or self._draining:
                 return self._waiting.take(queue, config.max_batch_size), None
             if idle:
                 awaited = min(goal, queue.items + self._upcoming) if config.batch_upcoming else 0
@@ -506,7 +524,7 @@ class DynamicBatcher(Generic[In, Out]):
             raise
         except Exception as err:  # every member must hear of the failure
             results = [err] * len(batch)
-        self._account(batch, results, now, time.perf_counter_ns() - started)
+        account_batch(self.stats, self._metrics, self.model, batch, results, now, self._clock.now(), started)
         try:
             if previous is not None:
                 await asyncio.shield(previous)
@@ -524,16 +542,12 @@ class DynamicBatcher(Generic[In, Out]):
             (result,) = await self._execute([pending.payload])
         except Exception as err:  # the request hears of it; a cancellation goes on up
             result = err
-        self._account([pending], [result], now, time.perf_counter_ns() - started)
+        account_batch(
+            self.stats, self._metrics, self.model, [pending], [result], now, self._clock.now(), started
+        )
         if isinstance(result, BaseException):
             raise result
         return result
-
-    def _account(
-        self, batch: Sequence[_Pending[In, Out]], results: Sequence[Out | BaseException], now: float, ns: int
-    ) -> None:
-        """A batch's execution (`ns` long, begun at `now`) and each request's outcome, counted."""
-        _account(self.stats, self._metrics, self.model, batch, results, now, self._clock.now(), ns)
 
 
 def _batch_span(telemetry: Telemetry, model: str, batch: list[_Pending[In, Out]], size: int) -> Span | None:
@@ -555,45 +569,3 @@ def _deliver(batch: Sequence[_Pending[In, Out]], results: Sequence[Out | BaseExc
             pending.future.set_exception(result)
         else:
             pending.future.set_result(result)
-
-
-def _failed(stats: ModelStats, pending: _Pending[In, Out], ns: int, outcome: str) -> None:
-    """A request failed after `ns` with `outcome` (a code's name): as many as it carries (`failed_requests`)."""
-    failed = failed_requests(pending.requests, outcome)
-    if failed:
-        stats.request_failed(ns, failed)
-
-
-def _account(
-    stats: ModelStats,
-    metrics: Metrics | None,
-    model: str,
-    batch: Sequence[_Pending[In, Out]],
-    results: Sequence[Out | BaseException],
-    now: float,
-    finished: float,
-    compute_ns: int,
-) -> None:
-    """A batch's execution and each request's outcome, in the model's statistics and metrics: `now` when the
-    batch was taken, `finished` when its results came, `compute_ns` how long its execution took."""
-    size = sum(p.size for p in batch)
-    stats.batch_done(size, compute_ns)
-    if metrics is not None:
-        metrics.batch_size.labels(model).observe(size)
-        metrics.compute_duration.labels(model).observe(compute_ns / 1e9)
-        queue = metrics.queue_duration.labels(model)
-        for pending in batch:
-            queue.observe(now - pending.enqueued)  # once per queue entry, a merged one too
-    # The successes are counted together, in one call for the batch.
-    done = items = total_ns = queue_ns = 0
-    for pending, result in zip(batch, results, strict=True):
-        request_ns = int((finished - pending.enqueued) * 1e9)
-        if isinstance(result, BaseException):
-            _failed(stats, pending, request_ns, outcome_of(result))
-        else:
-            done += pending.requests
-            items += pending.size
-            total_ns += request_ns * pending.requests
-            queue_ns += int((now - pending.enqueued) * 1e9) * pending.requests
-    if done:
-        stats.requests_done(done, items=items, total_ns=total_ns, queue_ns=queue_ns, compute_ns=compute_ns)

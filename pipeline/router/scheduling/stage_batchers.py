@@ -2,13 +2,15 @@
 calls queued and merged into one `ModelInfer` per batch, split back by offsets
 (`pipeline.router.scheduling.merge`); an item the stage refuses fails only the request that carried it.
 
-The dispatcher (`pipeline.router.scheduling.dispatch`) owns them, and decides which calls queue here.
+The dispatcher (`pipeline.router.scheduling.dispatch`) owns them, and decides which calls queue here. A model
+loaded again through the router with another signature is batched as it says from then on (`refit`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import itertools
 import logging
 import re
@@ -57,6 +59,8 @@ class StageBatchers:
         self.metrics = metrics
         #: Batched stage model -> its batcher.
         self.batchers: dict[str, Batched] = {}
+        #: The batchers that gave way to new ones (`refit`), sending what they hold.
+        self._draining: set[asyncio.Task[None]] = set()
         self._export_gauges(metrics)
 
     def _export_gauges(self, metrics: Metrics) -> None:
@@ -141,7 +145,10 @@ class StageBatchers:
         name = f"stage '{client.endpoint.name}' (model '{model}')"
 
         async def execute(calls: Sequence[BatchMember]) -> list[dict[str, Tensor] | BaseException]:
-            return await self._execute_batch(model, client, tensors, calls)
+            # The model's tensors as learnt now (`refit`), while this batcher is its batcher.
+            current = self.batchers.get(model)
+            now = current[1] if current is not None and current[0] is batcher else tensors
+            return await self._execute_batch(model, client, now, calls)
 
         batcher: DynamicBatcher[BatchMember, dict[str, Tensor]] = DynamicBatcher(
             name,
@@ -157,6 +164,25 @@ class StageBatchers:
         self.batchers[model] = (batcher, tensors)
         # NOTE: the model's requests are counted by its batcher from now on.
         self.registry.stats[model] = batcher.stats
+
+    def refit(self, model: str, client: StageClient, config: BatchingConfig | None) -> None:
+        """`model` was loaded again with another signature (learnt into the registry): its calls are merged
+        and split as it says from now on. A batcher with settings other than `config` (None: the model is not
+        batched now) gives way to one with them, after sending what it holds."""
+        current = self.batchers.get(model)
+        if current is not None and current[0].config == config:
+            self.batchers[model] = (current[0], TensorBatching(self.registry.signatures[model]))
+            return
+        if current is not None:
+            old = current[0]
+            del self.batchers[model]
+            with contextlib.suppress(ValueError):
+                client.replicas.listeners.remove(old.replicas_changed)
+            draining = asyncio.create_task(old.drain())
+            self._draining.add(draining)
+            draining.add_done_callback(self._draining.discard)
+        if config is not None:
+            self.add(model, client, config)
 
     async def submit(
         self,
@@ -246,7 +272,11 @@ class StageBatchers:
 
     async def close(self) -> None:
         """Stop every batcher (queued requests fail)."""
-        await asyncio.gather(*(batcher.aclose() for batcher, _ in self.batchers.values()))
+        await asyncio.gather(
+            *(batcher.aclose() for batcher, _ in self.batchers.values()),
+            *self._draining,
+            return_exceptions=True,
+        )
 
 
 #: A foreign stage's refusal names its item only in the message (`NAME[i]: ...`); ours send details.

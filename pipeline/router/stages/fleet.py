@@ -14,6 +14,10 @@ replica took between its own switch and the end of its load call can see the new
 window is what `bench/rollout.py` measures). A request that names a version goes to the replicas that list
 it, as always.
 
+A model loaded with another interface (its config's inputs, outputs or batching) is served as it says from
+the load's answer on: the router learns its signature again, its batcher follows it, and the ensembles that
+use it are checked against it again (UNAVAILABLE, saying why, while they do not fit it).
+
 `RepositoryModelUnload` unloads the model from every replica of its stage, with the same all-or-nothing
 rule. The ensembles that use a model follow it: UNAVAILABLE while it is unloaded, available again once it is
 loaded (`EnsembleAvailability`), whatever `unload_dependents` says (it is checked, and passed to no stage).
@@ -35,7 +39,7 @@ import binascii
 import functools
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -104,8 +108,11 @@ class FleetControl:
         explicit: bool = False,
         admin_configured: bool = False,
         metrics: Metrics | None = None,
+        relearn: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
+        """`relearn` hears of each model loaded through the router, before the ensembles follow it."""
         self.stages = stages
+        self.relearn = relearn
         self.ensembles = ensembles
         self.explicit, self.admin_configured = explicit, admin_configured
         self.metrics = metrics
@@ -167,6 +174,8 @@ class FleetControl:
             if versions:
                 self.fleet_versions[name] = _latest(versions)
             self.wanted[name] = Wanted(True, sent, versions)
+            if self.relearn is not None:
+                await self.relearn(name)
             self._count(name, "load", "ok")
             log.info(
                 "model '%s': loaded on %d replica(s) of stage '%s' in %.2f s, serving version(s) %s",
