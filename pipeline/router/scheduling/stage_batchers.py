@@ -168,7 +168,8 @@ class StageBatchers:
     def refit(self, model: str, client: StageClient, config: BatchingConfig | None) -> None:
         """`model` was loaded again with another signature (learnt into the registry): its calls are merged
         and split as it says from now on. A batcher with settings other than `config` (None: the model is not
-        batched now) gives way to one with them, after sending what it holds."""
+        batched now) gives way to one with them, after sending what it holds. A call announced to the old
+        one (`expect`) and queued at the new one is not taken up there: its count never goes below zero."""
         current = self.batchers.get(model)
         if current is not None and current[0].config == config:
             self.batchers[model] = (current[0], TensorBatching(self.registry.signatures[model]))
