@@ -29,6 +29,7 @@ from pipeline.ensemble.plan import Catalog, EnsemblePlan, ModelSignature
 from pipeline.protocol.call_chain import CallChain
 from pipeline.protocol.codec import metadata_response, select_version
 from pipeline.protocol.errors import (
+    ConfigError,
     InvalidInput,
     ModelNotFound,
     PipelineError,
@@ -439,7 +440,10 @@ async def _relearn(plane: RouterPlane, name: str) -> None:
     if batching is None and member and not signature.sequence:
         declared = declared_batching(plane.ensembles.catalog.ensembles.values())
         batching = declared.get(name, (None, ""))[0]
-    plane.dispatcher.batching.refit(name, client, batching)
+    try:
+        plane.dispatcher.batching.refit(name, client, batching)
+    except ConfigError as err:  # an ensemble's batching the model no longer takes: its ensembles say why
+        log.error("model '%s': not batched: %s", name, err)
     if member:
         plane.ensembles.refit(name)
     else:

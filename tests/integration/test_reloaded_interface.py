@@ -45,14 +45,14 @@ class TritonPythonModel:
 """
 
 
-def _config(width: int, *outputs: str, delay_us: int = 0) -> dict:
+def _config(width: int, *outputs: str, delay_us: int = 0, max_batch_size: int = 8) -> dict:
     """The model's config as Triton's `config` load parameter takes it: a batched model whose X is `width`
     wide, with `outputs`."""
     tensor = {"data_type": "TYPE_FP32", "dims": [width]}
     return {
         "name": "twice",
         "backend": "python",
-        "max_batch_size": 8,
+        "max_batch_size": max_batch_size,
         "input": [{"name": "X", **tensor}],
         "output": [{"name": name, **tensor} for name in outputs],
         "dynamic_batching": {"max_queue_delay_microseconds": delay_us},
@@ -72,7 +72,7 @@ steps:
 """
 
 
-def _repository(root: Path) -> ModelRepository:
+def _repository(root: Path, batching: str = "dynamic_batching { }\n") -> ModelRepository:
     folder = root / "twice"
     (folder / "1").mkdir(parents=True)
     (folder / "1" / "model.py").write_text(MODEL)
@@ -80,8 +80,7 @@ def _repository(root: Path) -> ModelRepository:
         'name: "twice"\nbackend: "python"\nmax_batch_size: 8\n'
         'input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
         'output [ { name: "DOUBLE" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
-        "dynamic_batching { }\n"
-        "instance_group [ { kind: KIND_CPU } ]\n"
+        f"{batching}instance_group [ {{ kind: KIND_CPU }} ]\n"
     )
     return ModelRepository(root)
 
@@ -150,3 +149,41 @@ async def test_a_model_reloaded_with_another_interface_is_served_as_its_new_conf
                 assert (await stub.ModelReady(pb.ModelReadyRequest(name="doubled"))).ready
                 reply = await stub.ModelInfer(request_for("doubled", IN=x), timeout=10)
                 assert response_tensors(reply)["OUT"].to_array().tolist() == [[2.0], [4.0]]
+
+
+async def test_an_ensembles_batching_that_a_model_loaded_again_no_longer_takes_makes_the_ensemble_say_so(
+    tmp_path,
+):
+    """`twice` has no batching of its own; the ensemble batches its step up to 8. Loaded again with a
+    max_batch_size of 4, the model is called request by request, and the ensemble is UNAVAILABLE, saying
+    that its batches would be larger than the model takes."""
+    async with serving_stages(
+        [],
+        repository=_repository(tmp_path / "models", batching=""),
+        backends=[PythonBackend()],
+        options={"model_control_mode": "explicit"},
+    ) as stage:
+        await wait_serving(stage.address)
+        ensemble = ENSEMBLE.replace(
+            "output_map: {{DOUBLE: OUT}}}}",
+            "output_map: {{DOUBLE: OUT}}, dynamic_batching: {{max_batch_size: 8}}}}",
+        )
+        (tmp_path / "doubled.yaml").write_text(ensemble.format(address=stage.address))
+        catalog = load_catalog([tmp_path / "doubled.yaml"])
+        async with (
+            serving_router(catalog, options={"model_control_mode": "explicit"}) as router,
+            inference_stub(router.address) as stub,
+            aiohttp.ClientSession(f"http://{router.http_address}") as http,
+        ):
+            await wait_serving(router.address)
+            x = np.array([[1.0], [2.0]], np.float32)
+            reply = await stub.ModelInfer(request_for("doubled", IN=x), timeout=10)
+            assert response_tensors(reply)["OUT"].to_array().tolist() == [[2.0], [4.0]]
+            config = _config(1, "DOUBLE", max_batch_size=4)
+            del config["dynamic_batching"]
+            await _load(http, config)
+            reply = await stub.ModelInfer(request_for("twice", X=x), timeout=10)
+            assert response_tensors(reply)["DOUBLE"].to_array().tolist() == [[2.0], [4.0]]
+            error = await rpc_error(stub.ModelInfer(request_for("doubled", IN=x), timeout=10))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+            assert "max_batch_size 8 is larger than the stage model's own max_batch_size 4" in error.details()

@@ -23,7 +23,7 @@ from opentelemetry.trace import Span
 
 from pipeline._gen.inference import grpc_service_pb2 as pb
 from pipeline.ensemble.catalog import describe_batching, stated_batching
-from pipeline.ensemble.plan import EnsemblePlan
+from pipeline.ensemble.plan import EnsemblePlan, ModelSignature
 from pipeline.protocol.call_chain import CALL_CHAIN_HEADER, CallChain
 from pipeline.protocol.codec import Tensor, response_tensors
 from pipeline.protocol.errors import ConfigError, DeadlineExceeded, InvalidInput, ItemError, StageError
@@ -136,7 +136,7 @@ class StageBatchers:
         """Queue the calls of `model` (on `client`'s stage) and send them as batches, as `config` says; raises
         `ConfigError` when the batches would be larger than the model takes."""
         signature = self.registry.signatures[model]
-        if signature.max_batch_size and config.max_batch_size > signature.max_batch_size:
+        if _too_large(config, signature):
             raise ConfigError(
                 f"model '{model}': dynamic_batching max_batch_size {config.max_batch_size} is larger than the "
                 f"stage model's own max_batch_size {signature.max_batch_size}"
@@ -170,9 +170,9 @@ class StageBatchers:
         and split as it says from now on. A batcher with settings other than `config` (None: the model is not
         batched now) gives way to one with them, after sending what it holds. A call announced to the old
         one (`expect`) and queued at the new one is not taken up there: its count never goes below zero."""
-        current = self.batchers.get(model)
-        if current is not None and current[0].config == config:
-            self.batchers[model] = (current[0], TensorBatching(self.registry.signatures[model]))
+        current, signature = self.batchers.get(model), self.registry.signatures[model]
+        if current is not None and current[0].config == config and not _too_large(config, signature):
+            self.batchers[model] = (current[0], TensorBatching(signature))
             return
         if current is not None:
             old = current[0]
@@ -278,6 +278,11 @@ class StageBatchers:
             *self._draining,
             return_exceptions=True,
         )
+
+
+def _too_large(config: BatchingConfig, signature: ModelSignature) -> bool:
+    """Whether batches of `config` would be larger than a model of `signature` takes."""
+    return bool(signature.max_batch_size) and config.max_batch_size > signature.max_batch_size
 
 
 #: A foreign stage's refusal names its item only in the message (`NAME[i]: ...`); ours send details.
