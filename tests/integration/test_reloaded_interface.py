@@ -5,8 +5,11 @@ why, until a load makes it fit again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -85,6 +88,33 @@ def _repository(root: Path, batching: str = "dynamic_batching { }\n") -> ModelRe
     return ModelRepository(root)
 
 
+@contextlib.asynccontextmanager
+async def _serving(
+    tmp_path: Path, ensemble: str | None, batching: str = "dynamic_batching { }\n"
+) -> AsyncIterator[tuple[Any, aiohttp.ClientSession]]:
+    """A stage serving `twice` (its config ending with `batching`) with model control, and a router in front
+    serving the `ensemble` file (None: none); yields the router's gRPC stub and an HTTP session to it."""
+    async with serving_stages(
+        [],
+        repository=_repository(tmp_path / "models", batching),
+        backends=[PythonBackend()],
+        options={"model_control_mode": "explicit"},
+    ) as stage:
+        await wait_serving(stage.address)
+        files = []
+        if ensemble is not None:
+            files.append(tmp_path / "doubled.yaml")
+            files[0].write_text(ensemble.format(address=stage.address))
+        catalog = load_catalog(files, stages={"s": stage.address})
+        async with (
+            serving_router(catalog, options={"model_control_mode": "explicit"}) as router,
+            inference_stub(router.address) as stub,
+            aiohttp.ClientSession(f"http://{router.http_address}") as http,
+        ):
+            await wait_serving(router.address)
+            yield stub, http
+
+
 async def _load(http: aiohttp.ClientSession, config: dict) -> None:
     body = {"parameters": {"config": json.dumps(config)}}
     async with http.post("/v2/repository/models/twice/load", json=body) as reply:
@@ -96,59 +126,44 @@ async def test_a_model_reloaded_with_another_interface_is_served_as_its_new_conf
     tmp_path, in_ensemble
 ):
     """`twice` is batched by its own config; alone, or also the step of an ensemble."""
-    async with serving_stages(
-        [],
-        repository=_repository(tmp_path / "models"),
-        backends=[PythonBackend()],
-        options={"model_control_mode": "explicit"},
-    ) as stage:
-        await wait_serving(stage.address)
-        (tmp_path / "doubled.yaml").write_text(ENSEMBLE.format(address=stage.address))
-        files = [tmp_path / "doubled.yaml"] if in_ensemble else []
-        catalog = load_catalog(files, stages={"s": stage.address})
-        async with (
-            serving_router(catalog, options={"model_control_mode": "explicit"}) as router,
-            inference_stub(router.address) as stub,
-            aiohttp.ClientSession(f"http://{router.http_address}") as http,
-        ):
-            await wait_serving(router.address)
-            x = np.array([[1.0], [2.0]], np.float32)
-            reply = await stub.ModelInfer(request_for("twice", X=x), timeout=10)
-            assert response_tensors(reply)["DOUBLE"].to_array().tolist() == [[2.0], [4.0]]
-            if in_ensemble:
-                reply = await stub.ModelInfer(request_for("doubled", IN=x), timeout=10)
-                assert response_tensors(reply)["OUT"].to_array().tolist() == [[2.0], [4.0]]
+    async with _serving(tmp_path, ENSEMBLE if in_ensemble else None) as (stub, http):
+        x = np.array([[1.0], [2.0]], np.float32)
+        reply = await stub.ModelInfer(request_for("twice", X=x), timeout=10)
+        assert response_tensors(reply)["DOUBLE"].to_array().tolist() == [[2.0], [4.0]]
+        if in_ensemble:
+            reply = await stub.ModelInfer(request_for("doubled", IN=x), timeout=10)
+            assert response_tensors(reply)["OUT"].to_array().tolist() == [[2.0], [4.0]]
 
-            # X two wide, and a second output: the router's batcher takes the new shapes and outputs.
-            await _load(http, _config(2, "DOUBLE", "PLUS_ONE", delay_us=1000))
-            wide = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], np.float32)
-            request = request_for("twice", X=wide)
-            request.outputs.add(name="PLUS_ONE")
-            request.outputs.add(name="DOUBLE")
-            outputs = response_tensors(await stub.ModelInfer(request, timeout=10))
-            assert outputs["PLUS_ONE"].to_array().tolist() == (wide + 1).tolist()
-            assert outputs["DOUBLE"].to_array().tolist() == (wide * 2).tolist()
-            # The old shape is refused by the router's batcher, naming what the model takes now.
-            error = await rpc_error(stub.ModelInfer(request_for("twice", X=x), timeout=10))
-            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "[-1, 2]" in error.details()
+        # X two wide, and a second output: the router's batcher takes the new shapes and outputs.
+        await _load(http, _config(2, "DOUBLE", "PLUS_ONE", delay_us=1000))
+        wide = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], np.float32)
+        request = request_for("twice", X=wide)
+        request.outputs.add(name="PLUS_ONE")
+        request.outputs.add(name="DOUBLE")
+        outputs = response_tensors(await stub.ModelInfer(request, timeout=10))
+        assert outputs["PLUS_ONE"].to_array().tolist() == (wide + 1).tolist()
+        assert outputs["DOUBLE"].to_array().tolist() == (wide * 2).tolist()
+        # The old shape is refused by the router's batcher, naming what the model takes now.
+        error = await rpc_error(stub.ModelInfer(request_for("twice", X=x), timeout=10))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "[-1, 2]" in error.details()
 
-            if in_ensemble:
-                # The ensemble no longer fits its step's model: UNAVAILABLE, saying why.
-                assert not (await stub.ModelReady(pb.ModelReadyRequest(name="doubled"))).ready
-                error = await rpc_error(stub.ModelInfer(request_for("doubled", IN=x), timeout=10))
-                assert error.code() == grpc.StatusCode.UNAVAILABLE and "twice" in error.details()
-                async with http.post("/v2/repository/index", json={}) as reply:
-                    index = {m["name"]: m for m in await reply.json()}
-                assert index["doubled"]["state"] == "UNAVAILABLE" and "twice" in index["doubled"]["reason"]
+        if in_ensemble:
+            # The ensemble no longer fits its step's model: UNAVAILABLE, saying why.
+            assert not (await stub.ModelReady(pb.ModelReadyRequest(name="doubled"))).ready
+            error = await rpc_error(stub.ModelInfer(request_for("doubled", IN=x), timeout=10))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE and "twice" in error.details()
+            async with http.post("/v2/repository/index", json={}) as reply:
+                index = {m["name"]: m for m in await reply.json()}
+            assert index["doubled"]["state"] == "UNAVAILABLE" and "twice" in index["doubled"]["reason"]
 
-            # Loaded as it was: the model takes one-wide X again, and the ensemble serves again.
-            await _load(http, _config(1, "DOUBLE"))
-            reply = await stub.ModelInfer(request_for("twice", X=x), timeout=10)
-            assert response_tensors(reply)["DOUBLE"].to_array().tolist() == [[2.0], [4.0]]
-            if in_ensemble:
-                assert (await stub.ModelReady(pb.ModelReadyRequest(name="doubled"))).ready
-                reply = await stub.ModelInfer(request_for("doubled", IN=x), timeout=10)
-                assert response_tensors(reply)["OUT"].to_array().tolist() == [[2.0], [4.0]]
+        # Loaded as it was: the model takes one-wide X again, and the ensemble serves again.
+        await _load(http, _config(1, "DOUBLE"))
+        reply = await stub.ModelInfer(request_for("twice", X=x), timeout=10)
+        assert response_tensors(reply)["DOUBLE"].to_array().tolist() == [[2.0], [4.0]]
+        if in_ensemble:
+            assert (await stub.ModelReady(pb.ModelReadyRequest(name="doubled"))).ready
+            reply = await stub.ModelInfer(request_for("doubled", IN=x), timeout=10)
+            assert response_tensors(reply)["OUT"].to_array().tolist() == [[2.0], [4.0]]
 
 
 async def test_an_ensembles_batching_that_a_model_loaded_again_no_longer_takes_makes_the_ensemble_say_so(
@@ -157,33 +172,19 @@ async def test_an_ensembles_batching_that_a_model_loaded_again_no_longer_takes_m
     """`twice` has no batching of its own; the ensemble batches its step up to 8. Loaded again with a
     max_batch_size of 4, the model is called request by request, and the ensemble is UNAVAILABLE, saying
     that its batches would be larger than the model takes."""
-    async with serving_stages(
-        [],
-        repository=_repository(tmp_path / "models", batching=""),
-        backends=[PythonBackend()],
-        options={"model_control_mode": "explicit"},
-    ) as stage:
-        await wait_serving(stage.address)
-        ensemble = ENSEMBLE.replace(
-            "output_map: {{DOUBLE: OUT}}}}",
-            "output_map: {{DOUBLE: OUT}}, dynamic_batching: {{max_batch_size: 8}}}}",
-        )
-        (tmp_path / "doubled.yaml").write_text(ensemble.format(address=stage.address))
-        catalog = load_catalog([tmp_path / "doubled.yaml"])
-        async with (
-            serving_router(catalog, options={"model_control_mode": "explicit"}) as router,
-            inference_stub(router.address) as stub,
-            aiohttp.ClientSession(f"http://{router.http_address}") as http,
-        ):
-            await wait_serving(router.address)
-            x = np.array([[1.0], [2.0]], np.float32)
-            reply = await stub.ModelInfer(request_for("doubled", IN=x), timeout=10)
-            assert response_tensors(reply)["OUT"].to_array().tolist() == [[2.0], [4.0]]
-            config = _config(1, "DOUBLE", max_batch_size=4)
-            del config["dynamic_batching"]
-            await _load(http, config)
-            reply = await stub.ModelInfer(request_for("twice", X=x), timeout=10)
-            assert response_tensors(reply)["DOUBLE"].to_array().tolist() == [[2.0], [4.0]]
-            error = await rpc_error(stub.ModelInfer(request_for("doubled", IN=x), timeout=10))
-            assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
-            assert "max_batch_size 8 is larger than the stage model's own max_batch_size 4" in error.details()
+    ensemble = ENSEMBLE.replace(
+        "output_map: {{DOUBLE: OUT}}}}",
+        "output_map: {{DOUBLE: OUT}}, dynamic_batching: {{max_batch_size: 8}}}}",
+    )
+    async with _serving(tmp_path, ensemble, batching="") as (stub, http):
+        x = np.array([[1.0], [2.0]], np.float32)
+        reply = await stub.ModelInfer(request_for("doubled", IN=x), timeout=10)
+        assert response_tensors(reply)["OUT"].to_array().tolist() == [[2.0], [4.0]]
+        config = _config(1, "DOUBLE", max_batch_size=4)
+        del config["dynamic_batching"]
+        await _load(http, config)
+        reply = await stub.ModelInfer(request_for("twice", X=x), timeout=10)
+        assert response_tensors(reply)["DOUBLE"].to_array().tolist() == [[2.0], [4.0]]
+        error = await rpc_error(stub.ModelInfer(request_for("doubled", IN=x), timeout=10))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+        assert "max_batch_size 8 is larger than the stage model's own max_batch_size 4" in error.details()
