@@ -42,6 +42,9 @@ PLATFORM_BACKENDS: Mapping[str, str] = {
     "pytorch_torch_export": "pytorch",
     "tensorrt_plan": "tensorrt",
     "ensemble": "ensemble",
+    # A Python model's config here reports its platform as its metadata does (Triton's config: ""), so the
+    # config a client reads loads back.
+    "python": "python",
 }
 #: The backends a repository entry may name (Triton's names), and the platform each reports by default.
 BACKEND_PLATFORMS: Mapping[str, str] = {
@@ -230,11 +233,11 @@ class ModelRepository:
         config_path = folder / CONFIG_FILE
         if config is not None:
             config = _copy(config)
-            has_config = True
+            has_config, source = True, f"model '{name}': the load's config"
         else:
             has_config = config_path.is_file()
             config = read_config(config_path) if has_config else mc.ModelConfig()
-        source = str(config_path) if has_config else f"model '{name}' ({folder})"
+            source = str(config_path) if has_config else f"model '{name}' ({folder})"
         if config.name and config.name != name:
             raise RepositoryError(f"{source}: name '{config.name}' differs from the folder's name '{name}'")
         config.name = name

@@ -1,7 +1,7 @@
 """A model reloaded through the router with another interface is served as its new config says, as Triton
 serves a model loaded again: the router learns the model's signature again after the load (its inputs'
 shapes, its outputs, its batching), and an ensemble that no longer fits the model is UNAVAILABLE, saying
-why, until a load makes it fit again."""
+why, until a load makes it fit again. The config the router gives for a model loads back."""
 
 from __future__ import annotations
 
@@ -188,3 +188,19 @@ async def test_an_ensembles_batching_that_a_model_loaded_again_no_longer_takes_m
         error = await rpc_error(stub.ModelInfer(request_for("doubled", IN=x), timeout=10))
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
         assert "max_batch_size 8 is larger than the stage model's own max_batch_size 4" in error.details()
+
+
+async def test_the_config_the_router_gives_loads_back_changed(tmp_path):
+    """Triton's way of changing a model: read its config, change it, load it back with the `config`
+    parameter. The config a Python model reports (its platform "python" among its fields) loads back."""
+    async with _serving(tmp_path, None) as (stub, http):
+        async with http.get("/v2/models/twice/config") as reply:
+            config = await reply.json()
+        assert config["platform"] == "python" and config["backend"] == "python", config
+        config["dynamic_batching"]["max_queue_delay_microseconds"] = 500
+        await _load(http, config)
+        async with http.get("/v2/models/twice/config") as reply:
+            assert (await reply.json())["dynamic_batching"]["max_queue_delay_microseconds"] == 500
+        x = np.array([[1.0], [2.0]], np.float32)
+        reply = await stub.ModelInfer(request_for("twice", X=x), timeout=10)
+        assert response_tensors(reply)["DOUBLE"].to_array().tolist() == [[2.0], [4.0]]

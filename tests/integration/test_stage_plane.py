@@ -123,7 +123,7 @@ async def test_a_model_of_another_backend_is_neither_served_nor_loadable_here(tm
     (tmp_path / "cnn" / "1").mkdir(parents=True)
     (tmp_path / "cnn" / "1" / "model.onnx").write_bytes(b"")
     (tmp_path / "typo").mkdir()
-    (tmp_path / "typo" / "config.pbtxt").write_text("platform: 'python'\n")
+    (tmp_path / "typo" / "config.pbtxt").write_text("platform: 'pyhton'\n")
     async with serving(tmp_path) as stage:
         await wait_serving(stage.address)
         async with inference_stub(stage.address) as stub:
@@ -132,7 +132,7 @@ async def test_a_model_of_another_backend_is_neither_served_nor_loadable_here(tm
             assert set(by_name) == {"scale", "typo"}, "the ONNX model is another service's"
             assert (
                 by_name["typo"].state == "UNAVAILABLE"
-                and "unknown platform 'python'" in by_name["typo"].reason
+                and "unknown platform 'pyhton'" in by_name["typo"].reason
             )
             error = await rpc_error(stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="cnn")))
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
