@@ -9,6 +9,7 @@ the operator, while the service goes on serving its other models.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import urllib.request
 from collections.abc import AsyncIterator
@@ -79,6 +80,11 @@ async def serving(root: Path, metrics: Metrics | None = None, **settings) -> Asy
             yield stub
 
 
+def _scrape(metrics: Metrics) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
 async def load(stub, name: str) -> None:
     await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=name), timeout=120)
 
@@ -95,8 +101,8 @@ async def test_an_operator_the_first_runner_rejects_falls_back_to_the_next(tmp_p
         assert "onnxruntime on cpu failed" in reason and "aten::linalg_cholesky" in reason, reason
         _, outputs = await infer(stub, "cholesky", INPUT__0=X)
         np.testing.assert_allclose(outputs["OUTPUT__0"], expected(X), rtol=1e-5, atol=1e-5)
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10) as reply:
-            scraped = reply.read().decode()
+        # Scraped off the event loop, which serves the model statistics the page includes.
+        scraped = await asyncio.to_thread(_scrape, metrics)
         assert (
             'pipeline_model_instances{device="cpu",model="cholesky",runner="torch",version="1"} 1.0'
             in scraped
