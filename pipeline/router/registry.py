@@ -42,11 +42,10 @@ class ModelRegistry:
         return True
 
     def relearn(self, name: str, signature: ModelSignature) -> bool:
-        """Replace the signature of a stage model loaded again; whether it changed."""
+        """Replace the signature of a stage model learnt before and loaded again; whether it changed."""
         if self.signatures.get(name) == signature:
             return False
         self.signatures[name] = signature
-        self.stats.setdefault(name, ModelStats())
         return True
 
     def stats_of(self, name: str) -> ModelStats:
